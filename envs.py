@@ -1,0 +1,305 @@
+"""ALFWorld on the real TextWorld engine (RWML paper, Sec. 4 setup): games, actions, worker processes.
+
+Nothing here simulates the game: every observation comes from `textworld`'s PDDL engine running the
+official ALFWorld game files, as `alfworld.agents.environment.AlfredTWEnv` does. What we add is
+  - game lists by split, sorted, with a deterministic subset by count and seed;
+  - clean observations (no banner), the task sentence, our own step budget (the paper: 30);
+  - the action parser for model text, with "invalid" and "format error" counted apart;
+  - two caches for the engine's measured hot spots, and a pool of worker processes.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import multiprocessing as mp
+import os
+import random
+import re
+from pathlib import Path
+
+SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")  # valid_seen = ID, valid_unseen = OOD
+TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
+              "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place")
+INEFFICIENT = ("look", "examine", "inventory", "help")  # paper Sec. 5: actions that gather no progress
+DATA_HINT = ("set ALFWORLD_DATA to the folder that holds json_2.1.1/ (run `alfworld-download`, or "
+             "`make data` to unpack an archive), see README")
+
+
+class UserError(Exception):
+    """Bad input from the user; the command-line tools print it as one line and exit 2."""
+
+
+# ----------------------------------------------------------------------------- games on disk
+
+def data_root() -> Path:
+    """The json_2.1.1 folder under $ALFWORLD_DATA (alfworld's own variable and default)."""
+    root = Path(os.path.expanduser(os.environ.get("ALFWORLD_DATA", "~/.cache/alfworld")))
+    if not (root / "json_2.1.1").is_dir():
+        raise UserError(f"ALFWorld data not found: {root / 'json_2.1.1'} does not exist; {DATA_HINT}")
+    return root / "json_2.1.1"
+
+
+def list_games(split: str, num_games: int | None = None, seed: int = 0) -> list[str]:
+    """Game files of a split, sorted; `num_games` of them drawn with `seed` (same inputs, same games)."""
+    if split not in SPLITS:
+        raise UserError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+    if num_games is not None and num_games < 1:
+        raise UserError(f"the number of games must be at least 1, got {num_games}")
+    folder = data_root() / split
+    games = sorted(str(p) for p in folder.glob("*/*/game.tw-pddl"))  # file-system order is not stable
+    if not games:
+        raise UserError(f"no games in {folder}; {DATA_HINT}")
+    if num_games is None:
+        return games
+    if num_games > len(games):
+        raise UserError(f"split {split} has {len(games)} games, asked for {num_games}")
+    return sorted(random.Random(seed).sample(games, num_games))
+
+
+def task_type(game: str) -> str:
+    """`.../pick_two_obj_and_place-Pen-None-Desk-318/trial_.../game.tw-pddl` -> `pick_two_obj_and_place`."""
+    return Path(game).parent.parent.name.split("-")[0]
+
+
+def game_id(game: str) -> str:
+    """Short stable name of a game: `<task folder>/<trial folder>`."""
+    p = Path(game)
+    return f"{p.parent.parent.name}/{p.parent.name}"
+
+
+# ----------------------------------------------------------------------------- actions from model text
+
+_ACTION = re.compile(r"<action>(.*?)</action>", re.S | re.I)
+_TAG = re.compile(r"</?\s*(action|think)\s*>", re.I)
+MAX_ACTION_CHARS = 200  # the longest admissible ALFWorld command is ~60 characters
+
+
+def normalize(command: str) -> str:
+    """Lower case, one space between words: how model text is compared with admissible commands."""
+    return " ".join(command.lower().split())
+
+
+def parse_action(text) -> tuple[str, bool]:
+    """(command, well_formed) from model output; never raises.
+
+    Well formed = exactly one non-empty `<action>...</action>` block on one line. A malformed reply still
+    yields a command (the block's text, or the reply's last line), which the game will answer with
+    "Nothing happens." -- so the agent sees the consequence, and the counters see a format error.
+    """
+    if not isinstance(text, str):
+        text = "" if text is None else str(text)
+    text = text.encode("utf-8", "replace").decode("utf-8")  # lone surrogates and the like
+    blocks = [normalize(_TAG.sub(" ", b)) for b in _ACTION.findall(text)]
+    blocks = [b for b in blocks if b]
+    if len(blocks) == 1 and len(blocks[0]) <= MAX_ACTION_CHARS:
+        return blocks[0], True
+    if blocks:
+        return blocks[0][:MAX_ACTION_CHARS], False
+    lines = [normalize(line) for line in _TAG.sub(" ", text).splitlines()]
+    lines = [line for line in lines if line]
+    return (lines[-1][:MAX_ACTION_CHARS] if lines else ""), False
+
+
+def is_inefficient(command: str) -> bool:
+    return command.split(" ", 1)[0] in INEFFICIENT if command else False
+
+
+# ----------------------------------------------------------------------------- engine caches
+
+_ORIGINALS: dict = {}
+
+
+def _cached_copy(fn):
+    """Memoise a parser and hand out deep copies: the engine mutates parsed symbols while deriving."""
+    cached = functools.lru_cache(maxsize=None)(fn)
+    return functools.wraps(fn)(lambda *args: copy.deepcopy(cached(*args)))
+
+
+def use_engine_cache(enabled: bool = True) -> None:
+    """Cache TextWorld's two measured hot spots (same outputs; see tests/test_envs.py).
+
+    1. Every step re-parses the same grammar strings with tatsu (`textgen._parse_and_convert` for each
+       command template and feedback rule, `Rule.parse_conjunctive_query` for each condition).
+    2. Every load and reset translates the same PDDL problem to SAS with Fast Downward, twice.
+    """
+    import fast_downward
+    import textworld.logic
+    import textworld.envs.pddl.textgen as textgen
+
+    if not _ORIGINALS:
+        _ORIGINALS.update(parse=textgen._parse_and_convert, query=textworld.logic.Rule.__dict__["parse_conjunctive_query"],
+                          pddl2sas=fast_downward.pddl2sas)
+    if not enabled:
+        textgen._parse_and_convert = _ORIGINALS["parse"]
+        textworld.logic.Rule.parse_conjunctive_query = _ORIGINALS["query"]
+        fast_downward.pddl2sas = _ORIGINALS["pddl2sas"]
+        return
+
+    @_cached_copy
+    def parse(text, rule_name):
+        return _ORIGINALS["parse"](text, rule_name=rule_name)
+
+    textgen._parse_and_convert = lambda text, rule_name, **kw: parse(text, rule_name)
+    # a parsed query is only read (matched against the state), so one shared copy is safe
+    query = functools.lru_cache(maxsize=None)(_ORIGINALS["query"].__func__)
+    textworld.logic.Rule.parse_conjunctive_query = classmethod(query)
+    # the translated task is only read by PddlState; the dict keeps it across resets
+    sas = {}
+
+    def pddl2sas(domain, problem, verbose=False, optimize=False):
+        key = (domain, problem, optimize)
+        if key not in sas:
+            sas[key] = _ORIGINALS["pddl2sas"](domain, problem, verbose=verbose, optimize=optimize)
+        return sas[key]
+
+    fast_downward.pddl2sas = pddl2sas
+
+
+# ----------------------------------------------------------------------------- one game
+
+class Game:
+    """One ALFWorld game on the TextWorld engine, with our step budget and action bookkeeping."""
+
+    def __init__(self, max_turns: int = 30):
+        if max_turns < 1:
+            raise UserError(f"--max-turns must be at least 1, got {max_turns}")
+        self.max_turns = max_turns
+        self.env = None
+        self.path = None
+
+    def reset(self, path: str) -> dict:
+        import textworld
+        from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+
+        if not os.path.isfile(path):
+            raise UserError(f"game file not found: {path}; {DATA_HINT}")
+        infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
+        if self.env is None:
+            self.env = textworld.start(path, infos, wrappers=[AlfredDemangler(shuffle=False), AlfredInfos])
+        elif path != self.path:
+            self.env.load(path)  # reuses this slot's Fast Downward library instead of loading another
+        self.path, self.turn, self.done = path, 0, False
+        state = self.env.reset()
+        # "-= Welcome to TextWorld, ALFRED! =-\n\n<room>\n\nYour task is to: <task>"
+        text = state.feedback.split("=-", 1)[-1].strip()
+        obs, _, task = text.partition("Your task is to: ")
+        self.admissible = list(state["admissible_commands"])
+        return dict(obs=obs.strip(), task=task.strip(), admissible=self.admissible, won=False, done=False,
+                    turn=0, task_type=task_type(path))
+
+    def step(self, command: str) -> dict:
+        """Step a parsed command. Valid iff it equals an admissible command up to case and spaces;
+        anything else is stepped as-is, so the game itself answers ("Nothing happens.")."""
+        if self.env is None or self.done:
+            raise RuntimeError("step() on a game that is not running; call reset() first")
+        match = {normalize(c): c for c in self.admissible}.get(normalize(command))
+        state, _, _ = self.env.step(match if match is not None else command)
+        self.turn += 1
+        won = bool(state["won"])
+        self.done = won or self.turn >= self.max_turns
+        self.admissible = list(state["admissible_commands"])
+        return dict(obs=state.feedback.strip(), admissible=self.admissible, won=won, done=self.done,
+                    turn=self.turn, valid=match is not None)
+
+
+# ----------------------------------------------------------------------------- worker processes
+
+def _serve(conn, max_turns: int, cache: bool) -> None:
+    """Worker loop: owns the games of its slots; answers lists of (slot, op, arg) in order."""
+    use_engine_cache(cache)
+    games: dict[int, Game] = {}
+    while True:
+        jobs = conn.recv()
+        if jobs is None:
+            return
+        out = []
+        for slot, op, arg in jobs:
+            try:
+                game = games.setdefault(slot, Game(max_turns))
+                out.append(game.reset(arg) if op == "reset" else game.step(arg))
+            except Exception as e:  # sent back, raised in the parent with the worker's message
+                out.append(e)
+        conn.send(out)
+
+
+class EnvPool:
+    """Games in `num_workers` processes (0 = in this process); slot s lives in worker s % num_workers.
+
+    Calls take {slot: argument} for any subset of slots and run the workers in parallel. `submit` and
+    `collect` split a call so the caller can work (e.g. generate for other episodes) meanwhile.
+    """
+
+    def __init__(self, num_workers: int = 2, max_turns: int = 30, cache: bool = True):
+        if num_workers < 0:
+            raise UserError(f"--num-workers must be 0 or more, got {num_workers}")
+        self.num_workers, self.max_turns, self.cache = num_workers, max_turns, cache
+        self.local: dict[int, Game] = {}
+        self.conns, self.procs, self.pending = [], [], None
+        if num_workers:
+            # fork: workers need no model, and spawn would re-import the caller's torch-heavy script
+            ctx = mp.get_context("fork")
+            for _ in range(num_workers):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_serve, args=(child, max_turns, cache), daemon=True)
+                p.start()
+                self.conns.append(parent)
+                self.procs.append(p)
+        else:
+            use_engine_cache(cache)
+
+    def submit(self, op: str, args: dict[int, str]) -> None:
+        if self.pending is not None:
+            raise RuntimeError("collect() the previous call first")
+        if not self.num_workers:
+            self.pending = {s: self._local(s, op, a) for s, a in args.items()}
+            return
+        jobs = [[] for _ in self.conns]
+        for slot, arg in args.items():
+            jobs[slot % self.num_workers].append((slot, op, arg))
+        for conn, job in zip(self.conns, jobs):
+            if job:
+                conn.send(job)
+        self.pending = jobs
+
+    def collect(self) -> dict[int, dict]:
+        jobs, self.pending = self.pending, None
+        if isinstance(jobs, dict):
+            return jobs
+        out = {}
+        for conn, job in zip(self.conns, jobs):  # read every answer before raising, so no pipe is left dirty
+            if job:
+                out.update((slot, result) for (slot, _, _), result in zip(job, conn.recv()))
+        for result in out.values():
+            if isinstance(result, Exception):
+                raise result
+        return out
+
+    def _local(self, slot, op, arg):
+        game = self.local.setdefault(slot, Game(self.max_turns))
+        return game.reset(arg) if op == "reset" else game.step(arg)
+
+    def reset(self, games: dict[int, str]) -> dict[int, dict]:
+        self.submit("reset", games)
+        return self.collect()
+
+    def step(self, commands: dict[int, str]) -> dict[int, dict]:
+        self.submit("step", commands)
+        return self.collect()
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        self.conns, self.procs = [], []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

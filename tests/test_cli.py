@@ -1,0 +1,52 @@
+"""Bad input gets one clear line and a non-zero exit, never a traceback."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args, env=None):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["eval.py", "agent", "--num-games", "1"], {"ALFWORLD_DATA": "/nonexistent"}, "ALFWorld data not found"),
+    (["train.py", "collect", "--num-games", "1"], {"ALFWORLD_DATA": "/nonexistent"}, "ALFWorld data not found"),
+    (["eval.py", "agent", "--split", "valid_sen"], None, "unknown split 'valid_sen'"),
+    (["eval.py", "agent", "--num-games", "1", "--model", "./no/such/model"], None, "model path not found"),
+    (["train.py", "collect", "--num-games", "-3"], None, "at least 1"),
+    (["eval.py", "agent", "--seeds", "0"], None, "--seeds must be at least 1"),
+    (["train.py", "collect", "--num-game", "3"], None, "did you mean --num-games"),
+    (["train.py", "colect"], None, "did you mean 'collect'"),
+    (["eval.py", "agent", "--num-games", "three"], None, "invalid int value"),
+    (["eval.py"], None, "usage"),
+])
+def test_bad_input_one_line(args, env, message):
+    r = run(*args, env=env)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip() and "gemm_4bit" not in l]
+    assert message in lines[-1], r.stderr
+    assert len([l for l in lines if "error" in l]) == 1, r.stderr
+
+
+def test_config_file_typo(tmp_path):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text('{"num_games": 2, "rollouts_per_gme": 3}')
+    r = run("train.py", "collect", "--config", str(cfg))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "did you mean 'rollouts_per_game'" in r.stderr
+
+
+def test_help_lists_every_config_field():
+    import train
+
+    r = run("train.py", "collect", "--help")
+    assert r.returncode == 0
+    for f in train.dataclasses.fields(train.Config):
+        assert "--" + f.name.replace("_", "-") in r.stdout

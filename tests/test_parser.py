@@ -1,0 +1,57 @@
+"""The action parser against hostile model output: it must never raise, and must say what it found."""
+import pytest
+
+from envs import MAX_ACTION_CHARS, is_inefficient, parse_action
+
+
+def test_well_formed_reply_is_normalised():
+    assert parse_action("<think>mugs live on counters</think>\n<action>  Go To   CounterTop 1 </action>") == \
+        ("go to countertop 1", True)
+
+
+@pytest.mark.parametrize("text", [
+    "", None, "   \n\t ", "go to desk 1", "<think>only thinking</think>", "<action></action>", "<action>   </action>",
+    "<action>go to desk 1", "go to desk 1</action>", "<ACTION>a</action><action>b</action>",
+])
+def test_malformed_replies_are_format_errors(text):
+    command, ok = parse_action(text)
+    assert ok is False
+    assert isinstance(command, str)
+
+
+def test_no_tags_falls_back_to_last_line():
+    assert parse_action("I will look around.\nlook") == ("look", False)
+
+
+def test_repeated_tags_take_the_first_block_but_flag_the_reply():
+    assert parse_action("<action>go to desk 1</action> then <action>look</action>") == ("go to desk 1", False)
+
+
+def test_nested_tags_are_stripped():
+    command, ok = parse_action("<action><action>open drawer 1</action></action>")
+    assert command == "open drawer 1"
+    assert "<" not in command
+
+
+def test_upper_case_tags_are_accepted():
+    assert parse_action("<Action>look</ACTION>") == ("look", True)
+
+
+def test_huge_reply_is_bounded_and_fast():
+    command, ok = parse_action("<action>" + "x" * 5_000_000 + "</action>")
+    assert ok is False and len(command) == MAX_ACTION_CHARS
+    command, ok = parse_action("blah " * 1_000_000)
+    assert len(command) <= MAX_ACTION_CHARS and ok is False
+
+
+@pytest.mark.parametrize("text", ["\udcff\ud800<action>look\x00</action>", "<action>\u202egо to dеsk 1</action>",
+                                  b"<action>look</action>", "\x00" * 100, "<action>🙂 take 🙂</action>"])
+def test_non_utf8_ish_text_never_raises(text):
+    command, ok = parse_action(text)
+    assert isinstance(command, str)
+    command.encode("utf-8")  # always encodable, whatever came in
+
+
+def test_inefficient_actions():
+    assert is_inefficient("look") and is_inefficient("examine desk 1") and is_inefficient("inventory")
+    assert not is_inefficient("go to desk 1") and not is_inefficient("") and not is_inefficient("lookout")
