@@ -28,6 +28,7 @@ from envs import UserError
 # Each turn t gives (history s_<=t = last H (obs, action) pairs + current obs, action a_t, next obs s_t+1).
 
 AGENT_SYSTEM = "You are an expert agent in a text-based household simulator (ALFWorld)."
+AGENT_PREFIX = "<think>"  # the reply is started for the model: small models then keep to the format
 
 
 def agent_prompt(task: str, past: list[tuple[str, str]], obs: str, admissible: list[str], turn: int,
@@ -41,8 +42,8 @@ def agent_prompt(task: str, past: list[tuple[str, str]], obs: str, admissible: l
                   for i, (o, a) in enumerate(past)]
     lines += [f"[Current observation] {obs}",
               "Admissible actions: " + ", ".join(admissible),
-              "First think step by step inside <think> </think>, then give exactly one admissible "
-              "action inside <action> </action>, for example:",
+              "Reply in this exact format: first think briefly inside <think> </think>, then give exactly "
+              "one admissible action inside <action> </action>, for example:",
               "<think>I need a mug; mugs are often on countertops.</think><action>go to countertop 1</action>"]
     return "\n".join(lines)
 
@@ -78,8 +79,8 @@ def play(model, tokenizer, pool: envs.EnvPool, episodes: list[dict], *, history_
             e["recent"] = e["past"][-history_len:] if history_len else []
             prompts.append(agent_prompt(e["summary"]["task"], e["recent"], e["obs"], e["admissible"],
                                         len(e["past"]), max_turns))
-        replies = generate(model, tokenizer, prompts, system=AGENT_SYSTEM, max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_p=top_p, stop="</action>")
+        replies = generate(model, tokenizer, prompts, system=AGENT_SYSTEM, prefix=AGENT_PREFIX,
+                           max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop="</action>")
         parsed = {s: envs.parse_action(r) for s, r in zip(slots, replies)}
         results = pool.step({s: command for s, (command, _) in parsed.items()})
         for s, reply in zip(slots, replies):
@@ -173,20 +174,21 @@ def load_model(name_or_path: str = BUNDLED_MODEL, adapter: str | None = None, de
     return model, tok
 
 
-def chat(tokenizer, prompt: str, system: str | None = None) -> str:
-    """The model's own chat template around one user turn, ready for the assistant's reply."""
+def chat(tokenizer, prompt: str, system: str | None = None, prefix: str = "") -> str:
+    """The model's own chat template around one user turn, and the start of the assistant's reply."""
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) + prefix
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[str], *, system: str | None = None, max_new_tokens: int = 128,
-             temperature: float = 1.0, top_p: float = 1.0, stop: str | None = None) -> list[str]:
-    """One batched, left-padded sampling call for all prompts; returns the decoded completions."""
-    texts = [chat(tokenizer, p, system) for p in prompts]
+def generate(model, tokenizer, prompts: list[str], *, system: str | None = None, prefix: str = "",
+             max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
+             stop: str | None = None) -> list[str]:
+    """One batched, left-padded sampling call for all prompts; returns `prefix` + each completion."""
+    texts = [chat(tokenizer, p, system, prefix) for p in prompts]
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
     if stop:
         kwargs.update(stop_strings=[stop], tokenizer=tokenizer)
     out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs)
-    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    return [prefix + r for r in tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)]

@@ -45,7 +45,7 @@ class Config:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 128  # agent reply: <think>...</think><action>...</action>
-    batch_size: int = 8  # episodes generated together
+    batch_size: int = 12  # episodes generated together (all 4 x 3 default episodes in one batch)
     num_workers: int = 2  # game processes (0 = play in this process)
     # output
     out: str = "runs/rwml"

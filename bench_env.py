@@ -1,0 +1,99 @@
+"""Environment speed, side by side in one run: stock vs cached TextWorld engine, one worker vs two.
+
+    python bench_env.py [--num-games 8] [--steps 20] [--repeats 3]
+
+Every game plays the same script: "go to" the receptacles of the first room listing (real engine work:
+each arrival derives a fresh observation), then its expert walkthrough, which wins. Timings cover steps
+and repeated resets only; the first load of each game is warm-up. Run on an idle machine: the worker
+comparison needs both cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import envs
+
+
+def script(game: str, start: dict, length: int) -> list[str]:
+    walk = json.load(open(game))["walkthrough"]
+    goes = [c for c in start["admissible"] if c.startswith("go to ")]
+    return [goes[i % len(goes)] for i in range(max(0, length - len(walk)))] + walk
+
+
+def bench_engine(games: list[str], cache: bool, length: int, repeats: int) -> tuple[float, float]:
+    """(steps/s, resets/s) of one in-process game playing every script `repeats` times."""
+    envs.use_engine_cache(cache)
+    game, steps, step_time, resets, reset_time = envs.Game(max_turns=10 * length), 0, 0.0, 0, 0.0
+    plans = {}
+    for g in games:
+        plans[g] = script(g, game.reset(g), length)  # warm-up: load the game once
+        for _ in range(repeats):
+            t = time.perf_counter()
+            game.reset(g)
+            reset_time += time.perf_counter() - t
+            resets += 1
+            t = time.perf_counter()
+            for command in plans[g]:
+                game.step(command)
+            step_time += time.perf_counter() - t
+            steps += len(plans[g])
+    envs.use_engine_cache(False)
+    return steps / step_time, resets / reset_time
+
+
+def bench_pool(games: list[str], workers: int, length: int, repeats: int) -> float:
+    """Steps/s of a worker pool stepping all games in lock step, as the agent loop does."""
+    with envs.EnvPool(num_workers=workers, max_turns=10 * length) as pool:
+        starts = pool.reset(dict(enumerate(games)))
+        plans = {s: script(games[s], starts[s], length) for s in starts}
+        steps, elapsed = 0, 0.0
+        for _ in range(repeats):
+            pool.reset(dict(enumerate(games)))
+            t = time.perf_counter()
+            for i in range(length):
+                batch = {s: p[i] for s, p in plans.items() if i < len(p)}
+                pool.step(batch)
+                steps += len(batch)
+            elapsed += time.perf_counter() - t
+    return steps / elapsed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--split", default="valid_seen")
+    p.add_argument("--num-games", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20, help="steps per game and repeat")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; min/median/max are reported")
+    args = p.parse_args()
+    games = envs.list_games(args.split, args.num_games, seed=0)
+    rows = {k: [] for k in ("stock", "cached", "1 worker", "2 workers")}
+    resets = {"stock": [], "cached": []}
+    for r in range(args.rounds):  # alternate the arms so that drift in machine load hits both alike
+        for cache, name in ((False, "stock"), (True, "cached")):
+            sps, rps = bench_engine(games, cache, args.steps, args.repeats)
+            rows[name].append(sps)
+            resets[name].append(rps)
+        for w in (1, 2):
+            rows[f"{w} worker" + ("s" if w > 1 else "")].append(bench_pool(games, w, args.steps, args.repeats))
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()), flush=True)
+
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print(f"\n{len(games)} {args.split} games, {args.steps} steps each, {args.repeats} repeats, {args.rounds} rounds")
+    print(f"{'arm':<22}{'steps/s (median)':>18}{'min':>9}{'max':>9}{'resets/s':>10}")
+    for k, v in rows.items():
+        rs = f"{statistics.median(resets[k]):>10.2f}" if k in resets else ""
+        print(f"{k:<22}{med[k]:>18.1f}{min(v):>9.1f}{max(v):>9.1f}{rs}")
+    print(f"cached / stock, steps:  {med['cached'] / med['stock']:.2f}x")
+    print(f"cached / stock, resets: {statistics.median(resets['cached']) / statistics.median(resets['stock']):.1f}x")
+    print(f"2 workers / 1 worker:   {med['2 workers'] / med['1 worker']:.2f}x")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except envs.UserError as e:
+        raise SystemExit(f"error: {e}")
