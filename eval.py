@@ -26,7 +26,7 @@ import envs
 import rwml
 from envs import UserError
 from reward import BUNDLED_EMBEDDER, SimToRealReward, calibrate
-from train import parse_config, read_transitions, write_atomic
+from train import parse_config, read_transitions, run_cli, write_atomic
 
 COMMANDS = ("agent", "wm", "calibrate")
 
@@ -58,6 +58,7 @@ class WMEvalConfig:
     tau_d: float = 0.1
     max_triplets: int = 0  # 0 = all; else a seeded sample
     max_completion_length: int = 96
+    wm_reasoning: bool = True  # as in train.Config
     num_generations: int = 4  # calibrate: predictions per prompt (a GRPO group)
     seed: int = 0
     out: str = "wm.json"
@@ -73,7 +74,8 @@ def evaluate_wm(cfg: WMEvalConfig) -> dict:
     trips = _sample(read_transitions(cfg.transitions), cfg.max_triplets, cfg.seed)
     reward_fn = SimToRealReward(cfg.embedder, cfg.tau_d)
     model, tok = rwml.load_model(cfg.model, cfg.adapter)
-    result = rwml.evaluate_wm(model, tok, trips, reward_fn, max_new_tokens=cfg.max_completion_length)
+    result = rwml.evaluate_wm(model, tok, trips, reward_fn, max_new_tokens=cfg.max_completion_length,
+                              reasoning=cfg.wm_reasoning)
     return dict(result, transitions=cfg.transitions, config=asdict(cfg))
 
 
@@ -87,8 +89,9 @@ def calibrate_tau(cfg: WMEvalConfig) -> dict:
     torch.manual_seed(cfg.seed)
     groups = []
     for i in rwml.tqdm(range(0, len(trips), 4), desc="calibrate", unit="batch", dynamic_ncols=True):
-        roll = rwml.sample_group(model, tok, [rwml.wm_prompt(t) for t in trips[i:i + 4]],
-                                 num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length)
+        roll = rwml.sample_group(model, tok, [rwml.wm_prompt(t, cfg.wm_reasoning) for t in trips[i:i + 4]],
+                                 num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
+                                 prefix=rwml.WM_PREFIX if cfg.wm_reasoning else "")
         texts = roll["texts"]
         groups += [texts[j:j + cfg.num_generations] for j in range(0, len(texts), cfg.num_generations)]
     rows = calibrate(reward_fn, groups, [t["next_obs"] for t in trips])
@@ -168,9 +171,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        sys.exit("interrupted")
+    run_cli(main)

@@ -300,8 +300,9 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg)
     `cfg` carries the GRPO fields of train.Config (num_generations, beta, epsilon, loss_type, ...)."""
     G = cfg.num_generations
     model.eval()  # sampling
-    roll = sample_group(model, tokenizer, [wm_prompt(t) for t in triplets], num_generations=G,
-                        max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p)
+    roll = sample_group(model, tokenizer, [wm_prompt(t, cfg.wm_reasoning) for t in triplets], num_generations=G,
+                        max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+                        prefix=WM_PREFIX if cfg.wm_reasoning else "")
     rewards = torch.tensor(reward_fn(roll["texts"], [t["next_obs"] for t in triplets for _ in range(G)]))
     adv = group_advantages(rewards, G, cfg.scale_rewards)
     ids, attn, cmask = roll["input_ids"], roll["attention_mask"], roll["completion_mask"]
@@ -354,13 +355,14 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg)
 # ============================================================================ World-model accuracy (METHOD.md §8, D)
 
 def evaluate_wm(model, tokenizer, triplets: list[dict], reward_fn, *, max_new_tokens: int = 96,
-                batch_size: int = 16) -> dict:
+                batch_size: int = 16, reasoning: bool = True) -> dict:
     """Greedy predictions for held-out triplets: share with r_WM = 1, mean cosine, exact match, format
     rate, overall and per transition kind ("Nothing happens." vs a real change)."""
     preds = []
     for i in tqdm(range(0, len(triplets), batch_size), desc="wm eval", unit="batch", dynamic_ncols=True):
-        preds += generate(model, tokenizer, [wm_prompt(t) for t in triplets[i:i + batch_size]], system=WM_SYSTEM,
-                          prefix=WM_PREFIX, max_new_tokens=max_new_tokens, temperature=0.0)
+        preds += generate(model, tokenizer, [wm_prompt(t, reasoning) for t in triplets[i:i + batch_size]],
+                          system=WM_SYSTEM, prefix=WM_PREFIX if reasoning else "", max_new_tokens=max_new_tokens,
+                          temperature=0.0)
     targets = [t["next_obs"] for t in triplets]
     rewards = reward_fn(preds, targets)
     states = [parse_next_state(p) for p in preds]

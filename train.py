@@ -74,6 +74,7 @@ class Config:
     reward_metric: str = "embedding"  # or "rouge" (ablation)
     reward_binary: bool = True  # False = the continuous-cosine ablation
     # --- GRPO (METHOD.md §5); names as in TRL
+    wm_reasoning: bool = True  # <think> then <next_state> (the paper); False = <next_state> directly
     max_steps: int = 24  # optimizer steps
     prompts_per_step: int = 2  # world-model prompts per step, each with num_generations completions
     num_generations: int = 4
@@ -461,11 +462,12 @@ def main(argv: list[str] | None = None) -> None:
     model, tok = load()
     base_file = out / "wm_eval_base.json"
     if not base_file.exists():
-        write_atomic(base_file, json.dumps(rwml.evaluate_wm(model, tok, heldout, reward_fn,
+        write_atomic(base_file, json.dumps(rwml.evaluate_wm(model, tok, heldout, reward_fn, reasoning=cfg.wm_reasoning,
                                                            max_new_tokens=cfg.max_completion_length), indent=2))
     model = train_wm(dataclasses.replace(cfg, resume=cfg.resume or (out / "checkpoint").exists()), kept, out, load,
                      reward_fn)
-    after = rwml.evaluate_wm(model, tok, heldout, reward_fn, max_new_tokens=cfg.max_completion_length)
+    after = rwml.evaluate_wm(model, tok, heldout, reward_fn, reasoning=cfg.wm_reasoning,
+                             max_new_tokens=cfg.max_completion_length)
     write_atomic(out / "wm_eval_rwml.json", json.dumps(after, indent=2))
     before = json.loads(base_file.read_text())
     print(f"\nheld-out world-model accuracy ({cfg.heldout_split}, {before['n']} triplets, tau_d {cfg.tau_d}):")
@@ -475,10 +477,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"all: done in {(time.time() - t0) / 60:.1f} min -> {out}")
 
 
-if __name__ == "__main__":
+def run_cli(main, on_interrupt: str = "interrupted") -> None:
+    """Bad input is one line on stderr and exit status 1, never a traceback."""
     try:
         main()
     except UserError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        sys.exit("interrupted: rerun the same command (with --resume for `wm`) to continue where it stopped")
+        sys.exit(on_interrupt)
+
+
+if __name__ == "__main__":
+    run_cli(main, "interrupted: rerun the same command (with --resume for `wm`) to continue where it stopped")
