@@ -165,8 +165,8 @@ def easiness(model, tokenizer, triplets: list[dict], reward_fn, *, k: int = 10, 
     scores = []
     for i in tqdm(range(0, len(prompts), per), desc="easiness", unit="batch", dynamic_ncols=True):
         chunk = triplets[i:i + per]
-        outs = generate(model, tokenizer, [p for p in prompts[i:i + per] for _ in range(k)], system=WM_SYSTEM,
-                        max_new_tokens=max_new_tokens, temperature=temperature)
+        outs = generate(model, tokenizer, prompts[i:i + per], system=WM_SYSTEM, max_new_tokens=max_new_tokens,
+                        temperature=temperature, n=k)
         r = reward_fn(outs, [t["next_obs"] for t in chunk for _ in range(k)])
         scores += [sum(r[j * k:(j + 1) * k]) / k for j in range(len(chunk))]
     return scores
@@ -283,10 +283,9 @@ def completion_mask_from(completion_ids: torch.Tensor, eos_token_id) -> torch.Te
 def sample_group(model, tokenizer, prompts: list[str], *, num_generations: int, max_completion_length: int,
                  temperature: float = 1.0, top_p: float = 1.0, system: str = WM_SYSTEM, prefix: str = WM_PREFIX):
     """num_generations completions per prompt, as token tensors ready for the training forward."""
-    texts = [chat(tokenizer, p, system, prefix) for p in prompts for _ in range(num_generations)]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    out = model.generate(**batch, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                         max_new_tokens=max_completion_length, pad_token_id=tokenizer.pad_token_id)
+    batch, out = generate_ids(model, tokenizer, [chat(tokenizer, p, system, prefix) for p in prompts], num_generations,
+                              do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                              max_new_tokens=max_completion_length)
     completion_ids = out[:, batch["input_ids"].shape[1]:]
     mask = completion_mask_from(completion_ids, tokenizer.eos_token_id)
     texts = [prefix + t for t in tokenizer.batch_decode(completion_ids * mask + tokenizer.pad_token_id * (1 - mask),
@@ -463,16 +462,35 @@ def chat(tokenizer, prompt: str, system: str | None = None, prefix: str = "") ->
 
 
 @torch.no_grad()
+def generate_ids(model, tokenizer, texts: list[str], n: int = 1, **kwargs):
+    """`n` sampled continuations of each (already templated) text: (prompt batch, [len(texts) * n, P + C]).
+
+    The n continuations of a prompt share one prefill: the prompt (all but its last token) runs through
+    the model once, its key/value cache is repeated n times, and generation continues from there. A plain
+    `num_return_sequences=n` would prefill every copy; prompts here are long and completions short."""
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    kwargs = dict(pad_token_id=tokenizer.pad_token_id, **kwargs)
+    if n == 1 or ids.shape[1] < 2:
+        return batch, model.generate(**batch, num_return_sequences=n, **kwargs)
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    cache = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=position_ids[:, :-1],
+                  use_cache=True).past_key_values
+    cache.batch_repeat_interleave(n)
+    batch = {k: v.repeat_interleave(n, 0) for k, v in batch.items()}
+    return batch, model.generate(**batch, past_key_values=cache, **kwargs)
+
+
 def generate(model, tokenizer, prompts: list[str], *, system: str | None = None, prefix: str = "",
              max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
-             stop: str | None = None) -> list[str]:
-    """One batched, left-padded sampling call for all prompts; returns `prefix` + each completion."""
+             stop: str | None = None, n: int = 1) -> list[str]:
+    """Batched, left-padded sampling (greedy at temperature 0); returns `prefix` + each completion,
+    the `n` completions of a prompt next to each other."""
     texts = [chat(tokenizer, p, system, prefix) for p in prompts]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
     if stop:
         kwargs.update(stop_strings=[stop], tokenizer=tokenizer)
-    out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **kwargs)
+    batch, out = generate_ids(model, tokenizer, texts, n, max_new_tokens=max_new_tokens, **kwargs)
     return [prefix + r for r in tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)]
 
 

@@ -156,3 +156,17 @@ def test_split_is_ninety_ten_and_disjoint():
     train, held = rwml.split_triplets(trips, 0.1, seed=0)
     assert len(train) == 45 and len(held) == 5
     assert sorted(t["i"] for t in train + held) == list(range(50))
+
+
+def test_shared_prefill_gives_the_same_tokens_as_plain_generate(tiny_model):
+    model, tok = rwml.load_model(tiny_model)
+    texts = [rwml.chat(tok, "go to desk 1"), rwml.chat(tok, "a much longer prompt: open the drawer 2, then look")]
+    plain = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    repeated = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True, add_special_tokens=False)
+    ref = model.generate(**repeated, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
+    _, shared = rwml.generate_ids(model, tok, texts, 3, max_new_tokens=10, do_sample=False)
+    assert torch.equal(shared, ref)
+    torch.manual_seed(0)  # sampling: n different continuations per prompt, prompts kept in place
+    batch, out = rwml.generate_ids(model, tok, texts, 3, max_new_tokens=10, do_sample=True, temperature=1.0)
+    assert out.shape[0] == 6 and torch.equal(out[:, :plain["input_ids"].shape[1]], plain["input_ids"].repeat_interleave(3, 0))
+    assert len({tuple(r) for r in out[:3, -10:].tolist()}) > 1
