@@ -161,8 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     if command == "calibrate":
         print(f"{'tau_d':>6} {'mean reward':>12} {'groups all equal':>17}   ({result['n']} triplets x "
               f"{result['num_generations']} predictions) -> {out}")
-        for r in result["rows"]:
+        first, *rows = result["rows"]
+        for r in rows:
             print(f"{r['tau_d']:>6.2f} {r['mean_reward']:>12.3f} {r['frac_groups_all_equal']:>17.3f}")
+        print(f"predictions with a <next_state>: {first['format_rate']:.3f}, mean cosine {first['mean_cosine']:.3f}")
         return
     print(f"{cfg.split}: success {result['success_rate']:.1%} (std {result['success_rate_std']:.1%} over "
           f"{cfg.seeds} seeds), invalid actions {result['invalid_action_rate']:.1%}, inefficient "

@@ -111,12 +111,14 @@ class SimToRealReward:
 def calibrate(reward: SimToRealReward, predictions: list[list[str]], targets: list[str],
               taus=(0.05, 0.1, 0.15, 0.2, 0.3, 0.4)) -> list[dict]:
     """For each candidate tau_d: the base model's mean reward and the share of GRPO groups (the
-    predictions for one prompt) whose rewards are all equal, i.e. that give no learning signal."""
+    predictions for one prompt) whose rewards are all equal, i.e. that give no learning signal. The first
+    row holds the share of predictions with a parseable <next_state> and their mean cosine."""
     flat = [p for group in predictions for p in group]
     flat_targets = [t for group, t in zip(predictions, targets) for _ in group]
     preds = [parse_next_state(p) for p in flat]
     sims = reward.similarity(preds, flat_targets)
-    rows = []
+    rows = [dict(tau_d=None, format_rate=sum(p is not None for p in preds) / max(len(preds), 1),
+                 mean_cosine=sum(sims) / max(len(sims), 1))]  # first row: how many predictions parse at all
     for tau in taus:
         r = [1.0 if p and 1.0 - s < tau else 0.0 for p, s in zip(preds, sims)]
         groups, i = [], 0

@@ -133,7 +133,7 @@ def wm_prompt(t: dict, reasoning: bool = True) -> str:
                   "inside <think> </think>, then write the game's answer inside <next_state> </next_state>, "
                   "for example:", "<think>Going somewhere lists what is there.</think><next_state>You arrive "
                   "at shelf 1. On the shelf 1, you see a vase 2.</next_state>"]
-    else:  # the easiness filter's SFT copy answers directly (METHOD.md §4: "no reasoning")
+    else:  # no reasoning: the easiness filter's SFT copy (METHOD.md §4), or --no-wm-reasoning
         lines += ["What does the game answer to this action? Write it inside <next_state> </next_state>."]
     return "\n".join(lines)
 
@@ -173,7 +173,7 @@ def easiness(model, tokenizer, triplets: list[dict], reward_fn, *, k: int = 10, 
 
 
 def easy_subsample(scores: list[float], easy_share: float = 0.3, keep_prob: float = 0.1,
-                   seed: int = 0) -> tuple[list[bool], list[bool], float]:
+                   seed: int = 0) -> tuple[list[bool], list[bool], float | None]:
     """(keep, easy, tau_easy). tau_easy is set so that about `easy_share` of the triplets count as easy:
     the easiest ones, ties broken at random, never one with easiness 0. Easy ones are kept with
     probability `keep_prob`, all others are kept."""
@@ -183,7 +183,7 @@ def easy_subsample(scores: list[float], easy_share: float = 0.3, keep_prob: floa
     easy = [False] * len(scores)
     for i in easy_idx:
         easy[i] = True
-    tau_easy = min((scores[i] for i in easy_idx), default=float("inf"))
+    tau_easy = min((scores[i] for i in easy_idx), default=None)  # None: nothing counts as easy
     keep = [not e or rng.random() < keep_prob for e in easy]
     return keep, easy, tau_easy
 
@@ -462,7 +462,7 @@ def chat(tokenizer, prompt: str, system: str | None = None, prefix: str = "") ->
 
 
 @torch.no_grad()
-def generate_ids(model, tokenizer, texts: list[str], n: int = 1, **kwargs):
+def generate_ids(model, tokenizer, texts: list[str], n: int = 1, stop: str | None = None, **kwargs):
     """`n` sampled continuations of each (already templated) text: (prompt batch, [len(texts) * n, P + C]).
 
     The n continuations of a prompt share one prefill: the prompt (all but its last token) runs through
@@ -471,6 +471,8 @@ def generate_ids(model, tokenizer, texts: list[str], n: int = 1, **kwargs):
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     ids, attn = batch["input_ids"], batch["attention_mask"]
     kwargs = dict(pad_token_id=tokenizer.pad_token_id, **kwargs)
+    if stop:
+        kwargs.update(stop_strings=[stop], tokenizer=tokenizer)
     if n == 1 or ids.shape[1] < 2:
         return batch, model.generate(**batch, num_return_sequences=n, **kwargs)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -488,9 +490,7 @@ def generate(model, tokenizer, prompts: list[str], *, system: str | None = None,
     the `n` completions of a prompt next to each other."""
     texts = [chat(tokenizer, p, system, prefix) for p in prompts]
     kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
-    if stop:
-        kwargs.update(stop_strings=[stop], tokenizer=tokenizer)
-    batch, out = generate_ids(model, tokenizer, texts, n, max_new_tokens=max_new_tokens, **kwargs)
+    batch, out = generate_ids(model, tokenizer, texts, n, stop, max_new_tokens=max_new_tokens, **kwargs)
     return [prefix + r for r in tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)]
 
 

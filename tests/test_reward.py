@@ -24,6 +24,16 @@ def test_paraphrases_earn_one_unrelated_states_zero(reward):
     assert reward([wrap(r) for r in REAL], REAL) == [1.0, 1.0]
 
 
+def test_tau_d_separates_a_wrong_object_or_event_from_a_paraphrase(reward):
+    """Why tau_d = 0.1: MiniLM puts ALFWorld paraphrases at d ~ 0.05, the same sentence about another
+    object at ~ 0.2, and another event at the same place at ~ 0.12."""
+    wrong = ["You open the drawer 2. The drawer 2 is open. In it, you see a pen 1.",
+             "You arrive at countertop 1. On the countertop 1, you see a mug 1."]
+    real = ["You open the drawer 1. The drawer 1 is open. In it, you see nothing.", REAL[1]]
+    assert reward([wrap(w) for w in wrong], real) == [0.0, 0.0]
+    assert all(0.1 < 1 - s < 0.3 for s in reward.similarity(wrong, real))
+
+
 @pytest.mark.parametrize("completion", [
     "", "no tags at all: You arrive at desk 1.", "<next_state></next_state>", "<next_state>   </next_state>",
     "<next_state>You arrive at desk 1. On the desk 1", None, 42, "<think>You arrive at desk 1.</think>",
@@ -55,7 +65,8 @@ def test_target_embeddings_are_cached(reward):
 
 def test_calibrate_reports_mean_reward_and_uninformative_groups(reward):
     groups = [[wrap(PARAPHRASE[0]), wrap(UNRELATED[0])], [wrap(UNRELATED[1])] * 2]
-    rows = calibrate(reward, groups, REAL, taus=(0.1, 2.0))
+    first, *rows = calibrate(reward, groups, REAL, taus=(0.1, 2.0))
+    assert first["format_rate"] == 1.0
     assert rows[0] == dict(tau_d=0.1, mean_reward=0.25, frac_groups_all_equal=0.5)
     assert rows[1]["mean_reward"] == 1.0 and rows[1]["frac_groups_all_equal"] == 1.0
 
