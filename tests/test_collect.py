@@ -14,7 +14,7 @@ TRIPLET_KEYS = {"game", "task", "task_type", "rollout", "step", "history", "acti
 
 def collect(tiny_model, out, *extra):
     train.main(["collect", "--model", tiny_model, "--num-games", "2", "--rollouts-per-game", "2",
-                "--max-turns", "3", "--max-new-tokens", "8", "--batch-size", "3", "--num-workers", "2",
+                "--max-turns", "3", "--max-new-tokens", "8", "--num-envs", "3", "--num-workers", "2",
                 "--out", str(out), *extra])
     return [json.loads(l) for l in (out / "transitions.jsonl").read_text().splitlines()], \
         [json.loads(l) for l in (out / "episodes.jsonl").read_text().splitlines()]
