@@ -477,10 +477,10 @@ def generate_ids(model, tokenizer, texts: list[str], n: int = 1, stop: str | Non
         return batch, model.generate(**batch, num_return_sequences=n, **kwargs)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     cache = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=position_ids[:, :-1],
-                  use_cache=True).past_key_values
+                  use_cache=True).cache
     cache.batch_repeat_interleave(n)
     batch = {k: v.repeat_interleave(n, 0) for k, v in batch.items()}
-    return batch, model.generate(**batch, past_key_values=cache, **kwargs)
+    return batch, model.generate(**batch, cache=cache, **kwargs)
 
 
 def generate(model, tokenizer, prompts: list[str], *, system: str | None = None, prefix: str = "",
