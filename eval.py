@@ -15,12 +15,15 @@ are all equal (no learning signal), from sampled world-model predictions on real
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 import envs
 import rwml
@@ -67,7 +70,7 @@ class WMEvalConfig:
 def _sample(trips: list[dict], n: int, seed: int) -> list[dict]:
     if not n or n >= len(trips):
         return trips
-    return [trips[i] for i in sorted(rwml.random.Random(seed).sample(range(len(trips)), n))]
+    return [trips[i] for i in sorted(random.Random(seed).sample(range(len(trips)), n))]
 
 
 def evaluate_wm(cfg: WMEvalConfig) -> dict:
@@ -88,7 +91,7 @@ def calibrate_tau(cfg: WMEvalConfig) -> dict:
     model, tok = rwml.load_model(cfg.model, cfg.adapter)
     torch.manual_seed(cfg.seed)
     groups = []
-    for i in rwml.tqdm(range(0, len(trips), 4), desc="calibrate", unit="batch", dynamic_ncols=True):
+    for i in tqdm(range(0, len(trips), 4), desc="calibrate", unit="batch", dynamic_ncols=True):
         roll = rwml.sample_group(model, tok, [rwml.wm_prompt(t, cfg.wm_reasoning) for t in trips[i:i + 4]],
                                  num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
                                  prefix=rwml.WM_PREFIX if cfg.wm_reasoning else "")

@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import json
 import os
+import random
 import shutil
 import sys
 import time
@@ -323,7 +324,7 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
 
     def order(epoch):  # the data order of an epoch depends only on (seed, epoch): resumable by cursor
         idx = list(range(len(triplets)))
-        rwml.random.Random(cfg.seed * 1000 + epoch).shuffle(idx)
+        random.Random(cfg.seed * 1000 + epoch).shuffle(idx)
         return idx
 
     bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="rwml grpo", unit="step", dynamic_ncols=True)
@@ -456,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     heldout_cfg = dataclasses.replace(cfg, split=cfg.heldout_split, num_games=cfg.heldout_games, rollouts_per_game=1)
     heldout = read_jsonl(collect(heldout_cfg, out / "heldout", load))
     if cfg.eval_max_triplets:
-        heldout = [heldout[i] for i in sorted(rwml.random.Random(cfg.seed).sample(
+        heldout = [heldout[i] for i in sorted(random.Random(cfg.seed).sample(
             range(len(heldout)), min(cfg.eval_max_triplets, len(heldout))))]
     kept = filter_triplets(cfg, trips, out / "filter", load, reward_fn)
     model, tok = load()
