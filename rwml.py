@@ -306,24 +306,26 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg)
     adv = group_advantages(rewards, G, cfg.scale_rewards)
     ids, attn, cmask = roll["input_ids"], roll["attention_mask"], roll["completion_mask"]
     weights = token_weights(cmask, cfg.loss_type, cfg.max_completion_length)
-    micro = range(0, ids.shape[0], cfg.micro_batch_size)
-    lp = dict(temperature=cfg.temperature, chunk_size=cfg.logits_chunk_size)
+    mb = cfg.micro_batch_size
+    micro = [slice(i, i + mb) for i in range(0, ids.shape[0], mb)]
+
+    def logprobs(sl):
+        return completion_logprobs(model, ids[sl], attn[sl], cmask[sl], temperature=cfg.temperature,
+                                   chunk_size=cfg.logits_chunk_size)
+
     with torch.no_grad():
-        old = ([completion_logprobs(model, ids[i:i + cfg.micro_batch_size], attn[i:i + cfg.micro_batch_size],
-                                    cmask[i:i + cfg.micro_batch_size], **lp) for i in micro]
-               if cfg.num_iterations > 1 else None)  # with one update, pi_old = pi_theta: ratio 1, no forward
+        # with one update, pi_old = pi_theta: the ratio is 1 and needs no extra forward
+        old = [logprobs(sl) for sl in micro] if cfg.num_iterations > 1 else None
         ref = None
         if cfg.beta:
             with model.disable_adapter():
-                ref = [completion_logprobs(model, ids[i:i + cfg.micro_batch_size], attn[i:i + cfg.micro_batch_size],
-                                           cmask[i:i + cfg.micro_batch_size], **lp) for i in micro]
+                ref = [logprobs(sl) for sl in micro]
     model.train()
     stats = []
     for _ in range(cfg.num_iterations):
         loss_total, kl, clip, ok = 0.0, 0.0, 0.0, True
-        for j, i in enumerate(micro):
-            sl = slice(i, i + cfg.micro_batch_size)
-            logp = completion_logprobs(model, ids[sl], attn[sl], cmask[sl], **lp)
+        for j, sl in enumerate(micro):
+            logp = logprobs(sl)
             loss, s = grpo_loss(logp, old[j] if old else logp.detach(), ref[j] if ref else None, adv[sl], weights[sl],
                                 beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high)
             if not torch.isfinite(loss):

@@ -187,10 +187,12 @@ def collect(cfg: Config, out: Path, load) -> Path:
     write_atomic(meta, json.dumps(job, indent=2))
 
     transitions, episodes_file = out / "transitions.jsonl", out / "episodes.jsonl"
-    finished = {(e["game"], e["rollout"]) for e in read_jsonl(episodes_file)}
+    done_eps = read_jsonl(episodes_file)
+    finished = {(e["game"], e["rollout"]) for e in done_eps}
     kept = [t for t in read_jsonl(transitions) if (t["game"], t["rollout"]) in finished]
+    # rewrite both without a line cut short by an interrupt, and without turns of unfinished episodes
     write_atomic(transitions, "".join(json.dumps(t) + "\n" for t in kept))
-    write_atomic(episodes_file, "".join(json.dumps(e) + "\n" for e in read_jsonl(episodes_file)))
+    write_atomic(episodes_file, "".join(json.dumps(e) + "\n" for e in done_eps))
     todo = [dict(game=g, rollout=r) for g in games for r in range(cfg.rollouts_per_game)
             if (envs.game_id(g), r) not in finished]
     print(f"collect: {len(games)} {cfg.split} games x {cfg.rollouts_per_game} rollouts; "

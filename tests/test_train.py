@@ -122,3 +122,21 @@ def test_4bit_lora_gradients_survive_generate(tiny_model):
     second = grads()
     assert all(torch.allclose(first[n], second[n], rtol=1e-4, atol=1e-7) for n in first)
     assert any(g.abs().sum() > 0 for g in first.values())
+
+
+def test_num_iterations_reuses_one_batch_for_several_updates(tiny_model, transitions):
+    model, tok = rwml.load_model(tiny_model)
+    torch.manual_seed(0)
+    model = rwml.add_lora(model, r=4, alpha=8)
+    with torch.no_grad():  # start away from the reference, so that the KL term has a gradient
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    cfg = train.Config(num_generations=2, max_completion_length=6, micro_batch_size=2, num_iterations=3, beta=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    res = rwml.grpo_step(model, tok, opt, train.read_transitions(transitions)[:2], parity_reward, cfg)
+    assert len(res["updates"]) == 3 and not any(u["skipped"] for u in res["updates"])
+    assert res["updates"][0]["clip_ratio"] == 0.0  # first update: pi_theta == pi_old
+    assert all(u["kl"] > 0 for u in res["updates"])
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
