@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export ALFWORLD_DATA ?= $(HOME)/.cache/alfworld
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup data train test bench clean
+.PHONY: setup data train test bench arms clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +35,10 @@ test: data
 
 bench: data
 	$(PY) bench_env.py $(ARGS)
+
+# every arm of the paper's comparison, small, then one table (runs/arms/results.md); see arms.sh
+arms: data
+	PY=$(PY) bash arms.sh
 
 clean:
 	rm -rf $(VENV) runs

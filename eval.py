@@ -4,6 +4,8 @@
     python eval.py agent --adapter runs/rwml/adapter ...      # a peft adapter on top of the base model
     python eval.py wm --transitions FILE [--adapter DIR] --out wm.json
     python eval.py calibrate --transitions FILE --out calibrate.json
+    python eval.py weights --adapter DIR --out weights.json
+    python eval.py report runs/base runs/rwml ... --out results.md
 
 agent: ALFWorld success rate on valid_seen (in distribution) or valid_unseen (out of distribution), with
 the paper's action-quality shares, per task type, mean and std over seeds (the paper: 3 runs).
@@ -11,6 +13,10 @@ wm: world-model accuracy on held-out triplets (share with r_WM = 1, mean cosine,
 model or base + adapter; use triplets collected on games never trained on (valid_seen / valid_unseen).
 calibrate: for candidate tau_d, the base model's mean reward and the share of GRPO groups whose rewards
 are all equal (no learning signal), from sampled world-model predictions on real triplets.
+weights: the paper's weight-change measure of an adapter against its base model (merged), per layer and
+per module type.
+report: the JSON results found in run folders -> one Markdown table laid out like the paper's Table 1,
+plus PNG plots (reward curves, success by arm).
 """
 from __future__ import annotations
 
@@ -31,15 +37,15 @@ from envs import UserError
 from reward import BUNDLED_EMBEDDER, SimToRealReward, calibrate
 from train import parse_config, read_transitions, run_cli, write_atomic
 
-COMMANDS = ("agent", "wm", "calibrate")
+COMMANDS = ("agent", "wm", "calibrate", "weights", "report")
 
 
 @dataclass
 class AgentEvalConfig:
     model: str = rwml.BUNDLED_MODEL
     adapter: str | None = None
-    split: str = "valid_seen"  # valid_seen = in distribution, valid_unseen = out of distribution
-    num_games: int | None = None  # None = the whole split (140 seen, 134 unseen)
+    split: str = "valid_seen"  # valid_seen = in distribution, valid_unseen = out of distribution; or both: a,b
+    num_games: int | None = None  # per split; None = the whole split (140 seen, 134 unseen)
     seeds: int = 3  # independent runs of every game; reported as mean and std
     seed: int = 0  # draws the game subset and the sampling
     max_turns: int = 30
@@ -65,6 +71,20 @@ class WMEvalConfig:
     num_generations: int = 4  # calibrate: predictions per prompt (a GRPO group)
     seed: int = 0
     out: str = "wm.json"
+
+
+@dataclass
+class WeightsConfig:
+    adapter: str | None = None  # the peft adapter to measure
+    model: str = rwml.BUNDLED_MODEL  # its base model
+    rel: float = 1e-3  # a parameter changed iff |w' - w| > rel * max(|w|, |w'|) (the paper: 1e-3)
+    out: str = "weights.json"
+
+
+@dataclass
+class ReportConfig:
+    out: str = "results.md"  # the table; the plots go next to it (<out>_rewards.png, <out>_success.png)
+    plots: bool = True
 
 
 def _sample(trips: list[dict], n: int, seed: int) -> list[dict]:
@@ -119,32 +139,201 @@ def agent_metrics(episodes: list[dict]) -> dict:
                 num_episodes=len(episodes))
 
 
-def evaluate_agent(cfg: AgentEvalConfig) -> dict:
-    import torch
-
-    if cfg.seeds < 1:
-        raise UserError(f"--seeds must be at least 1, got {cfg.seeds}")
-    games = envs.list_games(cfg.split, cfg.num_games, cfg.seed)
-    t0 = time.time()
-    with envs.EnvPool(cfg.num_workers, cfg.max_turns) as pool:
-        model, tok = rwml.load_model(cfg.model, cfg.adapter)
-        torch.manual_seed(cfg.seed)
-        # all seeds in one call: bigger generation batches; each episode keeps its seed for the stats
-        episodes = rwml.play(model, tok, pool, [dict(game=g, seed=s) for s in range(cfg.seeds) for g in games],
-                             history_len=cfg.history_len, max_turns=cfg.max_turns, temperature=cfg.temperature,
-                             top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs,
-                             desc=f"eval {cfg.split}")
-    per_seed = [agent_metrics([e for e in episodes if e["seed"] == s]) for s in range(cfg.seeds)]
+def _summarize(episodes: list[dict], seeds: int) -> dict:
     result = agent_metrics(episodes)
+    per_seed = [agent_metrics([e for e in episodes if e["seed"] == s]) for s in range(seeds)]
     for key in ("success_rate", "invalid_action_rate", "inefficient_action_rate", "mean_steps"):
         result[key + "_std"] = _mean_std([m[key] for m in per_seed])[1]  # spread over seeds
     by_type = defaultdict(list)
     for e in episodes:
         by_type[e["task_type"]].append(e)
     result["per_task_type"] = {t: agent_metrics(by_type[t]) for t in envs.TASK_TYPES if t in by_type}
-    result.update(per_seed=per_seed, split=cfg.split, num_games=len(games), seconds=round(time.time() - t0, 1),
+    result["per_seed"] = per_seed
+    return result
+
+
+def evaluate_agent(cfg: AgentEvalConfig) -> dict:
+    import torch
+
+    if cfg.seeds < 1:
+        raise UserError(f"--seeds must be at least 1, got {cfg.seeds}")
+    splits = [s.strip() for s in cfg.split.split(",") if s.strip()]
+    games = {sp: envs.list_games(sp, cfg.num_games, cfg.seed) for sp in splits}
+    t0 = time.time()
+    with envs.EnvPool(cfg.num_workers, cfg.max_turns) as pool:
+        model, tok = rwml.load_model(cfg.model, cfg.adapter)
+        torch.manual_seed(cfg.seed)
+        # all seeds and splits in one call: bigger generation batches; each episode keeps its split and seed
+        episodes = rwml.play(model, tok, pool, [dict(game=g, split=sp, seed=s) for s in range(cfg.seeds)
+                                                for sp in splits for g in games[sp]],
+                             history_len=cfg.history_len, max_turns=cfg.max_turns, temperature=cfg.temperature,
+                             top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs,
+                             desc=f"eval {cfg.split}")
+    for e in episodes:
+        e["game"] = envs.game_id(e["game"])
+    result = _summarize(episodes, cfg.seeds)
+    result["per_split"] = {sp: dict(_summarize([e for e in episodes if e["split"] == sp], cfg.seeds),
+                                    num_games=len(games[sp])) for sp in splits}
+    result.update(split=cfg.split, num_games=sum(map(len, games.values())), seconds=round(time.time() - t0, 1),
                   config=asdict(cfg), episodes=episodes)
     return result
+
+
+# ----------------------------------------------------------------------------- weight change (METHOD.md §8)
+
+MODULE_TYPES = (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("o_proj", "o"), ("mlp", "mlp"))
+
+
+def module_type(name: str) -> str:
+    return next((t for key, t in MODULE_TYPES if key in name), "other")
+
+
+def weight_change(before: dict, after: dict, rel: float = 1e-3) -> dict:
+    """Share of parameters with |w' - w| > rel * max(|w|, |w'|): overall, per module type (q/k/v/o/mlp/
+    other) and per layer (the index in `layers.N.`; "other" for embeddings, final norm, head)."""
+    import re
+
+    import torch
+
+    total, per_module, per_layer = [0, 0], defaultdict(lambda: [0, 0]), defaultdict(lambda: [0, 0])
+    for name, w in before.items():
+        if name not in after:
+            raise UserError(f"parameter {name} is missing after merging; is the adapter for this base model?")
+        w, w2 = w.float(), after[name].float()
+        changed = int(((w2 - w).abs() > rel * torch.maximum(w.abs(), w2.abs())).sum())
+        m = re.search(r"layers\.(\d+)\.", name)
+        for counts in (total, per_module[module_type(name)], per_layer[m.group(1) if m else "other"]):
+            counts[0] += changed
+            counts[1] += w.numel()
+
+    def share(c):
+        return dict(changed_share=c[0] / max(c[1], 1), changed=c[0], total=c[1])
+
+    layers = sorted(per_layer, key=lambda k: (k == "other", int(k) if k.isdigit() else 0))
+    kinds = [t for _, t in MODULE_TYPES] + ["other"]
+    return dict(share(total), rel=rel, per_module={k: share(per_module[k]) for k in kinds if k in per_module},
+                per_layer={k: share(per_layer[k]) for k in layers})
+
+
+def evaluate_weights(cfg: WeightsConfig) -> dict:
+    """Merge the adapter into a full-precision copy of its base and compare every parameter."""
+    if not cfg.adapter:
+        raise UserError("--adapter DIR is required: the adapter/ folder of a run")
+    from peft import PeftModel
+
+    model, _ = rwml.load_model(cfg.model, device="cpu")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if not (Path(cfg.adapter) / "adapter_config.json").is_file():
+        raise UserError(f"no peft adapter at {cfg.adapter} (expected {cfg.adapter}/adapter_config.json)")
+    merged = PeftModel.from_pretrained(model, cfg.adapter).merge_and_unload()
+    result = weight_change(before, dict(merged.named_parameters()), cfg.rel)
+    return dict(result, adapter=cfg.adapter, model=cfg.model)
+
+
+# ----------------------------------------------------------------------------- report (METHOD.md §9's table)
+
+ID_SPLIT, OOD_SPLIT = "valid_seen", "valid_unseen"
+
+
+def read_run(folder: Path) -> dict:
+    """The results found in a run folder, recognised by their keys: agent evaluations (per split), a
+    world-model evaluation, a weight-change measure; and the training curve (metrics.jsonl)."""
+    from train import read_jsonl
+
+    run = dict(name=folder.name, splits={}, wm=None, weights=None, curve=read_jsonl(folder / "metrics.jsonl"))
+    for f in sorted(folder.glob("*.json")):
+        try:
+            data = json.loads(f.read_text())
+        except ValueError:
+            continue
+        if not isinstance(data, dict):
+            continue
+        if "success_rate" in data and "split" in data:
+            run["splits"].update(data.get("per_split") or {data["split"]: data})
+        elif "wm_accuracy" in data and "per_kind" in data:
+            run["wm"] = data
+        elif "changed_share" in data and "per_module" in data:
+            run["weights"] = data
+    return run
+
+
+def report_table(runs: list[dict]) -> str:
+    """Markdown, laid out like the paper's Table 1: success (%) in distribution, out of distribution and
+    their average (over all episodes of both), mean ± std over seeds; then the action quality, world-model
+    accuracy and the share of parameters changed."""
+    def pct(x, std=None):
+        return "–" if x is None else f"{100 * x:.1f}" + ("" if std is None else f" ± {100 * std:.1f}")
+
+    lines = ["| arm | ALFWorld ID | OOD | AVG | invalid actions (%) | WM accuracy (%) | params changed (%) | episodes |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        sp = r["splits"]
+        ide, ood = sp.get(ID_SPLIT), sp.get(OOD_SPLIT)
+        both = [x for x in (ide, ood) if x]
+        n = sum(x["num_episodes"] for x in both)
+        avg = sum(x["success_rate"] * x["num_episodes"] for x in both) / n if n else None
+        steps = sum(x["mean_steps"] * x["num_episodes"] for x in both)
+        invalid = sum(x["invalid_action_rate"] * x["mean_steps"] * x["num_episodes"] for x in both) / steps if steps else None
+        lines.append("| " + " | ".join([
+            r["name"], pct(ide and ide["success_rate"], ide and ide.get("success_rate_std")),
+            pct(ood and ood["success_rate"], ood and ood.get("success_rate_std")), pct(avg), pct(invalid),
+            pct(r["wm"] and r["wm"]["wm_accuracy"]), "–" if not r["weights"] else f"{100 * r['weights']['changed_share']:.2f}",
+            str(n) if n else "–"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def report_plots(runs: list[dict], stem: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    curves = [r for r in runs if r["curve"]]
+    if curves:
+        fig, ax = plt.subplots(figsize=(6.5, 3.5))
+        for r in curves:
+            ax.plot([x["step"] for x in r["curve"]], [x["reward_mean"] for x in r["curve"]], marker=".", label=r["name"])
+        ax.set(xlabel="optimizer step", ylabel="mean reward", title="training reward per step", ylim=(-0.02, 1.02))
+        ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        written.append(stem.with_name(stem.name + "_rewards.png"))
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    evaluated = [r for r in runs if r["splits"]]
+    if evaluated:
+        fig, ax = plt.subplots(figsize=(6.5, 3.5))
+        x = range(len(evaluated))
+        for k, (split, label) in enumerate(((ID_SPLIT, "ID (valid_seen)"), (OOD_SPLIT, "OOD (valid_unseen)"))):
+            vals = [100 * r["splits"].get(split, {}).get("success_rate", 0.0) for r in evaluated]
+            errs = [100 * r["splits"].get(split, {}).get("success_rate_std", 0.0) for r in evaluated]
+            ax.bar([i + (k - 0.5) * 0.4 for i in x], vals, 0.4, yerr=errs, capsize=3, label=label)
+        ax.set_xticks(list(x), [r["name"] for r in evaluated], rotation=30, ha="right", fontsize=7)
+        ax.set(ylabel="success (%)", title="ALFWorld success by arm", ylim=(0, 100))
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(stem.with_name(stem.name + "_success.png"))
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
+
+
+def report(cfg: ReportConfig, folders: list[str]) -> str:
+    missing = [f for f in folders if not Path(f).is_dir()]
+    if missing:
+        raise UserError(f"not a run folder: {missing[0]}")
+    runs = [read_run(Path(f)) for f in folders]
+    if not any(r["splits"] or r["wm"] or r["weights"] for r in runs):
+        raise UserError("no results in these folders: put the JSON of `eval.py agent`, `eval.py wm` or "
+                        "`eval.py weights` into each run folder first")
+    text = report_table(runs)
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if cfg.plots:
+        for png in report_plots(runs, out.with_suffix("")):
+            text += f"\n![{png.stem}]({png.name})\n"
+    write_atomic(out, text)
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,14 +341,24 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] not in COMMANDS:
         raise UserError(f"usage: python eval.py {{{','.join(COMMANDS)}}} [flags]; see python eval.py agent --help")
     command = argv[0]
-    cfg, _ = parse_config(AgentEvalConfig if command == "agent" else WMEvalConfig, argv[1:], prog=f"eval.py {command}")
-    result = dict(agent=evaluate_agent, wm=evaluate_wm, calibrate=calibrate_tau)[command](cfg)
+    if command == "report":
+        cfg, rest = parse_config(ReportConfig, argv[1:], prog="eval.py report",
+                                 positional={"runs": dict(nargs="+", help="run folders, one row each, in this order")})
+        print(report(cfg, rest["runs"]) + f"-> {cfg.out}")
+        return
+    config_cls = dict(agent=AgentEvalConfig, weights=WeightsConfig).get(command, WMEvalConfig)
+    cfg, _ = parse_config(config_cls, argv[1:], prog=f"eval.py {command}")
+    result = dict(agent=evaluate_agent, wm=evaluate_wm, calibrate=calibrate_tau, weights=evaluate_weights)[command](cfg)
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(result, indent=2))
     if command == "wm":
         print(f"wm_accuracy {result['wm_accuracy']:.3f}, mean_cosine {result['mean_cosine']:.3f}, exact_match "
               f"{result['exact_match']:.3f}, format {result['format_rate']:.3f}, n {result['n']} -> {out}")
+        return
+    if command == "weights":
+        print(f"parameters changed: {result['changed_share']:.4%} of {result['total']:,}; per module: "
+              + ", ".join(f"{k} {v['changed_share']:.2%}" for k, v in result["per_module"].items()) + f" -> {out}")
         return
     if command == "calibrate":
         print(f"{'tau_d':>6} {'mean reward':>12} {'groups all equal':>17}   ({result['n']} triplets x "
@@ -169,6 +368,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{r['tau_d']:>6.2f} {r['mean_reward']:>12.3f} {r['frac_groups_all_equal']:>17.3f}")
         print(f"predictions with a <next_state>: {first['format_rate']:.3f}, mean cosine {first['mean_cosine']:.3f}")
         return
+    for sp, r in result["per_split"].items():
+        if len(result["per_split"]) > 1:
+            print(f"  {sp}: success {r['success_rate']:.1%} (std {r['success_rate_std']:.1%}), invalid actions "
+                  f"{r['invalid_action_rate']:.1%}, {r['num_episodes']} episodes")
     print(f"{cfg.split}: success {result['success_rate']:.1%} (std {result['success_rate_std']:.1%} over "
           f"{cfg.seeds} seeds), invalid actions {result['invalid_action_rate']:.1%}, inefficient "
           f"{result['inefficient_action_rate']:.1%}, mean steps {result['mean_steps']:.1f}, "

@@ -11,6 +11,7 @@ GRPOTrainer(reward_funcs=SimToRealReward(), ...) with a `targets` column in the 
 """
 from __future__ import annotations
 
+import random
 import re
 
 import torch
@@ -128,3 +129,31 @@ def calibrate(reward: SimToRealReward, predictions: list[list[str]], targets: li
         rows.append(dict(tau_d=tau, mean_reward=sum(r) / max(len(r), 1),
                          frac_groups_all_equal=sum(len(set(g)) <= 1 for g in groups) / max(len(groups), 1)))
     return rows
+
+
+# ----------------------------------------------------------------------------- controls (METHOD.md §7)
+# From "Does Learning to Predict the World Help Agents Act?" (2026): if these controls help the agent as
+# much as the real reward does, the gain does not come from learning the world.
+
+def derangement(n: int, seed: int = 0) -> list[int]:
+    """A random permutation with no fixed point (MIS: triplet i is scored against triplet perm[i]'s next
+    observation, never its own). Uniform over derangements, by rejection (~e tries on average)."""
+    if n < 2:
+        raise UserError(f"the MIS control needs at least 2 triplets to derange, got {n}")
+    rng = random.Random(seed)
+    while True:
+        perm = list(range(n))
+        rng.shuffle(perm)
+        if all(p != i for i, p in enumerate(perm)):
+            return perm
+
+
+def coin_reward(seed: int = 0):
+    """COIN: a reward function with the reward's signature that ignores the prediction and flips a fair coin."""
+    rng = random.Random(seed)
+
+    def coin(completions: list, targets: list[str] | None = None, **kwargs) -> list[float]:
+        return [float(rng.random() < 0.5) for _ in completions]
+
+    coin.__name__ = "coin_reward"
+    return coin

@@ -8,7 +8,7 @@ project, which quotes the paper and marks where the paper is silent and which de
   3. Reward: the sim-to-real gap in a sentence-embedding space (reward.py).
   4. "Too easy" subsampling with a separately fine-tuned copy.
   5. GRPO on world-model prompts: advantages, the clipped loss with KL, log-probs in chunks.
-  6. Stage 2: policy RL on task success, started from the RWML model          (to come: issue #4)
+  6. Stage 2: policy RL on task success, started from the RWML model.
   Then: world-model accuracy, and the plumbing (models, LoRA, generation, SFT).
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import importlib.util
 import math
 import os
 import random
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -55,13 +56,16 @@ def agent_prompt(task: str, past: list[tuple[str, str]], obs: str, admissible: l
 
 def play(model, tokenizer, pool: envs.EnvPool, episodes: list[dict], *, history_len: int = 2,
          max_turns: int = 30, temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 128,
-         num_envs: int = 8, on_turn=None, on_episode=None, desc: str = "episodes") -> list[dict]:
-    """Play `episodes` ({"game": path, "rollout": int, ...}) with `num_envs` of them running at once.
+         num_envs: int = 8, on_turn=None, on_episode=None, record_tokens: bool = False,
+         desc: str = "episodes") -> list[dict]:
+    """Play `episodes` ({"game": path, ...}) with `num_envs` of them running at once.
 
     Each round generates one action for every running episode in one batch, then steps all their games
     in the worker pool. A finished episode's slot goes to the next waiting one. `on_turn(triplet)` and
-    `on_episode(summary)` see results as they happen (collection writes them to disk at once).
-    Returns one summary per episode, in the order given.
+    `on_episode(summary)` see results as they happen (collection writes them to disk at once); a turn's
+    `episode` is its episode's index in `episodes`. `record_tokens` adds to each turn the user prompt
+    (`prompt`) and the exact token ids the model saw and sampled (`prompt_ids`, `completion_ids`), which
+    stage 2 trains on. Returns one summary per episode, in the order given.
     """
     if num_envs < 1:
         raise UserError(f"--num-envs must be at least 1, got {num_envs}")
@@ -84,19 +88,24 @@ def play(model, tokenizer, pool: envs.EnvPool, episodes: list[dict], *, history_
             e["recent"] = e["past"][-history_len:] if history_len else []
             prompts.append(agent_prompt(e["summary"]["task"], e["recent"], e["obs"], e["admissible"],
                                         len(e["past"]), max_turns))
-        replies = generate(model, tokenizer, prompts, system=AGENT_SYSTEM, prefix=AGENT_PREFIX,
-                           max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop="</action>")
+        roll = sample(model, tokenizer, [chat(tokenizer, p, AGENT_SYSTEM, AGENT_PREFIX) for p in prompts],
+                      prefix=AGENT_PREFIX, stop="</action>", max_new_tokens=max_new_tokens, temperature=temperature,
+                      top_p=top_p)
+        replies = roll["texts"]
         parsed = {s: envs.parse_action(r) for s, r in zip(slots, replies)}
         results = pool.step({s: command for s, (command, _) in parsed.items()})
-        for s, reply in zip(slots, replies):
+        for j, (s, reply) in enumerate(zip(slots, replies)):
             e, r, (command, well_formed) = running[s], results[s], parsed[s]
             summ = e["summary"]
             if on_turn is not None:
                 history = [{"observation": o, "action": a} for o, a in e["recent"]] + [{"observation": e["obs"]}]
-                on_turn(dict(game=summ["game"], task=summ["task"], task_type=summ["task_type"],
-                             rollout=summ.get("rollout", 0), step=summ["steps"], history=history, action=command,
-                             next_obs=r["obs"], valid=r["valid"], format_ok=well_formed, won=r["won"],
-                             done=r["done"], response=reply))
+                turn = dict(game=summ["game"], task=summ["task"], task_type=summ["task_type"],
+                            rollout=summ.get("rollout", 0), episode=e["index"], step=summ["steps"], history=history,
+                            action=command, next_obs=r["obs"], valid=r["valid"], format_ok=well_formed, won=r["won"],
+                            done=r["done"], response=reply)
+                if record_tokens:
+                    turn.update(prompt=prompts[j], prompt_ids=roll["prompt_ids"][j], completion_ids=roll["completion_ids"][j])
+                on_turn(turn)
             summ["invalid"] += not (r["valid"] and well_formed)
             summ["format_errors"] += not well_formed
             summ["inefficient"] += r["valid"] and envs.is_inefficient(command)
@@ -270,42 +279,47 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     return out
 
 
-def completion_mask_from(completion_ids: torch.Tensor, eos_token_id) -> torch.Tensor:
+def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_id=None) -> torch.Tensor:
     """1 up to and including the first end-of-turn token, 0 after it. Built from the first eos, not from
-    `ids != pad` (SmolLM2's pad token *is* its eos token)."""
+    `ids != pad` (SmolLM2's pad token *is* its eos token); a pad token that is not an eos is never in."""
     eos_ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
     is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
     after = (is_eos.cumsum(1) - is_eos.long()) > 0  # strictly after the first eos
-    return (~after).long()
+    mask = ~after
+    if pad_token_id is not None and pad_token_id not in eos_ids:
+        mask &= completion_ids != pad_token_id
+    return mask.long()
 
 
-@torch.no_grad()
 def sample_group(model, tokenizer, prompts: list[str], *, num_generations: int, max_completion_length: int,
                  temperature: float = 1.0, top_p: float = 1.0, system: str = WM_SYSTEM, prefix: str = WM_PREFIX):
-    """num_generations completions per prompt, as token tensors ready for the training forward."""
-    batch, out = generate_ids(model, tokenizer, [chat(tokenizer, p, system, prefix) for p in prompts], num_generations,
-                              do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                              max_new_tokens=max_completion_length)
-    completion_ids = out[:, batch["input_ids"].shape[1]:]
-    mask = completion_mask_from(completion_ids, tokenizer.eos_token_id)
-    texts = [prefix + t for t in tokenizer.batch_decode(completion_ids * mask + tokenizer.pad_token_id * (1 - mask),
-                                                        skip_special_tokens=True)]
-    return dict(input_ids=out, attention_mask=torch.cat([batch["attention_mask"], mask], 1), completion_mask=mask,
-                texts=texts)
+    """num_generations completions per world-model prompt, as token tensors ready for the training forward."""
+    return sample(model, tokenizer, [chat(tokenizer, p, system, prefix) for p in prompts], n=num_generations,
+                  prefix=prefix, max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p)
 
 
-def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg) -> dict:
-    """One GRPO step on a batch of world-model prompts: sample groups, score, `num_iterations` updates.
-    `cfg` carries the GRPO fields of train.Config (num_generations, beta, epsilon, loss_type, ...)."""
-    G = cfg.num_generations
-    model.eval()  # sampling
-    roll = sample_group(model, tokenizer, [wm_prompt(t, cfg.wm_reasoning) for t in triplets], num_generations=G,
-                        max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                        prefix=WM_PREFIX if cfg.wm_reasoning else "")
-    rewards = torch.tensor(reward_fn(roll["texts"], [t["next_obs"] for t in triplets for _ in range(G)]))
-    adv = group_advantages(rewards, G, cfg.scale_rewards)
-    ids, attn, cmask = roll["input_ids"], roll["attention_mask"], roll["completion_mask"]
-    weights = token_weights(cmask, cfg.loss_type, cfg.max_completion_length)
+@contextmanager
+def reference_policy(model):
+    """pi_ref for the KL term: the frozen adapter named "reference" when there is one (stage 2 started from
+    an RWML or WM-SFT adapter), else the model with its adapter disabled (the base model)."""
+    if "reference" in getattr(model, "peft_config", {}):
+        active = model.active_adapter
+        model.set_adapter("reference", inference_mode=True)
+        try:
+            yield
+        finally:
+            model.set_adapter(active)  # trainable again; "reference" stays frozen
+    else:
+        with model.disable_adapter():
+            yield
+
+
+def grpo_update(model, optimizer, input_ids, attention_mask, completion_mask, advantages, weights, cfg) -> list[dict]:
+    """`num_iterations` optimizer steps on one batch of sampled sequences, in micro-batches (gradient
+    accumulation). pi_old and pi_ref log-probs come first, without gradients; pi_ref is `reference_policy`.
+    `cfg` carries TRL's names: num_iterations, beta, epsilon, epsilon_high, temperature, micro_batch_size,
+    logits_chunk_size, max_grad_norm. A non-finite loss or gradient skips that update."""
+    ids, attn, cmask = input_ids, attention_mask, completion_mask
     mb = cfg.micro_batch_size
     micro = [slice(i, i + mb) for i in range(0, ids.shape[0], mb)]
 
@@ -313,12 +327,13 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg)
         return completion_logprobs(model, ids[sl], attn[sl], cmask[sl], temperature=cfg.temperature,
                                    chunk_size=cfg.logits_chunk_size)
 
+    model.eval()
     with torch.no_grad():
         # with one update, pi_old = pi_theta: the ratio is 1 and needs no extra forward
         old = [logprobs(sl) for sl in micro] if cfg.num_iterations > 1 else None
         ref = None
         if cfg.beta:
-            with model.disable_adapter():
+            with reference_policy(model):
                 ref = [logprobs(sl) for sl in micro]
     model.train()
     stats = []
@@ -326,8 +341,8 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg)
         loss_total, kl, clip, ok = 0.0, 0.0, 0.0, True
         for j, sl in enumerate(micro):
             logp = logprobs(sl)
-            loss, s = grpo_loss(logp, old[j] if old else logp.detach(), ref[j] if ref else None, adv[sl], weights[sl],
-                                beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high)
+            loss, s = grpo_loss(logp, old[j] if old else logp.detach(), ref[j] if ref else None, advantages[sl],
+                                weights[sl], beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high)
             if not torch.isfinite(loss):
                 ok = False
                 break
@@ -345,12 +360,80 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg)
         optimizer.zero_grad(set_to_none=True)
         stats.append(dict(loss=loss_total if ok else float("nan"), kl=kl, clip_ratio=clip, grad_norm=grad_norm,
                           skipped=not ok))
+    model.eval()
+    return stats
+
+
+def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg) -> dict:
+    """One RWML step on a batch of world-model prompts: sample groups, score against the real next
+    observations, `num_iterations` updates. `cfg` carries the GRPO fields of train.Config."""
+    G = cfg.num_generations
+    model.eval()  # sampling
+    roll = sample_group(model, tokenizer, [wm_prompt(t, cfg.wm_reasoning) for t in triplets], num_generations=G,
+                        max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+                        prefix=WM_PREFIX if cfg.wm_reasoning else "")
+    rewards = torch.tensor(reward_fn(roll["texts"], [t["next_obs"] for t in triplets for _ in range(G)]), dtype=torch.float)
+    adv = group_advantages(rewards, G, cfg.scale_rewards)
+    cmask = roll["completion_mask"]
+    weights = token_weights(cmask, cfg.loss_type, cfg.max_completion_length)
+    stats = grpo_update(model, optimizer, roll["input_ids"], roll["attention_mask"], cmask, adv, weights, cfg)
     grouped = rewards.view(-1, G)
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
                 frac_reward_zero_std=float((grouped.std(1) == 0).float().mean()),
                 format_rate=sum(parse_next_state(t) is not None for t in roll["texts"]) / len(roll["texts"]),
                 completion_tokens=float(cmask.sum(1).float().mean()), updates=stats, sample=roll["texts"][0],
                 sample_target=triplets[0]["next_obs"], sample_reward=float(rewards[0]))
+
+
+# ============================================================================ 6. Stage 2: policy RL (METHOD.md §6)
+# Ordinary multi-turn GRPO on task success, started from the RWML adapter (or the base model, or WM SFT).
+# For each game, num_generations episodes from the same start; the reward is the terminal success
+# (gamma = 1), the group-normalised advantage of an episode goes to every action-generating turn of it.
+# A turn is one training sequence [prompt | the model's reply]: observations live in the prompt, so
+# environment tokens are never trained on. The world-model reward is never mixed in (the "Dark Room").
+
+def policy_batch(turns: list[dict], advantages: torch.Tensor, pad_token_id: int, loss_type: str,
+                 max_completion_length: int, keep_zero_advantage: bool = True):
+    """Turns recorded by `play(record_tokens=True)` -> the tensors of one update: (input_ids,
+    attention_mask, completion_mask, per-turn advantages = its episode's, loss weights). The weights are
+    those of the whole batch; turns with advantage 0 are then dropped when `keep_zero_advantage` is
+    False (exact when beta = 0: they add nothing to the loss)."""
+    ids, attn, cmask = pack([t["prompt_ids"] for t in turns], [t["completion_ids"] for t in turns], pad_token_id)
+    adv = advantages[torch.tensor([t["episode"] for t in turns], dtype=torch.long)]
+    weights = token_weights(cmask, loss_type, max_completion_length)
+    if not keep_zero_advantage:
+        rows = adv != 0
+        width = int(cmask[rows].sum(1).max()) if rows.any() else 0  # drop completion columns now all padding
+        cols = ids.shape[1] - cmask.shape[1] + width
+        ids, attn, cmask, weights, adv = ids[rows, :cols], attn[rows, :cols], cmask[rows, :width], weights[rows, :width], adv[rows]
+    return ids, attn, cmask, adv, weights
+
+
+def policy_step(model, tokenizer, optimizer, pool: envs.EnvPool, games: list[str], cfg) -> dict:
+    """One stage-2 step: num_generations episodes of each game, terminal reward won, GRPO on every turn."""
+    G = cfg.num_generations
+    episodes = [dict(game=g, group=i, rollout=k) for i, g in enumerate(games) for k in range(G)]
+    turns = []
+    model.eval()
+    summaries = play(model, tokenizer, pool, episodes, history_len=cfg.history_len, max_turns=cfg.max_turns,
+                     temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                     num_envs=cfg.num_envs, on_turn=turns.append, record_tokens=True, desc="policy rollouts")
+    rewards = torch.tensor([float(s["won"]) for s in summaries])  # gamma = 1: the return is the terminal reward
+    adv = group_advantages(rewards, G, cfg.scale_rewards)
+    ids, attn, cmask, turn_adv, weights = policy_batch(turns, adv, tokenizer.pad_token_id, cfg.loss_type,
+                                                       cfg.max_new_tokens, keep_zero_advantage=bool(cfg.beta))
+    if ids.shape[0]:
+        ids, attn, cmask = ids.to(model.device), attn.to(model.device), cmask.to(model.device)
+        stats = grpo_update(model, optimizer, ids, attn, cmask, turn_adv.to(model.device), weights.to(model.device), cfg)
+    else:  # every group all-equal and no KL term: the loss is exactly 0, nothing to compute
+        stats = [dict(loss=0.0, kl=0.0, clip_ratio=0.0, grad_norm=0.0, skipped=False)] * cfg.num_iterations
+    steps = sum(s["steps"] for s in summaries) or 1
+    return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
+                frac_reward_zero_std=float((rewards.view(-1, G).std(1) == 0).float().mean()),
+                invalid_action_rate=sum(s["invalid"] for s in summaries) / steps,
+                mean_steps=steps / len(summaries), num_turns=len(turns), trained_turns=int(ids.shape[0]),
+                completion_tokens=float(cmask.sum(1).float().mean()) if ids.shape[0] else 0.0, updates=stats,
+                sample=turns[0]["response"] if turns else "")
 
 
 # ============================================================================ World-model accuracy (METHOD.md §8, D)
@@ -485,15 +568,46 @@ def generate_ids(model, tokenizer, texts: list[str], n: int = 1, stop: str | Non
     return batch, model.generate(**batch, cache=cache, **kwargs)
 
 
+@torch.no_grad()
+def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", stop: str | None = None,
+           max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0) -> dict:
+    """`n` completions of each (already templated) text, the `n` of a text next to each other; plain
+    sampling from softmax(logits / temperature) (no top-k, so the log-probs of training match), greedy at
+    temperature 0. Returns `texts` (prefix + completion), the tensors of the training forward
+    (`input_ids` [B*n, P + C], `attention_mask`, `completion_mask` [B*n, C]) and, per row, the token
+    lists without padding (`prompt_ids`, `completion_ids`)."""
+    kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
+    batch, out = generate_ids(model, tokenizer, texts, n, stop, max_new_tokens=max_new_tokens, **kwargs)
+    completion_ids = out[:, batch["input_ids"].shape[1]:]
+    mask = completion_mask_from(completion_ids, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    decoded = tokenizer.batch_decode(completion_ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True)
+    return dict(texts=[prefix + t for t in decoded], input_ids=out,
+                attention_mask=torch.cat([batch["attention_mask"], mask], 1), completion_mask=mask,
+                prompt_ids=[row[m.bool()].tolist() for row, m in zip(batch["input_ids"], batch["attention_mask"])],
+                completion_ids=[row[m.bool()].tolist() for row, m in zip(completion_ids, mask)])
+
+
 def generate(model, tokenizer, prompts: list[str], *, system: str | None = None, prefix: str = "",
              max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
              stop: str | None = None, n: int = 1) -> list[str]:
-    """Batched, left-padded sampling (greedy at temperature 0); returns `prefix` + each completion,
-    the `n` completions of a prompt next to each other."""
-    texts = [chat(tokenizer, p, system, prefix) for p in prompts]
-    kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
-    batch, out = generate_ids(model, tokenizer, texts, n, stop, max_new_tokens=max_new_tokens, **kwargs)
-    return [prefix + r for r in tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)]
+    """Batched, left-padded sampling from plain prompts; returns `prefix` + each completion."""
+    return sample(model, tokenizer, [chat(tokenizer, p, system, prefix) for p in prompts], n=n, prefix=prefix, stop=stop,
+                  max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)["texts"]
+
+
+def pack(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int):
+    """Token lists -> (input_ids, attention_mask, completion_mask): rows are [left-padded prompt |
+    right-padded completion], the layout `completion_logprobs` reads."""
+    P, C = max(map(len, prompts)), max(max(map(len, completions)), 1)
+    ids = torch.full((len(prompts), P + C), pad_token_id)
+    attn = torch.zeros_like(ids)
+    cmask = torch.zeros(len(prompts), C, dtype=torch.long)
+    for j, (p, c) in enumerate(zip(prompts, completions)):
+        ids[j, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+        ids[j, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
+        attn[j, P - len(p):P + len(c)] = 1
+        cmask[j, :len(c)] = 1
+    return ids, attn, cmask
 
 
 def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0, target_modules: str = "q_proj,k_proj,v_proj,o_proj",
@@ -529,19 +643,9 @@ def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str
         total = 0.0
         for i in range(0, len(pairs), batch_size):
             chunk = pairs[i:i + batch_size]
-            p_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in chunk]
-            a_ids = [tokenizer(a, add_special_tokens=False)["input_ids"] for _, a in chunk]
-            width = max(len(p) for p in p_ids)
-            # [left-padded prompt | right-padded answer], the layout completion_logprobs reads
-            A = max(len(a) for a in a_ids)
-            ids = torch.full((len(chunk), width + A), tokenizer.pad_token_id)
-            attn = torch.zeros_like(ids)
-            cmask = torch.zeros(len(chunk), A, dtype=torch.long)
-            for j, (p, a) in enumerate(zip(p_ids, a_ids)):
-                ids[j, width - len(p):width] = torch.tensor(p)
-                ids[j, width:width + len(a)] = torch.tensor(a)
-                attn[j, width - len(p):width + len(a)] = 1
-                cmask[j, :len(a)] = 1
+            ids, attn, cmask = pack([tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in chunk],
+                                    [tokenizer(a, add_special_tokens=False)["input_ids"] for _, a in chunk],
+                                    tokenizer.pad_token_id)
             ids, attn, cmask = ids.to(model.device), attn.to(model.device), cmask.to(model.device)
             logp = completion_logprobs(model, ids, attn, cmask)
             loss = -(logp * cmask).sum() / cmask.sum()

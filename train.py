@@ -4,6 +4,9 @@
     python train.py collect --num-games 50 --rollouts-per-game 3 --max-turns 30 --out runs/collect
     python train.py wm --transitions runs/collect/transitions.jsonl --max-steps 200 --num-generations 4 --out runs/wm
     python train.py wm ... --resume      # continue an interrupted run from its last checkpoint
+    python train.py wm ... --reward-control mis|coin                     # the reward controls
+    python train.py wm-sft --transitions runs/collect/transitions.jsonl --out runs/wm_sft
+    python train.py policy --init rwml --adapter runs/wm/adapter --num-games 8 --num-generations 4 --out runs/policy
 
 Every field of `Config` is a flag (`num_games` -> `--num-games`) and a key of an optional JSON file
 (`--config cfg.json`); precedence: defaults < file < flags. Stages, in the paper's order:
@@ -12,6 +15,9 @@ Every field of `Config` is a flag (`num_games` -> `--num-games`) and a key of an
   wm        world-model GRPO with the sim-to-real embedding reward (runs filter first) (METHOD.md §3, §5)
   all       collect (train games) + collect (held-out games) + wm, with the held-out world-model
             accuracy before and after
+  wm-sft    baseline: plain next-observation SFT on the same triplets                 (METHOD.md §7)
+  rft       baseline: SFT on the model's own successful episodes                       (METHOD.md §7)
+  policy    stage 2: multi-turn GRPO on task success, from base / RWML / WM SFT / RFT  (METHOD.md §6)
 """
 from __future__ import annotations
 
@@ -35,16 +41,20 @@ from tqdm.auto import tqdm
 import envs
 import rwml
 from envs import UserError
-from reward import BUNDLED_EMBEDDER, SimToRealReward
+from reward import BUNDLED_EMBEDDER, SimToRealReward, coin_reward, derangement
 
-STAGES = ("all", "collect", "filter", "wm")
+STAGES = ("all", "collect", "filter", "wm", "wm-sft", "rft", "policy")
+INITS = ("base", "rwml", "wm-sft", "rft")
+CHOICES = dict(init=INITS, reward_control=("none", "mis", "coin"), reward_metric=("embedding", "rouge"),
+               loss_type=("grpo", "dapo", "dr_grpo"), scale_rewards=("group", "batch", "none"),
+               report_to=("none", "tensorboard"))
 
 
 @dataclass
 class Config:
     # --- model
     model: str = rwml.BUNDLED_MODEL  # any HF causal-LM id or local folder
-    adapter: str | None = None  # collect / play with a peft adapter on top of the model
+    adapter: str | None = None  # collect: play with this peft adapter; policy: start from it (see `init`)
     load_in_4bit: bool | None = None  # NF4 base weights via bitsandbytes (QLoRA); None = on when CUDA is present
     seed: int = 0
     # --- data collection (METHOD.md §2): the base model plays train games at temperature 1.0
@@ -74,6 +84,7 @@ class Config:
     tau_d: float = 0.1  # reward 1 iff 1 - cos < tau_d; chosen with `python eval.py calibrate` (README)
     reward_metric: str = "embedding"  # or "rouge" (ablation)
     reward_binary: bool = True  # False = the continuous-cosine ablation
+    reward_control: str = "none"  # controls (METHOD.md §7): mis = targets deranged across triplets, coin = fair coin
     # --- GRPO (METHOD.md §5); names as in TRL
     wm_reasoning: bool = True  # <think> then <next_state> (the paper); False = <next_state> directly
     max_steps: int = 24  # optimizer steps
@@ -95,6 +106,10 @@ class Config:
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"  # or "all-linear"
+    # --- stage 2: policy RL on task success (METHOD.md §6); also uses split, num_games, max_turns,
+    #     num_generations (episodes per game), max_new_tokens and the GRPO fields above
+    init: str = "base"  # what --adapter holds: base (no adapter) | rwml | wm-sft | rft; the KL reference is it, frozen
+    games_per_step: int = 2  # games per policy step, drawn from the num_games train games
     # --- logging, checkpoints, output
     save_steps: int = 4
     log_completions_steps: int = 4
@@ -102,6 +117,16 @@ class Config:
     resume: bool = False
     eval_max_triplets: int = 48  # held-out triplets scored before and after (0 = all)
     out: str = "runs/rwml"
+
+
+def check_choices(cfg) -> None:
+    """A value outside a field's choices fails at once, before any model loads, with a did-you-mean."""
+    for name, options in CHOICES.items():
+        value = getattr(cfg, name, None)
+        if value is not None and value not in options:
+            close = difflib.get_close_matches(str(value), options, n=1)
+            raise UserError(f"unknown --{name.replace('_', '-')} {value!r}; choose one of {', '.join(options)}"
+                            + (f" (did you mean {close[0]!r}?)" if close else ""))
 
 
 def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None):
@@ -264,7 +289,7 @@ def save_checkpoint(path: Path, model, optimizer, state: dict) -> None:
     """Adapter (the peft way), optimizer, RNG states, data cursor and step, swapped in atomically."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, selected_adapters=["default"])  # not the frozen "reference"
     torch.save(dict(state, optimizer=optimizer.state_dict(), torch_rng=torch.get_rng_state(),
                     cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None),
                tmp / "trainer_state.pt")
@@ -290,28 +315,23 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     return state
 
 
-def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
-    """RWML: GRPO of a LoRA adapter on world-model prompts. Returns the peft model."""
-    for name, lo in (("max_steps", 1), ("prompts_per_step", 1), ("num_generations", 2), ("micro_batch_size", 1),
-                     ("num_iterations", 1), ("save_steps", 1), ("max_completion_length", 1)):
+def _check_at_least(cfg: Config, **bounds) -> None:
+    for name, lo in bounds.items():
         if getattr(cfg, name) < lo:
             raise UserError(f"--{name.replace('_', '-')} must be at least {lo}, got {getattr(cfg, name)}")
-    if not triplets:
-        raise UserError("no training triplets left after filtering; collect more games")
+
+
+def start_run(cfg: Config, out: Path, model, optimizer) -> tuple[dict, object]:
+    """Resume from `out/checkpoint` (with --resume) or refuse to overwrite a run; write config.json;
+    open TensorBoard if asked. Returns (state, writer or None)."""
     ckpt = out / "checkpoint"
     has_ckpt = ckpt.exists() or ckpt.with_name("checkpoint.old").exists()
+    state = dict(step=0, epoch=0, cursor=0)
     if has_ckpt and not cfg.resume:
         raise UserError(f"{out} already holds a run; pass --resume to continue it, or use another --out")
-    model, tok = load()
-    torch.manual_seed(cfg.seed)  # the LoRA init and the sampling depend on the seed alone
-    model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
-                          cfg.gradient_checkpointing)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
-                                  weight_decay=0.0)
-    state = dict(step=0, epoch=0, cursor=0)
-    if cfg.resume and has_ckpt:
+    if has_ckpt:
         state = load_checkpoint(ckpt, model, optimizer)
-        print(f"wm: resumed from {ckpt} at step {state['step']}")
+        print(f"resumed from {ckpt} at step {state['step']}")
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
     writer = None
@@ -323,6 +343,48 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
         writer = SummaryWriter(str(out / "tensorboard"))
     elif cfg.report_to != "none":
         raise UserError(f"unknown --report-to {cfg.report_to!r}; choose none or tensorboard")
+    return state, writer
+
+
+def log_row(metrics, writer, row: dict) -> None:
+    metrics.write(json.dumps(row) + "\n")
+    metrics.flush()
+    if writer:
+        for k, v in row.items():
+            if isinstance(v, (int, float)) and k != "step":
+                writer.add_scalar(f"train/{k}", v, row["step"])
+
+
+def save_adapter(model, out: Path) -> Path:
+    """The trained adapter alone, the peft way (`PeftModel.from_pretrained(base, out / "adapter")`)."""
+    adapter, tmp = out / "adapter", out / "adapter.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, selected_adapters=["default"])
+    shutil.rmtree(adapter, ignore_errors=True)
+    tmp.rename(adapter)
+    return adapter
+
+
+def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
+    """RWML: GRPO of a LoRA adapter on world-model prompts. Returns the peft model."""
+    _check_at_least(cfg, max_steps=1, prompts_per_step=1, num_generations=2, micro_batch_size=1, num_iterations=1,
+                    save_steps=1, max_completion_length=1)
+    if not triplets:
+        raise UserError("no training triplets left after filtering; collect more games")
+    if cfg.reward_control == "mis":  # each triplet is scored against another triplet's next observation
+        perm = derangement(len(triplets), cfg.seed)
+        triplets = [dict(t, next_obs=triplets[j]["next_obs"]) for t, j in zip(triplets, perm)]
+    elif cfg.reward_control == "coin":
+        reward_fn = coin_reward(cfg.seed)
+    elif cfg.reward_control != "none":
+        raise UserError(f"unknown --reward-control {cfg.reward_control!r}; choose none, mis or coin")
+    model, tok = load()
+    torch.manual_seed(cfg.seed)  # the LoRA init and the sampling depend on the seed alone
+    model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
+                          cfg.gradient_checkpointing)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
+                                  weight_decay=0.0)
+    state, writer = start_run(cfg, out, model, optimizer)
 
     def order(epoch):  # the data order of an epoch depends only on (seed, epoch): resumable by cursor
         idx = list(range(len(triplets)))
@@ -347,17 +409,11 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
                 if state["step"] >= cfg.max_steps:
                     break
                 state["step"] += 1
-                row = dict(step=state["step"], epoch=state["epoch"], **{k: res[k] for k in (
+                log_row(metrics, writer, dict(step=state["step"], epoch=state["epoch"], **{k: res[k] for k in (
                     "reward_mean", "reward_std", "frac_reward_zero_std", "format_rate", "completion_tokens")},
-                    **u, lr=cfg.learning_rate, seconds=round(seconds, 2))
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
+                    **u, lr=cfg.learning_rate, seconds=round(seconds, 2)))
                 if u["skipped"]:
                     tqdm.write(f"wm: step {state['step']}: non-finite loss or gradient, update skipped")
-                if writer:
-                    for k, v in row.items():
-                        if isinstance(v, (int, float)) and k != "step":
-                            writer.add_scalar(f"train/{k}", v, state["step"])
                 bar.update(1)
                 bar.set_postfix(reward=f"{res['reward_mean']:.2f}", fmt=f"{res['format_rate']:.2f}",
                                 loss=f"{u['loss']:.3f}", kl=f"{u['kl']:.4f}")
@@ -369,22 +425,133 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
                 tqdm.write(f"[step {state['step']}] action: {sample['action']!r}\n  predicted: "
                            f"{sample['completion'][-300:]!r}\n  real: {sample['target']!r}  reward {sample['reward']:.0f}")
             if state["step"] % cfg.save_steps < len(res["updates"]) or state["step"] >= cfg.max_steps:
-                save_checkpoint(ckpt, model, optimizer, state)
+                save_checkpoint(out / "checkpoint", model, optimizer, state)
     bar.close()
     if writer:
         writer.close()
-    adapter = out / "adapter"
-    tmp = out / "adapter.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # loadable with PeftModel.from_pretrained(base, adapter)
-    shutil.rmtree(adapter, ignore_errors=True)
-    tmp.rename(adapter)
-    plot_rewards(out / "metrics.jsonl", out / "reward_curve.png")
+    adapter = save_adapter(model, out)
+    plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")
     print(f"wm: {state['step']} steps; adapter -> {adapter}; metrics -> {out / 'metrics.jsonl'}")
     return model
 
 
-def plot_rewards(metrics_file: Path, png: Path) -> None:
+# ----------------------------------------------------------------------------- baselines: WM SFT, RFT (METHOD.md §7)
+
+def train_wm_sft(cfg: Config, triplets: list[dict], out: Path, load):
+    """WM SFT: plain next-observation SFT (no reasoning) of a fresh LoRA adapter on the same 90 % split
+    RWML draws from (without the easy filter, which exists for RL)."""
+    train, _ = rwml.split_triplets(triplets, cfg.filter_split, cfg.seed)
+    model, tok = load()
+    torch.manual_seed(cfg.seed)
+    model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
+                          cfg.gradient_checkpointing)
+    losses = rwml.sft(model, tok, [rwml.wm_prompt(t, reasoning=False) for t in train],
+                      [f"<next_state>{t['next_obs']}</next_state>" for t in train], system=rwml.WM_SYSTEM,
+                      epochs=cfg.sft_epochs, lr=cfg.sft_learning_rate, seed=cfg.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    write_atomic(out / "sft.json", json.dumps(dict(losses=losses, num_triplets=len(train)), indent=2))
+    adapter = save_adapter(model, out)
+    print(f"wm-sft: {len(train)} triplets x {cfg.sft_epochs} epochs, loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
+          f"adapter -> {adapter}")
+    return model
+
+
+def train_rft(cfg: Config, out: Path, load):
+    """RFT: the model plays num_games train games rollouts_per_game times; SFT on its successful episodes."""
+    games = envs.list_games(cfg.split, cfg.num_games, cfg.seed)
+    turns = []
+    with envs.EnvPool(cfg.num_workers, cfg.max_turns) as pool:
+        model, tok = load()
+        torch.manual_seed(cfg.seed)
+        summaries = rwml.play(model, tok, pool, [dict(game=g, rollout=r) for g in games for r in range(cfg.rollouts_per_game)],
+                              history_len=cfg.history_len, max_turns=cfg.max_turns, temperature=cfg.temperature,
+                              top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs,
+                              on_turn=turns.append, record_tokens=True, desc="rft rollouts")
+    won = {i for i, s in enumerate(summaries) if s["won"]}
+    keep = [t for t in turns if t["episode"] in won]
+    if not keep:
+        raise UserError(f"RFT: none of the {len(summaries)} episodes succeeded, so there is nothing to fine-tune on; "
+                        "play more games (--num-games, --rollouts-per-game, --max-turns) or use a stronger --model")
+    model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
+                          cfg.gradient_checkpointing)
+    losses = rwml.sft(model, tok, [t["prompt"] for t in keep], [t["response"] for t in keep], system=rwml.AGENT_SYSTEM,
+                      epochs=cfg.sft_epochs, lr=cfg.sft_learning_rate, seed=cfg.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    write_atomic(out / "sft.json", json.dumps(dict(losses=losses, episodes=len(summaries), successes=len(won),
+                                                  turns=len(keep)), indent=2))
+    adapter = save_adapter(model, out)
+    print(f"rft: {len(won)}/{len(summaries)} episodes succeeded, SFT on their {len(keep)} turns; adapter -> {adapter}")
+    return model
+
+
+# ----------------------------------------------------------------------------- stage 2: policy RL (METHOD.md §6)
+
+def init_policy(cfg: Config, model):
+    """The policy to train and its KL reference: from the base model, a fresh adapter (reference = adapter
+    disabled); from an RWML / WM-SFT / RFT adapter, that adapter trains on and a frozen copy of it, named
+    "reference", is pi_ref (`rwml.reference_policy`)."""
+    if cfg.init == "base":
+        return rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
+                             cfg.gradient_checkpointing)
+    model.load_adapter(cfg.adapter, adapter_name="reference", is_trainable=False)
+    model.set_adapter("default")  # the adapter loaded with the model, trainable
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+        model.enable_input_require_grads()
+    return model
+
+
+def check_init(cfg: Config) -> None:
+    if cfg.init == "base" and cfg.adapter:
+        raise UserError(f"--init base starts from the bare model, but --adapter {cfg.adapter} was given; "
+                        "say which kind it is, e.g. --init rwml")
+    if cfg.init != "base" and not cfg.adapter:
+        raise UserError(f"--init {cfg.init} needs --adapter DIR: the adapter/ folder of that run, "
+                        f"e.g. runs/{cfg.init}/adapter")
+
+
+def train_policy(cfg: Config, out: Path, load):
+    """Stage 2: multi-turn GRPO on task success (terminal reward won, gamma = 1, step budget max_turns)."""
+    check_init(cfg)
+    _check_at_least(cfg, max_steps=1, games_per_step=1, num_generations=2, micro_batch_size=1, num_iterations=1,
+                    save_steps=1, max_new_tokens=1)
+    games = envs.list_games(cfg.split, cfg.num_games, cfg.seed)
+    with envs.EnvPool(cfg.num_workers, cfg.max_turns) as pool:  # workers fork before the model loads
+        model, tok = load()
+        torch.manual_seed(cfg.seed)
+        model = init_policy(cfg, model)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
+                                      weight_decay=0.0)
+        state, writer = start_run(cfg, out, model, optimizer)
+        bar = tqdm(total=cfg.max_steps, initial=state["step"], desc=f"policy grpo ({cfg.init})", unit="step",
+                   dynamic_ncols=True)
+        with open(out / "metrics.jsonl", "a") as metrics:
+            while state["step"] < cfg.max_steps:
+                # the games of a step depend only on (seed, step): a resumed run plays the same ones
+                step_games = random.Random(cfg.seed * 1000 + state["step"]).sample(games, min(cfg.games_per_step, len(games)))
+                t0 = time.time()
+                res = rwml.policy_step(model, tok, optimizer, pool, step_games, cfg)
+                state["step"] += 1
+                u = res["updates"][-1]
+                log_row(metrics, writer, dict(step=state["step"], **{k: v for k, v in res.items() if k not in ("updates", "sample")},
+                                              **u, lr=cfg.learning_rate, seconds=round(time.time() - t0, 2)))
+                bar.update(1)
+                bar.set_postfix(success=f"{res['reward_mean']:.2f}", invalid=f"{res['invalid_action_rate']:.2f}",
+                                trained=res["trained_turns"], kl=f"{u['kl']:.4f}")
+                if state["step"] % cfg.save_steps == 0 or state["step"] >= cfg.max_steps:
+                    save_checkpoint(out / "checkpoint", model, optimizer, state)
+        bar.close()
+    if writer:
+        writer.close()
+    adapter = save_adapter(model, out)
+    plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", f"policy GRPO from {cfg.init}: success per step")
+    print(f"policy: {state['step']} steps from {cfg.init}; adapter -> {adapter}; metrics -> {out / 'metrics.jsonl'}")
+    return model
+
+
+def plot_rewards(metrics_file: Path, png: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -400,10 +567,11 @@ def plot_rewards(metrics_file: Path, png: Path) -> None:
     smooth = [sum(r["reward_mean"] for r in rows[max(0, i - k + 1):i + 1]) / len(rows[max(0, i - k + 1):i + 1])
               for i in range(len(rows))]
     ax.plot(steps, smooth, label=f"reward (mean of {k})")
-    ax.plot(steps, [r["format_rate"] for r in rows], ls="--", alpha=0.6, label="has <next_state>")
+    if "format_rate" in rows[0]:
+        ax.plot(steps, [r["format_rate"] for r in rows], ls="--", alpha=0.6, label="has <next_state>")
     ax.set_xlabel("optimizer step")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title("RWML world-model GRPO")
+    ax.set_title(title)
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -435,17 +603,28 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError(f"unknown stage {stage!r}; choose one of {', '.join(STAGES)}"
                         + (f" (did you mean {close[0]!r}?)" if close else ""))
     cfg, _ = parse_config(Config, argv[1:] if argv and argv[0] == stage else argv, prog=f"train.py {stage}")
+    check_choices(cfg)
     out, t0 = Path(cfg.out), time.time()
     four_bit = torch.cuda.is_available() if cfg.load_in_4bit is None else cfg.load_in_4bit
     loaded = []
 
     def load():  # one model for all stages of this process, loaded at first need
         if not loaded:
-            loaded.append(rwml.load_model(cfg.model, cfg.adapter if stage == "collect" else None, load_in_4bit=four_bit))
+            adapter = cfg.adapter if stage in ("collect", "policy") else None
+            loaded.append(rwml.load_model(cfg.model, adapter, load_in_4bit=four_bit, trainable_adapter=stage == "policy"))
         return loaded[0]
 
     if stage == "collect":
         collect(cfg, out, load)
+        return
+    if stage == "policy":
+        train_policy(cfg, out, load)
+        return
+    if stage == "rft":
+        train_rft(cfg, out, load)
+        return
+    if stage == "wm-sft":
+        train_wm_sft(cfg, read_transitions(cfg.transitions), out, load)
         return
     reward_fn = make_reward(cfg)
     if stage in ("filter", "wm"):

@@ -81,6 +81,18 @@ def test_eval_agent_writes_the_documented_json(tiny_model, tmp_path):
     assert set(r["per_task_type"]) <= set(envs.TASK_TYPES)
 
 
+def test_eval_agent_plays_both_splits_in_one_run(tiny_model, tmp_path):
+    out = tmp_path / "both.json"
+    evaluate.main(["agent", "--model", tiny_model, "--split", "valid_seen,valid_unseen", "--num-games", "2", "--seeds",
+                   "2", "--max-turns", "2", "--max-new-tokens", "6", "--num-workers", "0", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert set(r["per_split"]) == {"valid_seen", "valid_unseen"} and r["num_episodes"] == 8
+    for split, s in r["per_split"].items():
+        assert s["num_episodes"] == 4 and len(s["per_seed"]) == 2 and "success_rate_std" in s
+        games = {e["game"] for e in r["episodes"] if e["split"] == split}
+        assert games == set(map(envs.game_id, envs.list_games(split, 2, 0)))
+
+
 def test_eval_with_a_peft_adapter(tiny_model, tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM

@@ -1,0 +1,175 @@
+"""Stage 2 (policy RL on task success) and the RWML reward controls, on the real ALFWorld engine."""
+import json
+import random
+
+import pytest
+import torch
+
+import envs
+import rwml
+import train
+from envs import UserError
+from reward import coin_reward, derangement
+from train import read_jsonl
+
+
+def record_turns(tiny_model, num_games=2, episodes_per_game=2, max_turns=3):
+    model, tok = rwml.load_model(tiny_model)
+    games = envs.list_games("train", num_games, seed=0)
+    turns = []
+    torch.manual_seed(0)
+    with envs.EnvPool(0, max_turns) as pool:
+        summaries = rwml.play(model, tok, pool, [dict(game=g) for g in games for _ in range(episodes_per_game)],
+                              max_turns=max_turns, max_new_tokens=6, num_envs=3, on_turn=turns.append,
+                              record_tokens=True)
+    return tok, turns, summaries
+
+
+def test_every_turn_gets_its_episodes_advantage_and_environment_tokens_are_masked(tiny_model):
+    tok, turns, summaries = record_turns(tiny_model)
+    assert len(turns) == sum(s["steps"] for s in summaries) == 12
+    adv = torch.tensor([1.5, -0.5, 0.0, 2.0])  # one per episode
+    ids, attn, cmask, turn_adv, weights = rwml.policy_batch(turns, adv, tok.pad_token_id, "grpo", 6)
+    C = cmask.shape[1]
+    for j, t in enumerate(turns):
+        assert turn_adv[j] == adv[t["episode"]]
+        # the trained tokens are exactly the model's reply; the prompt, which holds every observation the
+        # environment wrote, is outside the completion mask
+        assert ids[j, -C:][cmask[j].bool()].tolist() == t["completion_ids"]
+        assert ids[j, :-C][attn[j, :-C].bool()].tolist() == t["prompt_ids"]
+        assert t["history"][-1]["observation"][:40] in tok.decode(t["prompt_ids"])
+        assert tok.decode(t["completion_ids"], skip_special_tokens=True) == t["response"][len(rwml.AGENT_PREFIX):]
+    # later turns' prompts hold the observations that earlier turns caused: those are never trained on
+    later = [t for t in turns if t["step"] > 0]
+    assert later and all(t["history"][-2]["action"] in tok.decode(t["prompt_ids"]) for t in later)
+    assert torch.allclose(weights.sum(), torch.tensor(1.0))  # grpo: per-turn mean, then mean over turns
+
+    # beta = 0: turns of zero-advantage episodes are dropped, the others keep the full batch's weights
+    ids2, attn2, cmask2, adv2, w2 = rwml.policy_batch(turns, adv, tok.pad_token_id, "grpo", 6, keep_zero_advantage=False)
+    kept = [j for j, t in enumerate(turns) if adv[t["episode"]] != 0]
+    assert ids2.shape[0] == len(kept) and torch.equal(adv2, turn_adv[kept])
+    assert torch.allclose(w2.sum(1), weights[kept].sum(1))
+    assert torch.equal(cmask2.sum(1), cmask[kept].sum(1))
+
+
+def test_policy_step_rewards_wins_and_trains_only_on_mixed_groups(tiny_model):
+    """A walkthrough-playing "model" is not available, so the real engine decides: the tiny model never
+    wins, every group is all-equal, and with beta = 0 nothing is trained and the weights stay put."""
+    model, tok = rwml.load_model(tiny_model)
+    model = rwml.add_lora(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    cfg = train.Config(num_generations=2, max_turns=2, max_new_tokens=6, num_envs=4, beta=0.0)
+    with envs.EnvPool(0, cfg.max_turns) as pool:
+        res = rwml.policy_step(model, tok, opt, pool, envs.list_games("train", 2, seed=0), cfg)
+    assert res["reward_mean"] == 0 and res["frac_reward_zero_std"] == 1
+    assert res["num_turns"] == 8 and res["trained_turns"] == 0 and res["updates"][0]["loss"] == 0
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
+
+
+def adapter_with_weights(tiny_model, folder):
+    """A saved LoRA adapter that is not the identity (as an RWML or WM-SFT run leaves one)."""
+    model, _ = rwml.load_model(tiny_model)
+    torch.manual_seed(1)
+    model = rwml.add_lora(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
+    adapter = adapter_with_weights(tiny_model, tmp_path / "rwml_adapter")
+    cfg = train.Config(model=tiny_model, init="rwml", adapter=adapter, beta=0.5, temperature=1.0, micro_batch_size=4,
+                       num_iterations=1)
+    model, tok = rwml.load_model(tiny_model, adapter, trainable_adapter=True)
+    model = train.init_policy(cfg, model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(".default." in n for n, p in model.named_parameters() if p.requires_grad)
+    roll = rwml.sample_group(model, tok, ["go to desk 1", "open drawer 2"], num_generations=2, max_completion_length=6)
+    args = roll["input_ids"], roll["attention_mask"], roll["completion_mask"]
+    with torch.no_grad():
+        policy = rwml.completion_logprobs(model, *args)
+        with rwml.reference_policy(model):
+            ref = rwml.completion_logprobs(model, *args)
+        with model.disable_adapter():
+            bare = rwml.completion_logprobs(model, *args)
+    assert torch.allclose(policy, ref)  # the reference is the starting adapter ...
+    assert not torch.allclose(policy, bare, atol=1e-3)  # ... not the bare base model
+    opt = torch.optim.AdamW(trainable, lr=5e-2)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    weights = rwml.token_weights(roll["completion_mask"], "grpo", 6)
+    first = rwml.grpo_update(model, opt, *args, adv, weights, cfg)
+    assert first[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # starts at its reference
+    second = rwml.grpo_update(model, opt, *args, adv, weights, cfg)
+    assert second[0]["kl"] > 0  # the policy moved away from it ...
+    with torch.no_grad(), rwml.reference_policy(model):
+        assert torch.allclose(rwml.completion_logprobs(model, *args), ref)  # ... and the reference did not move
+    assert all(".default." in n for n, p in model.named_parameters() if p.requires_grad)
+    train.save_checkpoint(tmp_path / "ckpt", model, opt, dict(step=2))
+    assert not (tmp_path / "ckpt" / "reference").exists()  # only the trained adapter is saved
+
+
+def test_policy_stage_end_to_end_from_an_adapter_with_resume(tiny_model, transitions, tmp_path):
+    train.main(["wm-sft", "--model", tiny_model, "--transitions", transitions, "--sft-epochs", "1",
+                "--out", str(tmp_path / "wm_sft")])
+    assert (tmp_path / "wm_sft" / "adapter" / "adapter_config.json").is_file()
+    args = ["policy", "--model", tiny_model, "--init", "wm-sft", "--adapter", str(tmp_path / "wm_sft" / "adapter"),
+            "--num-games", "3", "--games-per-step", "1", "--num-generations", "2", "--max-turns", "2",
+            "--max-new-tokens", "6", "--save-steps", "1", "--num-workers", "0", "--out", str(tmp_path / "policy")]
+    train.main(args + ["--max-steps", "1"])
+    with pytest.raises(UserError, match="--resume"):
+        train.main(args + ["--max-steps", "2"])
+    train.main(args + ["--max-steps", "2", "--resume"])
+    rows = read_jsonl(tmp_path / "policy" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["num_turns"] == 4 for r in rows)
+    saved = json.loads((tmp_path / "policy" / "adapter" / "adapter_config.json").read_text())
+    assert saved["peft_type"] == "LORA" and (tmp_path / "policy" / "reward_curve.png").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--init", "rwml"], "needs --adapter"),
+    (["--init", "base", "--adapter", "x"], "--init base starts from the bare model"),
+    (["--init", "rwm"], "did you mean 'rwml'"),
+])
+def test_policy_init_errors(args, message):
+    with pytest.raises(UserError, match=message):
+        train.main(["policy", *args])
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 17, 100])
+def test_mis_derangement_moves_every_target(n):
+    for seed in range(20):
+        perm = derangement(n, seed)
+        assert sorted(perm) == list(range(n)) and all(p != i for i, p in enumerate(perm))
+    assert len({tuple(derangement(n, s)) for s in range(20)}) > 1 or n == 2  # random, not one fixed shift
+
+
+def test_mis_scores_each_triplet_against_another_ones_target(tiny_model, transitions, tmp_path):
+    trips = train.read_transitions(transitions)
+    seen = []
+
+    def recording_reward(completions, targets):
+        seen.extend(targets)
+        return [float(i % 2) for i in range(len(completions))]
+
+    cfg = train.Config(model=tiny_model, max_steps=len(trips) // 2, prompts_per_step=2, num_generations=2,
+                       max_completion_length=4, reward_control="mis", save_steps=100)
+    train.train_wm(cfg, trips, tmp_path / "mis", lambda: rwml.load_model(tiny_model), recording_reward)
+    order = list(range(len(trips)))
+    random.Random(cfg.seed * 1000).shuffle(order)  # train_wm's data order of epoch 0
+    perm = derangement(len(trips), cfg.seed)
+    expected = [trips[perm[i]]["next_obs"] for i in order]
+    assert seen[::2] == seen[1::2] and seen[::2] == expected[:len(seen) // 2]
+    assert any(trips[i]["next_obs"] != trips[perm[i]]["next_obs"] for i in order[:len(seen) // 2])
+
+
+def test_coin_reward_is_a_fair_coin_that_ignores_the_prediction():
+    coin = coin_reward(seed=0)
+    right = coin(["<next_state>You arrive at desk 1.</next_state>"] * 4000, ["You arrive at desk 1."] * 4000)
+    wrong = coin([""] * 4000, ["You arrive at desk 1."] * 4000)
+    assert 0.47 < sum(right) / 4000 < 0.53 and 0.47 < sum(wrong) / 4000 < 0.53
+    assert set(right) == {0.0, 1.0}
+    assert coin_reward(seed=3)(["a"] * 50) == coin_reward(seed=3)(["b"] * 50)  # reproducible by seed
