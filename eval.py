@@ -169,8 +169,6 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
                              history_len=cfg.history_len, max_turns=cfg.max_turns, temperature=cfg.temperature,
                              top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs,
                              desc=f"eval {cfg.split}")
-    for e in episodes:
-        e["game"] = envs.game_id(e["game"])
     result = _summarize(episodes, cfg.seeds)
     result["per_split"] = {sp: dict(_summarize([e for e in episodes if e["split"] == sp], cfg.seeds),
                                     num_games=len(games[sp])) for sp in splits}
