@@ -100,6 +100,7 @@ class Config:
     scale_rewards: str = "group"  # group | batch | none
     max_grad_norm: float = 1.0
     micro_batch_size: int = 4  # completions per forward/backward (gradient accumulation inside a step)
+    shared_prompt_forward: bool = True  # training forward: a group's completions share one prompt forward
     logits_chunk_size: int = 512  # completion tokens per vocabulary projection
     gradient_checkpointing: bool = False
     lora_r: int = 16

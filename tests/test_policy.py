@@ -90,6 +90,7 @@ def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
     assert trainable and all(".default." in n for n, p in model.named_parameters() if p.requires_grad)
     roll = rwml.sample_group(model, tok, ["go to desk 1", "open drawer 2"], num_generations=2, max_completion_length=6)
     args = roll["input_ids"], roll["attention_mask"], roll["completion_mask"]
+    batch = dict(input_ids=args[0], attention_mask=args[1], completion_mask=args[2])
     with torch.no_grad():
         policy = rwml.completion_logprobs(model, *args)
         with rwml.reference_policy(model):
@@ -101,9 +102,9 @@ def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
     opt = torch.optim.AdamW(trainable, lr=5e-2)
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
     weights = rwml.token_weights(roll["completion_mask"], "grpo", 6)
-    first = rwml.grpo_update(model, opt, *args, adv, weights, cfg)
+    first = rwml.grpo_update(model, opt, batch, adv, weights, cfg)
     assert first[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # starts at its reference
-    second = rwml.grpo_update(model, opt, *args, adv, weights, cfg)
+    second = rwml.grpo_update(model, opt, batch, adv, weights, cfg)
     assert second[0]["kl"] > 0  # the policy moved away from it ...
     with torch.no_grad(), rwml.reference_policy(model):
         assert torch.allclose(rwml.completion_logprobs(model, *args), ref)  # ... and the reference did not move
