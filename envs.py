@@ -303,3 +303,24 @@ class EnvPool:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def walkthrough_triplets(split: str = "train", num_games: int = 3, history_len: int = 2, seed: int = 0) -> list[dict]:
+    """Real triplets without a model: the expert walkthroughs of real games on the real engine, with a
+    wrong command first so that "Nothing happens." is there too, in the format `train.py collect`
+    writes. For tests and benchmarks that need real world-model prompts and targets."""
+    import json
+
+    out, game = [], Game(max_turns=100)
+    for path in list_games(split, num_games, seed):
+        s = game.reset(path)
+        past, obs = [], s["obs"]
+        for i, command in enumerate(["fly away"] + json.loads(Path(path).read_text())["walkthrough"]):
+            r = game.step(command)
+            out.append(dict(game=game_id(path), task=s["task"], task_type=s["task_type"], rollout=0, step=i,
+                            history=[{"observation": o, "action": a} for o, a in past[-history_len:]]
+                            + [{"observation": obs}], action=command, next_obs=r["obs"], valid=r["valid"],
+                            format_ok=True, won=r["won"], done=r["done"], response=""))
+            past.append((obs, command))
+            obs = r["obs"]
+    return out

@@ -50,32 +50,12 @@ def tiny_model(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
 
 
-def walkthrough_triplets(split: str = "train", num_games: int = 3, history_len: int = 2) -> list[dict]:
-    """Real triplets without a model: the expert walkthroughs of real games, with a wrong command
-    mixed in so that "Nothing happens." is there too, in the format `train.py collect` writes."""
-    import json
-
-    import envs
-
-    out, game = [], envs.Game(max_turns=100)
-    for path in envs.list_games(split, num_games, seed=0):
-        s = game.reset(path)
-        past, obs = [], s["obs"]
-        for i, command in enumerate(["fly away"] + json.load(open(path))["walkthrough"]):
-            r = game.step(command)
-            out.append(dict(game=envs.game_id(path), task=s["task"], task_type=s["task_type"], rollout=0, step=i,
-                            history=[{"observation": o, "action": a} for o, a in past[-history_len:]]
-                            + [{"observation": obs}], action=command, next_obs=r["obs"], valid=r["valid"],
-                            format_ok=True, won=r["won"], done=r["done"], response=""))
-            past.append((obs, command))
-            obs = r["obs"]
-    return out
-
-
 @pytest.fixture(scope="session")
 def transitions(tmp_path_factory) -> str:
     import json
 
+    import envs
+
     path = tmp_path_factory.mktemp("collect") / "transitions.jsonl"
-    path.write_text("".join(json.dumps(t) + "\n" for t in walkthrough_triplets()))
+    path.write_text("".join(json.dumps(t) + "\n" for t in envs.walkthrough_triplets()))
     return str(path)

@@ -1,6 +1,5 @@
 """Rollout collection and agent evaluation end to end: real ALFWorld games, a tiny model built in code."""
 import json
-from pathlib import Path
 
 import pytest
 
