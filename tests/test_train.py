@@ -140,3 +140,30 @@ def test_num_iterations_reuses_one_batch_for_several_updates(tiny_model, transit
     assert res["updates"][0]["clip_ratio"] == 0.0  # first update: pi_theta == pi_old
     assert all(u["kl"] > 0 for u in res["updates"])
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_shared_prompt_forward_gives_the_same_update_as_the_plain_path(tiny_model, transitions):
+    """The whole GRPO step (sampling, reward, old / ref / train forwards, optimizer) with and without the
+    shared prompt forward: same samples, same loss, same KL, same weights afterwards
+    (detaching the cache inside group_logprobs makes this test fail: k / v gradients flow through it)."""
+    results = []
+    for shared in (True, False):
+        model, tok = rwml.load_model(tiny_model)
+        torch.manual_seed(0)
+        model = rwml.add_lora(model, r=4, alpha=8)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        cfg = train.Config(num_generations=3, max_completion_length=8, micro_batch_size=3, num_iterations=2, beta=0.1,
+                           shared_prompt_forward=shared)
+        torch.manual_seed(1)
+        res = rwml.grpo_step(model, tok, opt, train.read_transitions(transitions)[3:5], parity_reward, cfg)
+        results.append((res, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}))
+    (a, wa), (b, wb) = results
+    assert a["sample"] == b["sample"] and a["reward_std"] > 0 and a["updates"][1]["kl"] > 0
+    for ua, ub in zip(a["updates"], b["updates"]):
+        assert ua["loss"] == pytest.approx(ub["loss"], abs=1e-5) and ua["kl"] == pytest.approx(ub["kl"], abs=1e-6)
+    for n in wa:
+        assert torch.allclose(wa[n], wb[n], atol=1e-5), n
