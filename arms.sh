@@ -38,6 +38,9 @@ for control in mis coin; do
         --out "$OUT/$control" --resume
 done
 [ -f "$OUT/wm_sft/adapter/adapter_config.json" ] || $PY train.py wm-sft "${M[@]}" --transitions "$T" --out "$OUT/wm_sft"
+# RFT: SFT on the model's own successful episodes; a model that wins none has nothing to learn from
+[ -f "$OUT/rft/adapter/adapter_config.json" ] || $PY train.py rft "${M[@]}" --num-games "$GAMES" --rollouts-per-game 2 \
+    --max-turns "$TURNS" --max-new-tokens "$TOKENS" --out "$OUT/rft" || echo "arms.sh: no RFT arm (see the line above)"
 
 # --- stage 2: policy RL on task success from the base model, from RWML, from WM SFT
 policy() {  # policy OUT_NAME INIT [ADAPTER]
@@ -51,11 +54,12 @@ policy wm_sft_policy wm-sft "$OUT/wm_sft/adapter"
 
 # --- evaluation of every arm: agent success ID / OOD, world-model accuracy, weight change
 ARMS=(base policy wm_sft rwml wm_sft_policy rwml_policy mis coin)
+[ -f "$OUT/rft/adapter/adapter_config.json" ] && ARMS+=(rft)
 mkdir -p "$OUT/base"
 for arm in "${ARMS[@]}"; do
     dir=$OUT/$arm
     adapter=(); [ "$arm" = base ] || adapter=(--adapter "$dir/adapter")
-    reasoning=(); [ "$arm" = wm_sft ] && reasoning=(--no-wm-reasoning)  # WM SFT answers without <think>
+    reasoning=(); [[ "$arm" == wm_sft* ]] && reasoning=(--no-wm-reasoning)  # WM SFT learned to answer without <think>
     games=(); [ "$EVAL_GAMES" = 0 ] || games=(--num-games "$EVAL_GAMES")
     [ -f "$dir/eval_agent.json" ] || $PY eval.py agent "${M[@]}" "${adapter[@]}" --split valid_seen,valid_unseen \
         "${games[@]}" --seeds "$SEEDS" --max-turns "$TURNS" --max-new-tokens "$TOKENS" --out "$dir/eval_agent.json"

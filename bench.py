@@ -145,6 +145,17 @@ def one_run(arm: str, cfg: BenchConfig) -> dict:
     return res
 
 
+def machine() -> str:
+    import os
+
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
+    return f"{cpu}, {os.cpu_count()} cores{gpu}, torch {torch.__version__}"
+
+
 def table(runs: list[dict], cfg: BenchConfig) -> str:
     keys = [("completions_per_s", "completions/s", "{:.3f}"), ("tokens_per_s", "trained tokens/s", "{:.1f}"),
             ("peak_rss_gb", "peak RSS (GB)", "{:.2f}")]
@@ -154,7 +165,7 @@ def table(runs: list[dict], cfg: BenchConfig) -> str:
     lines = [f"# python bench.py --repeats {cfg.repeats} --steps {cfg.steps} (model {cfg.model}, "
              f"{cfg.prompts_per_step} prompts x {cfg.num_generations} completions per step, max {cfg.max_completion_length} "
              f"tokens, micro-batch {cfg.micro_batch_size}, beta {cfg.beta}, LoRA r={cfg.lora_r} on q/k/v/o"
-             + (", 4-bit NF4" if cfg.load_in_4bit else "") + ")",
+             + (", 4-bit NF4" if cfg.load_in_4bit else "") + ")", f"# machine: {machine()}",
              "| arm | " + " | ".join(f"{name} min / median / max" for _, name, _ in keys) + " |",
              "|---|" + "---|" * len(keys)]
     for arm in ARMS:

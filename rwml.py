@@ -328,15 +328,15 @@ def sample_group(model, tokenizer, prompts: list[str], *, num_generations: int, 
 
 @contextmanager
 def reference_policy(model):
-    """pi_ref for the KL term: the frozen adapter named "reference" when there is one (stage 2 started from
-    an RWML or WM-SFT adapter), else the model with its adapter disabled (the base model)."""
-    if "reference" in getattr(model, "peft_config", {}):
+    """pi_ref for the KL term: the frozen adapter named "ref" (TRL's name) when there is one (stage 2
+    started from an RWML or WM-SFT adapter), else the model with its adapter disabled (the base model)."""
+    if "ref" in getattr(model, "peft_config", {}):
         active = model.active_adapter
-        model.set_adapter("reference", inference_mode=True)
+        model.set_adapter("ref", inference_mode=True)
         try:
             yield
         finally:
-            model.set_adapter(active)  # trainable again; "reference" stays frozen
+            model.set_adapter(active)  # trainable again; "ref" stays frozen
     else:
         with model.disable_adapter():
             yield

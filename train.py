@@ -290,7 +290,7 @@ def save_checkpoint(path: Path, model, optimizer, state: dict) -> None:
     """Adapter (the peft way), optimizer, RNG states, data cursor and step, swapped in atomically."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, selected_adapters=["default"])  # not the frozen "reference"
+    model.save_pretrained(tmp, selected_adapters=["default"])  # not the frozen "ref"
     torch.save(dict(state, optimizer=optimizer.state_dict(), torch_rng=torch.get_rng_state(),
                     cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None),
                tmp / "trainer_state.pt")
@@ -492,11 +492,11 @@ def train_rft(cfg: Config, out: Path, load):
 def init_policy(cfg: Config, model):
     """The policy to train and its KL reference: from the base model, a fresh adapter (reference = adapter
     disabled); from an RWML / WM-SFT / RFT adapter, that adapter trains on and a frozen copy of it, named
-    "reference", is pi_ref (`rwml.reference_policy`)."""
+    "ref", is pi_ref (`rwml.reference_policy`)."""
     if cfg.init == "base":
         return rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
                              cfg.gradient_checkpointing)
-    model.load_adapter(cfg.adapter, adapter_name="reference", is_trainable=False)
+    model.load_adapter(cfg.adapter, adapter_name="ref", is_trainable=False)
     model.set_adapter("default")  # the adapter loaded with the model, trainable
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))

@@ -110,7 +110,7 @@ def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
         assert torch.allclose(rwml.completion_logprobs(model, *args), ref)  # ... and the reference did not move
     assert all(".default." in n for n, p in model.named_parameters() if p.requires_grad)
     train.save_checkpoint(tmp_path / "ckpt", model, opt, dict(step=2))
-    assert not (tmp_path / "ckpt" / "reference").exists()  # only the trained adapter is saved
+    assert not (tmp_path / "ckpt" / "ref").exists()  # only the trained adapter is saved
 
 
 def test_policy_stage_end_to_end_from_an_adapter_with_resume(tiny_model, transitions, tmp_path):
