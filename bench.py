@@ -115,7 +115,7 @@ def run_trl(cfg: BenchConfig) -> dict:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     # the very prompts ours samples from: chat template + the "<think>" the reply starts with
-    data = Dataset.from_list([dict(prompt=rwml.chat(tok, rwml.wm_prompt(t), rwml.WM_SYSTEM, rwml.WM_PREFIX),
+    data = Dataset.from_list([dict(prompt=rwml.chat(tok, rwml.wm_prompt(t), rwml.wm_system(t), rwml.WM_PREFIX),
                                    targets=t["next_obs"]) for t in trips])
     accumulation = cfg.prompts_per_step * cfg.num_generations // cfg.micro_batch_size
     with tempfile.TemporaryDirectory() as tmp:

@@ -44,8 +44,11 @@ COMMANDS = ("agent", "wm", "calibrate", "weights", "report")
 class AgentEvalConfig:
     model: str = rwml.BUNDLED_MODEL
     adapter: str | None = None
-    split: str = "valid_seen"  # valid_seen = in distribution, valid_unseen = out of distribution; or both: a,b
-    num_games: int | None = None  # per split; None = the whole split (140 seen, 134 unseen)
+    env: str = "alfworld"  # or tau2
+    domain: str = "retail"  # tau2: airline | retail
+    user_model: str | None = None  # tau2's simulated customer; None = the agent's model
+    split: str | None = None  # ALFWorld: valid_seen (ID, the default), valid_unseen (OOD), or both: a,b; tau2: test
+    num_games: int | None = None  # per split (tau2: tasks); None = the whole split (140 seen, 134 unseen; 40 retail)
     seeds: int = 3  # independent runs of every game; reported as mean and std
     seed: int = 0  # draws the game subset and the sampling
     max_turns: int = 30
@@ -113,6 +116,7 @@ def calibrate_tau(cfg: WMEvalConfig) -> dict:
     groups = []
     for i in tqdm(range(0, len(trips), 4), desc="calibrate", unit="batch", dynamic_ncols=True):
         roll = rwml.sample_group(model, tok, [rwml.wm_prompt(t, cfg.wm_reasoning) for t in trips[i:i + 4]],
+                                 system=rwml.wm_system(trips[i]),
                                  num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
                                  prefix=rwml.WM_PREFIX if cfg.wm_reasoning else "")
         texts = roll["texts"]
@@ -152,12 +156,42 @@ def _summarize(episodes: list[dict], seeds: int) -> dict:
     return result
 
 
+def evaluate_agent_tau2(cfg: AgentEvalConfig) -> dict:
+    """tau2-bench: average official reward over seeds (mean and std), pass^k for k = 1..seeds, the share
+    of invalid tool calls (unknown tool or bad arguments) per call, format errors per action."""
+    import torch
+
+    split = cfg.split or "test"
+    tasks = envs.tau2_tasks(cfg.domain, split, cfg.num_games, cfg.seed)
+    t0 = time.time()
+    model, tok = rwml.load_model(cfg.model, cfg.adapter)
+    user = rwml.load_model(cfg.user_model) if cfg.user_model else (None, None)
+    torch.manual_seed(cfg.seed)
+    episodes = rwml.play_tau2(model, tok, cfg.domain, [dict(task=t, seed=s) for s in range(cfg.seeds) for t in tasks],
+                              user_model=user[0], user_tokenizer=user[1], history_len=cfg.history_len,
+                              max_turns=cfg.max_turns, temperature=cfg.temperature, top_p=cfg.top_p,
+                              max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, desc=f"eval tau2 {cfg.domain}")
+    per_seed = [statistics.fmean(e["reward"] for e in episodes if e["seed"] == s) for s in range(cfg.seeds)]
+    trials = [(sum(e["won"] for e in episodes if e["game"] == t.id), cfg.seeds) for t in tasks]
+    calls, steps = sum(e["tool_calls"] for e in episodes), sum(e["steps"] for e in episodes) or 1
+    return dict(env="tau2", domain=cfg.domain, split=split, average_reward=statistics.fmean(per_seed),
+                average_reward_std=_mean_std(per_seed)[1], pass_hat_k={k: envs.pass_hat_k(trials, k) for k in range(1, cfg.seeds + 1)},
+                invalid_tool_call_rate=sum(e["invalid"] for e in episodes) / max(calls, 1), tool_calls=calls,
+                format_error_rate=sum(e["format_errors"] for e in episodes) / steps, mean_steps=steps / len(episodes),
+                num_tasks=len(tasks), num_episodes=len(episodes), per_seed_reward=per_seed,
+                seconds=round(time.time() - t0, 1), config=asdict(cfg), episodes=episodes)
+
+
 def evaluate_agent(cfg: AgentEvalConfig) -> dict:
     import torch
 
     if cfg.seeds < 1:
         raise UserError(f"--seeds must be at least 1, got {cfg.seeds}")
-    splits = [s.strip() for s in cfg.split.split(",") if s.strip()]
+    if cfg.env == "tau2":
+        return evaluate_agent_tau2(cfg)
+    if cfg.env != "alfworld":
+        raise UserError(f"unknown --env {cfg.env!r}; choose alfworld or tau2")
+    splits = [s.strip() for s in (cfg.split or "valid_seen").split(",") if s.strip()]
     games = {sp: envs.list_games(sp, cfg.num_games, cfg.seed) for sp in splits}
     t0 = time.time()
     with envs.EnvPool(cfg.num_workers, cfg.max_turns) as pool:
@@ -168,11 +202,11 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
                                                 for sp in splits for g in games[sp]],
                              history_len=cfg.history_len, max_turns=cfg.max_turns, temperature=cfg.temperature,
                              top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs,
-                             desc=f"eval {cfg.split}")
+                             desc=f"eval {','.join(splits)}")
     result = _summarize(episodes, cfg.seeds)
     result["per_split"] = {sp: dict(_summarize([e for e in episodes if e["split"] == sp], cfg.seeds),
                                     num_games=len(games[sp])) for sp in splits}
-    result.update(split=cfg.split, num_games=sum(map(len, games.values())), seconds=round(time.time() - t0, 1),
+    result.update(split=",".join(splits), num_games=sum(map(len, games.values())), seconds=round(time.time() - t0, 1),
                   config=asdict(cfg), episodes=episodes)
     return result
 
@@ -366,11 +400,18 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{r['tau_d']:>6.2f} {r['mean_reward']:>12.3f} {r['frac_groups_all_equal']:>17.3f}")
         print(f"predictions with a <next_state>: {first['format_rate']:.3f}, mean cosine {first['mean_cosine']:.3f}")
         return
+    if result.get("env") == "tau2":
+        print(f"tau2 {result['domain']} ({result['split']}, {result['num_tasks']} tasks x {cfg.seeds} seeds): average reward "
+              f"{result['average_reward']:.3f} (std {result['average_reward_std']:.3f}), "
+              + ", ".join(f"pass^{k} {v:.3f}" for k, v in result["pass_hat_k"].items())
+              + f", invalid tool calls {result['invalid_tool_call_rate']:.1%} of {result['tool_calls']}, format errors "
+              f"{result['format_error_rate']:.1%}, {result['num_episodes']} conversations in {result['seconds']:.0f} s -> {out}")
+        return
     for sp, r in result["per_split"].items():
         if len(result["per_split"]) > 1:
             print(f"  {sp}: success {r['success_rate']:.1%} (std {r['success_rate_std']:.1%}), invalid actions "
                   f"{r['invalid_action_rate']:.1%}, {r['num_episodes']} episodes")
-    print(f"{cfg.split}: success {result['success_rate']:.1%} (std {result['success_rate_std']:.1%} over "
+    print(f"{result['split']}: success {result['success_rate']:.1%} (std {result['success_rate_std']:.1%} over "
           f"{cfg.seeds} seeds), invalid actions {result['invalid_action_rate']:.1%}, inefficient "
           f"{result['inefficient_action_rate']:.1%}, mean steps {result['mean_steps']:.1f}, "
           f"{result['num_episodes']} episodes in {result['seconds']:.0f} s -> {out}")

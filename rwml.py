@@ -14,6 +14,7 @@ project, which quotes the paper and marks where the paper is silent and which de
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import random
@@ -124,26 +125,183 @@ def play(model, tokenizer, pool: envs.EnvPool, episodes: list[dict], *, history_
     return summaries
 
 
+# tau2-bench: the same loop for tool use with a simulated customer. The agent reads the domain's policy,
+# the tools and the conversation, and either calls a tool (observation: the tool's response) or writes to
+# the customer (observation: the customer's next message, written by a local model playing the task's
+# scenario, as tau2's user simulator does). The official grading scores the finished conversation.
+
+TAU2_AGENT_SYSTEM = "You are a customer service agent. Help the customer while following the policy exactly."
+TAU2_GREETING = "Hi! How can I help you today?"  # tau2's first agent message
+TAU2_STOP = ("###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###")  # the user simulator ends the conversation
+
+
+def tau2_tools_text(env) -> str:
+    """One line per tool: name(arg: type, ...): the first line of its description."""
+    lines = []
+    for name, tool in sorted(env.tools.get_tools().items()):
+        props = tool.params.model_json_schema().get("properties", {})
+        args = ", ".join(f"{a}: {p.get('type', 'object')}" for a, p in props.items())
+        lines.append(f"- {name}({args}): {(tool.short_desc or '').splitlines()[0] if tool.short_desc else ''}")
+    return "\n".join(lines)
+
+
+def tau2_agent_prompt(policy: str, tools: str, transcript: list[tuple[str, str]]) -> str:
+    lines = ["<policy>", policy.strip(), "</policy>", "Tools:", tools, "The conversation so far:"]
+    lines += [f"[{who}] {text}" for who, text in transcript]
+    lines += ["Reply in this exact format: first think briefly inside <think> </think>, then either call one "
+              "tool, for example <tool_call>{\"name\": \"get_user_details\", \"arguments\": {\"user_id\": "
+              "\"sara_doe_496\"}}</tool_call>, or write to the customer inside <reply> </reply>."]
+    return "\n".join(lines)
+
+
+def tau2_action_text(a: dict) -> str:
+    """The agent's action as one line of text (the triplet's `action`)."""
+    if a["kind"] == "tool":
+        return "tool call " + json.dumps(dict(name=a["name"], arguments=a["arguments"]))
+    return "reply: " + a["content"]
+
+
+def play_tau2(model, tokenizer, domain: str, episodes: list[dict], *, user_model=None, user_tokenizer=None,
+              history_len: int = 2, max_turns: int = 30, temperature: float = 1.0, top_p: float = 1.0,
+              max_new_tokens: int = 128, user_max_new_tokens: int = 96, num_envs: int = 8, on_turn=None,
+              on_episode=None, record_tokens: bool = False, desc: str = "conversations") -> list[dict]:
+    """`play` for tau2-bench: episodes are {"task": tau2 Task, ...}; `max_turns` counts agent actions. The
+    user simulator is `user_model` (default: the agent's own model, as a stand-in for tau2's LLM user).
+    Summaries carry `reward` (official grading; 0 if the budget ran out), `won` (reward 1), `steps`,
+    `tool_calls`, `invalid` (invalid tool calls: unknown tool or bad arguments) and `format_errors`."""
+    from envs import TAU2_DOMAINS, Tau2Episode, parse_tau2_action, tau2_domain
+
+    if domain not in TAU2_DOMAINS[:2]:
+        raise UserError(f"--domain {domain}: only airline and retail are supported here (telecom's customer "
+                        "uses tools on their own phone, which this user simulator does not do)")
+    user_model, user_tokenizer = user_model or model, user_tokenizer or tokenizer
+    guidelines = (Path(tau2_domain(domain).__file__).parents[2] / "data" / "tau2" / "user_simulator"
+                  / "simulation_guidelines.md").read_text()
+    waiting, running, summaries = list(enumerate(episodes)), {}, [None] * len(episodes)
+    bar = tqdm(total=len(episodes), desc=desc, unit="conv", dynamic_ncols=True)
+
+    def user_turns(slots):  # the customer's next message for each conversation, in one batch
+        texts = []
+        for s in slots:
+            e = running[s]
+            msgs = [{"role": "system", "content": guidelines + "\n\n<scenario>\n" + str(e["task"].user_scenario)
+                     + "\n</scenario>"}]
+            msgs += [{"role": "user" if who == "agent" else "assistant", "content": text}
+                     for who, text in e["transcript"] if who in ("agent", "customer")]
+            texts.append(user_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
+        out = sample(user_model, user_tokenizer, texts, max_new_tokens=user_max_new_tokens, temperature=temperature,
+                     top_p=top_p)["texts"] if texts else []
+        return [t.strip() or "(no answer)" for t in out]
+
+    while waiting or running:
+        new = []
+        while waiting and len(running) < num_envs:
+            i, ep = waiting.pop(0)
+            task = ep["task"]
+            game = Tau2Episode(domain, task)
+            game.say("assistant", TAU2_GREETING)
+            slot = max(running, default=-1) + 1
+            running[slot] = dict(index=i, task=task, game=game, past=[], transcript=[("agent", TAU2_GREETING)],
+                                 summary=dict({k: v for k, v in ep.items() if k != "task"}, game=task.id, domain=domain,
+                                              reward=0.0, won=False, steps=0, tool_calls=0, invalid=0, format_errors=0))
+            new.append(slot)
+        for slot, first in zip(new, user_turns(new)):  # the customers open, in one batch
+            running[slot]["game"].say("user", first)
+            running[slot]["transcript"].append(("customer", first))
+            running[slot]["obs"] = first
+        slots = sorted(running)
+        prompts = []
+        for s in slots:
+            e = running[s]
+            policy, tools = e["game"].env.get_policy(), tau2_tools_text(e["game"].env)
+            prompts.append(tau2_agent_prompt(policy, tools, e["transcript"]))
+        roll = sample(model, tokenizer, [chat(tokenizer, p, TAU2_AGENT_SYSTEM, AGENT_PREFIX) for p in prompts],
+                      prefix=AGENT_PREFIX, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        actions = {s: parse_tau2_action(r) for s, r in zip(slots, roll["texts"])}
+        replies = [s for s in slots if actions[s]["kind"] == "reply"]
+        for s in slots:
+            e, a = running[s], actions[s]
+            e["summary"]["format_errors"] += not a["well_formed"]
+            if a["kind"] == "tool":
+                e["summary"]["tool_calls"] += 1
+                response, valid = e["game"].tool(a["name"], a["arguments"]) if a["name"] else \
+                    ("Error: the tool call is not valid JSON with a name and arguments", False)
+                e["summary"]["invalid"] += not valid
+                e["next"], e["valid"] = response, valid
+                e["transcript"] += [("agent tool call", tau2_action_text(a)[len("tool call "):]), ("tool", response)]
+            else:
+                e["game"].say("assistant", a["content"] or "(empty)")
+                e["transcript"].append(("agent", a["content"]))
+                e["valid"] = True
+        for s, text in zip(replies, user_turns(replies)):
+            running[s]["game"].say("user", text)
+            running[s]["transcript"].append(("customer", text))
+            running[s]["next"] = text
+        for j, s in enumerate(slots):
+            e, a = running[s], actions[s]
+            summ = e["summary"]
+            summ["steps"] += 1
+            stopped = a["kind"] == "reply" and any(tok in e["next"] for tok in TAU2_STOP)
+            done = stopped or summ["steps"] >= max_turns
+            if on_turn is not None:
+                history = [{"observation": o, "action": x} for o, x in e["past"][-history_len:]] if history_len else []
+                turn = dict(env="tau2", domain=domain, game=e["task"].id, task_type=domain,
+                            task=f"help the customer as a {domain} customer service agent, following the policy",
+                            rollout=summ.get("rollout", 0), episode=e["index"], step=summ["steps"] - 1,
+                            history=history + [{"observation": e["obs"]}], action=tau2_action_text(a), next_obs=e["next"],
+                            valid=e["valid"], format_ok=a["well_formed"],
+                            won=False, done=done, response=roll["texts"][j])
+                if record_tokens:
+                    turn.update(prompt=prompts[j], prompt_ids=roll["prompt_ids"][j], completion_ids=roll["completion_ids"][j])
+                on_turn(turn)
+            e["past"].append((e["obs"], tau2_action_text(a)))
+            e["obs"] = e["next"]
+            if done:
+                graded = e["game"].grade(finished=stopped)
+                summ.update(reward=graded["reward"], won=graded["reward"] == 1.0, grading=graded)
+                summaries[e["index"]] = summ
+                if on_episode is not None:
+                    on_episode(summ)
+                del running[s]
+                bar.update(1)
+        bar.set_postfix(won=sum(bool(x and x["won"]) for x in summaries), running=len(running))
+    bar.close()
+    return summaries
+
+
 # ============================================================================ 2. World-model prompts (METHOD.md §2-3)
 # The same LLM that acts now predicts: given the task, the history and an action, what will the game say?
 # It reasons in <think>, then writes <next_state>; only the <next_state> text is scored (reward.py).
 
-WM_SYSTEM = "You are a world model of a text-based household simulator (ALFWorld): you predict what the game says next."
+WM_SYSTEMS = dict(  # by the triplet's environment (`env`, ALFWorld when absent)
+    alfworld="You are a world model of a text-based household simulator (ALFWorld): you predict what the game says next.",
+    tau2="You are a world model of a customer service environment (tau2-bench): you predict the tool's response "
+         "to the agent's tool call, or the customer's next message after the agent's reply.")
+WM_SYSTEM = WM_SYSTEMS["alfworld"]
 WM_PREFIX = "<think>"
+_WM_ASK = dict(  # (question, what to write, example answer)
+    alfworld=("What does the game answer to this action?", "the game's answer", "<think>Going somewhere lists what is "
+              "there.</think><next_state>You arrive at shelf 1. On the shelf 1, you see a vase 2.</next_state>"),
+    tau2=("What comes back: the tool's response to this call, or the customer's next message after this reply?",
+          "it", "<think>Looking up a user returns their record.</think><next_state>{\"user_id\": \"sara_doe_496\", "
+          "\"orders\": [\"#W2378156\"]}</next_state>"))
+
+
+def wm_system(t: dict) -> str:
+    return WM_SYSTEMS[t.get("env", "alfworld")]
 
 
 def wm_prompt(t: dict, reasoning: bool = True) -> str:
     """(history s_<=t, action a_t) of a triplet -> the prompt whose answer is s_t+1."""
+    question, what, example = _WM_ASK[t.get("env", "alfworld")]
     lines = [f"The agent's task: {t['task']}"]
     lines += [f"[Observation] {h['observation']}\n[Action] {h['action']}" for h in t["history"][:-1]]
     lines += [f"[Current observation] {t['history'][-1]['observation']}", f"[Action] {t['action']}"]
     if reasoning:
-        lines += ["What does the game answer to this action? Reply in this exact format: first think briefly "
-                  "inside <think> </think>, then write the game's answer inside <next_state> </next_state>, "
-                  "for example:", "<think>Going somewhere lists what is there.</think><next_state>You arrive "
-                  "at shelf 1. On the shelf 1, you see a vase 2.</next_state>"]
+        lines += [f"{question} Reply in this exact format: first think briefly inside <think> </think>, then write "
+                  f"{what} inside <next_state> </next_state>, for example:", example]
     else:  # no reasoning: the easiness filter's SFT copy (METHOD.md §4), or --no-wm-reasoning
-        lines += ["What does the game answer to this action? Write it inside <next_state> </next_state>."]
+        lines += [f"{question} Write it inside <next_state> </next_state>."]
     return "\n".join(lines)
 
 
@@ -174,7 +332,7 @@ def easiness(model, tokenizer, triplets: list[dict], reward_fn, *, k: int = 10, 
     scores = []
     for i in tqdm(range(0, len(prompts), per), desc="easiness", unit="batch", dynamic_ncols=True):
         chunk = triplets[i:i + per]
-        outs = generate(model, tokenizer, prompts[i:i + per], system=WM_SYSTEM, max_new_tokens=max_new_tokens,
+        outs = generate(model, tokenizer, prompts[i:i + per], system=wm_system(chunk[0]), max_new_tokens=max_new_tokens,
                         temperature=temperature, n=k)
         r = reward_fn(outs, [t["next_obs"] for t in chunk for _ in range(k)])
         scores += [sum(r[j * k:(j + 1) * k]) / k for j in range(len(chunk))]
@@ -406,7 +564,7 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg)
     model.eval()  # sampling
     roll = sample_group(model, tokenizer, [wm_prompt(t, cfg.wm_reasoning) for t in triplets], num_generations=G,
                         max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                        prefix=WM_PREFIX if cfg.wm_reasoning else "")
+                        system=wm_system(triplets[0]), prefix=WM_PREFIX if cfg.wm_reasoning else "")
     rewards = torch.tensor(reward_fn(roll["texts"], [t["next_obs"] for t in triplets for _ in range(G)]), dtype=torch.float)
     adv = group_advantages(rewards, G, cfg.scale_rewards)
     ids, attn, cmask = roll["input_ids"], roll["attention_mask"], roll["completion_mask"]
@@ -448,15 +606,21 @@ def policy_batch(turns: list[dict], advantages: torch.Tensor, pad_token_id: int,
     return ids, attn, cmask, adv, weights
 
 
-def policy_step(model, tokenizer, optimizer, pool: envs.EnvPool, games: list[str], cfg) -> dict:
-    """One stage-2 step: num_generations episodes of each game, terminal reward won, GRPO on every turn."""
+def policy_step(model, tokenizer, optimizer, pool: envs.EnvPool | None, games: list, cfg) -> dict:
+    """One stage-2 step: num_generations episodes of each game (ALFWorld game files, or tau2 tasks with
+    `cfg.env == "tau2"`), terminal reward won, GRPO on every turn."""
     G = cfg.num_generations
-    episodes = [dict(game=g, group=i, rollout=k) for i, g in enumerate(games) for k in range(G)]
     turns = []
     model.eval()
-    summaries = play(model, tokenizer, pool, episodes, history_len=cfg.history_len, max_turns=cfg.max_turns,
-                     temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                     num_envs=cfg.num_envs, on_turn=turns.append, record_tokens=True, desc="policy rollouts")
+    kwargs = dict(history_len=cfg.history_len, max_turns=cfg.max_turns, temperature=cfg.temperature, top_p=cfg.top_p,
+                  max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, on_turn=turns.append, record_tokens=True,
+                  desc="policy rollouts")
+    if getattr(cfg, "env", "alfworld") == "tau2":  # games are tau2 tasks; the reward is the official grading
+        summaries = play_tau2(model, tokenizer, cfg.domain, [dict(task=g, group=i, rollout=k) for i, g in enumerate(games)
+                                                            for k in range(G)], **kwargs)
+    else:
+        summaries = play(model, tokenizer, pool, [dict(game=g, group=i, rollout=k) for i, g in enumerate(games)
+                                                  for k in range(G)], **kwargs)
     rewards = torch.tensor([float(s["won"]) for s in summaries])  # gamma = 1: the return is the terminal reward
     adv = group_advantages(rewards, G, cfg.scale_rewards)
     ids, attn, cmask, turn_adv, weights = policy_batch(turns, adv, tokenizer.pad_token_id, cfg.loss_type,
@@ -485,7 +649,7 @@ def evaluate_wm(model, tokenizer, triplets: list[dict], reward_fn, *, max_new_to
     preds = []
     for i in tqdm(range(0, len(triplets), batch_size), desc="wm eval", unit="batch", dynamic_ncols=True):
         preds += generate(model, tokenizer, [wm_prompt(t, reasoning) for t in triplets[i:i + batch_size]],
-                          system=WM_SYSTEM, prefix=WM_PREFIX if reasoning else "", max_new_tokens=max_new_tokens,
+                          system=wm_system(triplets[i]), prefix=WM_PREFIX if reasoning else "", max_new_tokens=max_new_tokens,
                           temperature=0.0)
     targets = [t["next_obs"] for t in triplets]
     rewards = reward_fn(preds, targets)

@@ -22,6 +22,7 @@ Every field of `Config` is a flag (`num_games` -> `--num-games`) and a key of an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -45,7 +46,7 @@ from reward import BUNDLED_EMBEDDER, SimToRealReward, coin_reward, derangement
 
 STAGES = ("all", "collect", "filter", "wm", "wm-sft", "rft", "policy")
 INITS = ("base", "rwml", "wm-sft", "rft")
-CHOICES = dict(init=INITS, reward_control=("none", "mis", "coin"), reward_metric=("embedding", "rouge"),
+CHOICES = dict(env=("alfworld", "tau2"), domain=envs.TAU2_DOMAINS, init=INITS, reward_control=("none", "mis", "coin"), reward_metric=("embedding", "rouge"),
                loss_type=("grpo", "dapo", "dr_grpo"), scale_rewards=("group", "batch", "none"),
                report_to=("none", "tensorboard"))
 
@@ -58,6 +59,9 @@ class Config:
     load_in_4bit: bool | None = None  # NF4 base weights via bitsandbytes (QLoRA); None = on when CUDA is present
     seed: int = 0
     # --- data collection (METHOD.md §2): the base model plays train games at temperature 1.0
+    env: str = "alfworld"  # or tau2 (tool use with a simulated customer; then `domain`, and games = tasks)
+    domain: str = "retail"  # tau2: airline | retail
+    user_model: str | None = None  # tau2's simulated customer: any HF causal LM; None = the agent's model
     split: str = "train"
     num_games: int = 6  # the paper plays every train game (3553); small default for a CPU sanity run
     rollouts_per_game: int = 2  # the paper: 3 for ALFWorld
@@ -199,12 +203,18 @@ def collect(cfg: Config, out: Path, load) -> Path:
     the same command continues: finished episodes are kept, an unfinished one is played again.
     `load()` gives (model, tokenizer), called only when there is something to play.
     """
-    games = envs.list_games(cfg.split, cfg.num_games, cfg.seed)  # bad data or split fails before the model loads
+    if cfg.env == "tau2":  # games are the domain's tasks
+        tasks = {t.id: t for t in envs.tau2_tasks(cfg.domain, cfg.split, cfg.num_games, cfg.seed)}
+        games = list(tasks)
+    else:
+        games = envs.list_games(cfg.split, cfg.num_games, cfg.seed)  # bad data or split fails before the model loads
     if cfg.rollouts_per_game < 1:
         raise UserError(f"--rollouts-per-game must be at least 1, got {cfg.rollouts_per_game}")
     out.mkdir(parents=True, exist_ok=True)
     job = {k: getattr(cfg, k) for k in ("model", "adapter", "seed", "split", "num_games", "rollouts_per_game",
                                         "max_turns", "history_len", "temperature", "top_p", "max_new_tokens")}
+    if cfg.env != "alfworld":
+        job.update(env=cfg.env, domain=cfg.domain, user_model=cfg.user_model)
     meta = out / "collect.json"
     if meta.exists() and json.loads(meta.read_text()) != job:
         old = json.loads(meta.read_text())
@@ -219,11 +229,25 @@ def collect(cfg: Config, out: Path, load) -> Path:
     # rewrite both without a line cut short by an interrupt, and without turns of unfinished episodes
     write_atomic(transitions, "".join(json.dumps(t) + "\n" for t in kept))
     write_atomic(episodes_file, "".join(json.dumps(e) + "\n" for e in done_eps))
-    todo = [dict(game=g, rollout=r) for g in games for r in range(cfg.rollouts_per_game)
-            if (envs.game_id(g), r) not in finished]
-    print(f"collect: {len(games)} {cfg.split} games x {cfg.rollouts_per_game} rollouts; "
+    game_id = (lambda g: g) if cfg.env == "tau2" else envs.game_id
+    todo = [dict(game=g, rollout=r) for g in games for r in range(cfg.rollouts_per_game) if (game_id(g), r) not in finished]
+    print(f"collect: {len(games)} {cfg.split} {'tasks' if cfg.env == 'tau2' else 'games'} x {cfg.rollouts_per_game} rollouts; "
           f"{len(finished)} episodes already done, {len(todo)} to play -> {transitions}")
-    if todo:
+    if todo and cfg.env == "tau2":
+        torch.manual_seed(cfg.seed + len(finished))
+        model, tok = load()
+        user = rwml.load_model(cfg.user_model) if cfg.user_model else (None, None)
+        with open(transitions, "a") as ft, open(episodes_file, "a") as fe:
+            def write(f, rec):
+                f.write(json.dumps(rec, default=str) + "\n")
+                f.flush()
+
+            rwml.play_tau2(model, tok, cfg.domain, [dict(ep, task=tasks[ep["game"]]) for ep in todo],
+                           user_model=user[0], user_tokenizer=user[1], history_len=cfg.history_len,
+                           max_turns=cfg.max_turns, temperature=cfg.temperature, top_p=cfg.top_p,
+                           max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, on_turn=lambda t: write(ft, t),
+                           on_episode=lambda e: write(fe, e), desc="collect tau2")
+    elif todo:
         torch.manual_seed(cfg.seed + len(finished))  # a resumed run does not replay the same samples
         with envs.EnvPool(cfg.num_workers, cfg.max_turns) as pool:  # workers fork before the model loads
             model, tok = load()
@@ -264,7 +288,7 @@ def filter_triplets(cfg: Config, triplets: list[dict], out: Path, load, reward_f
         # the separate copy: a LoRA adapter of its own, trained, used, then removed again
         copy = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, 0.0, cfg.lora_target_modules)
         losses = rwml.sft(copy, tok, [rwml.wm_prompt(t, reasoning=False) for t in filter_set],
-                          [f"<next_state>{t['next_obs']}</next_state>" for t in filter_set], system=rwml.WM_SYSTEM,
+                          [f"<next_state>{t['next_obs']}</next_state>" for t in filter_set], system=rwml.wm_system(filter_set[0]),
                           epochs=cfg.sft_epochs, lr=cfg.sft_learning_rate, seed=cfg.seed)
         scores = rwml.easiness(copy, tok, train, reward_fn, k=cfg.filter_samples, temperature=1.0)
         copy.unload()  # back to the bare base model; its weights were never touched
@@ -447,7 +471,7 @@ def train_wm_sft(cfg: Config, triplets: list[dict], out: Path, load):
     model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
                           cfg.gradient_checkpointing)
     losses = rwml.sft(model, tok, [rwml.wm_prompt(t, reasoning=False) for t in train],
-                      [f"<next_state>{t['next_obs']}</next_state>" for t in train], system=rwml.WM_SYSTEM,
+                      [f"<next_state>{t['next_obs']}</next_state>" for t in train], system=rwml.wm_system(train[0]),
                       epochs=cfg.sft_epochs, lr=cfg.sft_learning_rate, seed=cfg.seed)
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
@@ -518,9 +542,12 @@ def train_policy(cfg: Config, out: Path, load):
     check_init(cfg)
     _check_at_least(cfg, max_steps=1, games_per_step=1, num_generations=2, micro_batch_size=1, num_iterations=1,
                     save_steps=1, max_new_tokens=1)
-    games = envs.list_games(cfg.split, cfg.num_games, cfg.seed)
-    with envs.EnvPool(cfg.num_workers, cfg.max_turns) as pool:  # workers fork before the model loads
-        model, tok = load()
+    if cfg.env == "tau2":
+        games, workers = envs.tau2_tasks(cfg.domain, cfg.split, cfg.num_games, cfg.seed), None
+    else:
+        games, workers = envs.list_games(cfg.split, cfg.num_games, cfg.seed), cfg.num_workers
+    with (envs.EnvPool(workers, cfg.max_turns) if workers is not None else contextlib.nullcontext()) as pool:
+        model, tok = load()  # ALFWorld's workers fork before the model loads
         torch.manual_seed(cfg.seed)
         model = init_policy(cfg, model)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,

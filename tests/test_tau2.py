@@ -82,3 +82,54 @@ def test_tau2_tasks_and_bad_input():
         envs.tau2_tasks("retale")
     with pytest.raises(UserError, match="unknown tau2 split"):
         envs.tau2_tasks("retail", "valid")
+
+
+def test_conversations_become_triplets_in_the_alfworld_format(tiny_model):
+    """The agent loop on real tasks with the official tools; the simulated customer is the same tiny model."""
+    import torch
+
+    import rwml
+
+    model, tok = rwml.load_model(tiny_model)
+    tasks = envs.tau2_tasks("retail", "test", num_tasks=2, seed=0)
+    turns = []
+    torch.manual_seed(0)
+    summaries = rwml.play_tau2(model, tok, "retail", [dict(task=t, rollout=0) for t in tasks], max_turns=2,
+                               max_new_tokens=6, user_max_new_tokens=6, on_turn=turns.append, record_tokens=True)
+    assert [s["game"] for s in summaries] == [t.id for t in tasks]
+    assert all(s["steps"] == 2 and s["reward"] == 0.0 and "budget" in s["grading"]["note"] for s in summaries)
+    assert len(turns) == 4
+    for t in turns:
+        assert {"history", "action", "next_obs", "task", "game", "rollout", "step", "episode"} <= t.keys()
+        assert t["env"] == "tau2" and t["action"].startswith(("reply: ", "tool call "))
+        assert t["history"][-1]["observation"] and isinstance(t["next_obs"], str)
+        assert t["completion_ids"] and t["prompt_ids"]
+    first, second = [t for t in turns if t["episode"] == 0]
+    assert second["history"][-2] == {"observation": first["history"][-1]["observation"], "action": first["action"]}
+    assert second["history"][-1]["observation"] == first["next_obs"]
+    assert "The agent's task" in rwml.wm_prompt(turns[0]) and "tool's response" in rwml.wm_system(turns[0])
+
+
+def test_tau2_cli_eval_collect_and_rwml_run(tiny_model, tmp_path):
+    import json
+
+    import eval as evaluate
+    import train
+
+    out = tmp_path / "tau2.json"
+    evaluate.main(["agent", "--env", "tau2", "--domain", "retail", "--model", tiny_model, "--num-games", "2", "--seeds",
+                   "2", "--max-turns", "2", "--max-new-tokens", "6", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["num_episodes"] == 4 and r["num_tasks"] == 2 and set(r["pass_hat_k"]) == {"1", "2"}
+    assert r["average_reward"] == 0.0 and 0 <= r["invalid_tool_call_rate"] <= 1 and r["mean_steps"] == 2
+    train.main(["collect", "--env", "tau2", "--domain", "retail", "--model", tiny_model, "--num-games", "2",
+                "--rollouts-per-game", "1", "--max-turns", "2", "--max-new-tokens", "6", "--out", str(tmp_path / "c")])
+    trips = train.read_transitions(str(tmp_path / "c" / "transitions.jsonl"))
+    assert len(trips) == 4 and all(t["env"] == "tau2" for t in trips)
+    train.main(["wm", "--model", tiny_model, "--transitions", str(tmp_path / "c" / "transitions.jsonl"), "--no-easy-filter",
+                "--max-steps", "1", "--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "4",
+                "--out", str(tmp_path / "wm")])
+    assert len(train.read_jsonl(tmp_path / "wm" / "metrics.jsonl")) == 1
+    with pytest.raises(UserError, match="telecom"):
+        train.main(["collect", "--env", "tau2", "--domain", "telecom", "--model", tiny_model, "--num-games", "1",
+                    "--out", str(tmp_path / "t")])
