@@ -48,7 +48,8 @@ class AgentEvalConfig:
     domain: str = "retail"  # tau2: airline | retail
     user_model: str | None = None  # tau2's simulated customer; None = the agent's model
     split: str | None = None  # ALFWorld: valid_seen (ID, the default), valid_unseen (OOD), or both: a,b; tau2: test
-    num_games: int | None = None  # per split (tau2: tasks); None = the whole split (140 seen, 134 unseen; 40 retail)
+    num_games: int | None = None  # per split; None = the whole split (140 seen, 134 unseen)
+    num_tasks: int | None = None  # tau2: tasks of the split; None = all (retail test: 40, airline test: 20)
     seeds: int = 3  # independent runs of every game; reported as mean and std
     seed: int = 0  # draws the game subset and the sampling
     max_turns: int = 30
@@ -162,7 +163,7 @@ def evaluate_agent_tau2(cfg: AgentEvalConfig) -> dict:
     import torch
 
     split = cfg.split or "test"
-    tasks = envs.tau2_tasks(cfg.domain, split, cfg.num_games, cfg.seed)
+    tasks = envs.tau2_tasks(cfg.domain, split, cfg.num_tasks, cfg.seed)
     t0 = time.time()
     model, tok = rwml.load_model(cfg.model, cfg.adapter)
     user = rwml.load_model(cfg.user_model) if cfg.user_model else (None, None)

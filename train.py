@@ -64,6 +64,7 @@ class Config:
     user_model: str | None = None  # tau2's simulated customer: any HF causal LM; None = the agent's model
     split: str = "train"
     num_games: int = 6  # the paper plays every train game (3553); small default for a CPU sanity run
+    num_tasks: int | None = 4  # tau2: tasks of the split (None = all; retail train has 74)
     rollouts_per_game: int = 2  # the paper: 3 for ALFWorld
     max_turns: int = 10  # environment step budget per episode (the paper: 30; `eval.py agent` uses 30)
     history_len: int = 2  # H: previous (observation, action) pairs shown to the agent and kept per triplet
@@ -204,7 +205,7 @@ def collect(cfg: Config, out: Path, load) -> Path:
     `load()` gives (model, tokenizer), called only when there is something to play.
     """
     if cfg.env == "tau2":  # games are the domain's tasks
-        tasks = {t.id: t for t in envs.tau2_tasks(cfg.domain, cfg.split, cfg.num_games, cfg.seed)}
+        tasks = {t.id: t for t in envs.tau2_tasks(cfg.domain, cfg.split, cfg.num_tasks, cfg.seed)}
         games = list(tasks)
     else:
         games = envs.list_games(cfg.split, cfg.num_games, cfg.seed)  # bad data or split fails before the model loads
@@ -214,7 +215,8 @@ def collect(cfg: Config, out: Path, load) -> Path:
     job = {k: getattr(cfg, k) for k in ("model", "adapter", "seed", "split", "num_games", "rollouts_per_game",
                                         "max_turns", "history_len", "temperature", "top_p", "max_new_tokens")}
     if cfg.env != "alfworld":
-        job.update(env=cfg.env, domain=cfg.domain, user_model=cfg.user_model)
+        del job["num_games"]
+        job.update(env=cfg.env, domain=cfg.domain, num_tasks=cfg.num_tasks, user_model=cfg.user_model)
     meta = out / "collect.json"
     if meta.exists() and json.loads(meta.read_text()) != job:
         old = json.loads(meta.read_text())
@@ -543,7 +545,7 @@ def train_policy(cfg: Config, out: Path, load):
     _check_at_least(cfg, max_steps=1, games_per_step=1, num_generations=2, micro_batch_size=1, num_iterations=1,
                     save_steps=1, max_new_tokens=1)
     if cfg.env == "tau2":
-        games, workers = envs.tau2_tasks(cfg.domain, cfg.split, cfg.num_games, cfg.seed), None
+        games, workers = envs.tau2_tasks(cfg.domain, cfg.split, cfg.num_tasks, cfg.seed), None
     else:
         games, workers = envs.list_games(cfg.split, cfg.num_games, cfg.seed), cfg.num_workers
     with (envs.EnvPool(workers, cfg.max_turns) if workers is not None else contextlib.nullcontext()) as pool:

@@ -117,12 +117,12 @@ def test_tau2_cli_eval_collect_and_rwml_run(tiny_model, tmp_path):
     import train
 
     out = tmp_path / "tau2.json"
-    evaluate.main(["agent", "--env", "tau2", "--domain", "retail", "--model", tiny_model, "--num-games", "2", "--seeds",
+    evaluate.main(["agent", "--env", "tau2", "--domain", "retail", "--model", tiny_model, "--num-tasks", "2", "--seeds",
                    "2", "--max-turns", "2", "--max-new-tokens", "6", "--out", str(out)])
     r = json.loads(out.read_text())
     assert r["num_episodes"] == 4 and r["num_tasks"] == 2 and set(r["pass_hat_k"]) == {"1", "2"}
     assert r["average_reward"] == 0.0 and 0 <= r["invalid_tool_call_rate"] <= 1 and r["mean_steps"] == 2
-    train.main(["collect", "--env", "tau2", "--domain", "retail", "--model", tiny_model, "--num-games", "2",
+    train.main(["collect", "--env", "tau2", "--domain", "retail", "--model", tiny_model, "--num-tasks", "2",
                 "--rollouts-per-game", "1", "--max-turns", "2", "--max-new-tokens", "6", "--out", str(tmp_path / "c")])
     trips = train.read_transitions(str(tmp_path / "c" / "transitions.jsonl"))
     assert len(trips) == 4 and all(t["env"] == "tau2" for t in trips)
@@ -131,5 +131,5 @@ def test_tau2_cli_eval_collect_and_rwml_run(tiny_model, tmp_path):
                 "--out", str(tmp_path / "wm")])
     assert len(train.read_jsonl(tmp_path / "wm" / "metrics.jsonl")) == 1
     with pytest.raises(UserError, match="telecom"):
-        train.main(["collect", "--env", "tau2", "--domain", "telecom", "--model", tiny_model, "--num-games", "1",
+        train.main(["collect", "--env", "tau2", "--domain", "telecom", "--model", tiny_model, "--num-tasks", "1",
                     "--out", str(tmp_path / "t")])
