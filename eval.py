@@ -2,13 +2,15 @@
 
     python eval.py agent --split valid_seen --num-games 10 --max-turns 30 --seeds 3 --out results.json
     python eval.py agent --adapter runs/rwml/adapter ...      # a peft adapter on top of the base model
+    python eval.py agent --env tau2 --domain retail --num-tasks 10 --seeds 3 --out tau2.json
     python eval.py wm --transitions FILE [--adapter DIR] --out wm.json
     python eval.py calibrate --transitions FILE --out calibrate.json
     python eval.py weights --adapter DIR --out weights.json
     python eval.py report runs/base runs/rwml ... --out results.md
 
 agent: ALFWorld success rate on valid_seen (in distribution) or valid_unseen (out of distribution), with
-the paper's action-quality shares, per task type, mean and std over seeds (the paper: 3 runs).
+the paper's action-quality shares, per task type, mean and std over seeds (the paper: 3 runs); tau2-bench:
+average reward, pass^k and the invalid tool-call rate.
 wm: world-model accuracy on held-out triplets (share with r_WM = 1, mean cosine, exact match), base
 model or base + adapter; use triplets collected on games never trained on (valid_seen / valid_unseen).
 calibrate: for candidate tau_d, the base model's mean reward and the share of GRPO groups whose rewards

@@ -7,6 +7,7 @@
     python train.py wm ... --reward-control mis|coin                     # the reward controls
     python train.py wm-sft --transitions runs/collect/transitions.jsonl --out runs/wm_sft
     python train.py policy --init rwml --adapter runs/wm/adapter --num-games 8 --num-generations 4 --out runs/policy
+    python train.py collect --env tau2 --domain retail --num-tasks 20 --out runs/tau2   # tau2-bench triplets
 
 Every field of `Config` is a flag (`num_games` -> `--num-games`) and a key of an optional JSON file
 (`--config cfg.json`); precedence: defaults < file < flags. Stages, in the paper's order:
