@@ -175,8 +175,10 @@ def play_tau2(model, tokenizer, domain: str, episodes: list[dict], *, user_model
         raise UserError(f"--domain {domain}: only airline and retail are supported here (telecom's customer "
                         "uses tools on their own phone, which this user simulator does not do)")
     user_model, user_tokenizer = user_model or model, user_tokenizer or tokenizer
-    guidelines = (Path(tau2_domain(domain).__file__).parents[2] / "data" / "tau2" / "user_simulator"
-                  / "simulation_guidelines.md").read_text()
+    tau2_domain(domain)  # one clear line when tau2 is not installed
+    from tau2.utils.utils import DATA_DIR  # tau2's own data folder
+
+    guidelines = (DATA_DIR / "tau2" / "user_simulator" / "simulation_guidelines.md").read_text()
     waiting, running, summaries = list(enumerate(episodes)), {}, [None] * len(episodes)
     bar = tqdm(total=len(episodes), desc=desc, unit="conv", dynamic_ncols=True)
 
