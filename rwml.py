@@ -18,7 +18,7 @@ import json
 import math
 import os
 import random
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -166,7 +166,8 @@ def play_tau2(model, tokenizer, domain: str, episodes: list[dict], *, user_model
               max_new_tokens: int = 128, user_max_new_tokens: int = 96, num_envs: int = 8, on_turn=None,
               on_episode=None, record_tokens: bool = False, desc: str = "conversations") -> list[dict]:
     """`play` for tau2-bench: episodes are {"task": tau2 Task, ...}; `max_turns` counts agent actions. The
-    user simulator is `user_model` (default: the agent's own model, as a stand-in for tau2's LLM user).
+    user simulator is `user_model` (default: the agent's model with any adapter off, so that the customer
+    stays the same while the agent trains; a stand-in for tau2's LLM user).
     Summaries carry `reward` (official grading; 0 if the budget ran out), `won` (reward 1), `steps`,
     `tool_calls`, `invalid` (invalid tool calls: unknown tool or bad arguments) and `format_errors`."""
     from envs import TAU2_DOMAINS, Tau2Episode, parse_tau2_action, tau2_domain
@@ -174,6 +175,7 @@ def play_tau2(model, tokenizer, domain: str, episodes: list[dict], *, user_model
     if domain not in TAU2_DOMAINS[:2]:
         raise UserError(f"--domain {domain}: only airline and retail are supported here (telecom's customer "
                         "uses tools on their own phone, which this user simulator does not do)")
+    same = user_model is None  # then the customer is the agent's base model: its adapter is switched off for it
     user_model, user_tokenizer = user_model or model, user_tokenizer or tokenizer
     tau2_domain(domain)  # one clear line when tau2 is not installed
     from tau2.utils.utils import DATA_DIR  # tau2's own data folder
@@ -191,8 +193,11 @@ def play_tau2(model, tokenizer, domain: str, episodes: list[dict], *, user_model
             msgs += [{"role": "user" if who == "agent" else "assistant", "content": text}
                      for who, text in e["transcript"] if who in ("agent", "customer")]
             texts.append(user_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
-        out = sample(user_model, user_tokenizer, texts, max_new_tokens=user_max_new_tokens, temperature=temperature,
-                     top_p=top_p)["texts"] if texts else []
+        if not texts:
+            return []
+        with user_model.disable_adapter() if same and hasattr(user_model, "disable_adapter") else nullcontext():
+            out = sample(user_model, user_tokenizer, texts, max_new_tokens=user_max_new_tokens, temperature=temperature,
+                         top_p=top_p)["texts"]
         return [t.strip() or "(no answer)" for t in out]
 
     while waiting or running:
@@ -608,21 +613,25 @@ def policy_batch(turns: list[dict], advantages: torch.Tensor, pad_token_id: int,
     return ids, attn, cmask, adv, weights
 
 
+def rollouts(model, tokenizer, pool: envs.EnvPool | None, games: list, n: int, cfg, **kwargs) -> list[dict]:
+    """`n` episodes of each game, with exact tokens recorded: ALFWorld game files through `play`, or tau2
+    tasks through `play_tau2` when `cfg.env == "tau2"` (the reward is then the official grading)."""
+    model.eval()
+    kwargs = dict(history_len=cfg.history_len, max_turns=cfg.max_turns, temperature=cfg.temperature, top_p=cfg.top_p,
+                  max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, record_tokens=True, **kwargs)
+    if getattr(cfg, "env", "alfworld") == "tau2":
+        return play_tau2(model, tokenizer, cfg.domain, [dict(task=g, group=i, rollout=k) for i, g in enumerate(games)
+                                                        for k in range(n)], **kwargs)
+    return play(model, tokenizer, pool, [dict(game=g, group=i, rollout=k) for i, g in enumerate(games) for k in range(n)],
+                **kwargs)
+
+
 def policy_step(model, tokenizer, optimizer, pool: envs.EnvPool | None, games: list, cfg) -> dict:
     """One stage-2 step: num_generations episodes of each game (ALFWorld game files, or tau2 tasks with
     `cfg.env == "tau2"`), terminal reward won, GRPO on every turn."""
     G = cfg.num_generations
     turns = []
-    model.eval()
-    kwargs = dict(history_len=cfg.history_len, max_turns=cfg.max_turns, temperature=cfg.temperature, top_p=cfg.top_p,
-                  max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, on_turn=turns.append, record_tokens=True,
-                  desc="policy rollouts")
-    if getattr(cfg, "env", "alfworld") == "tau2":  # games are tau2 tasks; the reward is the official grading
-        summaries = play_tau2(model, tokenizer, cfg.domain, [dict(task=g, group=i, rollout=k) for i, g in enumerate(games)
-                                                            for k in range(G)], **kwargs)
-    else:
-        summaries = play(model, tokenizer, pool, [dict(game=g, group=i, rollout=k) for i, g in enumerate(games)
-                                                  for k in range(G)], **kwargs)
+    summaries = rollouts(model, tokenizer, pool, games, G, cfg, on_turn=turns.append, desc="policy rollouts")
     rewards = torch.tensor([float(s["won"]) for s in summaries])  # gamma = 1: the return is the terminal reward
     adv = group_advantages(rewards, G, cfg.scale_rewards)
     ids, attn, cmask, turn_adv, weights = policy_batch(turns, adv, tokenizer.pad_token_id, cfg.loss_type,

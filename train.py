@@ -465,53 +465,59 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
 
 # ----------------------------------------------------------------------------- baselines: WM SFT, RFT (METHOD.md §7)
 
+def sft_adapter(cfg: Config, model, tok, prompts: list[str], answers: list[str], system: str, out: Path, **info):
+    """The SFT baselines: a fresh LoRA adapter, plain SFT, saved with config.json and sft.json (losses, info)."""
+    torch.manual_seed(cfg.seed)
+    model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
+                          cfg.gradient_checkpointing)
+    losses = rwml.sft(model, tok, prompts, answers, system=system, epochs=cfg.sft_epochs, lr=cfg.sft_learning_rate,
+                      seed=cfg.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    write_atomic(out / "sft.json", json.dumps(dict(losses=losses, **info), indent=2))
+    return model, losses, save_adapter(model, out)
+
+
 def train_wm_sft(cfg: Config, triplets: list[dict], out: Path, load):
     """WM SFT: plain next-observation SFT (no reasoning) of a fresh LoRA adapter on the same 90 % split
     RWML draws from (without the easy filter, which exists for RL)."""
     train, _ = rwml.split_triplets(triplets, cfg.filter_split, cfg.seed)
     model, tok = load()
-    torch.manual_seed(cfg.seed)
-    model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
-                          cfg.gradient_checkpointing)
-    losses = rwml.sft(model, tok, [rwml.wm_prompt(t, reasoning=False) for t in train],
-                      [f"<next_state>{t['next_obs']}</next_state>" for t in train], system=rwml.wm_system(train[0]),
-                      epochs=cfg.sft_epochs, lr=cfg.sft_learning_rate, seed=cfg.seed)
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
-    write_atomic(out / "sft.json", json.dumps(dict(losses=losses, num_triplets=len(train)), indent=2))
-    adapter = save_adapter(model, out)
+    model, losses, adapter = sft_adapter(cfg, model, tok, [rwml.wm_prompt(t, reasoning=False) for t in train],
+                                         [f"<next_state>{t['next_obs']}</next_state>" for t in train],
+                                         rwml.wm_system(train[0]), out, num_triplets=len(train))
     print(f"wm-sft: {len(train)} triplets x {cfg.sft_epochs} epochs, loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
           f"adapter -> {adapter}")
     return model
 
 
 def train_rft(cfg: Config, out: Path, load):
-    """RFT: the model plays num_games train games rollouts_per_game times; SFT on its successful episodes."""
-    games = envs.list_games(cfg.split, cfg.num_games, cfg.seed)
+    """RFT: the model plays the train games (tau2: tasks) rollouts_per_game times; SFT on its successes."""
     turns = []
-    with envs.EnvPool(cfg.num_workers, cfg.max_turns) as pool:
-        model, tok = load()
+    games, workers = split_games(cfg)
+    with envs.EnvPool(workers, cfg.max_turns) if workers is not None else contextlib.nullcontext() as pool:
+        model, tok = load()  # ALFWorld's workers fork before the model loads
         torch.manual_seed(cfg.seed)
-        summaries = rwml.play(model, tok, pool, [dict(game=g, rollout=r) for g in games for r in range(cfg.rollouts_per_game)],
-                              history_len=cfg.history_len, max_turns=cfg.max_turns, temperature=cfg.temperature,
-                              top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs,
-                              on_turn=turns.append, record_tokens=True, desc="rft rollouts")
+        summaries = rwml.rollouts(model, tok, pool, games, cfg.rollouts_per_game, cfg, on_turn=turns.append,
+                                  desc="rft rollouts")
     won = {i for i, s in enumerate(summaries) if s["won"]}
     keep = [t for t in turns if t["episode"] in won]
     if not keep:
         raise UserError(f"RFT: none of the {len(summaries)} episodes succeeded, so there is nothing to fine-tune on; "
                         "play more games (--num-games, --rollouts-per-game, --max-turns) or use a stronger --model")
-    model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
-                          cfg.gradient_checkpointing)
-    losses = rwml.sft(model, tok, [t["prompt"] for t in keep], [t["response"] for t in keep], system=rwml.AGENT_SYSTEM,
-                      epochs=cfg.sft_epochs, lr=cfg.sft_learning_rate, seed=cfg.seed)
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
-    write_atomic(out / "sft.json", json.dumps(dict(losses=losses, episodes=len(summaries), successes=len(won),
-                                                  turns=len(keep)), indent=2))
-    adapter = save_adapter(model, out)
+    system = rwml.TAU2_AGENT_SYSTEM if cfg.env == "tau2" else rwml.AGENT_SYSTEM
+    model, _, adapter = sft_adapter(cfg, model, tok, [t["prompt"] for t in keep], [t["response"] for t in keep], system,
+                                    out, episodes=len(summaries), successes=len(won), turns=len(keep))
     print(f"rft: {len(won)}/{len(summaries)} episodes succeeded, SFT on their {len(keep)} turns; adapter -> {adapter}")
     return model
+
+
+def split_games(cfg: Config) -> tuple[list, int | None]:
+    """The games a stage plays (ALFWorld game files, or tau2 tasks) and the number of ALFWorld game
+    workers (None for tau2, whose tools run in-process)."""
+    if cfg.env == "tau2":
+        return envs.tau2_tasks(cfg.domain, cfg.split, cfg.num_tasks, cfg.seed), None
+    return envs.list_games(cfg.split, cfg.num_games, cfg.seed), cfg.num_workers
 
 
 # ----------------------------------------------------------------------------- stage 2: policy RL (METHOD.md §6)
@@ -545,11 +551,8 @@ def train_policy(cfg: Config, out: Path, load):
     check_init(cfg)
     _check_at_least(cfg, max_steps=1, games_per_step=1, num_generations=2, micro_batch_size=1, num_iterations=1,
                     save_steps=1, max_new_tokens=1)
-    if cfg.env == "tau2":
-        games, workers = envs.tau2_tasks(cfg.domain, cfg.split, cfg.num_tasks, cfg.seed), None
-    else:
-        games, workers = envs.list_games(cfg.split, cfg.num_games, cfg.seed), cfg.num_workers
-    with (envs.EnvPool(workers, cfg.max_turns) if workers is not None else contextlib.nullcontext()) as pool:
+    games, workers = split_games(cfg)
+    with envs.EnvPool(workers, cfg.max_turns) if workers is not None else contextlib.nullcontext() as pool:
         model, tok = load()  # ALFWorld's workers fork before the model loads
         torch.manual_seed(cfg.seed)
         model = init_policy(cfg, model)

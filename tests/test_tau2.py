@@ -133,3 +133,28 @@ def test_tau2_cli_eval_collect_and_rwml_run(tiny_model, tmp_path):
     with pytest.raises(UserError, match="telecom"):
         train.main(["collect", "--env", "tau2", "--domain", "telecom", "--model", tiny_model, "--num-tasks", "1",
                     "--out", str(tmp_path / "t")])
+
+
+def test_the_simulated_customer_is_the_base_model_while_the_agent_trains(tiny_model):
+    """Default customer = the agent's model with its adapter off: a trained adapter changes the agent, never
+    the customer (greedy decoding: the customer's opening message is the bare model's)."""
+    import torch
+
+    import rwml
+
+    task = envs.tau2_tasks("retail", "test", num_tasks=1)[0]
+    openings = []
+    for adapter in (False, True):
+        model, tok = rwml.load_model(tiny_model)
+        if adapter:
+            model = rwml.add_lora(model)
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if "lora_B" in n:
+                        p.normal_(0, 1.0)
+        turns = []
+        rwml.play_tau2(model, tok, "retail", [dict(task=task)], max_turns=1, max_new_tokens=4, user_max_new_tokens=8,
+                       temperature=0.0, on_turn=turns.append)
+        openings.append((turns[0]["history"][-1]["observation"], turns[0]["response"]))
+    assert openings[0][0] == openings[1][0]  # the same customer
+    assert openings[0][1] != openings[1][1]  # a different agent
