@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export ALFWORLD_DATA ?= $(HOME)/.cache/alfworld
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup data train test bench arms clean
+.PHONY: setup data train test sanity bench gpu-check arms clean
 
 setup: $(VENV)/.installed
 
@@ -33,8 +33,16 @@ train: data
 test: data
 	$(PY) -m pytest -q tests $(ARGS)
 
+# RWML learning, measured: 3 seeds, warm-up vs warm-up + RWML vs the matched WM-SFT and COIN controls
+sanity: data
+	PY=$(PY) bash sanity.sh
+
 bench: data
-	$(PY) bench_env.py $(ARGS)
+	$(PY) bench/env_speed.py $(ARGS)
+
+# every CUDA path once, on random Qwen2.5-0.5B / 1.5B-shaped models (no download); output -> results/
+gpu-check: setup
+	$(PY) bench/gpu_check.py --out results/gpu_check.txt $(ARGS)
 
 # every arm of the paper's comparison, small, then one table (runs/arms/results.md); see arms.sh
 arms: data

@@ -106,6 +106,35 @@ def is_inefficient(command: str) -> bool:
     return command.split(" ", 1)[0] in INEFFICIENT if command else False
 
 
+# ----------------------------------------------------------------------------- exploration and observation kinds
+
+def explore_command(admissible: list[str], rng: random.Random) -> str:
+    """An admissible command drawn by kind first (go to, open, close, take, move, use, heat, cool, clean,
+    slice), then uniformly within that kind. Drawn uniformly over commands, ~90 % would be "go to X"; the
+    kind-first draw reaches the events a world model can learn to predict from its prompt (take, move,
+    open, ...). Uses no expert knowledge: only the game's list of admissible commands."""
+    by_kind: dict[str, list[str]] = {}
+    for c in admissible:
+        if c and not is_inefficient(c):
+            by_kind.setdefault(c.split(" ", 1)[0], []).append(c)
+    if not by_kind:
+        return rng.choice(admissible)
+    return rng.choice(by_kind[rng.choice(sorted(by_kind))])
+
+
+_OBS_KINDS = (("nothing_happens", "nothing happens."), ("arrive", "you arrive at"), ("take", "you pick up"),
+              ("move", "you move"), ("open", "you open"), ("close", "you close"), ("heat", "you heat"),
+              ("cool", "you cool"), ("clean", "you clean"), ("slice", "you slice"), ("toggle", "you turn"),
+              ("inventory", "you are carrying"), ("inventory", "you are not carrying"), ("look", "you are facing"))
+
+
+def observation_kind(obs: str) -> str:
+    """The event an ALFWorld observation reports, from its first words (nothing_happens, arrive, take,
+    move, open, close, heat, cool, clean, slice, toggle, inventory, look; anything else is other)."""
+    text = " ".join(str(obs).lower().split())
+    return next((kind for kind, start in _OBS_KINDS if text.startswith(start)), "other")
+
+
 # ----------------------------------------------------------------------------- engine caches
 
 _ORIGINALS: dict = {}

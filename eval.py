@@ -39,7 +39,7 @@ from envs import UserError
 from reward import BUNDLED_EMBEDDER, SimToRealReward, calibrate
 from train import parse_config, read_transitions, run_cli, write_atomic
 
-COMMANDS = ("agent", "wm", "calibrate", "weights", "report")
+COMMANDS = ("agent", "wm", "calibrate", "weights", "report", "sanity")
 
 
 @dataclass
@@ -72,8 +72,10 @@ class WMEvalConfig:
     embedder: str = BUNDLED_EMBEDDER
     tau_d: float = 0.1
     max_triplets: int = 0  # 0 = all; else a seeded sample
-    max_completion_length: int = 96
-    wm_reasoning: bool = True  # as in train.Config
+    max_completion_length: int = 64
+    wm_reasoning: bool = False  # as in train.Config
+    eval_samples: int = 4  # predictions per triplet, sampled at `temperature` (0 = one greedy), as in train.Config
+    temperature: float = 1.0
     num_generations: int = 4  # calibrate: predictions per prompt (a GRPO group)
     seed: int = 0
     out: str = "wm.json"
@@ -100,11 +102,14 @@ def _sample(trips: list[dict], n: int, seed: int) -> list[dict]:
 
 
 def evaluate_wm(cfg: WMEvalConfig) -> dict:
+    import torch
+
     trips = _sample(read_transitions(cfg.transitions), cfg.max_triplets, cfg.seed)
     reward_fn = SimToRealReward(cfg.embedder, cfg.tau_d)
     model, tok = rwml.load_model(cfg.model, cfg.adapter)
+    torch.manual_seed(cfg.seed)  # as train.py's before / after evaluation
     result = rwml.evaluate_wm(model, tok, trips, reward_fn, max_new_tokens=cfg.max_completion_length,
-                              reasoning=cfg.wm_reasoning)
+                              reasoning=cfg.wm_reasoning, samples=cfg.eval_samples, temperature=cfg.temperature)
     return dict(result, transitions=cfg.transitions, config=asdict(cfg))
 
 
@@ -121,7 +126,7 @@ def calibrate_tau(cfg: WMEvalConfig) -> dict:
         roll = rwml.sample_group(model, tok, [rwml.wm_prompt(t, cfg.wm_reasoning) for t in trips[i:i + 4]],
                                  system=rwml.wm_system(trips[i]),
                                  num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
-                                 prefix=rwml.WM_PREFIX if cfg.wm_reasoning else "")
+                                 prefix=rwml.wm_prefix(cfg.wm_reasoning))
         texts = roll["texts"]
         groups += [texts[j:j + cfg.num_generations] for j in range(0, len(texts), cfg.num_generations)]
     rows = calibrate(reward_fn, groups, [t["next_obs"] for t in trips])
@@ -371,11 +376,81 @@ def report(cfg: ReportConfig, folders: list[str]) -> str:
     return text
 
 
+# ----------------------------------------------------------------------------- the sanity table (sanity.sh)
+
+SANITY_ARMS = (("warmup", "warm-up"), ("rwml", "+ RWML"), ("wm_sft", "+ WM SFT"), ("coin", "+ COIN"))
+
+
+def sanity_report(folder: Path) -> str:
+    """The tables of `sanity.sh`, from its run folder: held-out world-model accuracy per seed and arm (the
+    warm-up, then RWML and its matched controls from it), the training reward, the agent's invalid actions."""
+    from train import read_jsonl
+
+    seeds = sorted(folder.glob("seed*"), key=lambda p: int(p.name[4:]))
+    if not seeds:
+        raise UserError(f"no seed*/ folders in {folder}: run sanity.sh first")
+    evals = {d.name: {a: json.loads((d / f"eval_{a}.json").read_text()) for a, _ in SANITY_ARMS
+                      if (d / f"eval_{a}.json").is_file()} for d in seeds}
+    first = next(iter(next(iter(evals.values())).values()))
+    cfg = first.get("config", {})
+    lines = [f"Held-out world-model accuracy: {first['n']} `valid_seen` triplets (games never trained on) x "
+             f"{cfg.get('eval_samples', 0) or 1} predictions sampled at T {cfg.get('temperature', 0)}, reward 1 iff "
+             f"1 - cos < tau_d {cfg.get('tau_d')}; the share of predictions with reward 1.", ""]
+    for title, get in (("targets other than \"Nothing happens.\"", lambda r: r["per_kind"]["change"]["wm_accuracy"]),
+                       ("all targets", lambda r: r["wm_accuracy"]), ("mean cosine, all targets", lambda r: r["mean_cosine"])):
+        lines += [f"**{title}**", "", "| seed | " + " | ".join(n for _, n in SANITY_ARMS) + " | RWML gain |",
+                  "|---|" + "---|" * (len(SANITY_ARMS) + 1)]
+        cols = {a: [] for a, _ in SANITY_ARMS}
+        for d, runs in evals.items():
+            row = {a: get(runs[a]) for a, _ in SANITY_ARMS if a in runs}
+            for a, v in row.items():
+                cols[a].append(v)
+            gain = f"{row['rwml'] - row['warmup']:+.3f}" if {"rwml", "warmup"} <= row.keys() else "–"
+            lines.append(f"| {d[4:]} | " + " | ".join(f"{row[a]:.3f}" if a in row else "–" for a, _ in SANITY_ARMS)
+                         + f" | {gain} |")
+        mean = {a: statistics.fmean(v) for a, v in cols.items() if v}
+        gain = f"{mean['rwml'] - mean['warmup']:+.3f}" if {"rwml", "warmup"} <= mean.keys() else "–"
+        lines += ["| mean | " + " | ".join(f"{mean[a]:.3f}" if a in mean else "–" for a, _ in SANITY_ARMS)
+                  + f" | {gain} |", ""]
+    lines += ["**training** (mean reward per step, first quarter -> last quarter of the steps; share of groups "
+              "whose rewards are all equal)", "", "| seed | RWML reward | RWML all-equal groups | COIN reward |",
+              "|---|---|---|---|"]
+
+    def curve(rows):
+        if not rows:
+            return "–", "–"
+        q = max(1, len(rows) // 4)
+        head, tail = (statistics.fmean(r["reward_mean"] for r in part) for part in (rows[:q], rows[-q:]))
+        return f"{head:.2f} -> {tail:.2f}", f"{statistics.fmean(r['frac_reward_zero_std'] for r in rows):.2f}"
+
+    for d in seeds:
+        (rw, zero), (coin, _) = curve(read_jsonl(d / "rwml" / "metrics.jsonl")), curve(read_jsonl(d / "coin" / "metrics.jsonl"))
+        lines.append(f"| {d.name[4:]} | {rw} | {zero} | {coin} |")
+    agents = {d.name: [json.loads((d / f"agent_{a}.json").read_text()) if (d / f"agent_{a}.json").is_file() else None
+                       for a in ("warmup", "rwml")] for d in seeds}
+    if any(all(v) for v in agents.values()):
+        lines += ["", "**agent** (`valid_seen`, invalid actions per action: invalid command or format error)", "",
+                  "| seed | warm-up | + RWML | episodes |", "|---|---|---|---|"]
+        for d, (a, b) in agents.items():
+            if a and b:
+                lines.append(f"| {d[4:]} | {a['invalid_action_rate']:.3f} | {b['invalid_action_rate']:.3f} | "
+                             f"{a['num_episodes']} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         raise UserError(f"usage: python eval.py {{{','.join(COMMANDS)}}} [flags]; see python eval.py agent --help")
     command = argv[0]
+    if command == "sanity":
+        cfg, rest = parse_config(ReportConfig, argv[1:], prog="eval.py sanity",
+                                 positional={"run": dict(help="the run folder of sanity.sh (runs/sanity)")})
+        text = sanity_report(Path(rest["run"]))
+        Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(Path(cfg.out), text)
+        print(text + f"-> {cfg.out}")
+        return
     if command == "report":
         cfg, rest = parse_config(ReportConfig, argv[1:], prog="eval.py report",
                                  positional={"runs": dict(nargs="+", help="run folders, one row each, in this order")})

@@ -135,17 +135,29 @@ def calibrate(reward: SimToRealReward, predictions: list[list[str]], targets: li
 # From "Does Learning to Predict the World Help Agents Act?" (2026): if these controls help the agent as
 # much as the real reward does, the gain does not come from learning the world.
 
-def derangement(n: int, seed: int = 0) -> list[int]:
-    """A random permutation with no fixed point (MIS: triplet i is scored against triplet perm[i]'s next
-    observation, never its own). Uniform over derangements, by rejection (~e tries on average)."""
-    if n < 2:
-        raise UserError(f"the MIS control needs at least 2 triplets to derange, got {n}")
+def mis_targets(targets: list[str], seed: int = 0) -> tuple[list[str], float]:
+    """MIS: each triplet gets another triplet's real next observation *with a different text*. Deranging
+    positions is not enough when most targets are the same string ("Nothing happens."): most triplets
+    would keep their own text and MIS would mostly be the real reward. The texts are grouped (groups in
+    random order, members shuffled) and the list is rotated by the largest group's size, so a target moves
+    to another group whenever any group holds at most half of them. Returns (new targets, the share that
+    still equals its own, which is > 0 only when one text is more than half of all)."""
+    if len(targets) < 2:
+        raise UserError(f"the MIS control needs at least 2 triplets, got {len(targets)}")
     rng = random.Random(seed)
-    while True:
-        perm = list(range(n))
-        rng.shuffle(perm)
-        if all(p != i for i, p in enumerate(perm)):
-            return perm
+    groups: dict[str, list[int]] = {}
+    for i, t in enumerate(targets):
+        groups.setdefault(t, []).append(i)
+    order = list(groups.values())
+    rng.shuffle(order)
+    for g in order:
+        rng.shuffle(g)
+    flat = [i for g in order for i in g]
+    shift = max(map(len, order))
+    new = [""] * len(targets)
+    for k, i in enumerate(flat):
+        new[i] = targets[flat[(k + shift) % len(flat)]]
+    return new, sum(a == b for a, b in zip(new, targets)) / len(targets)
 
 
 def coin_reward(seed: int = 0):
@@ -156,4 +168,5 @@ def coin_reward(seed: int = 0):
         return [float(rng.random() < 0.5) for _ in completions]
 
     coin.__name__ = "coin_reward"
+    coin.rng = rng  # its state goes into checkpoints, so a resumed COIN run flips the same coins
     return coin

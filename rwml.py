@@ -58,7 +58,7 @@ def agent_prompt(task: str, past: list[tuple[str, str]], obs: str, admissible: l
 def play(model, tokenizer, pool: envs.EnvPool, episodes: list[dict], *, history_len: int = 2,
          max_turns: int = 30, temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 128,
          num_envs: int = 8, on_turn=None, on_episode=None, record_tokens: bool = False,
-         desc: str = "episodes") -> list[dict]:
+         explore_prob: float = 0.0, seed: int = 0, desc: str = "episodes") -> list[dict]:
     """Play `episodes` ({"game": path, ...}) with `num_envs` of them running at once.
 
     Each round generates one action for every running episode in one batch, then steps all their games
@@ -66,12 +66,15 @@ def play(model, tokenizer, pool: envs.EnvPool, episodes: list[dict], *, history_
     `on_episode(summary)` see results as they happen (collection writes them to disk at once); a turn's
     `episode` is its episode's index in `episodes`. `record_tokens` adds to each turn the user prompt
     (`prompt`) and the exact token ids the model saw and sampled (`prompt_ids`, `completion_ids`), which
-    stage 2 trains on. Returns one summary per episode, in the order given.
+    stage 2 trains on. `explore_prob` (collection only): each turn, with this probability the executed
+    action is `envs.explore_command` instead of the model's (the turn's `explored` is then True and the
+    model is not asked). Returns one summary per episode, in the order given.
     """
     if num_envs < 1:
         raise UserError(f"--num-envs must be at least 1, got {num_envs}")
     waiting, running, summaries = list(enumerate(episodes)), {}, [None] * len(episodes)
     free_slots = list(range(num_envs))[::-1]
+    rng = random.Random(seed)
     bar = tqdm(total=len(episodes), desc=desc, unit="ep", dynamic_ncols=True)
     while waiting or running:
         starts = {}
@@ -80,22 +83,25 @@ def play(model, tokenizer, pool: envs.EnvPool, episodes: list[dict], *, history_
         for slot, s in pool.reset({slot: ep["game"] for slot, (_, ep) in starts.items()}).items():
             i, ep = starts[slot]
             summary = dict(ep, game=envs.game_id(ep["game"]), task=s["task"], task_type=s["task_type"],
-                           won=False, steps=0, invalid=0, format_errors=0, inefficient=0)
+                           won=False, steps=0, invalid=0, format_errors=0, inefficient=0, explored=0)
             running[slot] = dict(index=i, summary=summary, obs=s["obs"], admissible=s["admissible"], past=[])
         slots = sorted(running)
-        prompts = []
+        explored = {s: explore_prob > 0 and rng.random() < explore_prob for s in slots}
+        asked = [s for s in slots if not explored[s]]  # the model writes these slots' actions
+        prompts = {}
         for s in slots:
             e = running[s]
             e["recent"] = e["past"][-history_len:] if history_len else []
-            prompts.append(agent_prompt(e["summary"]["task"], e["recent"], e["obs"], e["admissible"],
-                                        len(e["past"]), max_turns))
-        roll = sample(model, tokenizer, [chat(tokenizer, p, AGENT_SYSTEM, AGENT_PREFIX) for p in prompts],
+            prompts[s] = agent_prompt(e["summary"]["task"], e["recent"], e["obs"], e["admissible"], len(e["past"]),
+                                      max_turns)
+        roll = sample(model, tokenizer, [chat(tokenizer, prompts[s], AGENT_SYSTEM, AGENT_PREFIX) for s in asked],
                       prefix=AGENT_PREFIX, stop="</action>", max_new_tokens=max_new_tokens, temperature=temperature,
-                      top_p=top_p)
-        replies = roll["texts"]
-        parsed = {s: envs.parse_action(r) for s, r in zip(slots, replies)}
+                      top_p=top_p) if asked else None
+        replies = {s: roll["texts"][j] for j, s in enumerate(asked)}
+        parsed = {s: envs.parse_action(replies[s]) for s in asked}
+        parsed.update({s: (envs.explore_command(running[s]["admissible"], rng), True) for s in slots if explored[s]})
         results = pool.step({s: command for s, (command, _) in parsed.items()})
-        for j, (s, reply) in enumerate(zip(slots, replies)):
+        for s in slots:
             e, r, (command, well_formed) = running[s], results[s], parsed[s]
             summ = e["summary"]
             if on_turn is not None:
@@ -103,13 +109,15 @@ def play(model, tokenizer, pool: envs.EnvPool, episodes: list[dict], *, history_
                 turn = dict(game=summ["game"], task=summ["task"], task_type=summ["task_type"],
                             rollout=summ.get("rollout", 0), episode=e["index"], step=summ["steps"], history=history,
                             action=command, next_obs=r["obs"], valid=r["valid"], format_ok=well_formed, won=r["won"],
-                            done=r["done"], response=reply)
-                if record_tokens:
-                    turn.update(prompt=prompts[j], prompt_ids=roll["prompt_ids"][j], completion_ids=roll["completion_ids"][j])
+                            done=r["done"], response=replies.get(s, ""), explored=explored[s])
+                if record_tokens and not explored[s]:
+                    j = asked.index(s)
+                    turn.update(prompt=prompts[s], prompt_ids=roll["prompt_ids"][j], completion_ids=roll["completion_ids"][j])
                 on_turn(turn)
             summ["invalid"] += not (r["valid"] and well_formed)
             summ["format_errors"] += not well_formed
             summ["inefficient"] += r["valid"] and envs.is_inefficient(command)
+            summ["explored"] += explored[s]
             summ.update(steps=r["turn"], won=r["won"])
             e["past"].append((e["obs"], command))
             e.update(obs=r["obs"], admissible=r["admissible"])
@@ -285,7 +293,13 @@ WM_SYSTEMS = dict(  # by the triplet's environment (`env`, ALFWorld when absent)
     tau2="You are a world model of a customer service environment (tau2-bench): you predict the tool's response "
          "to the agent's tool call, or the customer's next message after the agent's reply.")
 WM_SYSTEM = WM_SYSTEMS["alfworld"]
-WM_PREFIX = "<think>"
+WM_PREFIX, WM_STOP = "<think>", "</next_state>"
+
+
+def wm_prefix(reasoning: bool) -> str:
+    """The start of the world model's reply, written for it: <think> (the paper's reasoning), or, without
+    reasoning, the answer tag itself, so that a small model only has to write the observation."""
+    return WM_PREFIX if reasoning else "<next_state>"
 _WM_ASK = dict(  # (question, what to write, example answer)
     alfworld=("What does the game answer to this action?", "the game's answer", "<think>Going somewhere lists what is "
               "there.</think><next_state>You arrive at shelf 1. On the shelf 1, you see a vase 2.</next_state>"),
@@ -312,6 +326,11 @@ def wm_prompt(t: dict, reasoning: bool = True) -> str:
     return "\n".join(lines)
 
 
+def wm_answer(t: dict) -> str:
+    """The supervised answer to `wm_prompt(t, reasoning=False)`, after the reply's `wm_prefix(False)`."""
+    return f"{t['next_obs']}</next_state>"
+
+
 def split_triplets(triplets: list[dict], frac: float = 0.1, seed: int = 0) -> tuple[list[dict], list[dict]]:
     """The paper's 90 / 10 split: (RWML training triplets, triplets that train the easiness filter)."""
     if len(triplets) < 2:
@@ -331,33 +350,49 @@ def split_triplets(triplets: list[dict], frac: float = 0.1, seed: int = 0) -> tu
 # predict s_t+1 directly. Its K samples per training triplet give easiness = mean r_WM; the easiest ~30 %
 # are kept with probability 0.1. Without this, Qwen2.5-7B collapses (paper, Table 4).
 
-def easiness(model, tokenizer, triplets: list[dict], reward_fn, *, k: int = 10, max_new_tokens: int = 48,
+def easiness(model, tokenizer, triplets: list[dict], reward_fn, *, k: int = 10, max_new_tokens: int = 96,
              temperature: float = 1.0, batch_size: int = 32) -> list[float]:
-    """Mean reward of `k` sampled direct predictions per triplet."""
-    prompts = [wm_prompt(t, reasoning=False) for t in triplets]
-    per = max(1, batch_size // k)
-    scores = []
-    for i in tqdm(range(0, len(prompts), per), desc="easiness", unit="batch", dynamic_ncols=True):
-        chunk = triplets[i:i + per]
-        outs = generate(model, tokenizer, prompts[i:i + per], system=wm_system(chunk[0]), max_new_tokens=max_new_tokens,
-                        temperature=temperature, n=k)
+    """Mean reward of `k` sampled direct predictions (no reasoning) per triplet. `max_new_tokens` must
+    leave room for the longest target (train.py passes max_completion_length): a prediction cut short has
+    no closing tag and scores 0, so a long target could never count as easy."""
+    per, order = max(1, batch_size // k), by_length([wm_prompt(t, reasoning=False) for t in triplets])
+    scores = [0.0] * len(triplets)
+    for i in tqdm(range(0, len(triplets), per), desc="easiness", unit="batch", dynamic_ncols=True):
+        chunk = [triplets[j] for j in order[i:i + per]]
+        outs = sample_group(model, tokenizer, [wm_prompt(t, reasoning=False) for t in chunk], num_generations=k,
+                            max_completion_length=max_new_tokens, temperature=temperature, system=wm_system(chunk[0]),
+                            prefix=wm_prefix(False))["texts"]
         r = reward_fn(outs, [t["next_obs"] for t in chunk for _ in range(k)])
-        scores += [sum(r[j * k:(j + 1) * k]) / k for j in range(len(chunk))]
+        for j, idx in enumerate(order[i:i + per]):
+            scores[idx] = sum(r[j * k:(j + 1) * k]) / k
     return scores
+
+
+def by_length(texts: list[str]) -> list[int]:
+    """Indices in order of text length: batches of similar lengths waste little on padding (the cost of a
+    batch is its size times its longest prompt, and ALFWorld prompts run from ~60 to ~450 tokens)."""
+    return sorted(range(len(texts)), key=lambda i: len(texts[i]))
+
+
+def easy_threshold(scores: list[float], easy_share: float = 0.3) -> float | None:
+    """tau_easy for the paper's rule "easy iff easiness >= tau_easy", set so that about `easy_share` of the
+    triplets count as easy. With K samples easiness takes only K + 1 values and ties are the rule, so no
+    threshold gives the share exactly: we take the easiness value whose share at or above it is closest to
+    `easy_share` (the smaller value on a tie). Never 0: nobody is easy when every sample failed."""
+    values = sorted({s for s in scores if s > 0})
+    if not values:
+        return None
+    share = {v: sum(s >= v for s in scores) / len(scores) for v in values}
+    return min(values, key=lambda v: (abs(share[v] - easy_share), v))
 
 
 def easy_subsample(scores: list[float], easy_share: float = 0.3, keep_prob: float = 0.1,
                    seed: int = 0) -> tuple[list[bool], list[bool], float | None]:
-    """(keep, easy, tau_easy). tau_easy is set so that about `easy_share` of the triplets count as easy:
-    the easiest ones, ties broken at random, never one with easiness 0. Easy ones are kept with
-    probability `keep_prob`, all others are kept."""
+    """(keep, easy, tau_easy): easy iff easiness >= tau_easy (`easy_threshold`); easy triplets are kept
+    with probability `keep_prob`, all others are kept."""
+    tau_easy = easy_threshold(scores, easy_share)
+    easy = [tau_easy is not None and s >= tau_easy for s in scores]
     rng = random.Random(seed)
-    order = sorted(range(len(scores)), key=lambda i: (-scores[i], rng.random()))
-    easy_idx = [i for i in order[:round(easy_share * len(scores))] if scores[i] > 0]
-    easy = [False] * len(scores)
-    for i in easy_idx:
-        easy[i] = True
-    tau_easy = min((scores[i] for i in easy_idx), default=None)  # None: nothing counts as easy
     keep = [not e or rng.random() < keep_prob for e in easy]
     return keep, easy, tau_easy
 
@@ -407,10 +442,12 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, weights, *, beta: float = 0.
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3: unbiased, always >= 0
         per_token = per_token + beta * kl
     loss = (per_token * weights).sum()
-    w = weights.detach()
-    norm = (weights > 0).float().sum().clamp(min=1)
-    stats = dict(kl=float((kl.detach() * (w > 0)).sum() / norm),
-                 clip_ratio=float(((ratio.detach() != clipped.detach()).float() * (w > 0)).sum() / norm))
+    # TRL's clip ratio: tokens where the clipped term won, i.e. the ratio left the trust region in the
+    # direction the advantage pushes (below 1 - eps with A < 0, above 1 + eps_high with A > 0)
+    r, live = ratio.detach(), (weights > 0).float()
+    was_clipped = ((r < 1 - epsilon) & (a < 0)) | ((r > 1 + (epsilon if epsilon_high is None else epsilon_high)) & (a > 0))
+    norm = live.sum().clamp(min=1)
+    stats = dict(kl=float((kl.detach() * live).sum() / norm), clip_ratio=float((was_clipped.float() * live).sum() / norm))
     return loss, stats
 
 
@@ -460,24 +497,29 @@ def group_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
     decoder, n = base.get_decoder(), completion_ids.shape[0] // prompt_ids.shape[0]
     position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
     out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True)
-    cache = out.past_key_values
+    cache = out.cache
     cache.batch_repeat_interleave(n)
     mask = torch.cat([prompt_mask.repeat_interleave(n, 0), completion_mask], 1)
     start = prompt_mask.sum(-1, keepdim=True).repeat_interleave(n, 0)  # each row's positions continue its prompt
     C = completion_ids.shape[1]
-    hidden = decoder(input_ids=completion_ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+    hidden = decoder(input_ids=completion_ids, attention_mask=mask, cache=cache, use_cache=True,
                      position_ids=start + torch.arange(C, device=start.device)).last_hidden_state
     # the prompt's last state predicts the first completion token; completion states predict the rest
     states = torch.cat([out.last_hidden_state[:, -1:].repeat_interleave(n, 0), hidden[:, :-1]], 1)
     return _head_logprobs(base, states, completion_ids, completion_mask, temperature, chunk_size)
 
 
-def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_id=None) -> torch.Tensor:
-    """1 up to and including the first end-of-turn token, 0 after it. Built from the first eos, not from
-    `ids != pad` (SmolLM2's pad token *is* its eos token); a pad token that is not an eos is never in."""
+def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_id=None,
+                         ends: torch.Tensor | None = None) -> torch.Tensor:
+    """1 on the tokens the sampler produced: up to and including the first end-of-turn token, or the token
+    where `ends` ([B, C] bool) says a stop string completed, whichever comes first; 0 after. Built from the
+    first end, not from `ids != pad`: SmolLM2's pad token *is* its eos token, and generate fills a row that
+    stopped on a string with pad tokens, which must not be read as a sampled eos."""
     eos_ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
-    after = (is_eos.cumsum(1) - is_eos.long()) > 0  # strictly after the first eos
+    is_end = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+    if ends is not None:
+        is_end = is_end | ends.to(is_end.device)
+    after = (is_end.cumsum(1) - is_end.long()) > 0  # strictly after the first end
     mask = ~after
     if pad_token_id is not None and pad_token_id not in eos_ids:
         mask &= completion_ids != pad_token_id
@@ -486,9 +528,11 @@ def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_i
 
 def sample_group(model, tokenizer, prompts: list[str], *, num_generations: int, max_completion_length: int,
                  temperature: float = 1.0, top_p: float = 1.0, system: str = WM_SYSTEM, prefix: str = WM_PREFIX):
-    """num_generations completions per world-model prompt, as token tensors ready for the training forward."""
+    """num_generations completions per world-model prompt, as token tensors ready for the training forward;
+    each ends at </next_state> (or an end-of-turn token)."""
     return sample(model, tokenizer, [chat(tokenizer, p, system, prefix) for p in prompts], n=num_generations,
-                  prefix=prefix, max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p)
+                  prefix=prefix, stop=WM_STOP, max_new_tokens=max_completion_length, temperature=temperature,
+                  top_p=top_p)
 
 
 @contextmanager
@@ -507,14 +551,23 @@ def reference_policy(model):
             yield
 
 
-def grpo_update(model, optimizer, batch: dict, advantages, weights, cfg) -> list[dict]:
+def to_device(batch: dict, device) -> dict:
+    """The one place a batch meets the model's device: rewards, advantages and weights are built on the
+    CPU, sampled tokens come from the model's device."""
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def grpo_update(model, optimizer, batch: dict, cfg) -> list[dict]:
     """`num_iterations` optimizer steps on one batch of sampled sequences, in micro-batches (gradient
-    accumulation). `batch`: input_ids, attention_mask, completion_mask ([prompt | completion] rows), and
-    for groups sharing a prompt, prompt_ids, prompt_mask and group_size (then `group_logprobs` runs each
-    prompt once). pi_old and pi_ref log-probs come first, without gradients; pi_ref is `reference_policy`.
-    `cfg` carries TRL's names: num_iterations, beta, epsilon, epsilon_high, temperature, micro_batch_size,
-    logits_chunk_size, max_grad_norm. A non-finite loss or gradient skips that update."""
+    accumulation). `batch`: input_ids, attention_mask, completion_mask ([prompt | completion] rows),
+    advantages [B], weights [B, C] (`token_weights`), and for groups sharing a prompt, prompt_ids,
+    prompt_mask and group_size (then `group_logprobs` runs each prompt once). pi_old and pi_ref log-probs
+    come first, without gradients; pi_ref is `reference_policy`. `cfg` carries TRL's names:
+    num_iterations, beta, epsilon, epsilon_high, temperature, micro_batch_size, logits_chunk_size,
+    max_grad_norm. A non-finite loss or gradient skips that update."""
+    batch = to_device(batch, model.device)
     ids, attn, cmask = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+    advantages, weights = batch["advantages"], batch["weights"]
     G, P = batch.get("group_size", 1), ids.shape[1] - cmask.shape[1]
     rows = G * max(1, cfg.micro_batch_size // G)  # whole groups per micro-batch
     micro = [slice(i, i + rows) for i in range(0, ids.shape[0], rows)]
@@ -571,16 +624,16 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg)
     model.eval()  # sampling
     roll = sample_group(model, tokenizer, [wm_prompt(t, cfg.wm_reasoning) for t in triplets], num_generations=G,
                         max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                        system=wm_system(triplets[0]), prefix=WM_PREFIX if cfg.wm_reasoning else "")
+                        system=wm_system(triplets[0]), prefix=wm_prefix(cfg.wm_reasoning))
     rewards = torch.tensor(reward_fn(roll["texts"], [t["next_obs"] for t in triplets for _ in range(G)]), dtype=torch.float)
-    adv = group_advantages(rewards, G, cfg.scale_rewards)
     ids, attn, cmask = roll["input_ids"], roll["attention_mask"], roll["completion_mask"]
-    weights = token_weights(cmask, cfg.loss_type, cfg.max_completion_length)
-    batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask)
+    batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask,
+                 advantages=group_advantages(rewards, G, cfg.scale_rewards),
+                 weights=token_weights(cmask, cfg.loss_type, cfg.max_completion_length))
     if cfg.shared_prompt_forward:  # the G completions of a prompt share its forward, in training as in sampling
         P = ids.shape[1] - cmask.shape[1]
         batch.update(prompt_ids=ids[::G, :P], prompt_mask=attn[::G, :P], group_size=G)
-    stats = grpo_update(model, optimizer, batch, adv, weights, cfg)
+    stats = grpo_update(model, optimizer, batch, cfg)
     grouped = rewards.view(-1, G)
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
                 frac_reward_zero_std=float((grouped.std(1) == 0).float().mean()),
@@ -629,17 +682,23 @@ def rollouts(model, tokenizer, pool: envs.EnvPool | None, games: list, n: int, c
 def policy_step(model, tokenizer, optimizer, pool: envs.EnvPool | None, games: list, cfg) -> dict:
     """One stage-2 step: num_generations episodes of each game (ALFWorld game files, or tau2 tasks with
     `cfg.env == "tau2"`), terminal reward won, GRPO on every turn."""
-    G = cfg.num_generations
     turns = []
-    summaries = rollouts(model, tokenizer, pool, games, G, cfg, on_turn=turns.append, desc="policy rollouts")
+    summaries = rollouts(model, tokenizer, pool, games, cfg.num_generations, cfg, on_turn=turns.append,
+                         desc="policy rollouts")
+    return policy_update(model, tokenizer, optimizer, turns, summaries, cfg)
+
+
+def policy_update(model, tokenizer, optimizer, turns: list[dict], summaries: list[dict], cfg) -> dict:
+    """GRPO on recorded episodes: `summaries` in groups of num_generations episodes of one game, `turns`
+    as `play(record_tokens=True)` gives them; the reward is won."""
+    G = cfg.num_generations
     rewards = torch.tensor([float(s["won"]) for s in summaries])  # gamma = 1: the return is the terminal reward
     adv = group_advantages(rewards, G, cfg.scale_rewards)
     ids, attn, cmask, turn_adv, weights = policy_batch(turns, adv, tokenizer.pad_token_id, cfg.loss_type,
                                                        cfg.max_new_tokens, keep_zero_advantage=bool(cfg.beta))
     if ids.shape[0]:
-        ids, attn, cmask = ids.to(model.device), attn.to(model.device), cmask.to(model.device)
-        stats = grpo_update(model, optimizer, dict(input_ids=ids, attention_mask=attn, completion_mask=cmask),
-                            turn_adv.to(model.device), weights.to(model.device), cfg)
+        stats = grpo_update(model, optimizer, dict(input_ids=ids, attention_mask=attn, completion_mask=cmask,
+                                                   advantages=turn_adv, weights=weights), cfg)
     else:  # every group all-equal and no KL term: the loss is exactly 0, nothing to compute
         stats = [dict(loss=0.0, kl=0.0, clip_ratio=0.0, grad_norm=0.0, skipped=False)] * cfg.num_iterations
     steps = sum(s["steps"] for s in summaries) or 1
@@ -654,31 +713,42 @@ def policy_step(model, tokenizer, optimizer, pool: envs.EnvPool | None, games: l
 # ============================================================================ World-model accuracy (METHOD.md §8, D)
 
 def evaluate_wm(model, tokenizer, triplets: list[dict], reward_fn, *, max_new_tokens: int = 96,
-                batch_size: int = 16, reasoning: bool = True) -> dict:
-    """Greedy predictions for held-out triplets: share with r_WM = 1, mean cosine, exact match, format
-    rate, overall and per transition kind ("Nothing happens." vs a real change)."""
-    preds = []
-    for i in tqdm(range(0, len(triplets), batch_size), desc="wm eval", unit="batch", dynamic_ncols=True):
-        preds += generate(model, tokenizer, [wm_prompt(t, reasoning) for t in triplets[i:i + batch_size]],
-                          system=wm_system(triplets[i]), prefix=WM_PREFIX if reasoning else "", max_new_tokens=max_new_tokens,
-                          temperature=0.0)
-    targets = [t["next_obs"] for t in triplets]
+                batch_size: int = 16, reasoning: bool = True, samples: int = 0, temperature: float = 1.0) -> dict:
+    """World-model accuracy on held-out triplets: the share of predictions with r_WM = 1, mean cosine,
+    exact match and format rate, overall, on real changes vs "Nothing happens.", and per observation kind
+    (`envs.observation_kind`). `samples` = 0: one greedy prediction per triplet; k > 0: k sampled at
+    `temperature` (the quantity GRPO raises, with less noise on a small held-out set)."""
+    k, per = max(samples, 1), max(1, batch_size // max(samples, 1))
+    order = by_length([wm_prompt(t, reasoning) for t in triplets])
+    preds = [""] * (len(triplets) * k)
+    for i in tqdm(range(0, len(triplets), per), desc="wm eval", unit="batch", dynamic_ncols=True):
+        chunk = [triplets[j] for j in order[i:i + per]]
+        texts = sample_group(model, tokenizer, [wm_prompt(t, reasoning) for t in chunk], num_generations=k,
+                             max_completion_length=max_new_tokens, temperature=temperature if samples else 0.0,
+                             system=wm_system(chunk[0]), prefix=wm_prefix(reasoning))["texts"]
+        for j, idx in enumerate(order[i:i + per]):
+            preds[idx * k:(idx + 1) * k] = texts[j * k:(j + 1) * k]
+    targets = [t["next_obs"] for t in triplets for _ in range(k)]
     rewards = reward_fn(preds, targets)
     states = [parse_next_state(p) for p in preds]
     sims = reward_fn.similarity(states, targets)
     rows = [dict(reward=r, cosine=s, exact=bool(p) and envs.normalize(p) == envs.normalize(t), parsed=p is not None,
-                 kind="nothing_happens" if t == "Nothing happens." else "change")
-            for r, s, p, t in zip(rewards, sims, states, targets)]
+                 kind=envs.observation_kind(t)) for r, s, p, t in zip(rewards, sims, states, targets)]
 
     def summary(rs):
         n = max(len(rs), 1)
         return dict(wm_accuracy=sum(r["reward"] for r in rs) / n, mean_cosine=sum(r["cosine"] for r in rs) / n,
                     exact_match=sum(r["exact"] for r in rs) / n, format_rate=sum(r["parsed"] for r in rs) / n,
-                    n=len(rs))
+                    n=len(rs) // k)
 
     out = summary(rows)
-    out["per_kind"] = {k: summary([r for r in rows if r["kind"] == k]) for k in ("change", "nothing_happens")}
-    out["examples"] = [dict(action=t["action"], target=t["next_obs"], prediction=p) for t, p in zip(triplets[:5], preds)]
+    out.update(samples=samples, temperature=temperature if samples else 0.0)
+    out["per_kind"] = dict(change=summary([r for r in rows if r["kind"] != "nothing_happens"]),
+                           nothing_happens=summary([r for r in rows if r["kind"] == "nothing_happens"]))
+    out["per_observation_kind"] = {kind: summary([r for r in rows if r["kind"] == kind])
+                                   for kind in sorted({r["kind"] for r in rows})}
+    out["examples"] = [dict(action=t["action"], target=t["next_obs"], prediction=p)
+                       for t, p in zip(triplets[:8], preds[::k])]
     return out
 
 
@@ -761,26 +831,79 @@ def chat(tokenizer, prompt: str, system: str | None = None, prefix: str = "") ->
     return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) + prefix
 
 
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """End-of-turn token ids: the tokenizer's eos and any the checkpoint's generation_config lists (Qwen2.5
+    and Llama 3 instruct models list several)."""
+    ids = []
+    for x in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        ids += list(x) if isinstance(x, (list, tuple)) else [] if x is None else [x]
+    return sorted(set(ids))
+
+
+def sampling_config(model, tokenizer, *, temperature: float, top_p: float, max_new_tokens: int):
+    """A complete GenerationConfig of our own: plain softmax sampling at `temperature` (greedy at 0), top_p,
+    no top-k and none of the extras a checkpoint's generation_config may ship (a repetition penalty, as Qwen
+    instruct models do), so that samples come from the distribution whose log-probs GRPO trains on."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(**GenerationConfig()._get_default_generation_params())  # every knob at its neutral value
+    greedy = temperature <= 0
+    cfg.update(do_sample=not greedy, temperature=1.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+               top_k=50 if greedy else 0, max_new_tokens=max_new_tokens, max_length=None, min_length=None,
+               eos_token_id=stop_token_ids(model, tokenizer),
+               pad_token_id=tokenizer.pad_token_id)
+    return cfg
+
+
+@contextmanager
+def checkpoint_generation_config_off(model):
+    """transformers fills every field our config leaves None from the checkpoint's generation_config (e.g.
+    suppress_tokens); a blank one in its place while we generate leaves nothing to fill."""
+    from transformers import GenerationConfig
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    saved, base.generation_config = base.generation_config, GenerationConfig()
+    try:
+        yield
+    finally:
+        base.generation_config = saved
+
+
 @torch.no_grad()
 def generate_ids(model, tokenizer, texts: list[str], n: int = 1, stop: str | None = None, **kwargs):
     """`n` sampled continuations of each (already templated) text: (prompt batch, [len(texts) * n, P + C]).
+    kwargs: temperature, top_p, max_new_tokens (see `sampling_config`).
 
     The n continuations of a prompt share one prefill: the prompt (all but its last token) runs through
     the model once, its key/value cache is repeated n times, and generation continues from there. A plain
     `num_return_sequences=n` would prefill every copy; prompts here are long and completions short."""
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     ids, attn = batch["input_ids"], batch["attention_mask"]
-    kwargs = dict(pad_token_id=tokenizer.pad_token_id, **kwargs)
+    gen = dict(generation_config=sampling_config(model, tokenizer, **kwargs))
     if stop:
-        kwargs.update(stop_strings=[stop], tokenizer=tokenizer)
-    if n == 1 or ids.shape[1] < 2:
-        return batch, model.generate(**batch, num_return_sequences=n, **kwargs)
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    cache = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=position_ids[:, :-1],
-                  use_cache=True).cache
-    cache.batch_repeat_interleave(n)
-    batch = {k: v.repeat_interleave(n, 0) for k, v in batch.items()}
-    return batch, model.generate(**batch, cache=cache, **kwargs)
+        gen["generation_config"].stop_strings = [stop]
+        gen["tokenizer"] = tokenizer
+    with checkpoint_generation_config_off(model):
+        if n == 1 or ids.shape[1] < 2:
+            if n > 1:
+                batch = {k: v.repeat_interleave(n, 0) for k, v in batch.items()}
+            return batch, model.generate(**batch, **gen)
+        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+        cache = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=position_ids[:, :-1],
+                      use_cache=True).cache
+        cache.batch_repeat_interleave(n)
+        batch = {k: v.repeat_interleave(n, 0) for k, v in batch.items()}
+        return batch, model.generate(**batch, cache=cache, **gen)
+
+
+def stop_string_ends(tokenizer, stop: str, sequences: torch.Tensor, completion_start: int) -> torch.Tensor:
+    """[B, C] bool: True at the completion token after which a row's text first ends with `stop`, judged by
+    transformers' own StopStringCriteria, the rule that stopped generation there."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    criteria = StopStringCriteria(tokenizer, [stop])
+    C = sequences.shape[1] - completion_start
+    return torch.stack([criteria(sequences[:, :completion_start + k + 1], None) for k in range(C)], 1)
 
 
 @torch.no_grad()
@@ -788,13 +911,16 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
            max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0) -> dict:
     """`n` completions of each (already templated) text, the `n` of a text next to each other; plain
     sampling from softmax(logits / temperature) (no top-k, so the log-probs of training match), greedy at
-    temperature 0. Returns `texts` (prefix + completion), the tensors of the training forward
-    (`input_ids` [B*n, P + C], `attention_mask`, `completion_mask` [B*n, C]) and, per row, the token
-    lists without padding (`prompt_ids`, `completion_ids`)."""
-    kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
-    batch, out = generate_ids(model, tokenizer, texts, n, stop, max_new_tokens=max_new_tokens, **kwargs)
-    completion_ids = out[:, batch["input_ids"].shape[1]:]
-    mask = completion_mask_from(completion_ids, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    temperature 0; generation ends at an end-of-turn token or after `stop`. Returns `texts` (prefix +
+    completion), the tensors of the training forward (`input_ids` [B*n, P + C], `attention_mask`,
+    `completion_mask` [B*n, C]: exactly the sampled tokens, never the padding after a stop) and, per row,
+    the token lists without padding (`prompt_ids`, `completion_ids`)."""
+    batch, out = generate_ids(model, tokenizer, texts, n, stop, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_p=top_p)
+    P = batch["input_ids"].shape[1]
+    completion_ids = out[:, P:]
+    ends = stop_string_ends(tokenizer, stop, out, P) if stop else None
+    mask = completion_mask_from(completion_ids, stop_token_ids(model, tokenizer), tokenizer.pad_token_id, ends)
     decoded = tokenizer.batch_decode(completion_ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True)
     return dict(texts=[prefix + t for t in decoded], input_ids=out,
                 attention_mask=torch.cat([batch["attention_mask"], mask], 1), completion_mask=mask,
@@ -843,21 +969,27 @@ def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0, target_m
         raise UserError(f"cannot put LoRA on {target_modules!r}: {str(e).splitlines()[0]}") from None
 
 
-def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str | None = None, epochs: int = 3,
-        lr: float = 2e-4, batch_size: int = 8, seed: int = 0) -> list[float]:
-    """Plain supervised fine-tuning of the trainable (LoRA) weights on prompt -> answer; loss on the answer
-    and its end-of-turn token only. Returns the mean loss of each epoch."""
+def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str | None = None, prefix: str = "",
+        epochs: int = 3, lr: float = 2e-4, batch_size: int = 8, seed: int = 0, shuffle: bool = True) -> list[float]:
+    """Plain supervised fine-tuning of the trainable (LoRA) weights on prompt -> answer (the reply starts
+    with `prefix`, written for the model as in sampling); loss on the answer and its end-of-turn token
+    only. Returns the mean loss of each epoch."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
     eos = tokenizer.eos_token
-    pairs = [(chat(tokenizer, p, system), a + eos) for p, a in zip(prompts, answers)]
+    pairs = [(chat(tokenizer, p, system, prefix), a + eos) for p, a in zip(prompts, answers)]
     rng, losses = random.Random(seed), []
     model.train()
     for _ in tqdm(range(epochs), desc="sft", unit="epoch", dynamic_ncols=True):
-        rng.shuffle(pairs)
+        batches = [pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)]
+        if shuffle:  # batches of similar lengths (transformers' group_by_length), in random order
+            rng.shuffle(pairs)
+            window = batch_size * 8
+            grouped = [p for i in range(0, len(pairs), window) for p in sorted(pairs[i:i + window], key=lambda x: len(x[0]))]
+            batches = [grouped[i:i + batch_size] for i in range(0, len(grouped), batch_size)]
+            rng.shuffle(batches)
         total = 0.0
-        for i in range(0, len(pairs), batch_size):
-            chunk = pairs[i:i + batch_size]
+        for chunk in batches:
             ids, attn, cmask = pack([tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in chunk],
                                     [tokenizer(a, add_special_tokens=False)["input_ids"] for _, a in chunk],
                                     tokenizer.pad_token_id)

@@ -23,10 +23,12 @@ Every field of `Config` is a flag (`num_games` -> `--num-games`) and a key of an
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import difflib
 import json
+import math
 import os
 import random
 import shutil
@@ -43,7 +45,7 @@ from tqdm.auto import tqdm
 import envs
 import rwml
 from envs import UserError
-from reward import BUNDLED_EMBEDDER, SimToRealReward, coin_reward, derangement
+from reward import BUNDLED_EMBEDDER, SimToRealReward, coin_reward, mis_targets
 
 STAGES = ("all", "collect", "filter", "wm", "wm-sft", "rft", "policy")
 INITS = ("base", "rwml", "wm-sft", "rft")
@@ -54,75 +56,83 @@ CHOICES = dict(env=("alfworld", "tau2"), domain=envs.TAU2_DOMAINS, init=INITS, r
 
 @dataclass
 class Config:
+    """Every hyperparameter of every stage. Defaults: the small-model recipe that shows RWML learning on the
+    bundled 135M model on a CPU; each departure from the paper is marked "(paper: ...)" and undone by
+    configs/paper.json (README, "Departures from the paper")."""
     # --- model
     model: str = rwml.BUNDLED_MODEL  # any HF causal-LM id or local folder
     adapter: str | None = None  # collect: play with this peft adapter; policy: start from it (see `init`)
     load_in_4bit: bool | None = None  # NF4 base weights via bitsandbytes (QLoRA); None = on when CUDA is present
     seed: int = 0
-    # --- data collection (METHOD.md §2): the base model plays train games at temperature 1.0
+    # --- data collection: the model plays train games at temperature 1.0; every turn is a triplet
     env: str = "alfworld"  # or tau2 (tool use with a simulated customer; then `domain`, and games = tasks)
     domain: str = "retail"  # tau2: airline | retail
     user_model: str | None = None  # tau2's simulated customer: any HF causal LM; None = the agent's model
     split: str = "train"
-    num_games: int = 6  # the paper plays every train game (3553); small default for a CPU sanity run
+    num_games: int = 16  # the paper plays every train game (3553); small default for a CPU sanity run
     num_tasks: int | None = 4  # tau2: tasks of the split (None = all; retail train has 74)
-    rollouts_per_game: int = 2  # the paper: 3 for ALFWorld
+    rollouts_per_game: int = 1  # the paper: 3 for ALFWorld
     max_turns: int = 10  # environment step budget per episode (the paper: 30; `eval.py agent` uses 30)
-    history_len: int = 2  # H: previous (observation, action) pairs shown to the agent and kept per triplet
+    explore_prob: float = 0.85  # share of turns whose action is drawn by command kind, not the model's (paper: 0)
+    history_len: int = 1  # H: previous (observation, action) pairs shown to the agent and kept per triplet (paper: 2)
     temperature: float = 1.0  # sampling temperature of collection and of GRPO groups
     top_p: float = 1.0
     max_new_tokens: int = 64  # agent reply: <think>...</think><action>...</action>
-    num_envs: int = 12  # episodes played (and generated for) together
+    num_envs: int = 16  # episodes played (and generated for) together
     num_workers: int = 2  # game processes (0 = play in this process)
     heldout_split: str = "valid_seen"  # `all`: world-model accuracy is measured on games never trained on
-    heldout_games: int = 4
-    # --- "too easy" filter (METHOD.md §4)
-    transitions: str | None = None  # `filter` / `wm`: a collection's transitions.jsonl
+    heldout_games: int = 6
+    # --- "too easy" filter: an SFT copy on the filter split scores the rest
+    transitions: str | None = None  # `filter` / `wm` / `wm-sft`: a collection's transitions.jsonl
+    filter_dir: str | None = None  # where the filter's outputs are kept and reused (None = <out>/filter)
     easy_filter: bool = True  # False = the paper's "without easy subsampling" ablation
-    filter_split: float = 0.1  # share of triplets that trains the easiness model
-    filter_samples: int = 4  # K predictions per training triplet (the paper: 10)
-    easy_share: float = 0.3  # tau_easy is set so that this share counts as easy
+    filter_split: float = 0.35  # share of triplets that trains the SFT copy, never seen by GRPO (paper: 0.1)
+    filter_samples: int = 4  # K predictions per training triplet (paper: 10)
+    easy_share: float = 0.3  # tau_easy is set so that about this share counts as easy
     easy_keep_prob: float = 0.1  # easy triplets are kept with this probability
+    warmup: bool = True  # RWML starts from the SFT copy (format warm-up) and it is the KL reference (paper: False)
     sft_epochs: int = 3
-    sft_learning_rate: float = 2e-4
-    # --- reward (METHOD.md §3)
+    sft_learning_rate: float = 5e-4
+    # --- reward: 1 iff 1 - cos(E(prediction), E(real)) < tau_d
     embedder: str = BUNDLED_EMBEDDER  # any sentence-transformers model id or folder
-    tau_d: float = 0.1  # reward 1 iff 1 - cos < tau_d; chosen with `python eval.py calibrate` (README)
+    tau_d: float = 0.1  # chosen with `python eval.py calibrate` and the embedding geometry (README)
     reward_metric: str = "embedding"  # or "rouge" (ablation)
     reward_binary: bool = True  # False = the continuous-cosine ablation
-    reward_control: str = "none"  # controls (METHOD.md §7): mis = targets deranged across triplets, coin = fair coin
-    # --- GRPO (METHOD.md §5); names as in TRL
-    wm_reasoning: bool = True  # <think> then <next_state> (the paper); False = <next_state> directly
+    reward_control: str = "none"  # controls: mis = another triplet's next observation, coin = a fair coin
+    # --- GRPO; names as in TRL
+    wm_reasoning: bool = False  # <think> then <next_state> (paper: True); False = the reply starts at <next_state>
     max_steps: int = 24  # optimizer steps
     prompts_per_step: int = 2  # world-model prompts per step, each with num_generations completions
-    num_generations: int = 4
-    max_completion_length: int = 96
-    learning_rate: float = 1e-4
-    beta: float = 0.01  # KL weight; the reference is the model with the adapter disabled
+    num_generations: int = 8
+    max_completion_length: int = 64
+    learning_rate: float = 2e-4
+    beta: float = 0.0  # KL weight (TRL's default); the reference is the warm-up adapter, else the bare base model
     epsilon: float = 0.2
     epsilon_high: float | None = None  # DAPO's clip-higher; None = epsilon
     num_iterations: int = 1  # updates per generated batch (mu)
     loss_type: str = "grpo"  # grpo | dapo | dr_grpo
     scale_rewards: str = "group"  # group | batch | none
     max_grad_norm: float = 1.0
-    micro_batch_size: int = 4  # completions per forward/backward (gradient accumulation inside a step)
+    micro_batch_size: int = 8  # completions per forward/backward (gradient accumulation inside a step)
     shared_prompt_forward: bool = True  # training forward: a group's completions share one prompt forward
     logits_chunk_size: int = 512  # completion tokens per vocabulary projection
     gradient_checkpointing: bool = False
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
-    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"  # or "all-linear"
-    # --- stage 2: policy RL on task success (METHOD.md §6); also uses split, num_games, max_turns,
+    lora_target_modules: str = "all-linear"  # or e.g. "q_proj,k_proj,v_proj,o_proj"
+    # --- stage 2: policy RL on task success; also uses split, num_games, max_turns,
     #     num_generations (episodes per game), max_new_tokens and the GRPO fields above
     init: str = "base"  # what --adapter holds: base (no adapter) | rwml | wm-sft | rft; the KL reference is it, frozen
     games_per_step: int = 2  # games per policy step, drawn from the num_games train games
+    # --- world-model evaluation (held-out triplets, before and after)
+    eval_max_triplets: int = 48  # held-out triplets scored before and after (0 = all)
+    eval_samples: int = 4  # predictions per held-out triplet, sampled at `temperature` (0 = one greedy)
     # --- logging, checkpoints, output
     save_steps: int = 4
     log_completions_steps: int = 4
     report_to: str = "none"  # or "tensorboard"
     resume: bool = False
-    eval_max_triplets: int = 48  # held-out triplets scored before and after (0 = all)
     out: str = "runs/rwml"
 
 
@@ -134,6 +144,48 @@ def check_choices(cfg) -> None:
             close = difflib.get_close_matches(str(value), options, n=1)
             raise UserError(f"unknown --{name.replace('_', '-')} {value!r}; choose one of {', '.join(options)}"
                             + (f" (did you mean {close[0]!r}?)" if close else ""))
+
+
+MIN = dict(num_games=1, rollouts_per_game=1, max_turns=1, max_new_tokens=1, num_envs=1, num_workers=0,
+           heldout_games=1, history_len=0, filter_samples=1, sft_epochs=1, max_steps=1, prompts_per_step=1,
+           num_generations=2, max_completion_length=1, num_iterations=1, micro_batch_size=1, logits_chunk_size=1,
+           lora_r=1, lora_alpha=1, games_per_step=1, eval_max_triplets=0, eval_samples=0, save_steps=1,
+           log_completions_steps=1)
+UNIT = ("explore_prob", "easy_share", "easy_keep_prob", "lora_dropout")  # in [0, 1]
+
+
+def check_config(cfg: Config, stage: str = "all") -> None:
+    """Every value in its range, and the sizes of a stage consistent, before anything slow runs."""
+    def bad(name, why):
+        raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: {why}")
+
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            bad(f.name, "must be a finite number")
+    for name, lo in MIN.items():
+        if getattr(cfg, name) < lo:
+            bad(name, f"must be at least {lo}")
+    for name in UNIT:
+        if not 0 <= getattr(cfg, name) <= 1:
+            bad(name, "must be between 0 and 1")
+    for name in ("temperature", "beta", "epsilon", "max_grad_norm"):
+        if getattr(cfg, name) < 0:
+            bad(name, "must be 0 or more")
+    for name in ("learning_rate", "sft_learning_rate"):
+        if getattr(cfg, name) <= 0:
+            bad(name, "must be above 0")
+    if not 0 < cfg.top_p <= 1:
+        bad("top_p", "must be in (0, 1]")
+    if not 0 < cfg.tau_d <= 2:
+        bad("tau_d", "must be in (0, 2] (a cosine distance)")
+    if not 0 < cfg.filter_split < 1:
+        bad("filter_split", "the share of triplets that trains the SFT copy must be between 0 and 1")
+    if stage == "all":  # collection gives at most this many triplets (fewer if an episode is won early)
+        n = cfg.num_games * cfg.rollouts_per_game * cfg.max_turns
+        if n - max(1, round(cfg.filter_split * n)) < cfg.prompts_per_step:
+            bad("filter_split", f"leaves fewer than --prompts-per-step {cfg.prompts_per_step} of the at most {n} "
+                "collected triplets for GRPO; lower it or collect more (--num-games, --max-turns)")
 
 
 def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None):
@@ -214,9 +266,10 @@ def collect(cfg: Config, out: Path, load) -> Path:
         raise UserError(f"--rollouts-per-game must be at least 1, got {cfg.rollouts_per_game}")
     out.mkdir(parents=True, exist_ok=True)
     job = {k: getattr(cfg, k) for k in ("model", "adapter", "seed", "split", "num_games", "rollouts_per_game",
-                                        "max_turns", "history_len", "temperature", "top_p", "max_new_tokens")}
-    if cfg.env != "alfworld":
-        del job["num_games"]
+                                        "max_turns", "history_len", "temperature", "top_p", "max_new_tokens",
+                                        "explore_prob")}
+    if cfg.env != "alfworld":  # tau2: the model's own actions only
+        del job["num_games"], job["explore_prob"]
         job.update(env=cfg.env, domain=cfg.domain, num_tasks=cfg.num_tasks, user_model=cfg.user_model)
     meta = out / "collect.json"
     if meta.exists() and json.loads(meta.read_text()) != job:
@@ -261,54 +314,83 @@ def collect(cfg: Config, out: Path, load) -> Path:
 
                 rwml.play(model, tok, pool, todo, history_len=cfg.history_len, max_turns=cfg.max_turns,
                           temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                          num_envs=cfg.num_envs, on_turn=lambda t: write(ft, t),
-                          on_episode=lambda e: write(fe, e), desc="collect")
+                          num_envs=cfg.num_envs, on_turn=lambda t: write(ft, t), on_episode=lambda e: write(fe, e),
+                          explore_prob=cfg.explore_prob, seed=cfg.seed + len(finished), desc="collect")
     eps, trips = read_jsonl(episodes_file), read_jsonl(transitions)
     n = max(len(trips), 1)
-    print(f"collect: {len(trips)} triplets from {len(eps)} episodes; success {sum(e['won'] for e in eps)}/{len(eps)}, "
-          f"valid actions {sum(t['valid'] for t in trips) / n:.1%}, well-formed replies "
-          f"{sum(t['format_ok'] for t in trips) / n:.1%}")
+    own = [t for t in trips if not t.get("explored")]
+    print(f"collect: {len(trips)} triplets from {len(eps)} episodes ({len(trips) - len(own)} explored turns); success "
+          f"{sum(e['won'] for e in eps)}/{len(eps)}, valid actions {sum(t['valid'] for t in trips) / n:.1%}, the model's "
+          f"own replies well formed {sum(t['format_ok'] for t in own) / max(len(own), 1):.1%}")
+    if cfg.env == "alfworld":
+        print("collect: next observations by kind: " + kind_mix(trips))
     return transitions
+
+
+def kind_mix(triplets: list[dict]) -> str:
+    """"arrive 51%, take 16%, ...": the share of each observation kind among the triplets' targets."""
+    counts = collections.Counter(envs.observation_kind(t["next_obs"]) for t in triplets)
+    return ", ".join(f"{k} {v / max(len(triplets), 1):.0%}" for k, v in counts.most_common())
 
 
 # ----------------------------------------------------------------------------- stage: filter
 
-def filter_triplets(cfg: Config, triplets: list[dict], out: Path, load, reward_fn) -> list[dict]:
-    """METHOD.md §4: the 90 / 10 split, then the "too easy" subsampling of the 90 %. Cached in `out`."""
-    kept_file, meta_file = out / "kept.jsonl", out / "filter.json"
-    job = {k: getattr(cfg, k) for k in ("model", "seed", "easy_filter", "filter_split", "filter_samples", "easy_share",
-                                        "easy_keep_prob", "sft_epochs", "sft_learning_rate", "embedder", "tau_d",
-                                        "reward_metric", "reward_binary")} | {"num_triplets": len(triplets)}
-    if kept_file.exists() and meta_file.exists() and json.loads(meta_file.read_text())["job"] == job:
+FILTER_JOB = ("model", "seed", "easy_filter", "filter_split", "filter_samples", "easy_share", "easy_keep_prob", "warmup",
+              "sft_epochs", "sft_learning_rate", "embedder", "tau_d", "reward_metric", "reward_binary",
+              "max_completion_length", "lora_r", "lora_alpha", "lora_target_modules")
+
+
+def filter_triplets(cfg: Config, triplets: list[dict], out: Path, load, reward_fn) -> tuple[list[dict], Path | None]:
+    """The "too easy" subsampling: `filter_split` of the triplets trains a separate LoRA copy (SFT, no
+    reasoning); K sampled predictions of that copy per remaining triplet give easiness = mean r_WM; easy iff
+    easiness >= tau_easy (about `easy_share` easy); easy ones are kept with probability `easy_keep_prob`.
+    With `warmup` the copy is kept in out/warmup_adapter: RWML starts from it (and it is the KL reference),
+    so RWML, its baselines and its controls start from a model that writes the answer format. Cached in
+    `out`, reused by any stage with the same settings. Returns (kept triplets, warm-up adapter or None)."""
+    kept_file, meta_file, warm = out / "kept.jsonl", out / "filter.json", out / "warmup_adapter"
+    job = {k: getattr(cfg, k) for k in FILTER_JOB} | {"num_triplets": len(triplets)}
+    if kept_file.exists() and meta_file.exists() and json.loads(meta_file.read_text())["job"] == job \
+            and (not cfg.warmup or (warm / "adapter_config.json").is_file()):
         kept = read_jsonl(kept_file)
-        print(f"filter: reusing {kept_file} ({len(kept)} triplets)")
-        return kept
+        print(f"filter: reusing {kept_file} ({len(kept)} triplets)" + (f" and {warm}" if cfg.warmup else ""))
+        return kept, warm if cfg.warmup else None
     train, filter_set = rwml.split_triplets(triplets, cfg.filter_split, cfg.seed)
-    if not cfg.easy_filter:
-        kept, info = train, dict(easy_share=None)
-    else:
+    info = dict(easy_share=None)
+    if cfg.easy_filter or cfg.warmup:
         model, tok = load()
-        # the separate copy: a LoRA adapter of its own, trained, used, then removed again
+        torch.manual_seed(cfg.seed)
+        # the separate copy: a LoRA adapter of its own, trained, used, then removed (kept on disk for warmup)
         copy = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, 0.0, cfg.lora_target_modules)
-        losses = rwml.sft(copy, tok, [rwml.wm_prompt(t, reasoning=False) for t in filter_set],
-                          [f"<next_state>{t['next_obs']}</next_state>" for t in filter_set], system=rwml.wm_system(filter_set[0]),
-                          epochs=cfg.sft_epochs, lr=cfg.sft_learning_rate, seed=cfg.seed)
-        scores = rwml.easiness(copy, tok, train, reward_fn, k=cfg.filter_samples, temperature=1.0)
-        copy.unload()  # back to the bare base model; its weights were never touched
+        info["sft_losses"] = rwml.sft(copy, tok, [rwml.wm_prompt(t, reasoning=False) for t in filter_set],
+                                      [rwml.wm_answer(t) for t in filter_set], system=rwml.wm_system(filter_set[0]),
+                                      prefix=rwml.wm_prefix(False), epochs=cfg.sft_epochs, lr=cfg.sft_learning_rate,
+                                      seed=cfg.seed)
+        if cfg.warmup:
+            out.mkdir(parents=True, exist_ok=True)
+            save_adapter(copy, out, "warmup_adapter")
+    if cfg.easy_filter:
+        scores = rwml.easiness(copy, tok, train, reward_fn, k=cfg.filter_samples,
+                               max_new_tokens=cfg.max_completion_length, temperature=1.0)
         keep, easy, tau_easy = rwml.easy_subsample(scores, cfg.easy_share, cfg.easy_keep_prob, cfg.seed)
         kept = [t for t, k in zip(train, keep) if k]
-        info = dict(sft_losses=losses, tau_easy=tau_easy, easy_share=sum(easy) / max(len(easy), 1),
-                    mean_easiness=sum(scores) / max(len(scores), 1))
+        info.update(tau_easy=tau_easy, easy_share=sum(easy) / max(len(easy), 1), target_easy_share=cfg.easy_share,
+                    mean_easiness=sum(scores) / max(len(scores), 1),
+                    easiness_counts={f"{v:g}": scores.count(v) for v in sorted(set(scores))})
         out.mkdir(parents=True, exist_ok=True)
         write_atomic(out / "easiness.jsonl", "".join(json.dumps(dict(game=t["game"], step=t["step"], rollout=t["rollout"],
-                     easiness=s, easy=e, kept=k)) + "\n" for t, s, e, k in zip(train, scores, easy, keep)))
-    info.update(num_triplets=len(triplets), num_train=len(train), num_filter_split=len(filter_set), num_kept=len(kept))
+                     next_obs=t["next_obs"], easiness=s, easy=e, kept=k)) + "\n" for t, s, e, k in zip(train, scores, easy, keep)))
+    else:
+        kept = train
+    if cfg.easy_filter or cfg.warmup:
+        copy.unload()  # back to the bare base model; its weights were never touched
+    info.update(num_triplets=len(triplets), num_train=len(train), num_filter_split=len(filter_set), num_kept=len(kept),
+                kept_kinds=kind_mix(kept))
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(kept_file, "".join(json.dumps(t) + "\n" for t in kept))
     write_atomic(meta_file, json.dumps(dict(job=job, **info), indent=2))
     print("filter: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items()
-                                 if k != "sft_losses"))
-    return kept
+                                 if k not in ("sft_losses", "easiness_counts")))
+    return kept, warm if cfg.warmup else None
 
 
 # ----------------------------------------------------------------------------- stage: wm (RWML GRPO)
@@ -383,9 +465,9 @@ def log_row(metrics, writer, row: dict) -> None:
                 writer.add_scalar(f"train/{k}", v, row["step"])
 
 
-def save_adapter(model, out: Path) -> Path:
+def save_adapter(model, out: Path, name: str = "adapter") -> Path:
     """The trained adapter alone, the peft way (`PeftModel.from_pretrained(base, out / "adapter")`)."""
-    adapter, tmp = out / "adapter", out / "adapter.tmp"
+    adapter, tmp = out / name, out / (name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, selected_adapters=["default"])
     shutil.rmtree(adapter, ignore_errors=True)
@@ -393,43 +475,73 @@ def save_adapter(model, out: Path) -> Path:
     return adapter
 
 
-def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
-    """RWML: GRPO of a LoRA adapter on world-model prompts. Returns the peft model."""
+def start_adapter(cfg: Config, model, adapter: Path | str | None = None):
+    """The adapter a stage trains: a fresh LoRA (the KL reference is then the bare base model, adapter
+    disabled), or a saved one (the warm-up, or an RWML / WM-SFT / RFT adapter for stage 2) that trains on,
+    with a frozen copy of it named "ref" (TRL's name) as the KL reference (`rwml.reference_policy`)."""
+    if adapter is None:
+        return rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
+                             cfg.gradient_checkpointing)
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    model.load_adapter(str(adapter), adapter_name="ref", is_trainable=False)
+    model.set_adapter("default")  # trainable; "ref" stays frozen
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+        model.enable_input_require_grads()
+    return model
+
+
+def next_batch(state: dict, n: int, size: int, seed: int) -> list[int]:
+    """The next `size` triplet indices of a run's data stream; advances state's epoch and cursor. An epoch's
+    order depends only on (seed, epoch), so a resumed run, and the matched WM-SFT control, see the same."""
+    batch = []
+    while len(batch) < size:
+        if state["cursor"] >= n:
+            state.update(epoch=state["epoch"] + 1, cursor=0)
+        order = list(range(n))
+        random.Random(seed * 1000 + state["epoch"]).shuffle(order)
+        batch.append(order[state["cursor"]])
+        state["cursor"] += 1
+    return batch
+
+
+def reward_control(cfg: Config, triplets: list[dict], reward_fn, out: Path):
+    """The controls: MIS scores each triplet against another triplet's next observation (another text),
+    COIN replaces the reward by a fair coin. Returns (triplets, reward function)."""
+    if cfg.reward_control == "mis":
+        targets, unchanged = mis_targets([t["next_obs"] for t in triplets], cfg.seed)
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "mis.json", json.dumps(dict(unchanged_share=unchanged, num_triplets=len(triplets)), indent=2))
+        print(f"mis: {unchanged:.1%} of triplets keep a target equal to their own (one text is over half of all)")
+        return [dict(t, next_obs=x) for t, x in zip(triplets, targets)], reward_fn
+    if cfg.reward_control == "coin":
+        return triplets, coin_reward(cfg.seed)
+    return triplets, reward_fn
+
+
+def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, start: Path | None = None):
+    """RWML: GRPO of a LoRA adapter on world-model prompts, from `start` (the warm-up adapter) or a fresh
+    adapter. Returns the peft model."""
     _check_at_least(cfg, max_steps=1, prompts_per_step=1, num_generations=2, micro_batch_size=1, num_iterations=1,
                     save_steps=1, max_completion_length=1)
     if not triplets:
         raise UserError("no training triplets left after filtering; collect more games")
-    if cfg.reward_control == "mis":  # each triplet is scored against another triplet's next observation
-        perm = derangement(len(triplets), cfg.seed)
-        triplets = [dict(t, next_obs=triplets[j]["next_obs"]) for t, j in zip(triplets, perm)]
-    elif cfg.reward_control == "coin":
-        reward_fn = coin_reward(cfg.seed)
-    elif cfg.reward_control != "none":
-        raise UserError(f"unknown --reward-control {cfg.reward_control!r}; choose none, mis or coin")
+    triplets, reward_fn = reward_control(cfg, triplets, reward_fn, out)
     model, tok = load()
     torch.manual_seed(cfg.seed)  # the LoRA init and the sampling depend on the seed alone
-    model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
-                          cfg.gradient_checkpointing)
+    model = start_adapter(cfg, model, start)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=0.0)
     state, writer = start_run(cfg, out, model, optimizer)
-
-    def order(epoch):  # the data order of an epoch depends only on (seed, epoch): resumable by cursor
-        idx = list(range(len(triplets)))
-        random.Random(cfg.seed * 1000 + epoch).shuffle(idx)
-        return idx
-
+    coin = getattr(reward_fn, "rng", None)
+    if coin is not None and "reward_rng" in state:
+        coin.setstate(state["reward_rng"])
     bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="rwml grpo", unit="step", dynamic_ncols=True)
     with open(out / "metrics.jsonl", "a") as metrics, open(out / "samples.jsonl", "a") as samples:
         while state["step"] < cfg.max_steps:
-            batch = []
-            while len(batch) < cfg.prompts_per_step:
-                idx = order(state["epoch"])
-                if state["cursor"] >= len(idx):
-                    state.update(epoch=state["epoch"] + 1, cursor=0)
-                    continue
-                batch.append(triplets[idx[state["cursor"]]])
-                state["cursor"] += 1
+            batch = [triplets[i] for i in next_batch(state, len(triplets), cfg.prompts_per_step, cfg.seed)]
             t0 = time.time()
             res = rwml.grpo_step(model, tok, optimizer, batch, reward_fn, cfg)
             seconds = (time.time() - t0) / len(res["updates"])
@@ -453,6 +565,8 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
                 tqdm.write(f"[step {state['step']}] action: {sample['action']!r}\n  predicted: "
                            f"{sample['completion'][-300:]!r}\n  real: {sample['target']!r}  reward {sample['reward']:.0f}")
             if state["step"] % cfg.save_steps < len(res["updates"]) or state["step"] >= cfg.max_steps:
+                if coin is not None:
+                    state["reward_rng"] = coin.getstate()
                 save_checkpoint(out / "checkpoint", model, optimizer, state)
     bar.close()
     if writer:
@@ -465,29 +579,38 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
 
 # ----------------------------------------------------------------------------- baselines: WM SFT, RFT (METHOD.md §7)
 
-def sft_adapter(cfg: Config, model, tok, prompts: list[str], answers: list[str], system: str, out: Path, **info):
-    """The SFT baselines: a fresh LoRA adapter, plain SFT, saved with config.json and sft.json (losses, info)."""
+def sft_adapter(cfg: Config, model, tok, prompts: list[str], answers: list[str], system: str, out: Path, *,
+                prefix: str = "", start: Path | None = None, epochs: int | None = None, batch_size: int = 8,
+                shuffle: bool = True, **info):
+    """The SFT baselines: plain SFT of a fresh LoRA adapter (or of `start`), saved with config.json and
+    sft.json (losses, info)."""
     torch.manual_seed(cfg.seed)
-    model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
-                          cfg.gradient_checkpointing)
-    losses = rwml.sft(model, tok, prompts, answers, system=system, epochs=cfg.sft_epochs, lr=cfg.sft_learning_rate,
-                      seed=cfg.seed)
+    model = start_adapter(cfg, model, start)
+    losses = rwml.sft(model, tok, prompts, answers, system=system, prefix=prefix, epochs=epochs or cfg.sft_epochs,
+                      lr=cfg.sft_learning_rate, batch_size=batch_size, seed=cfg.seed, shuffle=shuffle)
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
     write_atomic(out / "sft.json", json.dumps(dict(losses=losses, **info), indent=2))
     return model, losses, save_adapter(model, out)
 
 
-def train_wm_sft(cfg: Config, triplets: list[dict], out: Path, load):
-    """WM SFT: plain next-observation SFT (no reasoning) of a fresh LoRA adapter on the same 90 % split
-    RWML draws from (without the easy filter, which exists for RL)."""
-    train, _ = rwml.split_triplets(triplets, cfg.filter_split, cfg.seed)
+def train_wm_sft(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
+    """WM SFT, the paper's baseline, matched to RWML: plain next-observation SFT (no reasoning) on the
+    triplets RWML trains on (the same filter output), in RWML's data order, `max_steps` updates of
+    `prompts_per_step` triplets, from RWML's start (the warm-up adapter, or a fresh one)."""
+    kept, start = filter_triplets(cfg, triplets, filter_dir(cfg, out), load, reward_fn)
+    if not kept:
+        raise UserError("no training triplets left after filtering; collect more games")
+    state = dict(epoch=0, cursor=0)
+    stream = [kept[i] for _ in range(cfg.max_steps) for i in next_batch(state, len(kept), cfg.prompts_per_step, cfg.seed)]
     model, tok = load()
-    model, losses, adapter = sft_adapter(cfg, model, tok, [rwml.wm_prompt(t, reasoning=False) for t in train],
-                                         [f"<next_state>{t['next_obs']}</next_state>" for t in train],
-                                         rwml.wm_system(train[0]), out, num_triplets=len(train))
-    print(f"wm-sft: {len(train)} triplets x {cfg.sft_epochs} epochs, loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
-          f"adapter -> {adapter}")
+    model, losses, adapter = sft_adapter(cfg, model, tok, [rwml.wm_prompt(t, reasoning=False) for t in stream],
+                                         [rwml.wm_answer(t) for t in stream], rwml.wm_system(stream[0]), out,
+                                         prefix=rwml.wm_prefix(False), start=start, epochs=1,
+                                         batch_size=cfg.prompts_per_step, shuffle=False, num_triplets=len(kept),
+                                         updates=cfg.max_steps, start_adapter=str(start) if start else None)
+    print(f"wm-sft: {cfg.max_steps} updates of {cfg.prompts_per_step} triplets (of {len(kept)}) from "
+          f"{'the warm-up adapter' if start else 'a fresh adapter'}, mean loss {losses[0]:.3f}; adapter -> {adapter}")
     return model
 
 
@@ -522,21 +645,6 @@ def split_games(cfg: Config) -> tuple[list, int | None]:
 
 # ----------------------------------------------------------------------------- stage 2: policy RL (METHOD.md §6)
 
-def init_policy(cfg: Config, model):
-    """The policy to train and its KL reference: from the base model, a fresh adapter (reference = adapter
-    disabled); from an RWML / WM-SFT / RFT adapter, that adapter trains on and a frozen copy of it, named
-    "ref", is pi_ref (`rwml.reference_policy`)."""
-    if cfg.init == "base":
-        return rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
-                             cfg.gradient_checkpointing)
-    model.load_adapter(cfg.adapter, adapter_name="ref", is_trainable=False)
-    model.set_adapter("default")  # the adapter loaded with the model, trainable
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
-        model.enable_input_require_grads()
-    return model
-
-
 def check_init(cfg: Config) -> None:
     if cfg.init == "base" and cfg.adapter:
         raise UserError(f"--init base starts from the bare model, but --adapter {cfg.adapter} was given; "
@@ -555,7 +663,7 @@ def train_policy(cfg: Config, out: Path, load):
     with envs.EnvPool(workers, cfg.max_turns) if workers is not None else contextlib.nullcontext() as pool:
         model, tok = load()  # ALFWorld's workers fork before the model loads
         torch.manual_seed(cfg.seed)
-        model = init_policy(cfg, model)
+        model = start_adapter(cfg, model, None if cfg.init == "base" else cfg.adapter)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                       weight_decay=0.0)
         state, writer = start_run(cfg, out, model, optimizer)
@@ -629,6 +737,33 @@ def read_transitions(path: str | None) -> list[dict]:
 
 # ----------------------------------------------------------------------------- main
 
+def filter_dir(cfg: Config, out: Path) -> Path:
+    return Path(cfg.filter_dir) if cfg.filter_dir else out / "filter"
+
+
+def heldout_triplets(cfg: Config, transitions: Path) -> list[dict]:
+    """The held-out triplets scored before and after: `eval_max_triplets` of them, drawn with a fixed seed
+    (not the run's), so that runs with other seeds on the same collection score the same set."""
+    trips = read_jsonl(transitions)
+    if cfg.eval_max_triplets and len(trips) > cfg.eval_max_triplets:
+        trips = [trips[i] for i in sorted(random.Random(0).sample(range(len(trips)), cfg.eval_max_triplets))]
+    return trips
+
+
+def evaluate_heldout(cfg: Config, model, tok, heldout: list[dict], reward_fn) -> dict:
+    torch.manual_seed(cfg.seed)  # the same sampling noise before and after
+    return rwml.evaluate_wm(model, tok, heldout, reward_fn, reasoning=cfg.wm_reasoning, samples=cfg.eval_samples,
+                            temperature=cfg.temperature, max_new_tokens=cfg.max_completion_length)
+
+
+def before_after_line(before: dict, after: dict) -> str:
+    change_b, change_a = before["per_kind"]["change"], after["per_kind"]["change"]
+    return (f"held-out world-model accuracy {before['wm_accuracy']:.3f} -> {after['wm_accuracy']:.3f} "
+            f"({before['n']} triplets); without \"Nothing happens.\" {change_b['wm_accuracy']:.3f} -> "
+            f"{change_a['wm_accuracy']:.3f} ({change_b['n']} triplets); mean cosine {before['mean_cosine']:.3f} -> "
+            f"{after['mean_cosine']:.3f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     stage = argv[0] if argv and not argv[0].startswith("-") else "all"
@@ -638,14 +773,14 @@ def main(argv: list[str] | None = None) -> None:
                         + (f" (did you mean {close[0]!r}?)" if close else ""))
     cfg, _ = parse_config(Config, argv[1:] if argv and argv[0] == stage else argv, prog=f"train.py {stage}")
     check_choices(cfg)
+    check_config(cfg, stage)
     out, t0 = Path(cfg.out), time.time()
     four_bit = torch.cuda.is_available() if cfg.load_in_4bit is None else cfg.load_in_4bit
     loaded = []
 
     def load():  # one model for all stages of this process, loaded at first need
         if not loaded:
-            adapter = cfg.adapter if stage in ("collect", "policy") else None
-            loaded.append(rwml.load_model(cfg.model, adapter, load_in_4bit=four_bit, trainable_adapter=stage == "policy"))
+            loaded.append(rwml.load_model(cfg.model, cfg.adapter if stage == "collect" else None, load_in_4bit=four_bit))
         return loaded[0]
 
     if stage == "collect":
@@ -657,40 +792,39 @@ def main(argv: list[str] | None = None) -> None:
     if stage == "rft":
         train_rft(cfg, out, load)
         return
-    if stage == "wm-sft":
-        train_wm_sft(cfg, read_transitions(cfg.transitions), out, load)
-        return
     reward_fn = make_reward(cfg)
-    if stage in ("filter", "wm"):
-        trips = read_transitions(cfg.transitions)
-        kept = filter_triplets(cfg, trips, out / "filter", load, reward_fn)
-        if stage == "wm":
-            train_wm(cfg, kept, out, load, reward_fn)
+    if stage == "wm-sft":
+        train_wm_sft(cfg, read_transitions(cfg.transitions), out, load, reward_fn)
         return
-    # all: collect on train games, collect held-out games, RWML, world-model accuracy before / after
+    if stage in ("filter", "wm"):
+        kept, start = filter_triplets(cfg, read_transitions(cfg.transitions), filter_dir(cfg, out), load, reward_fn)
+        if stage == "wm":
+            train_wm(cfg, kept, out, load, reward_fn, start)
+        return
+    # all: collect on train games, collect held-out games, filter (+ warm-up), RWML, held-out accuracy before / after
     trips = read_jsonl(collect(cfg, out / "collect", load))
     heldout_cfg = dataclasses.replace(cfg, split=cfg.heldout_split, num_games=cfg.heldout_games, rollouts_per_game=1)
-    heldout = read_jsonl(collect(heldout_cfg, out / "heldout", load))
-    if cfg.eval_max_triplets:
-        heldout = [heldout[i] for i in sorted(random.Random(cfg.seed).sample(
-            range(len(heldout)), min(cfg.eval_max_triplets, len(heldout))))]
-    kept = filter_triplets(cfg, trips, out / "filter", load, reward_fn)
-    model, tok = load()
-    base_file = out / "wm_eval_base.json"
-    if not base_file.exists():
-        write_atomic(base_file, json.dumps(rwml.evaluate_wm(model, tok, heldout, reward_fn, reasoning=cfg.wm_reasoning,
-                                                           max_new_tokens=cfg.max_completion_length), indent=2))
+    heldout = heldout_triplets(cfg, collect(heldout_cfg, out / "heldout", load))
+    kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
+    before_file = out / "wm_eval_before.json"  # the model RWML starts from: the warm-up adapter, or the base model
+    if not before_file.exists():
+        model, tok = load()
+        if start:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(start))
+        before = dict(evaluate_heldout(cfg, model, tok, heldout, reward_fn), model="warm-up" if start else "base")
+        if start:
+            model.unload()  # the bare base model again, for train_wm
+        write_atomic(before_file, json.dumps(before, indent=2))
     model = train_wm(dataclasses.replace(cfg, resume=cfg.resume or (out / "checkpoint").exists()), kept, out, load,
-                     reward_fn)
-    after = rwml.evaluate_wm(model, tok, heldout, reward_fn, reasoning=cfg.wm_reasoning,
-                             max_new_tokens=cfg.max_completion_length)
+                     reward_fn, start)
+    after = dict(evaluate_heldout(cfg, model, load()[1], heldout, reward_fn), model="RWML")
     write_atomic(out / "wm_eval_rwml.json", json.dumps(after, indent=2))
-    before = json.loads(base_file.read_text())
-    print(f"\nheld-out world-model accuracy ({cfg.heldout_split}, {before['n']} triplets, tau_d {cfg.tau_d}):")
-    for name, r in (("base", before), ("RWML", after)):
-        print(f"  {name:<5} wm_accuracy {r['wm_accuracy']:.3f}  mean_cosine {r['mean_cosine']:.3f}  "
-              f"exact_match {r['exact_match']:.3f}  format {r['format_rate']:.3f}")
-    print(f"all: done in {(time.time() - t0) / 60:.1f} min -> {out}")
+    before = json.loads(before_file.read_text())
+    print(f"\n{cfg.heldout_split}, tau_d {cfg.tau_d}, {cfg.eval_samples or 'one greedy'} prediction(s) per triplet; "
+          f"before = {before['model']}, after = RWML ({cfg.max_steps} steps)")
+    print(before_after_line(before, after) + f"; {(time.time() - t0) / 60:.1f} min -> {out}")
 
 
 def run_cli(main, on_interrupt: str = "interrupted") -> None:

@@ -14,7 +14,7 @@ TRIPLET_KEYS = {"game", "task", "task_type", "rollout", "step", "history", "acti
 def collect(tiny_model, out, *extra):
     train.main(["collect", "--model", tiny_model, "--num-games", "2", "--rollouts-per-game", "2",
                 "--max-turns", "3", "--max-new-tokens", "8", "--num-envs", "3", "--num-workers", "2",
-                "--out", str(out), *extra])
+                "--history-len", "2", "--out", str(out), *extra])
     return [json.loads(l) for l in (out / "transitions.jsonl").read_text().splitlines()], \
         [json.loads(l) for l in (out / "episodes.jsonl").read_text().splitlines()]
 
@@ -105,3 +105,16 @@ def test_eval_with_a_peft_adapter(tiny_model, tmp_path):
     evaluate.main(["agent", "--model", tiny_model, "--adapter", str(tmp_path / "adapter"), "--num-games", "1",
                    "--seeds", "1", "--max-turns", "1", "--max-new-tokens", "4", "--out", str(out)])
     assert json.loads(out.read_text())["config"]["adapter"] == str(tmp_path / "adapter")
+
+
+def test_exploration_draws_by_kind_and_never_asks_the_model(tiny_model, tmp_path, monkeypatch):
+    """With explore_prob 1 every executed action is an admissible command drawn by kind (the model is never
+    asked); each triplet says so, and the next observations are the game's own answers to those commands."""
+    import rwml
+
+    monkeypatch.setattr(rwml, "sample", lambda *a, **k: pytest.fail("the model was asked"))
+    trips, eps = collect(tiny_model, tmp_path, "--explore-prob", "1")
+    assert len(trips) == 12 and all(t["explored"] and t["valid"] and t["response"] == "" for t in trips)
+    assert all(e["explored"] == e["steps"] for e in eps)
+    assert all(not envs.is_inefficient(t["action"]) for t in trips)
+    assert {envs.observation_kind(t["next_obs"]) for t in trips} - {"arrive"}  # not only "go to"

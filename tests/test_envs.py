@@ -1,5 +1,6 @@
 """ALFWorld on the real TextWorld engine: game lists, walkthroughs, the step budget, caches, workers."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +107,28 @@ def test_worker_errors_reach_the_caller():
         with pytest.raises(UserError, match="game file not found"):
             pool.reset({0: "/nonexistent/game.tw-pddl", 1: list_games("valid_seen", 1)[0]})
         pool.reset({0: list_games("valid_seen", 1)[0]})  # the pool still works afterwards
+
+
+def test_explore_command_draws_the_kind_first():
+    """Uniform over commands, "go to X" would be most draws; kind first, each available kind gets an equal
+    share. Never look / examine / inventory / help (they change nothing)."""
+    import collections
+    import random
+
+    admissible = [f"go to cabinet {i}" for i in range(1, 30)] + ["take mug 1 from countertop 1", "open drawer 1",
+                                                                  "examine countertop 1", "look", "inventory"]
+    rng = random.Random(0)
+    kinds = collections.Counter(envs.explore_command(admissible, rng).split()[0] for _ in range(3000))
+    assert set(kinds) == {"go", "take", "open"} and all(900 < v < 1100 for v in kinds.values())
+
+
+def test_observation_kinds_of_real_observations():
+    g = envs.Game(max_turns=50)
+    path = envs.list_games("train", 1, seed=0)[0]
+    s = g.reset(path)
+    kinds = {}
+    for cmd in ["fly away", "look", "inventory"] + json.loads(Path(path).read_text())["walkthrough"]:
+        kinds.setdefault(envs.observation_kind(g.step(cmd)["obs"]), cmd)
+    assert {"nothing_happens", "look", "inventory", "arrive", "take"} <= set(kinds)
+    assert envs.observation_kind("You move the mug 1 to the sinkbasin 1.") == "move"
+    assert envs.observation_kind("On the desk 1, you see a pen 1.") == "other"

@@ -146,18 +146,36 @@ def test_shared_prompt_forward_matches_naive_logprobs_and_gradients(tiny):
     assert all(g_a[n].abs().sum() > 0 for n in g_a if "lora_A" in n and "k_proj" in n)  # k, v: through the cache
 
 
-def test_kl_is_zero_when_the_adapter_equals_the_reference(tiny_model):
+def test_kl_is_zero_against_itself_and_positive_against_another_policy(tiny_model, tmp_path):
+    """The k3 KL of a policy against itself is exactly 0, and > 0 against a different one: with an adapter
+    that is not the identity, the warm-up-style reference (a frozen copy, "ref") gives 0 and the bare base
+    model gives > 0. A reference that silently pointed at the wrong weights fails one of the two."""
+    import train
+
     model, tok = rwml.load_model(tiny_model)
-    model = rwml.add_lora(model, r=4, alpha=8)  # fresh LoRA: B = 0, so the policy is the base model
+    torch.manual_seed(0)
+    model = rwml.add_lora(model, r=4, alpha=8)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path / "start")
+    base, tok = rwml.load_model(tiny_model)
+    model = train.start_adapter(train.Config(), base, tmp_path / "start")
     roll = rollout(model, tok)
-    args = (roll["input_ids"], roll["attention_mask"], roll["completion_mask"])
+    batch = dict(input_ids=roll["input_ids"], attention_mask=roll["attention_mask"],
+                 completion_mask=roll["completion_mask"], advantages=torch.zeros(4),
+                 weights=rwml.token_weights(roll["completion_mask"], "grpo", 12))
+    cfg = train.Config(beta=0.1, micro_batch_size=4)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    assert rwml.grpo_update(model, opt, batch, cfg)[0]["kl"] == 0.0  # reference = the frozen start adapter
+    args = roll["input_ids"], roll["attention_mask"], roll["completion_mask"]
     with torch.no_grad():
         logp = rwml.completion_logprobs(model, *args)
         with model.disable_adapter():
-            ref = rwml.completion_logprobs(model, *args)
-    w = rwml.token_weights(roll["completion_mask"], "grpo", 12)
-    loss, stats = rwml.grpo_loss(logp, logp, ref, torch.zeros(4), w, beta=0.1)
-    assert stats["kl"] == 0.0 and loss.item() == 0.0
+            bare = rwml.completion_logprobs(model, *args)
+    _, stats = rwml.grpo_loss(logp, logp, bare, torch.zeros(4), batch["weights"], beta=0.1)
+    assert stats["kl"] > 1e-3  # the bare base model is another policy
 
 
 # ------------------------------------------------------------------ the easy filter's keep rule
@@ -172,14 +190,26 @@ def test_easy_filter_marks_the_easiest_share_and_keeps_a_tenth():
     assert 240 <= kept_easy <= 360  # ~ Binomial(3000, 0.1): mean 300, sd 16
 
 
-def test_easy_filter_never_calls_a_zero_easy_and_breaks_ties_at_random():
-    scores = [1.0] * 10 + [0.0] * 90
+def test_easy_filter_is_the_papers_threshold_rule_with_ties():
+    """easy iff easiness >= tau_easy: with K samples easiness has K + 1 values, ties are the rule, and
+    every triplet at the threshold is easy (a rank cut would call exactly 30 % easy, at random)."""
+    scores = [1.0] * 50 + [0.5] * 30 + [0.0] * 20  # shares at or above: 1.0 -> 50 %, 0.5 -> 80 %, 0 -> 100 %
     keep, easy, tau = rwml.easy_subsample(scores, 0.3, 0.1, seed=1)
-    assert sum(easy) == 10 and tau == 1.0  # only 10 have easiness > 0, though 30 % would be 30
-    scores = [0.5] * 100  # all tied: exactly 30 are picked
-    keep, easy, _ = rwml.easy_subsample(scores, 0.3, 0.1, seed=1)
-    assert sum(easy) == 30
-    assert easy != rwml.easy_subsample(scores, 0.3, 0.1, seed=2)[1]
+    assert tau == 1.0 and sum(easy) == 50 and all(e == (s >= 1.0) for s, e in zip(scores, easy))
+    scores = [1.0] * 10 + [0.75] * 25 + [0.25] * 65  # 10 % at 1.0, 35 % at >= 0.75: 0.75 is closest to 30 %
+    assert rwml.easy_threshold(scores, 0.3) == 0.75
+    assert rwml.easy_threshold([0.5] * 100, 0.3) == 0.5  # all tied: all easy, not 30 picked at random
+    assert rwml.easy_threshold([0.0] * 90 + [1.0] * 10, 0.3) == 1.0  # only the 10 with easiness > 0
+    assert rwml.easy_threshold([0.0] * 100, 0.3) is None  # nobody is easy when every sample failed
+    assert rwml.easy_threshold([0.25, 0.75, 0.75, 0.25], 0.75) == 0.25  # equally close (50 %, 100 %): the smaller
+
+
+def test_easy_filter_drops_most_of_a_dominant_easy_target():
+    """Where 90 % of targets are "Nothing happens." and all of them are easy, the threshold rule calls
+    them all easy and keeps ~10 % of them (the rank cut called 30 % easy and kept most)."""
+    scores = [1.0] * 900 + [0.0] * 100
+    keep, easy, tau = rwml.easy_subsample(scores, 0.3, 0.1, seed=0)
+    assert sum(easy) == 900 and 60 <= sum(k for k, e in zip(keep, easy) if e) <= 120
 
 
 def test_split_is_ninety_ten_and_disjoint():
@@ -195,9 +225,122 @@ def test_shared_prefill_gives_the_same_tokens_as_plain_generate(tiny_model):
     plain = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     repeated = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True, add_special_tokens=False)
     ref = model.generate(**repeated, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
-    _, shared = rwml.generate_ids(model, tok, texts, 3, max_new_tokens=10, do_sample=False)
+    _, shared = rwml.generate_ids(model, tok, texts, 3, max_new_tokens=10, temperature=0.0, top_p=1.0)
     assert torch.equal(shared, ref)
     torch.manual_seed(0)  # sampling: n different continuations per prompt, prompts kept in place
-    batch, out = rwml.generate_ids(model, tok, texts, 3, max_new_tokens=10, do_sample=True, temperature=1.0)
+    batch, out = rwml.generate_ids(model, tok, texts, 3, max_new_tokens=10, temperature=1.0, top_p=1.0)
     assert out.shape[0] == 6 and torch.equal(out[:, :plain["input_ids"].shape[1]], plain["input_ids"].repeat_interleave(3, 0))
     assert len({tuple(r) for r in out[:3, -10:].tolist()}) > 1
+
+
+# ------------------------------------------------------------------ clip ratio, micro-batches, sampling distribution
+
+def test_clip_ratio_counts_only_tokens_where_the_clip_acts():
+    """TRL's definition: a token counts when the clipped term wins the min, i.e. the ratio left the trust
+    region in the direction the advantage pushes. Ratio 1.5 with A < 0 is outside [0.8, 1.2] but not clipped."""
+    w = rwml.token_weights(torch.ones(1, 1), "grpo", 1)
+    up, down, zero = torch.log(torch.tensor([[1.5]])), torch.log(torch.tensor([[0.5]])), torch.zeros(1, 1)
+    assert rwml.grpo_loss(up, zero, None, torch.tensor([-1.0]), w)[1]["clip_ratio"] == 0.0
+    assert rwml.grpo_loss(up, zero, None, torch.tensor([1.0]), w)[1]["clip_ratio"] == 1.0
+    assert rwml.grpo_loss(down, zero, None, torch.tensor([1.0]), w)[1]["clip_ratio"] == 0.0
+    assert rwml.grpo_loss(down, zero, None, torch.tensor([-1.0]), w)[1]["clip_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_micro_batches_accumulate_to_the_big_batch_update(tiny_model, loss_type):
+    """Gradient accumulation over micro-batches gives the same update as one forward of the whole batch,
+    for every loss_type (the weights are those of the whole batch, not of each micro-batch)."""
+    import train
+
+    deltas = []
+    for micro in (6, 2, 1):
+        model, tok = rwml.load_model(tiny_model)
+        torch.manual_seed(0)
+        model = rwml.add_lora(model, r=4, alpha=8)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05)
+        prompts = [tok(rwml.chat(tok, p))["input_ids"] for p in ("go to desk 1", "open the drawer 2 please", "look")]
+        completions = [tok(c)["input_ids"] for c in ("You arrive", "Nothing happens.", "You", "You open it", "ok", "x")]
+        ids, attn, cmask = rwml.pack([p for p in prompts for _ in range(2)], completions, tok.pad_token_id)
+        assert len(set(cmask.sum(1).tolist())) > 1  # completions of different lengths: the weights matter
+        batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask,
+                     advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
+                     weights=rwml.token_weights(cmask, loss_type, 16))
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+        cfg = train.Config(micro_batch_size=micro, beta=0.0, max_grad_norm=1e9, loss_type=loss_type)
+        rwml.grpo_update(model, opt, batch, cfg)
+        deltas.append({n: p.detach() - before[n] for n, p in model.named_parameters() if p.requires_grad})
+    for other in deltas[1:]:
+        for n in deltas[0]:
+            assert torch.allclose(deltas[0][n], other[n], atol=1e-6, rtol=1e-4), n
+    assert any(d.abs().sum() > 0 for d in deltas[0].values())
+
+
+@pytest.fixture(scope="module")
+def penalised_model(tmp_path_factory, tiny_model):
+    """The tiny model with a generation_config that a real checkpoint could ship: repetition penalty and top-k."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    folder = tmp_path_factory.mktemp("penalised")
+    shutil.copytree(tiny_model, folder, dirs_exist_ok=True)
+    GenerationConfig(repetition_penalty=5.0, top_k=3, do_sample=True, temperature=0.3).save_pretrained(folder)
+    return str(folder)
+
+
+def test_sampling_ignores_the_checkpoints_generation_config(penalised_model):
+    """Greedy decoding picks the argmax of the plain logits at every step, whatever penalty or top-k the
+    checkpoint's generation_config ships (transformers would apply them: samples off the trained policy)."""
+    model, tok = rwml.load_model(penalised_model)
+    assert model.generation_config.repetition_penalty == 5.0
+    roll = rwml.sample(model, tok, [rwml.chat(tok, "go to desk 1"), rwml.chat(tok, "open the fridge")],
+                       max_new_tokens=12, temperature=0.0)
+    ids, attn, cmask = roll["input_ids"], roll["attention_mask"], roll["completion_mask"]
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    C = cmask.shape[1]
+    argmax = logits[:, -C - 1:-1].argmax(-1)
+    assert torch.equal(argmax[cmask.bool()], ids[:, -C:][cmask.bool()])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_log_probs_equal_the_trained_log_probs(penalised_model, temperature):
+    """The distribution the sampler draws from (its processed scores) is softmax(logits / T), exactly the
+    one `completion_logprobs(temperature=T)` trains on, for T != 1 too."""
+    model, tok = rwml.load_model(penalised_model)
+    batch = tok([rwml.chat(tok, "go to desk 1")] * 2, return_tensors="pt", padding=True, add_special_tokens=False)
+    torch.manual_seed(0)
+    with rwml.checkpoint_generation_config_off(model):
+        out = model.generate(**batch, generation_config=rwml.sampling_config(model, tok, temperature=temperature,
+                             top_p=1.0, max_new_tokens=8), output_scores=True, return_dict_in_generate=True)
+    P = batch["input_ids"].shape[1]
+    completion = out.sequences[:, P:]
+    cmask = rwml.completion_mask_from(completion, rwml.stop_token_ids(model, tok), tok.pad_token_id)
+    sampler = torch.stack(out.scores, 1).float().log_softmax(-1).gather(-1, completion[..., None]).squeeze(-1)
+    attn = torch.cat([batch["attention_mask"], cmask], 1)
+    with torch.no_grad():
+        trained = rwml.completion_logprobs(model, out.sequences, attn, cmask, temperature=temperature)
+    assert torch.allclose(sampler[cmask.bool()], trained[cmask.bool()], atol=1e-4)
+
+
+def test_a_stop_string_ends_the_mask_and_padding_is_never_trained(tiny_model):
+    """Rows that stop on a string are padded by generate with the pad token, which is SmolLM2's (and this
+    tiny model's) eos: the mask ends at the token that completed the stop string, so that pad is never read
+    as a sampled eos. Checked on the raw tokens, without skip_special_tokens."""
+    model, tok = rwml.load_model(tiny_model)
+    assert tok.pad_token_id == tok.eos_token_id
+    torch.manual_seed(0)
+    roll = rwml.sample(model, tok, [rwml.chat(tok, "go to desk 1")] * 8, max_new_tokens=40, temperature=1.0, stop="e")
+    stopped = [j for j, t in enumerate(roll["texts"]) if t.endswith("e")]
+    assert stopped, "no row sampled an 'e' in 40 bytes"
+    for j in stopped:
+        raw = tok.decode(roll["completion_ids"][j], skip_special_tokens=False)
+        assert raw.endswith("e") and "e" not in raw[:-1] and tok.eos_token not in raw
+        width = roll["completion_mask"].shape[1]
+        if len(roll["completion_ids"][j]) < width:  # the row was padded after its stop
+            assert roll["input_ids"][j, -width + len(roll["completion_ids"][j])] == tok.pad_token_id

@@ -9,7 +9,7 @@ import envs
 import rwml
 import train
 from envs import UserError
-from reward import coin_reward, derangement
+from reward import coin_reward, mis_targets
 from train import read_jsonl
 
 
@@ -52,9 +52,9 @@ def test_every_turn_gets_its_episodes_advantage_and_environment_tokens_are_maske
     assert torch.equal(cmask2.sum(1), cmask[kept].sum(1))
 
 
-def test_policy_step_rewards_wins_and_trains_only_on_mixed_groups(tiny_model):
-    """A walkthrough-playing "model" is not available, so the real engine decides: the tiny model never
-    wins, every group is all-equal, and with beta = 0 nothing is trained and the weights stay put."""
+def test_policy_step_with_all_equal_groups_trains_nothing(tiny_model):
+    """The tiny model never wins: every group is all-equal, and with beta = 0 nothing is computed and the
+    weights stay put."""
     model, tok = rwml.load_model(tiny_model)
     model = rwml.add_lora(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -65,6 +65,55 @@ def test_policy_step_rewards_wins_and_trains_only_on_mixed_groups(tiny_model):
     assert res["reward_mean"] == 0 and res["frac_reward_zero_std"] == 1
     assert res["num_turns"] == 8 and res["trained_turns"] == 0 and res["updates"][0]["loss"] == 0
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
+
+
+def scripted_episode(tok, game: str, commands: list[str], episode: int, max_turns: int):
+    """An episode on the real engine with the given commands, recorded as `play(record_tokens=True)` does:
+    the agent prompt, and a reply "<think>..</think><action>command</action>" as token ids."""
+    g = envs.Game(max_turns)
+    s = g.reset(game)
+    past, obs, admissible, turns = [], s["obs"], s["admissible"], []
+    for step, command in enumerate(commands):
+        prompt = rwml.agent_prompt(s["task"], past[-2:], obs, admissible, step, max_turns)
+        reply = f"I will {command}.</think><action>{command}</action>"
+        r = g.step(command)
+        turns.append(dict(episode=episode, step=step, prompt=prompt, response=rwml.AGENT_PREFIX + reply,
+                          prompt_ids=tok(rwml.chat(tok, prompt, rwml.AGENT_SYSTEM, rwml.AGENT_PREFIX))["input_ids"],
+                          completion_ids=tok(reply)["input_ids"]))
+        past.append((obs, command))
+        obs, admissible = r["obs"], r["admissible"]
+        if r["done"]:
+            break
+    return turns, dict(won=r["won"], steps=len(turns), invalid=0)
+
+
+def test_policy_update_raises_the_won_episodes_replies_and_lowers_the_lost_ones(tiny_model):
+    """A group of two real episodes of one game: the expert walkthrough (won, by the engine's word) and a
+    wrong one (lost). One stage-2 update makes the won episode's replies more likely and the lost one's
+    less likely: the advantage reaches every turn with the right sign."""
+    model, tok = rwml.load_model(tiny_model)
+    torch.manual_seed(0)
+    model = rwml.add_lora(model, r=8, alpha=16)
+    game = envs.list_games("train", 1, seed=0)[0]
+    walk = json.loads(open(game).read())["walkthrough"]
+    won, s_won = scripted_episode(tok, game, walk, 0, len(walk))
+    lost, s_lost = scripted_episode(tok, game, ["fly away"] * len(walk), 1, len(walk))
+    assert s_won["won"] and not s_lost["won"]
+    turns = won + lost
+    ids, attn, cmask = rwml.pack([t["prompt_ids"] for t in turns], [t["completion_ids"] for t in turns], tok.pad_token_id)
+
+    def episode_logps():
+        with torch.no_grad():
+            lp = rwml.completion_logprobs(model, ids, attn, cmask).sum(1)
+        return float(lp[:len(won)].mean()), float(lp[len(won):].mean())
+
+    before = episode_logps()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    cfg = train.Config(num_generations=2, beta=0.0, micro_batch_size=4, max_new_tokens=32)
+    res = rwml.policy_update(model, tok, opt, turns, [s_won, s_lost], cfg)
+    after = episode_logps()
+    assert res["reward_mean"] == 0.5 and res["frac_reward_zero_std"] == 0 and res["trained_turns"] == len(turns)
+    assert after[0] > before[0] and after[1] < before[1], (before, after)
 
 
 def adapter_with_weights(tiny_model, folder):
@@ -84,8 +133,8 @@ def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
     adapter = adapter_with_weights(tiny_model, tmp_path / "rwml_adapter")
     cfg = train.Config(model=tiny_model, init="rwml", adapter=adapter, beta=0.5, temperature=1.0, micro_batch_size=4,
                        num_iterations=1)
-    model, tok = rwml.load_model(tiny_model, adapter, trainable_adapter=True)
-    model = train.init_policy(cfg, model)
+    model, tok = rwml.load_model(tiny_model)
+    model = train.start_adapter(cfg, model, adapter)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable and all(".default." in n for n, p in model.named_parameters() if p.requires_grad)
     roll = rwml.sample_group(model, tok, ["go to desk 1", "open drawer 2"], num_generations=2, max_completion_length=6)
@@ -140,12 +189,18 @@ def test_policy_init_errors(args, message):
         train.main(["policy", *args])
 
 
-@pytest.mark.parametrize("n", [2, 3, 5, 17, 100])
-def test_mis_derangement_moves_every_target(n):
-    for seed in range(20):
-        perm = derangement(n, seed)
-        assert sorted(perm) == list(range(n)) and all(p != i for i, p in enumerate(perm))
-    assert len({tuple(derangement(n, s)) for s in range(20)}) > 1 or n == 2  # random, not one fixed shift
+def test_mis_moves_every_target_to_another_text_where_it_can():
+    for n, seed in ((2, 0), (5, 1), (17, 2), (100, 3)):
+        targets = [f"obs {i % (n // 2 + 1)}" for i in range(n)]  # repeated texts, none over half
+        new, unchanged = mis_targets(targets, seed)
+        assert sorted(new) == sorted(targets) and unchanged == 0.0
+        assert all(a != b for a, b in zip(new, targets))
+    assert mis_targets(targets, 4)[0] != mis_targets(targets, 5)[0]  # random, not one fixed pairing
+    # 90 % "Nothing happens.": at most 20 triplets can change text (10 others <-> 10 of the 90); all of them do
+    targets = ["Nothing happens."] * 90 + [f"You open the drawer {i}." for i in range(10)]
+    new, unchanged = mis_targets(targets, 0)
+    assert sorted(new) == sorted(targets) and unchanged == pytest.approx(0.8)
+    assert all(a != b for a, b in zip(new, targets) if b != "Nothing happens.")
 
 
 def test_mis_scores_each_triplet_against_another_ones_target(tiny_model, transitions, tmp_path):
@@ -159,12 +214,12 @@ def test_mis_scores_each_triplet_against_another_ones_target(tiny_model, transit
     cfg = train.Config(model=tiny_model, max_steps=len(trips) // 2, prompts_per_step=2, num_generations=2,
                        max_completion_length=4, reward_control="mis", save_steps=100)
     train.train_wm(cfg, trips, tmp_path / "mis", lambda: rwml.load_model(tiny_model), recording_reward)
-    order = list(range(len(trips)))
-    random.Random(cfg.seed * 1000).shuffle(order)  # train_wm's data order of epoch 0
-    perm = derangement(len(trips), cfg.seed)
-    expected = [trips[perm[i]]["next_obs"] for i in order]
-    assert seen[::2] == seen[1::2] and seen[::2] == expected[:len(seen) // 2]
-    assert any(trips[i]["next_obs"] != trips[perm[i]]["next_obs"] for i in order[:len(seen) // 2])
+    state = dict(epoch=0, cursor=0)
+    order = train.next_batch(state, len(trips), len(seen) // 2, cfg.seed)  # train_wm's data order
+    mis, unchanged = mis_targets([t["next_obs"] for t in trips], cfg.seed)
+    assert seen[::2] == seen[1::2] == [mis[i] for i in order]
+    assert all(seen[2 * k] != trips[i]["next_obs"] for k, i in enumerate(order))  # never its own text
+    assert json.loads((tmp_path / "mis" / "mis.json").read_text())["unchanged_share"] == unchanged == 0.0
 
 
 def test_coin_reward_is_a_fair_coin_that_ignores_the_prediction():

@@ -1,10 +1,12 @@
 """Stage-1 training end to end on a tiny model: checkpoints, resume, skipped steps, 4-bit gradients."""
+import dataclasses
 import json
 import math
 
 import pytest
 import torch
 
+import envs
 import rwml
 import train
 from envs import UserError
@@ -12,7 +14,7 @@ from train import read_jsonl
 
 
 def wm(tiny_model, transitions, out, max_steps, *extra):
-    train.main(["wm", "--model", tiny_model, "--transitions", transitions, "--no-easy-filter", "--max-steps",
+    train.main(["wm", "--model", tiny_model, "--transitions", transitions, "--no-easy-filter", "--no-warmup", "--max-steps",
                 str(max_steps), "--save-steps", "1", "--prompts-per-step", "2", "--num-generations", "2",
                 "--max-completion-length", "8", "--micro-batch-size", "2", "--learning-rate", "1e-2",
                 "--out", str(out), *extra])
@@ -84,16 +86,64 @@ def test_non_finite_loss_skips_the_step(tiny_model, transitions):
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
 
 
-def test_filter_stage_keeps_the_90_percent_split_minus_easy(tiny_model, transitions, tmp_path):
-    train.main(["filter", "--model", tiny_model, "--transitions", transitions, "--filter-samples", "2",
-                "--sft-epochs", "1", "--out", str(tmp_path)])
-    info = json.loads((tmp_path / "filter" / "filter.json").read_text())
-    n = len(read_jsonl(__import__("pathlib").Path(transitions)))
-    assert info["num_triplets"] == n and info["num_filter_split"] == round(0.1 * n)
+def test_filter_stage_drops_most_easy_triplets_and_logs_the_easy_share(tiny_model, transitions, tmp_path):
+    """The split, the SFT copy, easiness with a reward that is often 1 (so that easy triplets exist), the
+    threshold rule, the keep rule, and the warm-up adapter kept on disk; filter.json logs the real easy share."""
+    cfg = train.Config(model=tiny_model, filter_samples=4, sft_epochs=1, filter_split=0.2, max_completion_length=6)
+    trips = train.read_transitions(transitions)
+    kept, warm = train.filter_triplets(cfg, trips, tmp_path, lambda: rwml.load_model(tiny_model), parity_reward)
+    info = json.loads((tmp_path / "filter.json").read_text())
+    n = len(trips)
+    assert info["num_triplets"] == n and info["num_filter_split"] == round(0.2 * n)
     assert info["num_train"] + info["num_filter_split"] == n
-    rows = read_jsonl(tmp_path / "filter" / "easiness.jsonl")
-    assert len(rows) == info["num_train"] and info["num_kept"] == sum(r["kept"] for r in rows)
-    assert all(r["kept"] for r in rows if not r["easy"])
+    rows = read_jsonl(tmp_path / "easiness.jsonl")
+    assert len(rows) == info["num_train"] and info["num_kept"] == sum(r["kept"] for r in rows) == len(kept)
+    tau = info["tau_easy"]
+    assert tau is not None and all(r["easy"] == (r["easiness"] >= tau) for r in rows)  # the paper's rule
+    easy = [r for r in rows if r["easy"]]
+    assert len(easy) >= 4 and info["easy_share"] == len(easy) / len(rows)
+    assert all(r["kept"] for r in rows if not r["easy"]) and sum(r["kept"] for r in easy) < len(easy) / 2
+    assert (warm / "adapter_config.json").is_file()
+    again, _ = train.filter_triplets(cfg, trips, tmp_path, lambda: pytest.fail("the cached filter reloaded the model"),
+                                     parity_reward)
+    assert again == kept
+
+
+@pytest.fixture(scope="module")
+def parrot(tmp_path_factory, tiny_model):
+    """The tiny model fully fine-tuned to answer one world-model prompt with one long observation (over
+    48 tokens: the filter's old sampling budget) and the closing tag."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("parrot")
+    shutil.copytree(tiny_model, folder, dirs_exist_ok=True)
+    model, tok = rwml.load_model(str(folder))
+    trip = dict(task="put a mug in the sink", history=[{"observation": "You are in the middle of a room."}],
+                action="go to countertop 1", next_obs=LONG, game="g", step=0, rollout=0)
+    torch.manual_seed(0)
+    rwml.sft(model, tok, [rwml.wm_prompt(trip, reasoning=False)] * 8, [rwml.wm_answer(trip)] * 8,
+             system=rwml.wm_system(trip), prefix=rwml.wm_prefix(False), epochs=150, lr=3e-3)
+    model.save_pretrained(folder)
+    return str(folder), trip
+
+
+LONG = "You arrive at countertop 1. On the countertop 1, you see a mug 1, a pen 2, and a spatula 3."
+
+
+def test_a_long_target_can_be_easy(parrot, tmp_path):
+    """The filter samples as many tokens as GRPO may write (max_completion_length): a target longer than
+    the old fixed 48-token budget can be predicted whole and score 1."""
+    from reward import SimToRealReward
+
+    folder, trip = parrot
+    tok = rwml.load_model(folder)[1]
+    assert len(tok(LONG)["input_ids"]) > 48
+    cfg = train.Config(model=folder, filter_split=0.4, sft_epochs=1, sft_learning_rate=1e-6, filter_samples=4,
+                       max_completion_length=len(tok(LONG + "</next_state>")["input_ids"]) + 4)
+    trips = [dict(trip, step=i) for i in range(10)]
+    train.filter_triplets(cfg, trips, tmp_path, lambda: rwml.load_model(folder), SimToRealReward())
+    rows = read_jsonl(tmp_path / "easiness.jsonl")
+    assert sum(r["easiness"] for r in rows) / len(rows) > 0.5
 
 
 def test_4bit_lora_gradients_survive_generate(tiny_model):
@@ -167,3 +217,112 @@ def test_shared_prompt_forward_gives_the_same_update_as_the_plain_path(tiny_mode
         assert ua["loss"] == pytest.approx(ub["loss"], abs=1e-5) and ua["kl"] == pytest.approx(ub["kl"], abs=1e-6)
     for n in wa:
         assert torch.allclose(wa[n], wb[n], atol=1e-5), n
+
+
+def test_every_tensor_reaching_the_loss_is_on_the_models_device(tiny_model, transitions, monkeypatch):
+    """Stage 1 and stage 2 with the model on a device that is not the CPU (PyTorch's meta device stands in
+    for a GPU; sampling and the forward, which meta cannot run, return tensors on the model's device as
+    they would on a GPU). Rewards and advantages are built on the CPU: every tensor reaching grpo_loss must
+    be on the model's device. (Stage 1 once crashed on CUDA here: advantages stayed on the CPU.)"""
+    class Reached(Exception):
+        pass
+
+    seen = []
+
+    def checking_loss(logp, old_logp, ref_logp, advantages, weights, **kw):
+        seen.extend(t.device for t in (logp, old_logp, ref_logp, advantages, weights) if t is not None)
+        raise Reached
+
+    model, tok = rwml.load_model(tiny_model)
+    model = rwml.add_lora(model, r=4, alpha=8)
+    trips = train.read_transitions(transitions)[:2]
+    cfg = train.Config(num_generations=2, max_completion_length=6, micro_batch_size=4, beta=0.1, num_iterations=2)
+    torch.manual_seed(0)
+    roll = rwml.sample_group(model, tok, [rwml.wm_prompt(t, False) for t in trips], num_generations=2,
+                             max_completion_length=6, prefix=rwml.wm_prefix(False))
+    turns = []
+    with envs.EnvPool(0, 2) as pool:
+        summaries = rwml.rollouts(model, tok, pool, envs.list_games("train", 1, seed=0), 2, dataclasses.replace(
+            cfg, max_turns=2, max_new_tokens=4), on_turn=turns.append)
+    summaries[0]["won"] = True  # a mixed group, so that stage 2 has turns to train on
+    model.to("meta")
+    assert model.device.type == "meta"
+    on_device = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in roll.items()}
+    monkeypatch.setattr(rwml, "sample", lambda *a, **k: on_device)
+    monkeypatch.setattr(rwml, "rollouts", lambda *a, on_turn=None, **k: [on_turn(t) for t in turns] and summaries)
+    monkeypatch.setattr(rwml, "group_logprobs", lambda model, p, pm, c, cm, **k: torch.zeros(cm.shape, device=model.device))
+    monkeypatch.setattr(rwml, "completion_logprobs", lambda model, i, a, cm, **k: torch.zeros(cm.shape, device=model.device))
+    monkeypatch.setattr(rwml, "grpo_loss", checking_loss)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    reward = lambda completions, targets: [float(i % 2) for i in range(len(completions))]  # noqa: E731
+    with pytest.raises(Reached):
+        rwml.grpo_step(model, tok, opt, trips, reward, cfg)
+    with pytest.raises(Reached):
+        rwml.policy_step(model, tok, opt, None, ["game"], cfg)
+    assert len(seen) >= 8 and all(d.type == "meta" for d in seen), seen
+
+
+def test_coin_control_resumes_with_the_same_coins(tiny_model, transitions, tmp_path):
+    """The coin's random state is in the checkpoint: an interrupted-then-resumed COIN run flips the same
+    coins, so its metrics and weights equal an uninterrupted run's."""
+    def run(out, steps, resume=False):
+        cfg = train.Config(model=tiny_model, max_steps=steps, save_steps=1, prompts_per_step=2, num_generations=2,
+                           max_completion_length=6, micro_batch_size=2, learning_rate=1e-2, reward_control="coin",
+                           warmup=False, resume=resume)
+        train.train_wm(cfg, train.read_transitions(transitions), out, lambda: rwml.load_model(tiny_model), None)
+
+    run(tmp_path / "a", 4)
+    run(tmp_path / "b", 2)
+    run(tmp_path / "b", 4, resume=True)
+    rewards = lambda out: [r["reward_mean"] for r in read_jsonl(out / "metrics.jsonl")]  # noqa: E731
+    assert rewards(tmp_path / "a") == rewards(tmp_path / "b")
+    (_, wa), (_, wb) = final_state(tmp_path / "a"), final_state(tmp_path / "b")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_rwml_from_the_warmup_trains_it_on_and_keeps_it_as_the_reference(tiny_model, transitions, tmp_path):
+    """With warm-up, RWML's adapter starts as the warm-up adapter (not a fresh one) and the KL reference is a
+    frozen copy of it (not the bare base model): KL 0 at the first update, > 0 after; the reference unchanged."""
+    from safetensors.torch import load_file
+
+    model, _ = rwml.load_model(tiny_model)
+    torch.manual_seed(3)
+    model = rwml.add_lora(model, r=4, alpha=8)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path / "warm")
+    warm = load_file(tmp_path / "warm" / "adapter_model.safetensors")
+    cfg = train.Config(model=tiny_model, max_steps=2, save_steps=1, prompts_per_step=2, num_generations=2,
+                       max_completion_length=6, micro_batch_size=2, learning_rate=5e-2, beta=0.5, lora_r=4, lora_alpha=8)
+    peft = train.train_wm(cfg, train.read_transitions(transitions), tmp_path / "run", lambda: rwml.load_model(tiny_model),
+                          parity_reward, start=tmp_path / "warm")
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-7) and rows[1]["kl"] > 0
+    ref = {k.replace(".ref.", "."): v for k, v in peft.state_dict().items() if ".ref." in k}
+    assert ref and all(torch.equal(ref[k], warm[k]) for k in warm)  # the reference did not move
+    trained = load_file(tmp_path / "run" / "adapter" / "adapter_model.safetensors")
+    assert trained.keys() == warm.keys() and any(not torch.equal(trained[k], warm[k]) for k in warm)
+
+
+def test_wm_sft_control_sees_rwmls_triplets_in_rwmls_order(tiny_model, transitions, tmp_path, monkeypatch):
+    """The matched WM-SFT control: the same kept triplets, the same order, the same number of updates."""
+    seen_rwml, seen_sft = [], []
+    reward = lambda completions, targets: seen_rwml.extend(targets[::2]) or [0.0] * len(completions)  # noqa: E731
+    args = dict(model=tiny_model, max_steps=3, prompts_per_step=2, num_generations=2, max_completion_length=4,
+                save_steps=10, easy_filter=False, sft_epochs=1, filter_dir=str(tmp_path / "filter"))
+    trips = train.read_transitions(transitions)
+    kept, start = train.filter_triplets(train.Config(**args), trips, tmp_path / "filter", lambda: rwml.load_model(tiny_model),
+                                        reward)
+    train.train_wm(train.Config(**args), kept, tmp_path / "rwml", lambda: rwml.load_model(tiny_model), reward, start)
+    real_sft = rwml.sft
+
+    def recording_sft(model, tok, prompts, answers, **kw):
+        seen_sft.extend(a[:-len("</next_state>")] for a in answers)
+        assert kw["batch_size"] == 2 and kw["epochs"] == 1 and not kw["shuffle"]
+        return real_sft(model, tok, prompts, answers, **kw)
+
+    monkeypatch.setattr(rwml, "sft", recording_sft)
+    train.train_wm_sft(train.Config(**args), trips, tmp_path / "sft", lambda: rwml.load_model(tiny_model), reward)
+    assert len(seen_rwml) == 6 and seen_sft == seen_rwml

@@ -1,6 +1,6 @@
 """Peak RAM and time of one GRPO update, side by side: a naive full-logits step vs ours.
 
-    python bench_memory.py [--model bundled:SmolLM2-135M-Instruct] [--sequences 8] [--length 512]
+    python bench/memory.py [--model bundled:SmolLM2-135M-Instruct] [--sequences 8] [--length 512]
 
 naive: one forward over the whole batch with the model's full logits ([B, T, vocab] in fp32: 0.8 GB for
 8 x 512 x 49152), log_softmax, backward -- what a plain GRPO loop does. ours (rwml.py): micro-batches
@@ -16,7 +16,9 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
 def one_step(arm: str, model_name: str, sequences: int, length: int, completion: int, micro: int) -> dict:
     import torch

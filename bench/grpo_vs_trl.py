@@ -1,7 +1,7 @@
 """Ours vs TRL's GRPOTrainer on the same RWML world-model GRPO job, side by side, in one run.
 
-    pip install --no-deps -r requirements-bench.txt     # TRL and its data packages; the core does not need them
-    python bench.py                                       # --repeats 3 --steps 3 --model ... --out FILE
+    pip install --no-deps -r bench/requirements.txt     # TRL and its data packages; the core does not need them
+    python bench/grpo_vs_trl.py                                       # --repeats 3 --steps 3 --model ... --out FILE
 
 The job: real world-model prompts (history + action -> next observation; ALFWorld expert walkthroughs
 stepped on the real engine), the same model, LoRA (r, alpha, q/k/v/o), num_generations, prompts per
@@ -23,6 +23,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
 ARMS = ("ours", "trl")
 
@@ -162,7 +164,7 @@ def table(runs: list[dict], cfg: BenchConfig) -> str:
     if any("peak_gpu_gb" in r for r in runs):
         keys.append(("peak_gpu_gb", "peak GPU (GB)", "{:.2f}"))
     med = {arm: {k: statistics.median(r[k] for r in runs if r["arm"] == arm) for k, _, _ in keys} for arm in ARMS}
-    lines = [f"# python bench.py --repeats {cfg.repeats} --steps {cfg.steps} (model {cfg.model}, "
+    lines = [f"# python bench/grpo_vs_trl.py --repeats {cfg.repeats} --steps {cfg.steps} (model {cfg.model}, "
              f"{cfg.prompts_per_step} prompts x {cfg.num_generations} completions per step, max {cfg.max_completion_length} "
              f"tokens, micro-batch {cfg.micro_batch_size}, beta {cfg.beta}, LoRA r={cfg.lora_r} on q/k/v/o"
              + (", 4-bit NF4" if cfg.load_in_4bit else "") + ")", f"# machine: {machine()}",
@@ -186,13 +188,13 @@ def main(argv: list[str] | None = None) -> None:
         cfg = BenchConfig(**json.loads(argv[2]))
         print("RESULT " + json.dumps(one_run(argv[1], cfg)))
         return
-    cfg, _ = parse_config(BenchConfig, argv, prog="bench.py")
+    cfg, _ = parse_config(BenchConfig, argv, prog="bench/grpo_vs_trl.py")
     try:
         import trl  # noqa: F401
     except ImportError:
         from envs import UserError
 
-        raise UserError("TRL is not installed: pip install --no-deps -r requirements-bench.txt") from None
+        raise UserError("TRL is not installed: pip install --no-deps -r bench/requirements.txt") from None
     runs = []
     for rep in range(cfg.repeats):
         for arm in ARMS if rep % 2 == 0 else ARMS[::-1]:  # alternate which arm goes first

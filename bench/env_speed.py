@@ -1,6 +1,6 @@
 """Environment speed, side by side in one run: stock vs cached TextWorld engine, one worker vs two.
 
-    python bench_env.py [--num-games 8] [--steps 20] [--repeats 3]
+    python bench/env_speed.py [--num-games 8] [--steps 20] [--repeats 3]
 
 Every game plays the same script: "go to" the receptacles of the first room listing (real engine work:
 each arrival derives a fresh observation), then its expert walkthrough, which wins. Timings cover steps
@@ -12,10 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import envs
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
+import envs  # noqa: E402
 
 def script(game: str, start: dict, length: int) -> list[str]:
     walk = json.load(open(game))["walkthrough"]
