@@ -17,6 +17,9 @@ import multiprocessing as mp
 import os
 import random
 import re
+import signal
+import sys
+import time
 from pathlib import Path
 
 SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")  # valid_seen = ID, valid_unseen = OOD
@@ -25,10 +28,12 @@ TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_
 INEFFICIENT = ("look", "examine", "inventory", "help")  # paper Sec. 5: actions that gather no progress
 DATA_HINT = ("set ALFWORLD_DATA to the folder that holds json_2.1.1/ (run `alfworld-download`, or "
              "`make data` to unpack an archive), see README")
+RERUN = "rerun the same command to continue (with --resume for train.py wm and policy)"
 
 
 class UserError(Exception):
-    """Bad input from the user; the command-line tools print it as one line and exit 2."""
+    """Bad input or a failure the user can fix; the command-line tools print it as one line
+    ("error: ...") and exit with status 1 (train.run_cli)."""
 
 
 # ----------------------------------------------------------------------------- games on disk
@@ -226,12 +231,17 @@ class Game:
         if not os.path.isfile(path):
             raise UserError(f"game file not found: {path}; {DATA_HINT}")
         infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
-        if self.env is None:
-            self.env = textworld.start(path, infos, wrappers=[AlfredDemangler(shuffle=False), AlfredInfos])
-        elif path != self.path:
-            self.env.load(path)  # reuses this slot's Fast Downward library instead of loading another
-        self.path, self.turn, self.done = path, 0, False
-        state = self.env.reset()
+        argv = sys.argv  # Fast Downward's PDDL translation sets sys.argv = ["translate.py", "domain", "task"]
+        try:
+            if self.env is None:
+                wrappers = [AlfredDemangler(shuffle=False), AlfredInfos]
+                self.env = textworld.start(path, infos, wrappers=wrappers)
+            elif path != self.path:
+                self.env.load(path)  # reuses this slot's Fast Downward library instead of loading another
+            self.path, self.turn, self.done = path, 0, False
+            state = self.env.reset()
+        finally:
+            sys.argv = argv
         # "-= Welcome to TextWorld, ALFRED! =-\n\n<room>\n\nYour task is to: <task>"
         text = state.feedback.split("=-", 1)[-1].strip()
         obs, _, task = text.partition("Your task is to: ")
@@ -256,12 +266,35 @@ class Game:
 
 # ----------------------------------------------------------------------------- worker processes
 
-def _serve(conn, max_turns: int, cache: bool) -> None:
-    """Worker loop: owns the games of its slots; answers lists of (slot, op, arg) in order."""
+def _die_with_parent() -> None:
+    """Linux: the kernel sends this process SIGKILL when the thread that forked it ends, however it ends
+    (kill -9, out of memory). Elsewhere `_serve`'s parent check does it within a second."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def _serve(conn, max_turns: int, cache: bool, parent_pid: int, parent_ends: list) -> None:
+    """Worker loop: owns the games of its slots; answers lists of (slot, op, arg) in order. Exits with its
+    parent, however the parent exits; leaves Ctrl-C to the parent, which says it in one line."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C signals the whole process group
+    _die_with_parent()
+    for end in parent_ends:  # forked copies of the parent's pipe ends: they would keep the pipes open
+        end.close()          # after the parent dies, and this worker would wait for a message forever
     use_engine_cache(cache)
     games: dict[int, Game] = {}
     while True:
-        jobs = conn.recv()
+        while not conn.poll(1.0):
+            if os.getppid() != parent_pid:  # the parent is gone (and no signal came)
+                return
+        try:
+            jobs = conn.recv()
+        except EOFError:  # the parent closed its end
+            return
         if jobs is None:
             return
         out = []
@@ -278,13 +311,15 @@ class EnvPool:
     """Games in `num_workers` processes (0 = in this process); slot s lives in worker s % num_workers.
 
     Calls take {slot: argument} for any subset of slots and run the workers in parallel. `submit` and
-    `collect` split a call so the caller can work (e.g. generate for other episodes) meanwhile.
+    `collect` split a call so the caller can work (e.g. generate for other episodes) meanwhile. A worker
+    that dies, or sends no answer for `timeout` seconds (a hung engine), ends the call with a UserError
+    that names it. Workers exit with the process that made them.
     """
 
-    def __init__(self, num_workers: int = 2, max_turns: int = 30, cache: bool = True):
+    def __init__(self, num_workers: int = 2, max_turns: int = 30, cache: bool = True, timeout: float = 300.0):
         if num_workers < 0:
             raise UserError(f"--num-workers must be 0 or more, got {num_workers}")
-        self.num_workers, self.max_turns, self.cache = num_workers, max_turns, cache
+        self.num_workers, self.max_turns, self.cache, self.timeout = num_workers, max_turns, cache, timeout
         self.local: dict[int, Game] = {}
         self.conns, self.procs, self.pending = [], [], None
         if num_workers:
@@ -292,8 +327,10 @@ class EnvPool:
             ctx = mp.get_context("fork")
             for _ in range(num_workers):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=_serve, args=(child, max_turns, cache), daemon=True)
+                ends = self.conns + [parent]  # the parent's ends so far, which the fork copies
+                p = ctx.Process(target=_serve, args=(child, max_turns, cache, os.getpid(), ends), daemon=True)
                 p.start()
+                child.close()  # only the worker holds its end: when the worker dies, reading here gives EOF
                 self.conns.append(parent)
                 self.procs.append(p)
         else:
@@ -308,9 +345,12 @@ class EnvPool:
         jobs = [[] for _ in self.conns]
         for slot, arg in args.items():
             jobs[slot % self.num_workers].append((slot, op, arg))
-        for conn, job in zip(self.conns, jobs):
+        for i, job in enumerate(jobs):
             if job:
-                conn.send(job)
+                try:
+                    self.conns[i].send(job)
+                except OSError:  # BrokenPipeError: the worker is gone
+                    raise UserError(self._dead(i)) from None
         self.pending = jobs
 
     def collect(self) -> dict[int, dict]:
@@ -318,13 +358,35 @@ class EnvPool:
         if isinstance(jobs, dict):
             return jobs
         out = {}
-        for conn, job in zip(self.conns, jobs):  # read every answer before raising, so no pipe is left dirty
+        for i, job in enumerate(jobs):  # read every answer before raising, so no pipe is left dirty
             if job:
-                out.update((slot, result) for (slot, _, _), result in zip(job, conn.recv()))
+                out.update((slot, result) for (slot, _, _), result in zip(job, self._answer(i)))
         for result in out.values():
             if isinstance(result, Exception):
                 raise result
         return out
+
+    def _answer(self, i: int) -> list:
+        """Worker i's answer, waited for while the worker is alive, at most `timeout` seconds."""
+        conn, proc = self.conns[i], self.procs[i]
+        deadline = time.monotonic() + self.timeout
+        try:
+            while not conn.poll(min(1.0, self.timeout)):
+                if not proc.is_alive():
+                    raise EOFError
+                if time.monotonic() > deadline:
+                    raise UserError(f"game worker {i} (pid {proc.pid}) sent no answer in {self.timeout:g} s "
+                                    f"(a hung game engine?); {RERUN}")
+            return conn.recv()
+        except (EOFError, OSError):
+            raise UserError(self._dead(i)) from None
+
+    def _dead(self, i: int) -> str:
+        proc = self.procs[i]
+        proc.join(timeout=1)
+        code = proc.exitcode
+        how = "" if code is None else f" (signal {-code})" if code < 0 else f" (exit status {code})"
+        return f"game worker {i} (pid {proc.pid}) died{how}, e.g. killed or out of memory; {RERUN}"
 
     def _local(self, slot, op, arg):
         game = self.local.setdefault(slot, Game(self.max_turns))

@@ -1,10 +1,17 @@
 """Issue #14: what a hostile but fair user does to a run -- hostile model output, kill -9, dead or hung
 game workers, Ctrl-C, bad files, full disks -- and what must survive it."""
+import contextlib
 import json
+import os
 import random
 import re
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 
 import envs
@@ -75,3 +82,109 @@ def test_parsers_survive_10000_hostile_strings_and_1mb_inputs_in_linear_time(che
         t0 = time.thread_time()  # CPU time of this thread: other processes' load does not count
         check(text)
         assert time.thread_time() - t0 < 0.1, (check.__name__, text[:40])
+
+
+# ----------------------------------------------------------------------------- game workers
+
+ROOT = Path(__file__).resolve().parent.parent
+POOL_SCRIPT = """
+import sys, time
+sys.path.insert(0, {root!r})
+import envs, train
+
+def main():
+    with envs.EnvPool(2) as pool:
+        pool.reset({{0: envs.list_games("valid_seen", 1)[0]}})
+        print(*[p.pid for p in pool.procs], flush=True)
+        time.sleep(600)
+
+train.run_cli(main, "interrupted")
+"""
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def gone_within(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(running(p) for p in pids)
+
+
+def start_pool_process() -> tuple[subprocess.Popen, list[int]]:
+    """A process that holds an EnvPool of 2 workers (a game loaded), in its own process group."""
+    proc = subprocess.Popen([sys.executable, "-c", POOL_SCRIPT.format(root=str(ROOT))], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2 and all(running(p) for p in pids), proc.stderr.read()
+    return proc, pids
+
+
+def test_workers_exit_when_their_parent_is_killed():
+    proc, pids = start_pool_process()
+    proc.kill()  # SIGKILL: no cleanup runs in the parent, as with kill -9 or the out-of-memory killer
+    proc.wait()
+    try:
+        assert gone_within(pids, 5), "orphaned game workers"
+    finally:
+        for p in pids:
+            if running(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_ctrl_c_is_one_line_and_the_workers_exit():
+    proc, pids = start_pool_process()
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal signals the whole foreground process group
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "interrupted", err
+    assert gone_within(pids, 5)
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    """Fail instead of hanging forever."""
+    def fail(*_):
+        raise TimeoutError(f"still waiting after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("sig, what", [(signal.SIGKILL, "died (signal 9)"),
+                                       (signal.SIGSTOP, "no answer in 2 s")])
+def test_a_dead_or_hung_worker_is_named_in_one_line(sig, what):
+    game = envs.list_games("valid_seen", 1)[0]
+    with envs.EnvPool(num_workers=2) as pool:
+        pool.reset({0: game, 1: game})  # loading a game takes seconds; a step, milliseconds
+        pool.timeout = 2
+        victim = pool.procs[1]
+        os.kill(victim.pid, sig)  # SIGSTOP: as a hung engine
+        try:
+            with time_limit(30), pytest.raises(envs.UserError) as e:
+                pool.step({0: "look", 1: "look"})
+        finally:
+            if sig == signal.SIGSTOP:
+                os.kill(victim.pid, signal.SIGKILL)
+    message = str(e.value)
+    assert f"game worker 1 (pid {victim.pid})" in message and what in message, message
+    assert "rerun the same command" in message and "\n" not in message
+
+
+def test_game_reset_keeps_sys_argv(monkeypatch):
+    envs.use_engine_cache(False)  # the stock engine translates the PDDL at every reset
+    monkeypatch.setattr(sys, "argv", ["my_tool.py", "--flag"])
+    game = envs.Game()
+    for path in envs.list_games("valid_seen", 2, seed=5):  # textworld.start, then env.load
+        game.reset(path)
+        assert sys.argv == ["my_tool.py", "--flag"]
