@@ -27,6 +27,7 @@ import collections
 import contextlib
 import dataclasses
 import difflib
+import io
 import json
 import math
 import os
@@ -241,10 +242,10 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, data: str | bytes) -> None:
     """Write to a temporary file, then rename: readers see the old or the new file, never half of one."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
     os.replace(tmp, path)
 
 
@@ -396,25 +397,46 @@ def filter_triplets(cfg: Config, triplets: list[dict], out: Path, load, reward_f
 # ----------------------------------------------------------------------------- stage: wm (RWML GRPO)
 
 def save_checkpoint(path: Path, model, optimizer, state: dict) -> None:
-    """Adapter (the peft way), optimizer, RNG states, data cursor and step, swapped in atomically."""
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Adapter (the peft way), optimizer, RNG states, data cursor and step, written to checkpoint.tmp with
+    trainer_state.pt last, then swapped in (`swap_checkpoint`): a crash at any point loses no checkpoint."""
+    tmp = path.with_name(path.name + ".tmp")
+    _remove_checkpoint(tmp)
     model.save_pretrained(tmp, selected_adapters=["default"])  # not the frozen "ref"
+    buffer = io.BytesIO()  # then written as bytes: on a full disk torch.save says only "unexpected pos"
     torch.save(dict(state, optimizer=optimizer.state_dict(), torch_rng=torch.get_rng_state(),
-                    cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None),
-               tmp / "trainer_state.pt")
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
+                    cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None), buffer)
+    write_atomic(tmp / "trainer_state.pt", buffer.getvalue())  # last, by rename: it marks a complete folder
+    swap_checkpoint(path)
+
+
+def _remove_checkpoint(folder: Path) -> None:
+    """The marker first: a folder that a crash leaves half removed never looks complete."""
+    (folder / "trainer_state.pt").unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def swap_checkpoint(path: Path) -> bool:
+    """Put a complete checkpoint.tmp in the place of `path`, the last step of a save; at a run's start, the
+    same finishes a save that a crash stopped at any point. A complete .tmp is always the newest state. A
+    checkpoint.old (left by earlier versions' two-rename swap) is used when there is nothing else, then
+    removed, as is any incomplete .tmp. Returns whether `path` holds a checkpoint."""
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    if (tmp / "trainer_state.pt").is_file():
+        _remove_checkpoint(path)
+        tmp.rename(path)
+    elif (old / "trainer_state.pt").is_file() and not (path / "trainer_state.pt").is_file():
+        _remove_checkpoint(path)
+        old.rename(path)
+    _remove_checkpoint(tmp)
+    _remove_checkpoint(old)
+    return (path / "trainer_state.pt").is_file()
 
 
 def load_checkpoint(path: Path, model, optimizer) -> dict:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    if not path.exists() and path.with_name(path.name + ".old").exists():  # killed between the two renames
-        path = path.with_name(path.name + ".old")
+    swap_checkpoint(path)  # a save that a crash stopped
     set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
     state = torch.load(path / "trainer_state.pt", weights_only=False)
     optimizer.load_state_dict(state.pop("optimizer"))
@@ -432,10 +454,11 @@ def _check_at_least(cfg: Config, **bounds) -> None:
 
 
 def start_run(cfg: Config, out: Path, model, optimizer) -> tuple[dict, object]:
-    """Resume from `out/checkpoint` (with --resume) or refuse to overwrite a run; write config.json;
-    open TensorBoard if asked. Returns (state, writer or None)."""
+    """Resume from `out/checkpoint` (with --resume) or refuse to overwrite a run; cut metrics.jsonl and
+    samples.jsonl back to the checkpoint's step (the steps after it run again, and are logged again);
+    write config.json; open TensorBoard if asked. Returns (state, writer or None)."""
     ckpt = out / "checkpoint"
-    has_ckpt = ckpt.exists() or ckpt.with_name("checkpoint.old").exists()
+    has_ckpt = swap_checkpoint(ckpt)
     state = dict(step=0, epoch=0, cursor=0)
     if has_ckpt and not cfg.resume:
         raise UserError(f"{out} already holds a run; pass --resume to continue it, or use another --out")
@@ -443,6 +466,10 @@ def start_run(cfg: Config, out: Path, model, optimizer) -> tuple[dict, object]:
         state = load_checkpoint(ckpt, model, optimizer)
         print(f"resumed from {ckpt} at step {state['step']}")
     out.mkdir(parents=True, exist_ok=True)
+    for log in (out / "metrics.jsonl", out / "samples.jsonl"):
+        if log.exists():
+            rows = [r for r in read_jsonl(log) if r.get("step", 0) <= state["step"]]
+            write_atomic(log, "".join(json.dumps(r) + "\n" for r in rows))
     write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
     writer = None
     if cfg.report_to == "tensorboard":
@@ -817,8 +844,8 @@ def main(argv: list[str] | None = None) -> None:
         if start:
             model.unload()  # the bare base model again, for train_wm
         write_atomic(before_file, json.dumps(before, indent=2))
-    model = train_wm(dataclasses.replace(cfg, resume=cfg.resume or (out / "checkpoint").exists()), kept, out, load,
-                     reward_fn, start)
+    resume = cfg.resume or swap_checkpoint(out / "checkpoint")  # `all` continues where it stopped
+    model = train_wm(dataclasses.replace(cfg, resume=resume), kept, out, load, reward_fn, start)
     after = dict(evaluate_heldout(cfg, model, load()[1], heldout, reward_fn), model="RWML")
     write_atomic(out / "wm_eval_rwml.json", json.dumps(after, indent=2))
     before = json.loads(before_file.read_text())

@@ -5,6 +5,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,9 +14,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 import envs
+import rwml
+import train
 from reward import parse_next_state
+from train import read_jsonl
 
 # ----------------------------------------------------------------------------- the parsers, fuzzed
 
@@ -188,3 +193,132 @@ def test_game_reset_keeps_sys_argv(monkeypatch):
     for path in envs.list_games("valid_seen", 2, seed=5):  # textworld.start, then env.load
         game.reset(path)
         assert sys.argv == ["my_tool.py", "--flag"]
+
+
+# ----------------------------------------------------------------------------- checkpoints and resume
+
+def wm_config(tiny_model, **kw):
+    return train.Config(model=tiny_model, prompts_per_step=2, num_generations=2, max_completion_length=6,
+                        micro_batch_size=2, log_completions_steps=1, **kw)
+
+
+def parity_reward(completions, targets):
+    return [float(sum(map(ord, c)) % 2) for c in completions]
+
+
+def test_resume_logs_every_step_once(tiny_model, transitions, tmp_path):
+    """Ctrl-C in step 4 of a run that saves every 2 steps: rows 1-3 are logged, the checkpoint is at step 2.
+    The resumed run does steps 3 and 4 again; each step must be in the logs once."""
+    calls = []
+
+    def interrupted_in_step_4(completions, targets):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return parity_reward(completions, targets)
+
+    trips, load = train.read_transitions(transitions), lambda: rwml.load_model(tiny_model)
+    with pytest.raises(KeyboardInterrupt):
+        train.train_wm(wm_config(tiny_model, max_steps=4, save_steps=2), trips, tmp_path, load,
+                       interrupted_in_step_4)
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    train.train_wm(wm_config(tiny_model, max_steps=4, save_steps=2, resume=True), trips, tmp_path, load,
+                   parity_reward)
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_jsonl(tmp_path / "samples.jsonl")] == [1, 2, 3, 4]
+
+
+class Crash(BaseException):
+    """A process killed at this point: nothing after it runs (BaseException: no `except OSError` stops it)."""
+
+
+@contextlib.contextmanager
+def crash_at(k: int | None, counter: list):
+    """Count file-system operations (renames, removals, new folders, opens); with `k`, crash at the k-th."""
+    names = ("rename", "replace", "unlink", "rmdir", "mkdir", "open")
+    originals = {name: getattr(os, name) for name in names}
+
+    def counted(name):
+        def op(*args, **kwargs):
+            counter.append(name)
+            if len(counter) - 1 == k:
+                raise Crash(name)
+            return originals[name](*args, **kwargs)
+        return op
+
+    try:
+        for name in originals:
+            setattr(os, name, counted(name))
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(os, name, fn)
+
+
+def test_a_save_stopped_at_any_point_loses_no_checkpoint(tiny_model, tmp_path):
+    model = rwml.add_lora(rwml.load_model(tiny_model)[0], r=2, alpha=4)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    lora = [p for n, p in model.named_parameters() if "lora_B" in n]
+
+    def save(path, step):
+        with torch.no_grad():
+            for p in lora:
+                p.fill_(step)
+        train.save_checkpoint(path, model, opt, dict(step=step))
+
+    def load(path):  # the step, checked against the weights: both from one save
+        step = train.load_checkpoint(path, model, opt)["step"]
+        assert all(torch.all(p == step) for p in lora)
+        return step
+
+    ops = []
+    save(tmp_path / "count" / "checkpoint", 1)
+    with crash_at(None, ops):
+        save(tmp_path / "count" / "checkpoint", 2)
+    assert len(ops) >= 10, ops
+    for k in range(len(ops)):
+        run = tmp_path / f"crash{k}"
+        save(run / "checkpoint", 1)
+        with crash_at(k, []), pytest.raises(Crash):
+            save(run / "checkpoint", 2)
+        assert load(run / "checkpoint") in (1, 2), k
+        save(run / "checkpoint", 3)
+        assert load(run / "checkpoint") == 3 and sorted(os.listdir(run)) == ["checkpoint"], k
+
+
+def test_a_leftover_checkpoint_old_is_used_or_removed(tiny_model, transitions, tmp_path):
+    """checkpoint.old, as the two-rename swap of earlier versions left it: it blocked every later save."""
+    trips, load = train.read_transitions(transitions), lambda: rwml.load_model(tiny_model)
+    train.train_wm(wm_config(tiny_model, max_steps=1, save_steps=1), trips, tmp_path, load, parity_reward)
+    shutil.copytree(tmp_path / "checkpoint", tmp_path / "checkpoint.old")
+    train.train_wm(wm_config(tiny_model, max_steps=2, save_steps=1, resume=True), trips, tmp_path, load,
+                   parity_reward)
+    assert not (tmp_path / "checkpoint.old").exists()
+    (tmp_path / "checkpoint").rename(tmp_path / "checkpoint.old")  # killed between the two renames
+    train.train_wm(wm_config(tiny_model, max_steps=3, save_steps=1, resume=True), trips, tmp_path, load,
+                   parity_reward)
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint*")) == ["checkpoint"]
+
+
+def test_kill_9_during_grpo_then_resume(tiny_model, transitions, tmp_path):
+    """A real kill -9 at whatever point the run has reached after 3 logged steps (it saves every 2)."""
+    args = ["wm", "--model", tiny_model, "--transitions", transitions, "--no-easy-filter", "--no-warmup",
+            "--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "6",
+            "--micro-batch-size", "2", "--log-completions-steps", "1", "--save-steps", "2",
+            "--out", str(tmp_path)]
+    proc = subprocess.Popen([sys.executable, "train.py", *args, "--max-steps", "50"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while len(read_jsonl(tmp_path / "metrics.jsonl")) < 3 and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+    logged = len(read_jsonl(tmp_path / "metrics.jsonl"))
+    assert 3 <= logged < 50
+    train.main(args + ["--max-steps", str(logged + 1), "--resume"])
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, logged + 2))
+    assert [r["step"] for r in read_jsonl(tmp_path / "samples.jsonl")] == list(range(1, logged + 2))
