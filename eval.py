@@ -19,16 +19,19 @@ weights: the paper's weight-change measure of an adapter against its base model 
 per module type.
 report: the JSON results found in run folders -> one Markdown table laid out like the paper's Table 1,
 plus PNG plots (reward curves, success by arm).
+
+Every value and path is checked before anything loads.
 """
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -37,7 +40,8 @@ import envs
 import rwml
 from envs import UserError
 from reward import BUNDLED_EMBEDDER, SimToRealReward, calibrate
-from train import parse_config, read_transitions, run_cli, write_atomic
+from train import (check_adapter, check_choices, check_tau2_domain, check_writable, parse_config,
+                   read_transitions, run_cli, write_atomic)
 
 COMMANDS = ("agent", "wm", "calibrate", "weights", "report", "sanity")
 
@@ -93,6 +97,36 @@ class WeightsConfig:
 class ReportConfig:
     out: str = "results.md"  # the table; the plots go next to it (<out>_rewards.png, <out>_success.png)
     plots: bool = True
+
+
+EVAL_MIN = dict(seeds=1, max_turns=1, history_len=0, max_new_tokens=1, num_envs=1, num_workers=0, num_games=1,
+                num_tasks=1, max_triplets=0, max_completion_length=1, eval_samples=0, num_generations=1)
+
+
+def check_eval_config(cfg) -> None:
+    """Every value of an evaluation's config in its range, before anything loads (as train.check_config)."""
+    def bad(name, why):
+        raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: {why}")
+
+    check_choices(cfg)
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            bad(f.name, "must be a finite number")
+        if f.name in EVAL_MIN and v is not None and v < EVAL_MIN[f.name]:
+            bad(f.name, f"must be at least {EVAL_MIN[f.name]}")
+    if getattr(cfg, "temperature", 0) < 0:
+        bad("temperature", "must be 0 or more (0 = greedy)")
+    if not 0 < getattr(cfg, "top_p", 1) <= 1:
+        bad("top_p", "must be in (0, 1]")
+    if not 0 < getattr(cfg, "tau_d", 1) <= 2:
+        bad("tau_d", "must be in (0, 2] (a cosine distance)")
+    if getattr(cfg, "rel", 0) < 0:
+        bad("rel", "must be 0 or more")
+    if isinstance(cfg, AgentEvalConfig):
+        if cfg.split is not None and not [sp for sp in cfg.split.split(",") if sp.strip()]:
+            bad("split", "names no split; e.g. valid_seen, or valid_seen,valid_unseen")
+        check_tau2_domain(cfg.env, cfg.domain)
 
 
 def _sample(trips: list[dict], n: int, seed: int) -> list[dict]:
@@ -259,12 +293,11 @@ def evaluate_weights(cfg: WeightsConfig) -> dict:
     """Merge the adapter into a full-precision copy of its base and compare every parameter."""
     if not cfg.adapter:
         raise UserError("--adapter DIR is required: the adapter/ folder of a run")
+    check_adapter(cfg.adapter)
     from peft import PeftModel
 
     model, _ = rwml.load_model(cfg.model, device="cpu")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    if not (Path(cfg.adapter) / "adapter_config.json").is_file():
-        raise UserError(f"no peft adapter at {cfg.adapter} (expected {cfg.adapter}/adapter_config.json)")
     merged = PeftModel.from_pretrained(model, cfg.adapter).merge_and_unload()
     result = weight_change(before, dict(merged.named_parameters()), cfg.rel)
     return dict(result, adapter=cfg.adapter, model=cfg.model)
@@ -446,6 +479,7 @@ def main(argv: list[str] | None = None) -> None:
     if command == "sanity":
         cfg, rest = parse_config(ReportConfig, argv[1:], prog="eval.py sanity",
                                  positional={"run": dict(help="the run folder of sanity.sh (runs/sanity)")})
+        check_writable(Path(cfg.out), folder=False)
         text = sanity_report(Path(rest["run"]))
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(Path(cfg.out), text)
@@ -454,13 +488,17 @@ def main(argv: list[str] | None = None) -> None:
     if command == "report":
         cfg, rest = parse_config(ReportConfig, argv[1:], prog="eval.py report",
                                  positional={"runs": dict(nargs="+", help="run folders, one row each, in this order")})
+        check_writable(Path(cfg.out), folder=False)
         print(report(cfg, rest["runs"]) + f"-> {cfg.out}")
         return
     config_cls = dict(agent=AgentEvalConfig, weights=WeightsConfig).get(command, WMEvalConfig)
     cfg, _ = parse_config(config_cls, argv[1:], prog=f"eval.py {command}")
-    result = dict(agent=evaluate_agent, wm=evaluate_wm, calibrate=calibrate_tau, weights=evaluate_weights)[command](cfg)
+    check_eval_config(cfg)
+    check_adapter(cfg.adapter)
     out = Path(cfg.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(out, folder=False)
+    run = dict(agent=evaluate_agent, wm=evaluate_wm, calibrate=calibrate_tau, weights=evaluate_weights)
+    result = run[command](cfg)
     write_atomic(out, json.dumps(result, indent=2))
     if command == "wm":
         print(f"wm_accuracy {result['wm_accuracy']:.3f}, mean_cosine {result['mean_cosine']:.3f}, exact_match "

@@ -27,6 +27,7 @@ import collections
 import contextlib
 import dataclasses
 import difflib
+import errno
 import io
 import json
 import math
@@ -45,7 +46,7 @@ from tqdm.auto import tqdm
 
 import envs
 import rwml
-from envs import UserError
+from envs import RERUN, UserError
 from reward import BUNDLED_EMBEDDER, SimToRealReward, coin_reward, mis_targets
 
 STAGES = ("all", "collect", "filter", "wm", "wm-sft", "rft", "policy")
@@ -182,11 +183,33 @@ def check_config(cfg: Config, stage: str = "all") -> None:
         bad("tau_d", "must be in (0, 2] (a cosine distance)")
     if not 0 < cfg.filter_split < 1:
         bad("filter_split", "the share of triplets that trains the SFT copy must be between 0 and 1")
+    if cfg.num_tasks is not None and cfg.num_tasks < 1:
+        bad("num_tasks", "must be at least 1 (or left out: all tasks)")
+    if cfg.epsilon_high is not None and cfg.epsilon_high < 0:
+        bad("epsilon_high", "must be 0 or more (or left out: --epsilon)")
+    check_tau2_domain(cfg.env, cfg.domain)
     if stage == "all":  # collection gives at most this many triplets (fewer if an episode is won early)
         n = cfg.num_games * cfg.rollouts_per_game * cfg.max_turns
         if n - max(1, round(cfg.filter_split * n)) < cfg.prompts_per_step:
             bad("filter_split", f"leaves fewer than --prompts-per-step {cfg.prompts_per_step} of the at most {n} "
                 "collected triplets for GRPO; lower it or collect more (--num-games, --max-turns)")
+
+
+def check_tau2_domain(env: str, domain: str) -> None:
+    if env == "tau2" and domain == "telecom":
+        raise UserError("--domain telecom: only airline and retail are supported here (telecom's customer "
+                        "uses tools on their own phone, which this user simulator does not do)")
+
+
+def _fits(typ, value) -> bool:
+    """Whether a config file's value has a field's type (`int | None`, float, str, bool)."""
+    if isinstance(typ, types.UnionType):
+        return any(_fits(t, value) for t in typing.get_args(typ))
+    if typ is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if typ is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return value is None if typ is type(None) else isinstance(value, typ)
 
 
 def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None):
@@ -217,17 +240,61 @@ def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None
             values = json.loads(Path(args.config).read_text())
         except (OSError, ValueError) as e:
             raise UserError(f"cannot read config file {args.config}: {e}") from None
+        if not isinstance(values, dict):
+            raise UserError(f"{args.config} holds {json.dumps(values)[:40]}, not a JSON object of fields "
+                            'such as {"num_games": 8}')
         values = {k.replace("-", "_"): v for k, v in values.items()}
-        for k in values:
+        for k, v in values.items():
             if k not in known:
                 close = difflib.get_close_matches(k, known, n=1)
                 raise UserError(f"unknown key {k!r} in {args.config}" + (f"; did you mean {close[0]!r}?" if close else ""))
+            if not _fits(hints[k], v):
+                want = str(hints[k]).replace("NoneType", "null").replace("<class '", "").replace("'>", "")
+                raise UserError(f"{k} in {args.config} must be {want}, got {json.dumps(v)}")
     values.update({k: v for k, v in vars(args).items() if k in known})
     rest = {k: v for k, v in vars(args).items() if k not in known and k != "config"}
     return cls(**values), rest
 
 
 # ----------------------------------------------------------------------------- files that survive interrupts
+
+def check_writable(path: Path, flag: str = "--out", folder: bool = True) -> None:
+    """Create an output folder (or the folder of an output file) now and write in it once: a path that
+    cannot be written fails in one line before anything slow runs, not after it."""
+    if not folder and path.is_dir():
+        raise UserError(f"{flag} {path} is a folder; give a file name, e.g. {path / 'results.json'}")
+    where = path if folder else path.parent
+    existing = next(p for p in (where, *where.parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"{flag} {path}: {existing} is a file, not a folder; choose another path")
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        probe = where / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write there ({e.strerror or e}); choose another path") \
+            from None
+
+
+def check_adapter(path: str | None, flag: str = "--adapter") -> None:
+    """A peft adapter folder whose adapter_config.json reads, checked before any model loads."""
+    if not path:
+        return
+    config = Path(path) / "adapter_config.json"
+    if not config.is_file():
+        raise UserError(f"no peft adapter at {path} (expected {config})")
+    try:
+        from peft import PeftConfig
+
+        if not isinstance(json.loads(config.read_text()).get("peft_type"), str):
+            raise ValueError("no peft_type")
+        PeftConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 -- whatever peft's reader raises, the file is the problem
+        why = str(e).splitlines()[0] if str(e) else repr(e)
+        raise UserError(f"{config} is not a readable peft adapter config ({why}); save the adapter again, or "
+                        f"give another {flag}") from None
+
 
 def read_jsonl(path: Path) -> list[dict]:
     """Records of a JSON-lines file; a last line cut short by an interrupt is dropped."""
@@ -378,8 +445,9 @@ def filter_triplets(cfg: Config, triplets: list[dict], out: Path, load, reward_f
                     mean_easiness=sum(scores) / max(len(scores), 1),
                     easiness_counts={f"{v:g}": scores.count(v) for v in sorted(set(scores))})
         out.mkdir(parents=True, exist_ok=True)
-        write_atomic(out / "easiness.jsonl", "".join(json.dumps(dict(game=t["game"], step=t["step"], rollout=t["rollout"],
-                     next_obs=t["next_obs"], easiness=s, easy=e, kept=k)) + "\n" for t, s, e, k in zip(train, scores, easy, keep)))
+        rows = [dict(game=t.get("game"), step=t.get("step"), rollout=t.get("rollout"), next_obs=t["next_obs"],
+                     easiness=s, easy=e, kept=k) for t, s, e, k in zip(train, scores, easy, keep)]
+        write_atomic(out / "easiness.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     else:
         kept = train
     if cfg.easy_filter or cfg.warmup:
@@ -751,14 +819,52 @@ def make_reward(cfg: Config) -> SimToRealReward:
     return SimToRealReward(cfg.embedder, cfg.tau_d, cfg.reward_metric, cfg.reward_binary)
 
 
+TRIPLET_FORMAT = "JSON lines with task, history, action, next_obs, as train.py collect writes"
+
+
+def triplet_problem(t) -> str | None:
+    """What is wrong with a transitions record, or None: the fields the world-model prompt and target use."""
+    if not isinstance(t, dict):
+        return f"a JSON {type(t).__name__}, not an object"
+    for key in ("task", "action", "next_obs"):
+        if not isinstance(t.get(key), str):
+            return f"{key} is missing or not a string"
+    history = t.get("history")
+    if not isinstance(history, list) or not history or not all(
+            isinstance(h, dict) and isinstance(h.get("observation"), str) for h in history):
+        return 'history is not a non-empty list of {"observation": ...} objects'
+    if not all(isinstance(h.get("action"), str) for h in history[:-1]):
+        return "history: an earlier step has no action"
+    return None
+
+
 def read_transitions(path: str | None) -> list[dict]:
+    """A collection's triplets, every record checked: a bad one is one line naming the file and line.
+    A last line cut short by an interrupt is dropped, as everywhere."""
     if not path:
         raise UserError("--transitions is required: the transitions.jsonl of a collection (python train.py collect)")
     if not Path(path).is_file():
         raise UserError(f"transitions file not found: {path}")
-    trips = read_jsonl(Path(path))
-    if not trips or not {"history", "action", "next_obs"} <= trips[0].keys():
-        raise UserError(f"{path} holds no triplets (expected JSON lines with history, action, next_obs)")
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start}); expected {TRIPLET_FORMAT}") from None
+    trips = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            t = json.loads(line)
+        except ValueError:
+            if n == len(lines):
+                break
+            raise UserError(f"{path}, line {n}: not JSON; expected {TRIPLET_FORMAT}") from None
+        problem = triplet_problem(t)
+        if problem:
+            raise UserError(f"{path}, line {n}: {problem}; expected {TRIPLET_FORMAT}")
+        trips.append(t)
+    if not trips:
+        raise UserError(f"{path} holds no triplets (expected {TRIPLET_FORMAT})")
     return trips
 
 
@@ -801,7 +907,13 @@ def main(argv: list[str] | None = None) -> None:
     cfg, _ = parse_config(Config, argv[1:] if argv and argv[0] == stage else argv, prog=f"train.py {stage}")
     check_choices(cfg)
     check_config(cfg, stage)
+    if stage == "policy":
+        check_init(cfg)
     out, t0 = Path(cfg.out), time.time()
+    check_writable(out)
+    if cfg.filter_dir:
+        check_writable(Path(cfg.filter_dir), "--filter-dir")
+    check_adapter(cfg.adapter)
     four_bit = torch.cuda.is_available() if cfg.load_in_4bit is None else cfg.load_in_4bit
     loaded = []
 
@@ -819,12 +931,13 @@ def main(argv: list[str] | None = None) -> None:
     if stage == "rft":
         train_rft(cfg, out, load)
         return
+    trips = read_transitions(cfg.transitions) if stage in ("wm-sft", "filter", "wm") else None
     reward_fn = make_reward(cfg)
     if stage == "wm-sft":
-        train_wm_sft(cfg, read_transitions(cfg.transitions), out, load, reward_fn)
+        train_wm_sft(cfg, trips, out, load, reward_fn)
         return
     if stage in ("filter", "wm"):
-        kept, start = filter_triplets(cfg, read_transitions(cfg.transitions), filter_dir(cfg, out), load, reward_fn)
+        kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
         if stage == "wm":
             train_wm(cfg, kept, out, load, reward_fn, start)
         return
@@ -854,15 +967,25 @@ def main(argv: list[str] | None = None) -> None:
     print(before_after_line(before, after) + f"; {(time.time() - t0) / 60:.1f} min -> {out}")
 
 
+def disk_full(e: BaseException) -> bool:
+    """ENOSPC or a full quota, also as libraries that write files report it (safetensors: "os error 28")."""
+    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e)
+
+
 def run_cli(main, on_interrupt: str = "interrupted") -> None:
-    """Bad input is one line on stderr and exit status 1, never a traceback."""
+    """Bad input (a UserError), a full disk and Ctrl-C are one line on stderr and exit status 1, never a
+    traceback."""
     try:
         main()
     except UserError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         sys.exit(on_interrupt)
+    except Exception as e:
+        if disk_full(e):
+            sys.exit(f"error: out of disk space ({str(e).splitlines()[0]}); free some, then {RERUN}")
+        raise
 
 
 if __name__ == "__main__":
-    run_cli(main, "interrupted: rerun the same command (with --resume for `wm`) to continue where it stopped")
+    run_cli(main, f"interrupted: {RERUN}")

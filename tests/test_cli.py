@@ -20,7 +20,7 @@ def run(*args, env=None):
     (["eval.py", "agent", "--split", "valid_sen"], None, "unknown split 'valid_sen'"),
     (["eval.py", "agent", "--num-games", "1", "--model", "./no/such/model"], None, "model path not found"),
     (["train.py", "collect", "--num-games", "-3"], None, "at least 1"),
-    (["eval.py", "agent", "--seeds", "0"], None, "--seeds must be at least 1"),
+    (["eval.py", "agent", "--seeds", "0"], None, "--seeds 0: must be at least 1"),
     (["train.py", "collect", "--num-game", "3"], None, "did you mean --num-games"),
     (["train.py", "colect"], None, "did you mean 'collect'"),
     (["eval.py", "agent", "--num-games", "three"], None, "invalid int value"),
@@ -50,3 +50,18 @@ def test_help_lists_every_config_field():
     assert r.returncode == 0
     for f in train.dataclasses.fields(train.Config):
         assert "--" + f.name.replace("_", "-") in r.stdout
+
+
+def test_bad_files_one_line(tmp_path):
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"task": "caf\xe9"}\n')
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text('{"peft_type": "LORA", "r": ')
+    for args, file, message in [(["train.py", "collect", "--config"], "list.json", "not a JSON object"),
+                                (["eval.py", "wm", "--transitions"], "latin1.jsonl", "is not UTF-8 text"),
+                                (["eval.py", "agent", "--adapter"], "adapter", "not a readable peft")]:
+        r = run(*args, str(tmp_path / file))
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        lines = [l for l in r.stderr.splitlines() if l.strip() and "gemm_4bit" not in l]
+        assert message in lines[-1] and lines[-1].startswith("error: "), r.stderr
+        assert len([l for l in lines if "error" in l]) == 1, r.stderr

@@ -322,3 +322,122 @@ def test_kill_9_during_grpo_then_resume(tiny_model, transitions, tmp_path):
     train.main(args + ["--max-steps", str(logged + 1), "--resume"])
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, logged + 2))
     assert [r["step"] for r in read_jsonl(tmp_path / "samples.jsonl")] == list(range(1, logged + 2))
+
+
+# ----------------------------------------------------------------------------- bad input: one line, at once
+
+@pytest.fixture
+def nothing_slow(monkeypatch):
+    """Loading a model or an embedder, starting game workers or the filter fails the test: every check
+    must come before them."""
+    def slow(*_, **__):
+        pytest.fail("slow work started before the input was checked")
+
+    import eval as evaluate
+
+    for owner, name in ((rwml, "load_model"), (train, "make_reward"), (train, "filter_triplets"),
+                        (envs, "EnvPool"), (evaluate, "SimToRealReward")):
+        monkeypatch.setattr(owner, name, slow)
+
+
+@pytest.fixture
+def bad(tmp_path, transitions):
+    """Bad files of every kind, by name."""
+    lines = Path(transitions).read_text().splitlines()
+    files = {"list.json": "[1, 2]", "null.json": "null", "two.json": '{"num_games": "two"}',
+             "out5.json": '{"out": 5}', "latin1.jsonl": lines[0].replace("}", ', "x": "caf\xe9"}') + "\n",
+             "first_list.jsonl": '["history", "action"]\n' + "\n".join(lines) + "\n",
+             "no_task.jsonl": "\n".join(lines[:4] + [lines[4].replace('"task"', '"x"')] + lines[5:]) + "\n",
+             "a_file": "", "adapter/adapter_config.json": '{"peft_type": "LORA", "r": '}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(text.encode("latin-1" if name == "latin1.jsonl" else "utf-8"))
+    return tmp_path
+
+
+AGENT = ["eval.py", "agent", "--num-games", "1", "--seeds", "1"]
+WM = ["train.py", "wm", "--no-easy-filter", "--no-warmup"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    # 5. output paths
+    (AGENT + ["--out", "{bad}"], "is a folder; give a file name"),
+    (AGENT + ["--out", "{bad}/a_file/results.json"], "{bad}/a_file is a file, not a folder"),
+    (AGENT + ["--out", "/sys/rwml-test/results.json"], "cannot write there"),
+    (["eval.py", "wm", "--transitions", "{transitions}", "--out", "{bad}"], "is a folder"),
+    (["eval.py", "report", "{bad}", "--out", "{bad}/a_file/r.md"], "is a file, not a folder"),
+    (["train.py", "collect", "--out", "{bad}/a_file"], "{bad}/a_file is a file, not a folder"),
+    (WM + ["--transitions", "{transitions}", "--out", "{bad}/a_file/run"], "is a file, not a folder"),
+    # 7. tracebacks
+    (["train.py", "collect", "--config", "{bad}/list.json"], "holds [1, 2], not a JSON object"),
+    (["train.py", "collect", "--config", "{bad}/null.json"], "holds null, not a JSON object"),
+    (["train.py", "collect", "--config", "{bad}/two.json"],
+     'num_games in {bad}/two.json must be int, got "two"'),
+    (["eval.py", "agent", "--config", "{bad}/out5.json"], "out in {bad}/out5.json must be str, got 5"),
+    (["eval.py", "wm", "--transitions", "{bad}/latin1.jsonl"], "latin1.jsonl is not UTF-8 text"),
+    (["eval.py", "wm", "--transitions", "{bad}/first_list.jsonl"], "first_list.jsonl, line 1: a JSON list"),
+    (["eval.py", "wm", "--transitions", "{bad}/no_task.jsonl"], "no_task.jsonl, line 5: task is missing"),
+    (["train.py", "wm-sft", "--transitions", "{bad}/no_task.jsonl"], "no_task.jsonl, line 5: task is"),
+    (AGENT + ["--adapter", "{bad}/adapter"], "adapter_config.json is not a readable peft adapter config"),
+    (["train.py", "policy", "--init", "rwml", "--adapter", "{bad}/adapter"], "not a readable peft adapter"),
+    (AGENT + ["--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
+    # 8. bad values
+    (AGENT + ["--temperature", "-1"], "--temperature -1.0: must be 0 or more"),
+    (AGENT + ["--temperature", "nan"], "--temperature nan: must be a finite number"),
+    (AGENT + ["--top-p", "5"], "--top-p 5.0: must be in (0, 1]"),
+    (AGENT + ["--history-len", "-1"], "--history-len -1: must be at least 0"),
+    (AGENT + ["--split", ","], "--split ',': names no split"),
+    (["eval.py", "wm", "--transitions", "{transitions}", "--tau-d", "3"], "--tau-d 3.0: must be in (0, 2]"),
+    (["train.py", "collect", "--env", "tau2", "--num-tasks", "0"], "--num-tasks 0: must be at least 1"),
+    (WM + ["--transitions", "{transitions}", "--epsilon-high", "-1"], "--epsilon-high -1.0: must be 0"),
+    (WM + ["--transitions", "{transitions}", "--filter-split", "1.5"], "--filter-split 1.5"),
+    # 9. checks that came after slow work
+    (WM + ["--transitions", "{transitions}", "--max-steps", "0"], "--max-steps 0: must be at least 1"),
+    (AGENT + ["--max-turns", "0"], "--max-turns 0: must be at least 1"),
+    (AGENT + ["--num-envs", "0"], "--num-envs 0: must be at least 1"),
+    (AGENT + ["--env", "tau2", "--domain", "telecom"], "--domain telecom: only airline and retail"),
+    (["train.py", "policy", "--env", "tau2", "--domain", "telecom", "--split", "test"], "--domain telecom"),
+    (["eval.py", "weights", "--adapter", "{bad}/no_such_adapter"], "no peft adapter at"),
+])
+def test_bad_input_is_one_line_before_anything_slow(argv, message, bad, transitions, nothing_slow,
+                                                    monkeypatch):
+    import eval as evaluate
+
+    monkeypatch.chdir(bad)  # the default --out of a failing command lands here, not in the repository
+    fill = dict(bad=str(bad), transitions=transitions)
+    argv, message = [a.format(**fill) for a in argv], message.format(**fill)
+    main = train.main if argv[0] == "train.py" else evaluate.main
+    with pytest.raises(envs.UserError) as e:
+        main(argv[1:])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def private_mount_prefix() -> list[str] | None:
+    """`unshare` arguments for a private mount namespace in which this user may mount a tmpfs, or None."""
+    for prefix in (["unshare", "-rm"], ["unshare", "-m"]):
+        if shutil.which("unshare") and subprocess.run([*prefix, "sh", "-c", "mount -t tmpfs tmpfs /mnt"],
+                                                      capture_output=True).returncode == 0:
+            return prefix
+    return None
+
+
+@pytest.mark.parametrize("size", ["96k", "256k"])
+def test_a_full_disk_is_one_line(size, tiny_model, transitions, tmp_path):
+    """--out on a small disk: the run's first files fit, its checkpoint does not (96 KB: the adapter, which
+    safetensors reports in its own words; 256 KB: the optimizer state, which torch.save reported as
+    "unexpected pos")."""
+    prefix = private_mount_prefix()
+    if prefix is None:
+        pytest.skip("cannot mount a small tmpfs here (unshare)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"'
+    args = [*WM[1:], "--model", tiny_model, "--transitions", transitions, "--max-steps", "2", "--lora-r",
+            "16", "--save-steps", "1", "--num-generations", "2", "--max-completion-length", "6",
+            "--out", f"{disk}/run"]
+    r = subprocess.run([*prefix, "sh", "-c", mount, str(disk), sys.executable, "train.py", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: out of disk space") and "rerun the same command" in last, r.stderr
+
