@@ -20,10 +20,13 @@ per module type.
 report: the JSON results found in run folders -> one Markdown table laid out like the paper's Table 1,
 plus PNG plots (reward curves, success by arm).
 
-Every value and path is checked before anything loads.
+Every value and path is checked before anything loads. `agent` writes each finished episode to
+<out>.episodes.jsonl as it finishes: rerunning the same command after an interruption plays only the rest
+(the file goes once <out> is written).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -40,7 +43,7 @@ import envs
 import rwml
 from envs import UserError
 from reward import BUNDLED_EMBEDDER, SimToRealReward, calibrate
-from train import (check_adapter, check_choices, check_tau2_domain, check_writable, parse_config,
+from train import (check_adapter, check_choices, check_tau2_domain, check_writable, parse_config, read_jsonl,
                    read_transitions, run_cli, write_atomic)
 
 COMMANDS = ("agent", "wm", "calibrate", "weights", "report", "sanity")
@@ -198,6 +201,41 @@ def _summarize(episodes: list[dict], seeds: int) -> dict:
     return result
 
 
+EPISODE_JOB = ("model", "adapter", "env", "domain", "user_model", "split", "num_games", "num_tasks", "seed",
+               "max_turns", "history_len", "temperature", "top_p", "max_new_tokens")
+
+
+def episodes_file(cfg: AgentEvalConfig) -> Path:
+    return Path(cfg.out + ".episodes.jsonl")
+
+
+def finished_episodes(cfg: AgentEvalConfig) -> dict[tuple, dict]:
+    """The episodes an interrupted run of this evaluation finished, by (split, seed, game), from
+    <out>.episodes.jsonl, whose first line holds the settings (other settings: none are reused)."""
+    path, job = episodes_file(cfg), {k: getattr(cfg, k) for k in EPISODE_JOB}
+    rows = read_jsonl(path)
+    done = rows[1:] if rows and rows[0] == dict(job=job) else []
+    if len(rows) > 1 and not done:
+        print(f"eval: {path} holds episodes played with other settings; playing all anew")
+    if done:
+        print(f"eval: {len(done)} episodes already played (from {path}); playing the rest")
+    return {(e.get("split"), e["seed"], e["game"]): e for e in done}
+
+
+@contextlib.contextmanager
+def episode_log(cfg: AgentEvalConfig, done: dict):
+    """on_episode for `play`: each finished episode goes to <out>.episodes.jsonl at once. The file is first
+    rewritten with the settings and the `done` episodes (so no line cut short by an interrupt remains)."""
+    path = episodes_file(cfg)
+    rows = [dict(job={k: getattr(cfg, k) for k in EPISODE_JOB})] + list(done.values())
+    write_atomic(path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
+    with open(path, "a") as f:
+        def write(summary):
+            f.write(json.dumps(summary, default=str) + "\n")
+            f.flush()
+        yield write
+
+
 def evaluate_agent_tau2(cfg: AgentEvalConfig) -> dict:
     """tau2-bench: average official reward over seeds (mean and std), pass^k for k = 1..seeds, the share
     of invalid tool calls (unknown tool or bad arguments) per call, format errors per action."""
@@ -206,13 +244,20 @@ def evaluate_agent_tau2(cfg: AgentEvalConfig) -> dict:
     split = cfg.split or "test"
     tasks = envs.tau2_tasks(cfg.domain, split, cfg.num_tasks, cfg.seed)
     t0 = time.time()
-    model, tok = rwml.load_model(cfg.model, cfg.adapter)
-    user = rwml.load_model(cfg.user_model) if cfg.user_model else (None, None)
-    torch.manual_seed(cfg.seed)
-    episodes = rwml.play_tau2(model, tok, cfg.domain, [dict(task=t, seed=s) for s in range(cfg.seeds) for t in tasks],
-                              user_model=user[0], user_tokenizer=user[1], history_len=cfg.history_len,
-                              max_turns=cfg.max_turns, temperature=cfg.temperature, top_p=cfg.top_p,
-                              max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, desc=f"eval tau2 {cfg.domain}")
+    done = finished_episodes(cfg)
+    todo = [dict(task=t, seed=s) for s in range(cfg.seeds) for t in tasks if (None, s, t.id) not in done]
+    if todo:
+        model, tok = rwml.load_model(cfg.model, cfg.adapter)
+        user = rwml.load_model(cfg.user_model) if cfg.user_model else (None, None)
+        torch.manual_seed(cfg.seed + len(done))
+        with episode_log(cfg, done) as on_episode:
+            played = rwml.play_tau2(
+                model, tok, cfg.domain, todo, user_model=user[0], user_tokenizer=user[1], top_p=cfg.top_p,
+                history_len=cfg.history_len, max_turns=cfg.max_turns, temperature=cfg.temperature,
+                max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, on_episode=on_episode,
+                desc=f"eval tau2 {cfg.domain}")
+        done.update(((None, e["seed"], e["game"]), e) for e in played)
+    episodes = [done[(None, s, t.id)] for s in range(cfg.seeds) for t in tasks]
     per_seed = [statistics.fmean(e["reward"] for e in episodes if e["seed"] == s) for s in range(cfg.seeds)]
     trials = [(sum(e["won"] for e in episodes if e["game"] == t.id), cfg.seeds) for t in tasks]
     calls, steps = sum(e["tool_calls"] for e in episodes), sum(e["steps"] for e in episodes) or 1
@@ -236,15 +281,21 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
     splits = [s.strip() for s in (cfg.split or "valid_seen").split(",") if s.strip()]
     games = {sp: envs.list_games(sp, cfg.num_games, cfg.seed) for sp in splits}
     t0 = time.time()
-    with envs.EnvPool(cfg.num_workers, cfg.max_turns) as pool:
-        model, tok = rwml.load_model(cfg.model, cfg.adapter)
-        torch.manual_seed(cfg.seed)
-        # all seeds and splits in one call: bigger generation batches; each episode keeps its split and seed
-        episodes = rwml.play(model, tok, pool, [dict(game=g, split=sp, seed=s) for s in range(cfg.seeds)
-                                                for sp in splits for g in games[sp]],
-                             history_len=cfg.history_len, max_turns=cfg.max_turns, temperature=cfg.temperature,
-                             top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs,
-                             desc=f"eval {','.join(splits)}")
+    done = finished_episodes(cfg)
+    every = [dict(game=g, split=sp, seed=s) for s in range(cfg.seeds) for sp in splits for g in games[sp]]
+    todo = [ep for ep in every if (ep["split"], ep["seed"], envs.game_id(ep["game"])) not in done]
+    if todo:
+        with envs.EnvPool(cfg.num_workers, cfg.max_turns) as pool:
+            model, tok = rwml.load_model(cfg.model, cfg.adapter)
+            torch.manual_seed(cfg.seed + len(done))
+            # all seeds and splits in one call: bigger generation batches; each episode keeps its split, seed
+            with episode_log(cfg, done) as on_episode:
+                played = rwml.play(
+                    model, tok, pool, todo, history_len=cfg.history_len, max_turns=cfg.max_turns,
+                    temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                    num_envs=cfg.num_envs, on_episode=on_episode, desc=f"eval {','.join(splits)}")
+        done.update(((e["split"], e["seed"], e["game"]), e) for e in played)
+    episodes = [done[(ep["split"], ep["seed"], envs.game_id(ep["game"]))] for ep in every]
     result = _summarize(episodes, cfg.seeds)
     result["per_split"] = {sp: dict(_summarize([e for e in episodes if e["split"] == sp], cfg.seeds),
                                     num_games=len(games[sp])) for sp in splits}
@@ -500,6 +551,8 @@ def main(argv: list[str] | None = None) -> None:
     run = dict(agent=evaluate_agent, wm=evaluate_wm, calibrate=calibrate_tau, weights=evaluate_weights)
     result = run[command](cfg)
     write_atomic(out, json.dumps(result, indent=2))
+    if command == "agent":
+        episodes_file(cfg).unlink(missing_ok=True)  # all in `out` now
     if command == "wm":
         print(f"wm_accuracy {result['wm_accuracy']:.3f}, mean_cosine {result['mean_cosine']:.3f}, exact_match "
               f"{result['exact_match']:.3f}, format {result['format_rate']:.3f}, n {result['n']} -> {out}")

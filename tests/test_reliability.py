@@ -441,3 +441,34 @@ def test_a_full_disk_is_one_line(size, tiny_model, transitions, tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: out of disk space") and "rerun the same command" in last, r.stderr
 
+
+def test_eval_keeps_finished_episodes_when_a_worker_dies(tiny_model, tmp_path):
+    """A game worker killed mid-evaluation: one line naming it; the episodes finished so far are kept, and
+    the same command then plays only the rest."""
+    import eval as evaluate
+
+    out = tmp_path / "results.json"
+    args = ["agent", "--model", tiny_model, "--split", "valid_seen", "--num-games", "3", "--seeds", "2",
+            "--max-turns", "2", "--max-new-tokens", "4", "--num-envs", "1", "--num-workers", "2",
+            "--out", str(out)]
+    side = tmp_path / "results.json.episodes.jsonl"
+    proc = subprocess.Popen([sys.executable, "eval.py", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while len(read_jsonl(side)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # until the first episode is written (the first line holds the settings)
+    for worker in psutil.Process(proc.pid).children():
+        worker.kill()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert re.match(r"error: game worker \d \(pid \d+\) died \(signal 9\)", last), err
+    assert "rerun the same command" in last
+    kept = read_jsonl(side)[1:]
+    assert 1 <= len(kept) < 6 and not out.exists()
+    evaluate.main(args)
+    result = json.loads(out.read_text())
+    assert result["num_episodes"] == 6 and all(e in result["episodes"] for e in kept)
+    assert len({(e["seed"], e["game"]) for e in result["episodes"]}) == 6
+    assert not side.exists()  # all in results.json now
+
