@@ -349,7 +349,12 @@ def collect(cfg: Config, out: Path, load) -> Path:
     transitions, episodes_file = out / "transitions.jsonl", out / "episodes.jsonl"
     done_eps = read_jsonl(episodes_file)
     finished = {(e["game"], e["rollout"]) for e in done_eps}
-    kept = [t for t in read_jsonl(transitions) if (t["game"], t["rollout"]) in finished]
+    turns = read_jsonl(transitions)
+    kept = [t for t in turns if (t["game"], t["rollout"]) in finished]
+    if len(kept) < len(turns):  # the per-episode rule (README, "No run loses work")
+        cut = {(t["game"], t["rollout"]) for t in turns} - finished
+        print(f"collect: dropped {len(turns) - len(kept)} turns of {len(cut)} unfinished episodes: an "
+              "episode is kept once it ends; one that did not is played again from its start")
     # rewrite both without a line cut short by an interrupt, and without turns of unfinished episodes
     write_atomic(transitions, "".join(json.dumps(t) + "\n" for t in kept))
     write_atomic(episodes_file, "".join(json.dumps(e) + "\n" for e in done_eps))

@@ -472,3 +472,35 @@ def test_eval_keeps_finished_episodes_when_a_worker_dies(tiny_model, tmp_path):
     assert len({(e["seed"], e["game"]) for e in result["episodes"]}) == 6
     assert not side.exists()  # all in results.json now
 
+
+# ----------------------------------------------------------------------------- collection, per episode
+
+def test_collection_after_kill_9_keeps_every_finished_episode_and_says_what_it_dropped(tiny_model, tmp_path,
+                                                                                          capsys):
+    args = ["collect", "--model", tiny_model, "--num-games", "2", "--rollouts-per-game", "2", "--max-turns",
+            "4", "--max-new-tokens", "4", "--num-envs", "1", "--num-workers", "1", "--out", str(tmp_path)]
+
+    def files():
+        eps = read_jsonl(tmp_path / "episodes.jsonl")
+        done = {(e["game"], e["rollout"]) for e in eps}
+        turns = read_jsonl(tmp_path / "transitions.jsonl")
+        return eps, [t for t in turns if (t["game"], t["rollout"]) in done], \
+            [t for t in turns if (t["game"], t["rollout"]) not in done]
+
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not (files()[0] and files()[2]) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # until one episode has finished and the next one has turns
+    proc.kill()
+    proc.wait()
+    eps, kept, cut = files()
+    assert eps and cut, "the kill came too late"
+    capsys.readouterr()
+    train.main(args)
+    assert f"dropped {len(cut)} turns of 1 unfinished episodes" in capsys.readouterr().out
+    eps2, trips2, _ = files()
+    assert eps2[:len(eps)] == eps and trips2[:len(kept)] == kept  # nothing finished was lost or changed
+    assert len(eps2) == 4 and len(trips2) == sum(e["steps"] for e in eps2)
+    paragraph = (ROOT / "README.md").read_text().split("No run loses work")[1].split("\n\n")[1]
+    assert "The unit is the episode" in paragraph and "played again from their start" in paragraph
