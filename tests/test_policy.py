@@ -149,11 +149,11 @@ def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
     assert torch.allclose(policy, ref)  # the reference is the starting adapter ...
     assert not torch.allclose(policy, bare, atol=1e-3)  # ... not the bare base model
     opt = torch.optim.AdamW(trainable, lr=5e-2)
-    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
-    weights = rwml.token_weights(roll["completion_mask"], "grpo", 6)
-    first = rwml.grpo_update(model, opt, batch, adv, weights, cfg)
+    batch.update(advantages=torch.tensor([1.0, -1.0, 1.0, -1.0]),
+                 weights=rwml.token_weights(roll["completion_mask"], "grpo", 6))
+    first = rwml.grpo_update(model, opt, batch, cfg)
     assert first[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # starts at its reference
-    second = rwml.grpo_update(model, opt, batch, adv, weights, cfg)
+    second = rwml.grpo_update(model, opt, batch, cfg)
     assert second[0]["kl"] > 0  # the policy moved away from it ...
     with torch.no_grad(), rwml.reference_policy(model):
         assert torch.allclose(rwml.completion_logprobs(model, *args), ref)  # ... and the reference did not move
