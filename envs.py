@@ -151,7 +151,8 @@ def explore_command(admissible: list[str], rng: random.Random) -> str:
 _OBS_KINDS = (("nothing_happens", "nothing happens."), ("arrive", "you arrive at"), ("take", "you pick up"),
               ("move", "you move"), ("open", "you open"), ("close", "you close"), ("heat", "you heat"),
               ("cool", "you cool"), ("clean", "you clean"), ("slice", "you slice"), ("toggle", "you turn"),
-              ("inventory", "you are carrying"), ("inventory", "you are not carrying"), ("look", "you are facing"))
+              ("inventory", "you are carrying"), ("inventory", "you are not carrying"), ("look", "you are facing"),
+              ("look", "you are in the middle of a room"))
 
 
 def observation_kind(obs: str) -> str:
