@@ -227,6 +227,7 @@ def episode_log(cfg: AgentEvalConfig, done: dict):
     """on_episode for `play`: each finished episode goes to <out>.episodes.jsonl at once. The file is first
     rewritten with the settings and the `done` episodes (so no line cut short by an interrupt remains)."""
     path = episodes_file(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
     rows = [dict(job={k: getattr(cfg, k) for k in EPISODE_JOB})] + list(done.values())
     write_atomic(path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
     with open(path, "a") as f:
@@ -550,6 +551,7 @@ def main(argv: list[str] | None = None) -> None:
     check_writable(out, folder=False)
     run = dict(agent=evaluate_agent, wm=evaluate_wm, calibrate=calibrate_tau, weights=evaluate_weights)
     result = run[command](cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(result, indent=2))
     if command == "agent":
         episodes_file(cfg).unlink(missing_ok=True)  # all in `out` now

@@ -259,17 +259,15 @@ def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None
 # ----------------------------------------------------------------------------- files that survive interrupts
 
 def check_writable(path: Path, flag: str = "--out", folder: bool = True) -> None:
-    """Create an output folder (or the folder of an output file) now and write in it once: a path that
-    cannot be written fails in one line before anything slow runs, not after it."""
+    """An output folder (`folder`) or file that can be written, checked before anything slow runs, not
+    after it: the nearest folder on its path that exists is a folder and takes a file. Nothing is created."""
     if not folder and path.is_dir():
         raise UserError(f"{flag} {path} is a folder; give a file name, e.g. {path / 'results.json'}")
-    where = path if folder else path.parent
-    existing = next(p for p in (where, *where.parents) if p.exists())
-    if not existing.is_dir():
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() and (folder or existing != path):
         raise UserError(f"{flag} {path}: {existing} is a file, not a folder; choose another path")
     try:
-        where.mkdir(parents=True, exist_ok=True)
-        probe = where / f".write-test-{os.getpid()}"
+        probe = (existing if existing.is_dir() else existing.parent) / f".write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as e:

@@ -407,9 +407,11 @@ def test_bad_input_is_one_line_before_anything_slow(argv, message, bad, transiti
     fill = dict(bad=str(bad), transitions=transitions)
     argv, message = [a.format(**fill) for a in argv], message.format(**fill)
     main = train.main if argv[0] == "train.py" else evaluate.main
+    files = sorted(bad.rglob("*"))
     with pytest.raises(envs.UserError) as e:
         main(argv[1:])
     assert message in str(e.value) and "\n" not in str(e.value)
+    assert sorted(bad.rglob("*")) == files  # and it leaves nothing behind
 
 
 def private_mount_prefix() -> list[str] | None:
