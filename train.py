@@ -66,7 +66,7 @@ class Config:
     seed: int = 0
     # --- data collection: the model plays train games at temperature 1.0; every turn is a triplet
     env: str = "alfworld"  # or tau2 (tool use with a simulated customer; then `domain`, and games = tasks)
-    domain: str = "retail"  # tau2: airline | retail
+    domain: str = "retail"  # tau2: airline | retail | telecom
     user_model: str | None = None  # tau2's simulated customer: any HF causal LM; None = the agent's model
     split: str = "train"
     num_games: int = 16  # the paper plays every train game (3553); small default for a CPU sanity run
