@@ -10,7 +10,7 @@
 
 agent: ALFWorld success rate on valid_seen (in distribution) or valid_unseen (out of distribution), with
 the paper's action-quality shares, per task type, mean and std over seeds (the paper: 3 runs); tau2-bench:
-average reward, pass^k and the invalid tool-call rate.
+average reward, pass^k and the invalid tool-call rates (the agent's, and telecom's customer's apart).
 wm: world-model accuracy on held-out triplets (share with r_WM = 1, mean cosine, exact match), base
 model or base + adapter; use triplets collected on games never trained on (valid_seen / valid_unseen).
 calibrate: for candidate tau_d, the base model's mean reward and the share of GRPO groups whose rewards
@@ -47,11 +47,11 @@ class AgentEvalConfig:
     model: str = rwml.BUNDLED_MODEL
     adapter: str | None = None
     env: str = "alfworld"  # or tau2
-    domain: str = "retail"  # tau2: airline | retail
+    domain: str = "retail"  # tau2: airline | retail | telecom
     user_model: str | None = None  # tau2's simulated customer; None = the agent's model
     split: str | None = None  # ALFWorld: valid_seen (ID, the default), valid_unseen (OOD), or both: a,b; tau2: test
     num_games: int | None = None  # per split; None = the whole split (140 seen, 134 unseen)
-    num_tasks: int | None = None  # tau2: tasks of the split; None = all (retail test: 40, airline test: 20)
+    num_tasks: int | None = None  # tau2: None = the whole split (test: retail 40, telecom 40, airline 20)
     seeds: int = 3  # independent runs of every game; reported as mean and std
     seed: int = 0  # draws the game subset and the sampling
     max_turns: int = 30
@@ -166,7 +166,8 @@ def _summarize(episodes: list[dict], seeds: int) -> dict:
 
 def evaluate_agent_tau2(cfg: AgentEvalConfig) -> dict:
     """tau2-bench: average official reward over seeds (mean and std), pass^k for k = 1..seeds, the share
-    of invalid tool calls (unknown tool or bad arguments) per call, format errors per action."""
+    of invalid tool calls (unknown tool or bad arguments) per call, the agent's and the customer's (telecom's
+    phone) apart, format errors per agent action."""
     import torch
 
     split = cfg.split or "test"
@@ -182,9 +183,12 @@ def evaluate_agent_tau2(cfg: AgentEvalConfig) -> dict:
     per_seed = [statistics.fmean(e["reward"] for e in episodes if e["seed"] == s) for s in range(cfg.seeds)]
     trials = [(sum(e["won"] for e in episodes if e["game"] == t.id), cfg.seeds) for t in tasks]
     calls, steps = sum(e["tool_calls"] for e in episodes), sum(e["steps"] for e in episodes) or 1
+    user_calls = sum(e["user_tool_calls"] for e in episodes)
     return dict(env="tau2", domain=cfg.domain, split=split, average_reward=statistics.fmean(per_seed),
                 average_reward_std=_mean_std(per_seed)[1], pass_hat_k={k: envs.pass_hat_k(trials, k) for k in range(1, cfg.seeds + 1)},
                 invalid_tool_call_rate=sum(e["invalid"] for e in episodes) / max(calls, 1), tool_calls=calls,
+                user_invalid_tool_call_rate=sum(e["user_invalid"] for e in episodes) / max(user_calls, 1),
+                user_tool_calls=user_calls,
                 format_error_rate=sum(e["format_errors"] for e in episodes) / steps, mean_steps=steps / len(episodes),
                 num_tasks=len(tasks), num_episodes=len(episodes), per_seed_reward=per_seed,
                 seconds=round(time.time() - t0, 1), config=asdict(cfg), episodes=episodes)
@@ -482,8 +486,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"tau2 {result['domain']} ({result['split']}, {result['num_tasks']} tasks x {cfg.seeds} seeds): average reward "
               f"{result['average_reward']:.3f} (std {result['average_reward_std']:.3f}), "
               + ", ".join(f"pass^{k} {v:.3f}" for k, v in result["pass_hat_k"].items())
-              + f", invalid tool calls {result['invalid_tool_call_rate']:.1%} of {result['tool_calls']}, format errors "
-              f"{result['format_error_rate']:.1%}, {result['num_episodes']} conversations in {result['seconds']:.0f} s -> {out}")
+              + f", invalid tool calls {result['invalid_tool_call_rate']:.1%} of {result['tool_calls']}"
+              + (f", customer's invalid tool calls {result['user_invalid_tool_call_rate']:.1%} of "
+                 f"{result['user_tool_calls']}" if result["domain"] == "telecom" else "")
+              + f", format errors {result['format_error_rate']:.1%}, {result['num_episodes']} conversations "
+              f"in {result['seconds']:.0f} s -> {out}")
         return
     for sp, r in result["per_split"].items():
         if len(result["per_split"]) > 1:

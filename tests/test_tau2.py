@@ -248,6 +248,33 @@ def test_tau2_cli_eval_collect_and_rwml_run(tiny_model, tmp_path):
     assert len(train.read_jsonl(tmp_path / "wm" / "metrics.jsonl")) == 1
 
 
+def test_telecom_cli_eval_collect_and_rwml_run(tiny_model, tmp_path):
+    """Telecom end to end with a random model: eval (the customer's tool calls counted apart), collection
+    of the agent's actions as triplets, and one RWML step on them, unchanged. One conversation at a time:
+    the byte-level test tokenizer makes telecom's policy a 25k-token prompt, slow to pad into a batch."""
+    import json
+
+    import eval as evaluate
+    import train
+
+    out = tmp_path / "telecom.json"
+    evaluate.main(["agent", "--env", "tau2", "--domain", "telecom", "--model", tiny_model, "--num-tasks", "2",
+                   "--seeds", "1", "--max-turns", "2", "--max-new-tokens", "6", "--num-envs", "1", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["domain"] == "telecom" and r["num_episodes"] == 2 and r["average_reward"] == 0.0
+    assert {"user_tool_calls", "user_invalid_tool_call_rate", "invalid_tool_call_rate", "format_error_rate",
+            "pass_hat_k"} <= r.keys()
+    assert all({"user_tool_calls", "user_invalid"} <= e.keys() for e in r["episodes"])
+    train.main(["collect", "--env", "tau2", "--domain", "telecom", "--model", tiny_model, "--num-tasks", "1",
+                "--rollouts-per-game", "1", "--max-turns", "2", "--max-new-tokens", "6",
+                "--out", str(tmp_path / "c")])
+    trips = train.read_transitions(str(tmp_path / "c" / "transitions.jsonl"))
+    assert len(trips) == 2 and all(t["env"] == "tau2" and t["domain"] == "telecom" for t in trips)
+    train.main(["wm", "--model", tiny_model, "--transitions", str(tmp_path / "c" / "transitions.jsonl"),
+                "--no-easy-filter", "--max-steps", "1", "--prompts-per-step", "2", "--num-generations", "2",
+                "--max-completion-length", "4", "--out", str(tmp_path / "wm")])
+    assert len(train.read_jsonl(tmp_path / "wm" / "metrics.jsonl")) == 1
+
 
 
 def test_the_simulated_customer_is_the_base_model_while_the_agent_trains(tiny_model):
