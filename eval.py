@@ -18,7 +18,8 @@ are all equal (no learning signal), from sampled world-model predictions on real
 weights: the paper's weight-change measure of an adapter against its base model (merged), per layer and
 per module type.
 report: the JSON results found in run folders -> one Markdown table laid out like the paper's Table 1,
-plus PNG plots (reward curves, success by arm).
+plus a tau2-bench table (average reward per domain and over the three) and PNG plots (reward curves,
+success by arm).
 """
 from __future__ import annotations
 
@@ -284,7 +285,8 @@ def read_run(folder: Path) -> dict:
     world-model evaluation, a weight-change measure; and the training curve (metrics.jsonl)."""
     from train import read_jsonl
 
-    run = dict(name=folder.name, splits={}, wm=None, weights=None, curve=read_jsonl(folder / "metrics.jsonl"))
+    run = dict(name=folder.name, splits={}, tau2={}, wm=None, weights=None,
+               curve=read_jsonl(folder / "metrics.jsonl"))
     for f in sorted(folder.glob("*.json")):
         try:
             data = json.loads(f.read_text())
@@ -294,6 +296,8 @@ def read_run(folder: Path) -> dict:
             continue
         if "success_rate" in data and "split" in data:
             run["splits"].update(data.get("per_split") or {data["split"]: data})
+        elif data.get("env") == "tau2" and "average_reward" in data:
+            run["tau2"][data["domain"]] = data
         elif "wm_accuracy" in data and "per_kind" in data:
             run["wm"] = data
         elif "changed_share" in data and "per_module" in data:
@@ -323,6 +327,31 @@ def report_table(runs: list[dict]) -> str:
             pct(ood and ood["success_rate"], ood and ood.get("success_rate_std")), pct(avg), pct(invalid),
             pct(r["wm"] and r["wm"]["wm_accuracy"]), "–" if not r["weights"] else f"{100 * r['weights']['changed_share']:.2f}",
             str(n) if n else "–"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+TAU2_TABLE_DOMAINS = ("retail", "telecom", "airline")  # the paper's column order
+
+
+def tau2_table(runs: list[dict]) -> str:
+    """Markdown, the tau2-bench columns of the paper's Table 1: average reward (%) per domain, mean ± std
+    over seeds; AVG, when all three domains are there, over all their tasks (so weighted by tasks, as the
+    paper's AVG is: retail 40, telecom 40, airline 20 test tasks); the agent's invalid tool calls."""
+    def pct(x, std=None):
+        return "–" if x is None else f"{100 * x:.1f}" + ("" if std is None else f" ± {100 * std:.1f}")
+
+    lines = ["| arm | tau2 retail | telecom | airline | AVG | invalid tool calls (%) | conversations |",
+             "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        got = [r["tau2"][d] for d in TAU2_TABLE_DOMAINS if d in r["tau2"]]
+        tasks = sum(x["num_tasks"] for x in got)
+        avg = sum(x["average_reward"] * x["num_tasks"] for x in got) / tasks if len(got) == 3 else None
+        calls = sum(x["tool_calls"] for x in got)
+        invalid = sum(x["invalid_tool_call_rate"] * x["tool_calls"] for x in got) / calls if calls else None
+        cells = [pct(x and x["average_reward"], x and x.get("average_reward_std"))
+                 for x in (r["tau2"].get(d) for d in TAU2_TABLE_DOMAINS)]
+        n = sum(x["num_episodes"] for x in got)
+        lines.append("| " + " | ".join([r["name"], *cells, pct(avg), pct(invalid), str(n or "–")]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -367,10 +396,12 @@ def report(cfg: ReportConfig, folders: list[str]) -> str:
     if missing:
         raise UserError(f"not a run folder: {missing[0]}")
     runs = [read_run(Path(f)) for f in folders]
-    if not any(r["splits"] or r["wm"] or r["weights"] for r in runs):
+    if not any(r["splits"] or r["tau2"] or r["wm"] or r["weights"] for r in runs):
         raise UserError("no results in these folders: put the JSON of `eval.py agent`, `eval.py wm` or "
                         "`eval.py weights` into each run folder first")
-    text = report_table(runs)
+    alfworld = any(r["splits"] or r["wm"] or r["weights"] for r in runs)
+    tau2 = any(r["tau2"] for r in runs)
+    text = "\n".join(([report_table(runs)] if alfworld else []) + ([tau2_table(runs)] if tau2 else []))
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if cfg.plots:

@@ -276,6 +276,33 @@ def test_telecom_cli_eval_collect_and_rwml_run(tiny_model, tmp_path):
     assert len(train.read_jsonl(tmp_path / "wm" / "metrics.jsonl")) == 1
 
 
+def test_report_shows_the_tau2_average_over_the_three_domains(tmp_path):
+    """The paper's tau2 columns: retail, telecom, airline and their AVG over all tasks (weighted by tasks);
+    no AVG while a domain is missing; the ALFWorld table is left out when a run has no ALFWorld results."""
+    import json
+
+    import eval as evaluate
+
+    def tau2_json(domain, reward, tasks, calls, invalid):
+        return dict(env="tau2", domain=domain, split="test", average_reward=reward, average_reward_std=0.1,
+                    num_tasks=tasks, num_episodes=3 * tasks, tool_calls=calls, invalid_tool_call_rate=invalid)
+
+    full, partial = tmp_path / "rwml", tmp_path / "base"
+    for d in (full, partial):
+        d.mkdir()
+    runs = dict(retail=(0.40, 40, 100, 0.10), telecom=(0.30, 40, 50, 0.20), airline=(0.20, 20, 50, 0.0))
+    for name, args in runs.items():
+        (full / f"tau2_{name}.json").write_text(json.dumps(tau2_json(name, *args)))
+    (partial / "tau2_retail.json").write_text(json.dumps(tau2_json("retail", 0.25, 40, 10, 0.5)))
+    out = tmp_path / "results.md"
+    evaluate.main(["report", str(full), str(partial), "--out", str(out), "--no-plots"])
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
+    assert rows[0] == "| arm | tau2 retail | telecom | airline | AVG | invalid tool calls (%) | conversations |"
+    # AVG = (0.40 * 40 + 0.30 * 40 + 0.20 * 20) / 100; invalid = (10 + 10 + 0) / 200 calls
+    assert rows[1] == "| rwml | 40.0 ± 10.0 | 30.0 ± 10.0 | 20.0 ± 10.0 | 32.0 | 10.0 | 300 |"
+    assert rows[2] == "| base | 25.0 ± 10.0 | – | – | – | 50.0 | 120 |"
+    assert "ALFWorld" not in out.read_text()
+
 
 def test_the_simulated_customer_is_the_base_model_while_the_agent_trains(tiny_model):
     """Default customer = the agent's model with its adapter off: a trained adapter changes the agent, never
