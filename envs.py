@@ -448,6 +448,7 @@ def walkthrough_triplets(split: str = "train", num_games: int = 3, history_len: 
 #   <tool_call>{"name": "get_order_details", "arguments": {"order_id": "#W2378156"}}</tool_call>
 #   <reply>text for the customer</reply>
 # A tool call's observation is the tool's response; a reply's is the customer's next message.
+# In telecom the customer also acts on their own phone through the domain's user tools (requestor "user").
 
 TAU2_DOMAINS = ("airline", "retail", "telecom")
 
@@ -512,10 +513,12 @@ def parse_tau2_action(text) -> dict:
     return dict(kind="reply", content=content.strip(), well_formed=False)
 
 
-def tool_call_problem(env, name: str, arguments: dict) -> str | None:
+def tool_call_problem(env, name: str, arguments: dict, requestor: str = "assistant") -> str | None:
     """Why a tool call is invalid (an unknown tool, or arguments that do not fit its signature), or None.
-    A valid call may still fail on the data (no such order): that is the tool's answer, not an invalid call."""
-    tools = env.tools.get_tools() if env.tools is not None else {}
+    A valid call may still fail on the data (no such order): that is the tool's answer, not an invalid call.
+    `requestor` "user": the customer's tools (telecom's phone) instead of the agent's."""
+    toolkit = env.user_tools if requestor == "user" else env.tools
+    tools = toolkit.get_tools() if toolkit is not None else {}
     if name not in tools:
         return f"unknown tool {name!r}"
     params = tools[name].params
@@ -530,8 +533,9 @@ def tool_call_problem(env, name: str, arguments: dict) -> str | None:
 
 
 class Tau2Episode:
-    """One conversation of a task: the domain's tools on a fresh copy of its database, the trajectory in
-    tau2's message types, and the official grading at the end."""
+    """One conversation of a task: the domain's tools on a fresh copy of its database (telecom: and the
+    customer's phone, both set up by the task's initialization actions), the trajectory in tau2's message
+    types, and the official grading at the end."""
 
     def __init__(self, domain: str, task):
         self.domain, self.task = domain, task
@@ -543,18 +547,21 @@ class Tau2Episode:
         self.messages = list((init and init.message_history) or [])
         self.calls = 0
 
-    def tool(self, name: str, arguments: dict) -> tuple[str, bool]:
-        """Run an agent's tool call as tau2 does (a failing call is answered "Error: ..."): (the response,
-        valid), where invalid means an unknown tool or arguments that do not fit it."""
-        from tau2.data_model.message import AssistantMessage, ToolCall, ToolMessage
+    def tool(self, name: str, arguments: dict, requestor: str = "assistant") -> tuple[str, bool]:
+        """Run a tool call as tau2 does (a failing call is answered "Error: ..."): (the response, valid),
+        where invalid means an unknown tool or arguments that do not fit it. `requestor` "user": a call of
+        the customer on their own phone (telecom's user tools), recorded as tau2's orchestrator records it
+        (a UserMessage with the call, a ToolMessage to the user), so that grading replays it."""
+        from tau2.data_model.message import AssistantMessage, ToolCall, ToolMessage, UserMessage
 
         self.calls += 1
-        call = ToolCall(id=f"call_{self.calls}", name=name, arguments=arguments, requestor="assistant")
-        valid = tool_call_problem(self.env, name, arguments) is None
+        call = ToolCall(id=f"call_{self.calls}", name=name, arguments=arguments, requestor=requestor)
+        valid = tool_call_problem(self.env, name, arguments, requestor) is None
         response = self.env.get_response(call)
-        self.messages += [AssistantMessage(role="assistant", tool_calls=[call]),
-                          ToolMessage(id=call.id, role="tool", content=response.content, requestor="assistant",
-                                      error=response.error)]
+        caller = UserMessage(role="user", tool_calls=[call]) if requestor == "user" else \
+            AssistantMessage(role="assistant", tool_calls=[call])
+        self.messages += [caller, ToolMessage(id=call.id, role="tool", content=response.content,
+                                              requestor=requestor, error=response.error)]
         return response.content, valid
 
     def say(self, role: str, content: str) -> None:
@@ -566,7 +573,9 @@ class Tau2Episode:
     def grade(self, finished: bool = True) -> dict:
         """The official reward: 0 when the conversation did not end (step budget), else the product of
         the task's reward bases (DB / ENV_ASSERTION, ACTION, COMMUNICATE), as tau2's evaluate_simulation
-        combines them. NL_ASSERTION needs an LLM judge: such a task is refused."""
+        combines them. DB and ENV_ASSERTION replay the whole trajectory, the customer's tool calls included,
+        and check both the agent's database and the customer's phone (telecom). NL_ASSERTION needs an LLM
+        judge: such a task is refused."""
         from tau2.data_model.tasks import RewardType
         from tau2.evaluator.evaluator_action import ActionEvaluator
         from tau2.evaluator.evaluator_communicate import CommunicateEvaluator

@@ -10,7 +10,7 @@
 
 agent: ALFWorld success rate on valid_seen (in distribution) or valid_unseen (out of distribution), with
 the paper's action-quality shares, per task type, mean and std over seeds (the paper: 3 runs); tau2-bench:
-average reward, pass^k and the invalid tool-call rate.
+average reward, pass^k and the invalid tool-call rates (the agent's, and telecom's customer's apart).
 wm: world-model accuracy on held-out triplets (share with r_WM = 1, mean cosine, exact match), base
 model or base + adapter; use triplets collected on games never trained on (valid_seen / valid_unseen).
 calibrate: for candidate tau_d, the base model's mean reward and the share of GRPO groups whose rewards
@@ -18,7 +18,8 @@ are all equal (no learning signal), from sampled world-model predictions on real
 weights: the paper's weight-change measure of an adapter against its base model (merged), per layer and
 per module type.
 report: the JSON results found in run folders -> one Markdown table laid out like the paper's Table 1,
-plus PNG plots (reward curves, success by arm).
+plus a tau2-bench table (average reward per domain and over the three) and PNG plots (reward curves,
+success by arm).
 
 Every value and path is checked before anything loads. `agent` writes each finished episode to
 <out>.episodes.jsonl as it finishes: rerunning the same command after an interruption plays only the rest
@@ -43,7 +44,7 @@ import envs
 import rwml
 from envs import UserError
 from reward import BUNDLED_EMBEDDER, SimToRealReward, calibrate
-from train import (check_adapter, check_choices, check_tau2_domain, check_writable, parse_config, read_jsonl,
+from train import (check_adapter, check_choices, check_writable, parse_config, read_jsonl,
                    read_transitions, run_cli, write_atomic)
 
 COMMANDS = ("agent", "wm", "calibrate", "weights", "report", "sanity")
@@ -54,11 +55,11 @@ class AgentEvalConfig:
     model: str = rwml.BUNDLED_MODEL
     adapter: str | None = None
     env: str = "alfworld"  # or tau2
-    domain: str = "retail"  # tau2: airline | retail
+    domain: str = "retail"  # tau2: airline | retail | telecom
     user_model: str | None = None  # tau2's simulated customer; None = the agent's model
     split: str | None = None  # ALFWorld: valid_seen (ID, the default), valid_unseen (OOD), or both: a,b; tau2: test
     num_games: int | None = None  # per split; None = the whole split (140 seen, 134 unseen)
-    num_tasks: int | None = None  # tau2: tasks of the split; None = all (retail test: 40, airline test: 20)
+    num_tasks: int | None = None  # tau2: None = the whole split (test: retail 40, telecom 40, airline 20)
     seeds: int = 3  # independent runs of every game; reported as mean and std
     seed: int = 0  # draws the game subset and the sampling
     max_turns: int = 30
@@ -129,7 +130,6 @@ def check_eval_config(cfg) -> None:
     if isinstance(cfg, AgentEvalConfig):
         if cfg.split is not None and not [sp for sp in cfg.split.split(",") if sp.strip()]:
             bad("split", "names no split; e.g. valid_seen, or valid_seen,valid_unseen")
-        check_tau2_domain(cfg.env, cfg.domain)
 
 
 def _sample(trips: list[dict], n: int, seed: int) -> list[dict]:
@@ -239,7 +239,8 @@ def episode_log(cfg: AgentEvalConfig, done: dict):
 
 def evaluate_agent_tau2(cfg: AgentEvalConfig) -> dict:
     """tau2-bench: average official reward over seeds (mean and std), pass^k for k = 1..seeds, the share
-    of invalid tool calls (unknown tool or bad arguments) per call, format errors per action."""
+    of invalid tool calls (unknown tool or bad arguments) per call, the agent's and the customer's (telecom's
+    phone) apart, format errors per agent action."""
     import torch
 
     split = cfg.split or "test"
@@ -262,9 +263,12 @@ def evaluate_agent_tau2(cfg: AgentEvalConfig) -> dict:
     per_seed = [statistics.fmean(e["reward"] for e in episodes if e["seed"] == s) for s in range(cfg.seeds)]
     trials = [(sum(e["won"] for e in episodes if e["game"] == t.id), cfg.seeds) for t in tasks]
     calls, steps = sum(e["tool_calls"] for e in episodes), sum(e["steps"] for e in episodes) or 1
+    user_calls = sum(e["user_tool_calls"] for e in episodes)
     return dict(env="tau2", domain=cfg.domain, split=split, average_reward=statistics.fmean(per_seed),
                 average_reward_std=_mean_std(per_seed)[1], pass_hat_k={k: envs.pass_hat_k(trials, k) for k in range(1, cfg.seeds + 1)},
                 invalid_tool_call_rate=sum(e["invalid"] for e in episodes) / max(calls, 1), tool_calls=calls,
+                user_invalid_tool_call_rate=sum(e["user_invalid"] for e in episodes) / max(user_calls, 1),
+                user_tool_calls=user_calls,
                 format_error_rate=sum(e["format_errors"] for e in episodes) / steps, mean_steps=steps / len(episodes),
                 num_tasks=len(tasks), num_episodes=len(episodes), per_seed_reward=per_seed,
                 seconds=round(time.time() - t0, 1), config=asdict(cfg), episodes=episodes)
@@ -365,7 +369,8 @@ def read_run(folder: Path) -> dict:
     world-model evaluation, a weight-change measure; and the training curve (metrics.jsonl)."""
     from train import read_jsonl
 
-    run = dict(name=folder.name, splits={}, wm=None, weights=None, curve=read_jsonl(folder / "metrics.jsonl"))
+    run = dict(name=folder.name, splits={}, tau2={}, wm=None, weights=None,
+               curve=read_jsonl(folder / "metrics.jsonl"))
     for f in sorted(folder.glob("*.json")):
         try:
             data = json.loads(f.read_text())
@@ -375,6 +380,8 @@ def read_run(folder: Path) -> dict:
             continue
         if "success_rate" in data and "split" in data:
             run["splits"].update(data.get("per_split") or {data["split"]: data})
+        elif data.get("env") == "tau2" and "average_reward" in data:
+            run["tau2"][data["domain"]] = data
         elif "wm_accuracy" in data and "per_kind" in data:
             run["wm"] = data
         elif "changed_share" in data and "per_module" in data:
@@ -404,6 +411,31 @@ def report_table(runs: list[dict]) -> str:
             pct(ood and ood["success_rate"], ood and ood.get("success_rate_std")), pct(avg), pct(invalid),
             pct(r["wm"] and r["wm"]["wm_accuracy"]), "–" if not r["weights"] else f"{100 * r['weights']['changed_share']:.2f}",
             str(n) if n else "–"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+TAU2_TABLE_DOMAINS = ("retail", "telecom", "airline")  # the paper's column order
+
+
+def tau2_table(runs: list[dict]) -> str:
+    """Markdown, the tau2-bench columns of the paper's Table 1: average reward (%) per domain, mean ± std
+    over seeds; AVG, when all three domains are there, over all their tasks (so weighted by tasks, as the
+    paper's AVG is: retail 40, telecom 40, airline 20 test tasks); the agent's invalid tool calls."""
+    def pct(x, std=None):
+        return "–" if x is None else f"{100 * x:.1f}" + ("" if std is None else f" ± {100 * std:.1f}")
+
+    lines = ["| arm | tau2 retail | telecom | airline | AVG | invalid tool calls (%) | conversations |",
+             "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        got = [r["tau2"][d] for d in TAU2_TABLE_DOMAINS if d in r["tau2"]]
+        tasks = sum(x["num_tasks"] for x in got)
+        avg = sum(x["average_reward"] * x["num_tasks"] for x in got) / tasks if len(got) == 3 else None
+        calls = sum(x["tool_calls"] for x in got)
+        invalid = sum(x["invalid_tool_call_rate"] * x["tool_calls"] for x in got) / calls if calls else None
+        cells = [pct(x and x["average_reward"], x and x.get("average_reward_std"))
+                 for x in (r["tau2"].get(d) for d in TAU2_TABLE_DOMAINS)]
+        n = sum(x["num_episodes"] for x in got)
+        lines.append("| " + " | ".join([r["name"], *cells, pct(avg), pct(invalid), str(n or "–")]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -448,10 +480,12 @@ def report(cfg: ReportConfig, folders: list[str]) -> str:
     if missing:
         raise UserError(f"not a run folder: {missing[0]}")
     runs = [read_run(Path(f)) for f in folders]
-    if not any(r["splits"] or r["wm"] or r["weights"] for r in runs):
+    if not any(r["splits"] or r["tau2"] or r["wm"] or r["weights"] for r in runs):
         raise UserError("no results in these folders: put the JSON of `eval.py agent`, `eval.py wm` or "
                         "`eval.py weights` into each run folder first")
-    text = report_table(runs)
+    alfworld = any(r["splits"] or r["wm"] or r["weights"] for r in runs)
+    tau2 = any(r["tau2"] for r in runs)
+    text = "\n".join(([report_table(runs)] if alfworld else []) + ([tau2_table(runs)] if tau2 else []))
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if cfg.plots:
@@ -575,8 +609,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"tau2 {result['domain']} ({result['split']}, {result['num_tasks']} tasks x {cfg.seeds} seeds): average reward "
               f"{result['average_reward']:.3f} (std {result['average_reward_std']:.3f}), "
               + ", ".join(f"pass^{k} {v:.3f}" for k, v in result["pass_hat_k"].items())
-              + f", invalid tool calls {result['invalid_tool_call_rate']:.1%} of {result['tool_calls']}, format errors "
-              f"{result['format_error_rate']:.1%}, {result['num_episodes']} conversations in {result['seconds']:.0f} s -> {out}")
+              + f", invalid tool calls {result['invalid_tool_call_rate']:.1%} of {result['tool_calls']}"
+              + (f", customer's invalid tool calls {result['user_invalid_tool_call_rate']:.1%} of "
+                 f"{result['user_tool_calls']}" if result["domain"] == "telecom" else "")
+              + f", format errors {result['format_error_rate']:.1%}, {result['num_episodes']} conversations "
+              f"in {result['seconds']:.0f} s -> {out}")
         return
     for sp, r in result["per_split"].items():
         if len(result["per_split"]) > 1:

@@ -137,16 +137,24 @@ def play(model, tokenizer, pool: envs.EnvPool, episodes: list[dict], *, history_
 # the tools and the conversation, and either calls a tool (observation: the tool's response) or writes to
 # the customer (observation: the customer's next message, written by a local model playing the task's
 # scenario, as tau2's user simulator does). The official grading scores the finished conversation.
+# In telecom the customer also acts on their own phone: a customer reply that is a <tool_call> runs one of
+# the domain's user tools; its result goes back to the customer only, who then writes to the agent.
 
 TAU2_AGENT_SYSTEM = "You are a customer service agent. Help the customer while following the policy exactly."
 TAU2_GREETING = "Hi! How can I help you today?"  # tau2's first agent message
 TAU2_STOP = ("###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###")  # the user simulator ends the conversation
+TAU2_USER_TOOL_CALLS = 3  # a customer's tool calls per turn; then they must write to the agent
+TAU2_CUSTOMER_ONLY = ("customer tool call", "phone")  # transcript entries the agent never sees
+TAU2_USER_FORMAT = ("To act on your phone, reply with exactly one tool call and nothing else, for example "
+                    "<tool_call>{\"name\": \"check_status_bar\", \"arguments\": {}}</tool_call>; its result "
+                    "comes back to you only. Anything else you write is your message to the agent.")
 
 
-def tau2_tools_text(env) -> str:
-    """One line per tool: name(arg: type, ...): the first line of its description."""
+def tau2_tools_text(env, user: bool = False) -> str:
+    """One line per tool (`user`: the customer's own tools): name(arg: type, ...): the first line of its
+    description."""
     lines = []
-    for name, tool in sorted(env.tools.get_tools().items()):
+    for name, tool in sorted((env.user_tools if user else env.tools).get_tools().items()):
         props = tool.params.model_json_schema().get("properties", {})
         args = ", ".join(f"{a}: {p.get('type', 'object')}" for a, p in props.items())
         lines.append(f"- {name}({args}): {(tool.short_desc or '').splitlines()[0] if tool.short_desc else ''}")
@@ -155,7 +163,7 @@ def tau2_tools_text(env) -> str:
 
 def tau2_agent_prompt(policy: str, tools: str, transcript: list[tuple[str, str]]) -> str:
     lines = ["<policy>", policy.strip(), "</policy>", "Tools:", tools, "The conversation so far:"]
-    lines += [f"[{who}] {text}" for who, text in transcript]
+    lines += [f"[{who}] {text}" for who, text in transcript if who not in TAU2_CUSTOMER_ONLY]
     lines += ["Reply in this exact format: first think briefly inside <think> </think>, then either call one "
               "tool, for example <tool_call>{\"name\": \"get_user_details\", \"arguments\": {\"user_id\": "
               "\"sara_doe_496\"}}</tool_call>, or write to the customer inside <reply> </reply>."]
@@ -175,38 +183,68 @@ def play_tau2(model, tokenizer, domain: str, episodes: list[dict], *, user_model
               on_episode=None, record_tokens: bool = False, desc: str = "conversations") -> list[dict]:
     """`play` for tau2-bench: episodes are {"task": tau2 Task, ...}; `max_turns` counts agent actions. The
     user simulator is `user_model` (default: the agent's model with any adapter off, so that the customer
-    stays the same while the agent trains; a stand-in for tau2's LLM user).
+    stays the same while the agent trains; a stand-in for tau2's LLM user). In telecom the customer may
+    call their phone's tools (at most TAU2_USER_TOOL_CALLS per turn) before writing to the agent.
     Summaries carry `reward` (official grading; 0 if the budget ran out), `won` (reward 1), `steps`,
-    `tool_calls`, `invalid` (invalid tool calls: unknown tool or bad arguments) and `format_errors`."""
-    from envs import TAU2_DOMAINS, Tau2Episode, parse_tau2_action, tau2_domain
+    `tool_calls`, `invalid` (invalid tool calls: unknown tool or bad arguments), `format_errors`, and the
+    customer's `user_tool_calls` and `user_invalid`, counted apart."""
+    from envs import Tau2Episode, parse_tau2_action, tau2_domain
 
-    if domain not in TAU2_DOMAINS[:2]:
-        raise UserError(f"--domain {domain}: only airline and retail are supported here (telecom's customer "
-                        "uses tools on their own phone, which this user simulator does not do)")
     same = user_model is None  # then the customer is the agent's base model: its adapter is switched off for it
     user_model, user_tokenizer = user_model or model, user_tokenizer or tokenizer
     tau2_domain(domain)  # one clear line when tau2 is not installed
     from tau2.utils.utils import DATA_DIR  # tau2's own data folder
 
-    guidelines = (DATA_DIR / "tau2" / "user_simulator" / "simulation_guidelines.md").read_text()
+    # tau2's user simulator guidelines, by whether the customer has tools (telecom's phone)
+    guidelines = {phone: (DATA_DIR / "tau2" / "user_simulator" / f"simulation_guidelines{end}.md").read_text()
+                  for phone, end in ((False, ""), (True, "_tools"))}
     waiting, running, summaries = list(enumerate(episodes)), {}, [None] * len(episodes)
     bar = tqdm(total=len(episodes), desc=desc, unit="conv", dynamic_ncols=True)
+    roles = {"agent": "user", "phone": "user", "customer": "assistant", "customer tool call": "assistant"}
 
-    def user_turns(slots):  # the customer's next message for each conversation, in one batch
-        texts = []
-        for s in slots:
-            e = running[s]
-            msgs = [{"role": "system", "content": guidelines + "\n\n<scenario>\n" + str(e["task"].user_scenario)
-                     + "\n</scenario>"}]
-            msgs += [{"role": "user" if who == "agent" else "assistant", "content": text}
-                     for who, text in e["transcript"] if who in ("agent", "customer")]
-            texts.append(user_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
-        if not texts:
-            return []
-        with user_model.disable_adapter() if same and hasattr(user_model, "disable_adapter") else nullcontext():
-            out = sample(user_model, user_tokenizer, texts, max_new_tokens=user_max_new_tokens, temperature=temperature,
-                         top_p=top_p)["texts"]
-        return [t.strip() or "(no answer)" for t in out]
+    def customer_prompt(e):
+        system = guidelines[e["phone"]] + "\n\n<scenario>\n" + str(e["task"].user_scenario) + "\n</scenario>"
+        if e["phone"]:
+            tools = tau2_tools_text(e["game"].env, user=True)
+            system += f"\n\nTools on your phone:\n{tools}\n{TAU2_USER_FORMAT}"
+        msgs = [{"role": "system", "content": system}]
+        for who, text in e["transcript"]:  # with the customer's own tool calls and results, in Qwen's markup
+            text = {"customer tool call": f"<tool_call>{text}</tool_call>",
+                    "phone": f"<tool_response>\n{text}\n</tool_response>"}.get(who, text)
+            if who in roles:
+                msgs.append({"role": roles[who], "content": text})
+        return user_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+
+    def user_turns(slots):  # the customer's next message for each conversation, in one batch per round
+        said, todo = {}, list(slots)
+        for round_ in range(TAU2_USER_TOOL_CALLS + 1):
+            if not todo:
+                break
+            off = same and hasattr(user_model, "disable_adapter")
+            with user_model.disable_adapter() if off else nullcontext():
+                out = sample(user_model, user_tokenizer, [customer_prompt(running[s]) for s in todo],
+                             max_new_tokens=user_max_new_tokens, temperature=temperature, top_p=top_p)["texts"]
+            acting = []
+            for s, text in zip(todo, out):
+                e = running[s]
+                a = parse_tau2_action(text) if e["phone"] else dict(kind="reply")  # no phone: all is said
+                if a["kind"] != "tool":
+                    said[s] = text.strip() or "(no answer)"
+                    continue
+                summ = e["summary"]
+                summ["user_tool_calls"] += 1
+                if round_ == TAU2_USER_TOOL_CALLS:  # over the turn's limit: not run; the agent hears nothing
+                    summ["user_invalid"] += 1
+                    said[s] = "(no answer)"
+                    continue
+                response, valid = e["game"].tool(a["name"], a["arguments"], "user") if a["name"] else \
+                    ("Error: the tool call is not valid JSON with a name and arguments", False)
+                summ["user_invalid"] += not valid
+                call = json.dumps(dict(name=a["name"], arguments=a["arguments"])) if a["name"] else a["raw"]
+                e["transcript"] += [("customer tool call", call), ("phone", response)]
+                acting.append(s)
+            todo = acting
+        return [said[s] for s in slots]
 
     while waiting or running:
         new = []
@@ -217,8 +255,10 @@ def play_tau2(model, tokenizer, domain: str, episodes: list[dict], *, user_model
             game.say("assistant", TAU2_GREETING)
             slot = max(running, default=-1) + 1
             running[slot] = dict(index=i, task=task, game=game, past=[], transcript=[("agent", TAU2_GREETING)],
+                                 phone=game.env.user_tools is not None,
                                  summary=dict({k: v for k, v in ep.items() if k != "task"}, game=task.id, domain=domain,
-                                              reward=0.0, won=False, steps=0, tool_calls=0, invalid=0, format_errors=0))
+                                              reward=0.0, won=False, steps=0, tool_calls=0, invalid=0,
+                                              format_errors=0, user_tool_calls=0, user_invalid=0))
             new.append(slot)
         for slot, first in zip(new, user_turns(new)):  # the customers open, in one batch
             running[slot]["game"].say("user", first)

@@ -395,8 +395,8 @@ WM = ["train.py", "wm", "--no-easy-filter", "--no-warmup"]
     (WM + ["--transitions", "{transitions}", "--max-steps", "0"], "--max-steps 0: must be at least 1"),
     (AGENT + ["--max-turns", "0"], "--max-turns 0: must be at least 1"),
     (AGENT + ["--num-envs", "0"], "--num-envs 0: must be at least 1"),
-    (AGENT + ["--env", "tau2", "--domain", "telecom"], "--domain telecom: only airline and retail"),
-    (["train.py", "policy", "--env", "tau2", "--domain", "telecom", "--split", "test"], "--domain telecom"),
+    (AGENT + ["--env", "tau2", "--domain", "telcom"], "did you mean 'telecom'"),
+    (["train.py", "policy", "--env", "tau2", "--domain", "telcom", "--split", "test"], "did you mean 'telecom'"),
     (["eval.py", "weights", "--adapter", "{bad}/no_such_adapter"], "no peft adapter at"),
 ])
 def test_bad_input_is_one_line_before_anything_slow(argv, message, bad, transitions, nothing_slow,

@@ -34,6 +34,122 @@ def test_missing_the_last_action_or_the_step_budget_gets_reward_zero():
     assert play_expected("retail", task).grade(finished=False)["reward"] == 0.0
 
 
+def scripted_pair(monkeypatch, tasks, drop_user_action=None, customer_first=()):
+    """The two LLMs replaced by a script (the tools, the customer's phone and the grading stay real). The
+    agent replays each task's expected actions in order: its own as tool calls, the customer's as requests
+    ("please run {call} on your phone"), then says the issue is resolved; `drop_user_action` (an index into
+    the task's actions) is never requested. The customer reads its own context: it runs what the agent's
+    last message asks, says "Done." after its phone answers, and stops when told the issue is resolved.
+    `customer_first`: the customer's first outputs, whatever they are. One conversation runs at a time
+    (num_envs=1), so the agent's script is one queue. Returns the prompts each side saw."""
+    import json
+
+    import rwml
+
+    script = []
+    for task in tasks:
+        for i, a in enumerate(task.evaluation_criteria.actions or []):
+            call = json.dumps(dict(name=a.name, arguments=a.arguments))
+            if a.requestor == "assistant":
+                script.append(f"<think>ok</think><tool_call>{call}</tool_call>")
+            elif i != drop_user_action:
+                script.append(f"<think>ok</think><reply>Please run this on your phone: {call}</reply>")
+        script.append("<think>ok</think><reply>Your issue is resolved.</reply>")
+    first, seen = list(customer_first), dict(agent=[], customer=[])
+
+    def customer(text):
+        last = text.rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0]  # the last message it got
+        if first:
+            return first.pop(0)
+        if last.startswith("<tool_response>"):
+            return "Done."
+        if "on your phone: " in last:
+            return f"<tool_call>{last.split('on your phone: ', 1)[1]}</tool_call>"
+        return "Thanks! ###STOP###" if "resolved" in last else "My phone does not work."
+
+    def fake_sample(model, tokenizer, texts, **kw):
+        for text in texts:
+            seen["agent" if rwml.TAU2_AGENT_SYSTEM in text else "customer"].append(text)
+        return dict(texts=[script.pop(0) if rwml.TAU2_AGENT_SYSTEM in t else customer(t) for t in texts])
+
+    monkeypatch.setattr(rwml, "sample", fake_sample)
+    return seen
+
+
+def play_scripted(monkeypatch, tiny_model, tasks, **kw):
+    from transformers import AutoTokenizer
+
+    import rwml
+
+    seen = scripted_pair(monkeypatch, tasks, **kw)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    turns = []
+    summaries = rwml.play_tau2(None, tok, "telecom", [dict(task=t) for t in tasks], max_turns=30, num_envs=1,
+                               on_turn=turns.append)
+    return summaries, turns, seen
+
+
+def test_a_scripted_agent_and_customer_pair_gets_reward_one_on_telecom(monkeypatch, tiny_model):
+    """Telecom is dual control: the agent's tool calls and the customer's own calls on their phone (user
+    tools, requestor "user") both change the state that tau2's official grading checks."""
+    tasks = [t for t in envs.tau2_tasks("telecom", "test") if any(a.requestor == "user"
+                                                                  for a in t.evaluation_criteria.actions)]
+    assert len(tasks) >= 6
+    summaries, turns, seen = play_scripted(monkeypatch, tiny_model, tasks)
+    for task, s in zip(tasks, summaries):
+        user_actions = [a for a in task.evaluation_criteria.actions if a.requestor == "user"]
+        assert s["reward"] == 1.0, (task.id, s["grading"])
+        assert (s["user_tool_calls"], s["user_invalid"], s["invalid"]) == (len(user_actions), 0, 0)
+        assert s["steps"] == len(task.evaluation_criteria.actions) + 1  # the agent's actions only
+    # triplets are the agent's actions, as in retail; a request's next observation is what the customer said
+    assert len(turns) == sum(s["steps"] for s in summaries)
+    assert {t["next_obs"] for t in turns if "on your phone" in t["action"]} == {"Done."}
+    # the phone's answers go to the customer only
+    assert any("<tool_response>" in p for p in seen["customer"])
+    assert not any("tool_response" in p or "customer tool call" in p for p in seen["agent"])
+
+
+def test_dropping_one_required_user_action_gets_reward_zero(monkeypatch, tiny_model):
+    task = envs.tau2_tasks("telecom", "test")[0]  # data saver on, roaming off abroad: the customer fixes both
+    assert [a.requestor for a in task.evaluation_criteria.actions] == ["user", "user"]
+    for drop in (0, 1):
+        summaries, _, _ = play_scripted(monkeypatch, tiny_model, [task], drop_user_action=drop)
+        assert summaries[0]["reward"] == 0.0 and summaries[0]["user_tool_calls"] == 1
+
+
+def test_the_task_sets_up_the_customers_phone():
+    """initialization_actions with env_type "user" (here: data saver on, roaming off, abroad) are applied."""
+    ep = envs.Tau2Episode("telecom", envs.tau2_tasks("telecom", "test")[0])
+    response, valid = ep.tool("check_data_restriction_status", {}, requestor="user")
+    assert valid and response == "Data Saver mode is ON (limits data usage)."
+    response, valid = ep.tool("check_network_status", {}, requestor="user")
+    assert valid and "Data Roaming Enabled: No" in response
+    response, valid = ep.tool("check_status_bar", {})  # the agent cannot reach the customer's phone
+    assert not valid and response.startswith("Error")
+
+
+def test_bad_customer_tool_calls_are_answered_and_the_conversation_still_grades(monkeypatch, tiny_model):
+    """A clumsy customer opens with an unknown tool, missing arguments, broken JSON and, over the per-turn
+    limit, a fourth call: all are invalid calls of the customer (not the agent's), answered with an error
+    (the last one not run at all), and the conversation still grades: the errors changed nothing, so 1."""
+    import rwml
+
+    task = envs.tau2_tasks("telecom", "test")[0]
+    bad = ['<tool_call>{"name": "fly_away", "arguments": {}}</tool_call>',
+           '<tool_call>{"name": "check_app_status", "arguments": {}}</tool_call>',
+           '<tool_call>{"name": check_status_bar}</tool_call>',
+           '<tool_call>{"name": "check_status_bar", "arguments": {}}</tool_call>']
+    assert rwml.TAU2_USER_TOOL_CALLS == 3
+    summaries, turns, seen = play_scripted(monkeypatch, tiny_model, [task], customer_first=bad)
+    s = summaries[0]
+    assert (s["user_tool_calls"], s["user_invalid"], s["invalid"], s["tool_calls"]) == (2 + 4, 4, 0, 0)
+    assert s["reward"] == 1.0, s["grading"]
+    errors = seen["customer"][3].split("<tool_response>")[1:]  # what the customer saw before its 4th output
+    assert len(errors) == 3 and all(e.lstrip().startswith("Error") for e in errors)
+    assert turns[0]["history"][-1]["observation"] == "(no answer)"  # the agent heard nothing that turn
+    assert not any("fly_away" in p or "Error" in p for p in seen["agent"])
+
+
 def test_invalid_tool_calls_are_answered_not_raised():
     ep = envs.Tau2Episode("retail", envs.tau2_tasks("retail", "test", num_tasks=1)[0])
     response, valid = ep.tool("fly_away", {})
@@ -130,9 +246,62 @@ def test_tau2_cli_eval_collect_and_rwml_run(tiny_model, tmp_path):
                 "--max-steps", "1", "--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "4",
                 "--out", str(tmp_path / "wm")])
     assert len(train.read_jsonl(tmp_path / "wm" / "metrics.jsonl")) == 1
-    with pytest.raises(UserError, match="telecom"):
-        train.main(["collect", "--env", "tau2", "--domain", "telecom", "--model", tiny_model, "--num-tasks", "1",
-                    "--out", str(tmp_path / "t")])
+
+
+def test_telecom_cli_eval_collect_and_rwml_run(tiny_model, tmp_path):
+    """Telecom end to end with a random model: eval (the customer's tool calls counted apart), collection
+    of the agent's actions as triplets, and one RWML step on them, unchanged. One conversation at a time:
+    the byte-level test tokenizer makes telecom's policy a 25k-token prompt, slow to pad into a batch."""
+    import json
+
+    import eval as evaluate
+    import train
+
+    out = tmp_path / "telecom.json"
+    evaluate.main(["agent", "--env", "tau2", "--domain", "telecom", "--model", tiny_model, "--num-tasks", "2",
+                   "--seeds", "1", "--max-turns", "2", "--max-new-tokens", "6", "--num-envs", "1", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["domain"] == "telecom" and r["num_episodes"] == 2 and r["average_reward"] == 0.0
+    assert {"user_tool_calls", "user_invalid_tool_call_rate", "invalid_tool_call_rate", "format_error_rate",
+            "pass_hat_k"} <= r.keys()
+    assert all({"user_tool_calls", "user_invalid"} <= e.keys() for e in r["episodes"])
+    train.main(["collect", "--env", "tau2", "--domain", "telecom", "--model", tiny_model, "--num-tasks", "1",
+                "--rollouts-per-game", "1", "--max-turns", "2", "--max-new-tokens", "6",
+                "--out", str(tmp_path / "c")])
+    trips = train.read_transitions(str(tmp_path / "c" / "transitions.jsonl"))
+    assert len(trips) == 2 and all(t["env"] == "tau2" and t["domain"] == "telecom" for t in trips)
+    train.main(["wm", "--model", tiny_model, "--transitions", str(tmp_path / "c" / "transitions.jsonl"),
+                "--no-easy-filter", "--max-steps", "1", "--prompts-per-step", "2", "--num-generations", "2",
+                "--max-completion-length", "4", "--out", str(tmp_path / "wm")])
+    assert len(train.read_jsonl(tmp_path / "wm" / "metrics.jsonl")) == 1
+
+
+def test_report_shows_the_tau2_average_over_the_three_domains(tmp_path):
+    """The paper's tau2 columns: retail, telecom, airline and their AVG over all tasks (weighted by tasks);
+    no AVG while a domain is missing; the ALFWorld table is left out when a run has no ALFWorld results."""
+    import json
+
+    import eval as evaluate
+
+    def tau2_json(domain, reward, tasks, calls, invalid):
+        return dict(env="tau2", domain=domain, split="test", average_reward=reward, average_reward_std=0.1,
+                    num_tasks=tasks, num_episodes=3 * tasks, tool_calls=calls, invalid_tool_call_rate=invalid)
+
+    full, partial = tmp_path / "rwml", tmp_path / "base"
+    for d in (full, partial):
+        d.mkdir()
+    runs = dict(retail=(0.40, 40, 100, 0.10), telecom=(0.30, 40, 50, 0.20), airline=(0.20, 20, 50, 0.0))
+    for name, args in runs.items():
+        (full / f"tau2_{name}.json").write_text(json.dumps(tau2_json(name, *args)))
+    (partial / "tau2_retail.json").write_text(json.dumps(tau2_json("retail", 0.25, 40, 10, 0.5)))
+    out = tmp_path / "results.md"
+    evaluate.main(["report", str(full), str(partial), "--out", str(out), "--no-plots"])
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
+    assert rows[0] == "| arm | tau2 retail | telecom | airline | AVG | invalid tool calls (%) | conversations |"
+    # AVG = (0.40 * 40 + 0.30 * 40 + 0.20 * 20) / 100; invalid = (10 + 10 + 0) / 200 calls
+    assert rows[1] == "| rwml | 40.0 ± 10.0 | 30.0 ± 10.0 | 20.0 ± 10.0 | 32.0 | 10.0 | 300 |"
+    assert rows[2] == "| base | 25.0 ± 10.0 | – | – | – | 50.0 | 120 |"
+    assert "ALFWorld" not in out.read_text()
 
 
 def test_the_simulated_customer_is_the_base_model_while_the_agent_trains(tiny_model):
