@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     cfg, _ = parse_config(BenchConfig, argv, prog="bench/grpo_vs_trl.py")
     try:
-        import trl  # noqa: F401
+        import trl  # noqa: F401 (is it installed?)
     except ImportError:
         from envs import UserError
 

@@ -125,7 +125,7 @@ def test_explore_command_draws_the_kind_first():
 def test_observation_kinds_of_real_observations():
     g = envs.Game(max_turns=50)
     path = envs.list_games("train", 1, seed=0)[0]
-    s = g.reset(path)
+    g.reset(path)
     kinds = {}
     for cmd in ["fly away", "look", "inventory"] + json.loads(Path(path).read_text())["walkthrough"]:
         kinds.setdefault(envs.observation_kind(g.step(cmd)["obs"]), cmd)

@@ -1,6 +1,5 @@
 """Stage 2 (policy RL on task success) and the RWML reward controls, on the real ALFWorld engine."""
 import json
-import random
 
 import pytest
 import torch
