@@ -610,3 +610,263 @@ def pass_hat_k(trials: list[tuple[int, int]], k: int) -> float:
     if not rows:
         raise UserError(f"pass^{k} needs at least {k} trials per task")
     return sum(math.comb(c, k) / math.comb(n, k) for c, n in rows) / len(rows)
+
+
+# ============================================================================ the agent's view: one interface
+# `rwml.play` drives either environment through the same calls, for many episodes at once (slots):
+#   env.reset({slot: episode}, customer) -> {slot: {"obs", "game", "task", "task_type"}}
+#   env.prompt(slot, recent)             -> the agent's prompt (`recent`: its last H (observation, action) pairs)
+#   env.explore(slot, rng)               -> a reply written without the model (if `can_explore`: ALFWorld)
+#   env.step({slot: reply}, customer)    -> {slot: {"action", "obs", "valid", "format_ok", "won", "done", "counts"}}
+#   env.finish(slot)                     -> what the finished episode's summary adds (tau2: the official grading)
+# plus `system` (the agent's system prompt), `stop` (where a reply ends), `counters` (the summary's counts)
+# and `turn_fields` (what each triplet carries besides the common fields). `customer(chats) -> texts` writes
+# the tau2 customer's messages in one batch (rwml.simulated_customer); ALFWorld needs none.
+
+AGENT_PREFIX = "<think>"  # the start of every agent reply, written for the model: small models keep the format
+
+
+def make(env: str = "alfworld", *, domain: str = "retail", num_workers: int = 2, max_turns: int = 30):
+    """The environment the agent plays: ALFWorld games in `num_workers` processes, or a tau2 domain."""
+    if env == "tau2":
+        return Tau2(domain, max_turns)
+    if env != "alfworld":
+        raise UserError(f"unknown env {env!r}; choose alfworld or tau2")
+    return Alfworld(num_workers, max_turns)
+
+
+def games(env: str, split: str, num: int | None, seed: int = 0, domain: str = "retail") -> list:
+    """What the agent plays: ALFWorld game files, or tau2 tasks (both a seeded subset of a split)."""
+    return tau2_tasks(domain, split, num, seed) if env == "tau2" else list_games(split, num, seed)
+
+
+def game_name(game) -> str:
+    """A stable name of what `games` gives: `<task folder>/<trial folder>`, or the tau2 task id."""
+    return game_id(game) if isinstance(game, str) else game.id
+
+
+class Alfworld:
+    """ALFWorld for the agent: games in an EnvPool, the ReAct prompt, the action parser."""
+
+    system = "You are an expert agent in a text-based household simulator (ALFWorld)."
+    stop, can_explore = "</action>", True
+    counters = ("invalid", "format_errors", "inefficient", "explored")  # invalid: a bad command or format
+    turn_fields: dict = {}
+
+    def __init__(self, num_workers: int = 2, max_turns: int = 30):
+        self.pool, self.max_turns, self.state = EnvPool(num_workers, max_turns), max_turns, {}
+
+    def reset(self, episodes: dict[int, dict], customer=None) -> dict[int, dict]:
+        out = self.pool.reset({slot: ep["game"] for slot, ep in episodes.items()})
+        self.state.update(out)
+        return {slot: dict(obs=s["obs"], game=game_id(episodes[slot]["game"]), task=s["task"],
+                           task_type=s["task_type"]) for slot, s in out.items()}
+
+    def prompt(self, slot: int, recent: list[tuple[str, str]]) -> str:
+        """ReAct-style: the task, the step count, the last H (observation, action) pairs, now, admissible."""
+        s, turn = self.state[slot], self.state[slot]["turn"]
+        lines = [f"Your task is to: {s['task']}", f"You have taken {turn} of at most {self.max_turns} steps."]
+        if recent:
+            lines.append(f"Your last {len(recent)} observations and the actions you took after them:")
+            lines += [f"[Observation {turn - len(recent) + i + 1}] {o}\n[Action {turn - len(recent) + i + 1}] {a}"
+                      for i, (o, a) in enumerate(recent)]
+        lines += [f"[Current observation] {s['obs']}", "Admissible actions: " + ", ".join(s["admissible"]),
+                  "Reply in this exact format: first think briefly inside <think> </think>, then give exactly "
+                  "one admissible action inside <action> </action>, for example:",
+                  "<think>I need a mug; mugs are often on countertops.</think><action>go to countertop 1</action>"]
+        return "\n".join(lines)
+
+    def explore(self, slot: int, rng: random.Random) -> str:
+        return f"<action>{explore_command(self.state[slot]['admissible'], rng)}</action>"
+
+    def step(self, replies: dict[int, str], customer=None) -> dict[int, dict]:
+        parsed = {slot: parse_action(r) for slot, r in replies.items()}
+        out = self.pool.step({slot: command for slot, (command, _) in parsed.items()})
+        results = {}
+        for slot, r in out.items():
+            self.state[slot] = dict(self.state[slot], obs=r["obs"], admissible=r["admissible"], turn=r["turn"])
+            command, ok = parsed[slot]
+            results[slot] = dict(action=command, obs=r["obs"], valid=r["valid"], format_ok=ok, won=r["won"],
+                                 done=r["done"], counts=dict(invalid=not (r["valid"] and ok), format_errors=not ok,
+                                                             inefficient=r["valid"] and is_inefficient(command)))
+        return results
+
+    def finish(self, slot: int) -> dict:
+        return {}  # won is the game's own
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# tau2-bench for the agent. It reads the domain's policy, the tools and the conversation, and either calls
+# a tool (observation: the tool's response) or writes to the customer (observation: the customer's next
+# message, written by a local model playing the task's scenario with tau2's user-simulator guidelines).
+# In telecom the customer also acts on their own phone: a customer message that is a <tool_call> runs one
+# of the domain's user tools; its result goes back to the customer only, who then writes to the agent.
+
+TAU2_AGENT_SYSTEM = "You are a customer service agent. Help the customer while following the policy exactly."
+TAU2_GREETING = "Hi! How can I help you today?"  # tau2's first agent message
+TAU2_STOP = ("###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###")  # the user simulator ends the conversation
+TAU2_USER_TOOL_CALLS = 3  # a customer's tool calls per turn; then they must write to the agent
+TAU2_CUSTOMER_ONLY = ("customer tool call", "phone")  # transcript entries the agent never sees
+TAU2_USER_FORMAT = ("To act on your phone, reply with exactly one tool call and nothing else, for example "
+                    "<tool_call>{\"name\": \"check_status_bar\", \"arguments\": {}}</tool_call>; its result "
+                    "comes back to you only. Anything else you write is your message to the agent.")
+BAD_CALL = "Error: the tool call is not valid JSON with a name and arguments"
+
+
+def tau2_tools_text(env, user: bool = False) -> str:
+    """One line per tool (`user`: the customer's own tools): name(arg: type, ...): the first line of its
+    description."""
+    lines = []
+    for name, tool in sorted((env.user_tools if user else env.tools).get_tools().items()):
+        props = tool.params.model_json_schema().get("properties", {})
+        args = ", ".join(f"{a}: {p.get('type', 'object')}" for a, p in props.items())
+        lines.append(f"- {name}({args}): {(tool.short_desc or '').splitlines()[0] if tool.short_desc else ''}")
+    return "\n".join(lines)
+
+
+def tau2_action_text(a: dict) -> str:
+    """The agent's action as one line of text (the triplet's `action`)."""
+    if a["kind"] == "tool":
+        return "tool call " + json.dumps(dict(name=a["name"], arguments=a["arguments"]))
+    return "reply: " + a["content"]
+
+
+class Tau2:
+    """tau2-bench for the agent: one Tau2Episode per slot, the conversation, the simulated customer.
+    `max_turns` counts agent actions. Summaries add `reward` (the official grading; 0 when the budget ran
+    out), `tool_calls`, `invalid` (invalid tool calls: an unknown tool or bad arguments), `format_errors`,
+    and the customer's `user_tool_calls` and `user_invalid`, counted apart."""
+
+    system, stop, can_explore = TAU2_AGENT_SYSTEM, None, False  # tau2 triplets: the model's own actions only
+    counters = ("tool_calls", "invalid", "format_errors", "user_tool_calls", "user_invalid")
+
+    def __init__(self, domain: str, max_turns: int = 30):
+        tau2_domain(domain)  # one clear line when tau2 is not installed
+        from tau2.utils.utils import DATA_DIR  # tau2's own data folder
+
+        self.domain, self.max_turns, self.state = domain, max_turns, {}
+        self.turn_fields = dict(env="tau2", domain=domain)
+        # tau2's user simulator guidelines, by whether the customer has tools (telecom's phone)
+        self.guidelines = {phone: (DATA_DIR / "tau2" / "user_simulator" / f"simulation_guidelines{end}.md").read_text()
+                           for phone, end in ((False, ""), (True, "_tools"))}
+
+    def reset(self, episodes: dict[int, dict], customer=None) -> dict[int, dict]:
+        for slot, ep in episodes.items():
+            game = Tau2Episode(self.domain, ep["game"])
+            game.say("assistant", TAU2_GREETING)
+            self.state[slot] = dict(task=ep["game"], game=game, transcript=[("agent", TAU2_GREETING)], steps=0,
+                                    phone=game.env.user_tools is not None, counts={})
+        opening = self.customer_turns(list(episodes), customer)  # the customers open, in one batch
+        task = f"help the customer as a {self.domain} customer service agent, following the policy"
+        for slot, text in opening.items():
+            self.state[slot]["game"].say("user", text)
+            self.state[slot]["transcript"].append(("customer", text))
+        return {slot: dict(obs=opening[slot], game=self.state[slot]["task"].id, task=task, task_type=self.domain)
+                for slot in episodes}
+
+    def prompt(self, slot: int, recent=None) -> str:
+        """The policy, one line per tool, the conversation as the agent sees it, the format."""
+        game = self.state[slot]["game"]
+        lines = ["<policy>", game.env.get_policy().strip(), "</policy>", "Tools:", tau2_tools_text(game.env),
+                 "The conversation so far:"]
+        lines += [f"[{who}] {text}" for who, text in self.state[slot]["transcript"] if who not in TAU2_CUSTOMER_ONLY]
+        lines += ["Reply in this exact format: first think briefly inside <think> </think>, then either call one "
+                  "tool, for example <tool_call>{\"name\": \"get_user_details\", \"arguments\": {\"user_id\": "
+                  "\"sara_doe_496\"}}</tool_call>, or write to the customer inside <reply> </reply>."]
+        return "\n".join(lines)
+
+    def step(self, replies: dict[int, str], customer=None) -> dict[int, dict]:
+        results, to_customer = {}, []
+        for slot, reply in replies.items():
+            e, a = self.state[slot], parse_tau2_action(reply)
+            counts = dict(format_errors=not a["well_formed"], tool_calls=a["kind"] == "tool")
+            if a["kind"] == "tool":
+                response, valid = e["game"].tool(a["name"], a["arguments"]) if a["name"] else (BAD_CALL, False)
+                counts["invalid"] = not valid
+                e["transcript"] += [("agent tool call", tau2_action_text(a)[len("tool call "):]), ("tool", response)]
+            else:
+                response, valid = None, True
+                e["game"].say("assistant", a["content"] or "(empty)")
+                e["transcript"].append(("agent", a["content"]))
+                to_customer.append(slot)
+            results[slot] = dict(action=tau2_action_text(a), obs=response, valid=valid, format_ok=a["well_formed"],
+                                 won=False, counts=counts)
+        for slot, text in self.customer_turns(to_customer, customer).items():
+            self.state[slot]["game"].say("user", text)
+            self.state[slot]["transcript"].append(("customer", text))
+            results[slot]["obs"] = text
+        for slot, r in results.items():
+            e = self.state[slot]
+            e["steps"] += 1
+            e["stopped"] = slot in to_customer and any(tok in r["obs"] for tok in TAU2_STOP)
+            r["done"] = e["stopped"] or e["steps"] >= self.max_turns
+            for k, v in e.pop("counts").items():  # the customer's own calls this turn
+                r["counts"][k] = r["counts"].get(k, 0) + v
+            e["counts"] = {}
+        return results
+
+    def finish(self, slot: int) -> dict:
+        e = self.state.pop(slot)
+        graded = e["game"].grade(finished=e["stopped"])
+        return dict(reward=graded["reward"], won=graded["reward"] == 1.0, grading=graded)
+
+    def customer_turns(self, slots: list[int], customer) -> dict[int, str]:
+        """The customer's next message in each of these conversations, in one batch per round; in telecom a
+        customer may first call their phone's tools (at most TAU2_USER_TOOL_CALLS times a turn)."""
+        said, todo = {}, list(slots)
+        for round_ in range(TAU2_USER_TOOL_CALLS + 1):
+            if not todo:
+                break
+            acting = []
+            for slot, text in zip(todo, customer([self.customer_chat(slot) for slot in todo])):
+                e = self.state[slot]
+                a = parse_tau2_action(text) if e["phone"] else dict(kind="reply")  # no phone: all is said
+                if a["kind"] != "tool":
+                    said[slot] = text.strip() or "(no answer)"
+                    continue
+                counts = e["counts"]
+                counts["user_tool_calls"] = counts.get("user_tool_calls", 0) + 1
+                if round_ == TAU2_USER_TOOL_CALLS:  # over the turn's limit: not run; the agent hears nothing
+                    counts["user_invalid"] = counts.get("user_invalid", 0) + 1
+                    said[slot] = "(no answer)"
+                    continue
+                response, valid = e["game"].tool(a["name"], a["arguments"], "user") if a["name"] else (BAD_CALL, False)
+                counts["user_invalid"] = counts.get("user_invalid", 0) + (not valid)
+                call = json.dumps(dict(name=a["name"], arguments=a["arguments"])) if a["name"] else a["raw"]
+                e["transcript"] += [("customer tool call", call), ("phone", response)]
+                acting.append(slot)
+            todo = acting
+        return {slot: said[slot] for slot in slots}
+
+    def customer_chat(self, slot: int) -> list[dict]:
+        """The customer's side as chat messages: tau2's guidelines and the task's scenario as the system
+        prompt (telecom: and the phone's tools), the agent as "user", the customer's own calls in Qwen's markup."""
+        e = self.state[slot]
+        system = self.guidelines[e["phone"]] + "\n\n<scenario>\n" + str(e["task"].user_scenario) + "\n</scenario>"
+        if e["phone"]:
+            system += f"\n\nTools on your phone:\n{tau2_tools_text(e['game'].env, user=True)}\n{TAU2_USER_FORMAT}"
+        roles = {"agent": "user", "phone": "user", "customer": "assistant", "customer tool call": "assistant"}
+        msgs = [{"role": "system", "content": system}]
+        for who, text in e["transcript"]:
+            text = {"customer tool call": f"<tool_call>{text}</tool_call>",
+                    "phone": f"<tool_response>\n{text}\n</tool_response>"}.get(who, text)
+            if who in roles:
+                msgs.append({"role": roles[who], "content": text})
+        return msgs
+
+    def close(self) -> None:
+        self.state = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -158,14 +158,11 @@ def calibrate_tau(cfg: WMEvalConfig) -> dict:
     reward_fn = SimToRealReward(cfg.embedder, cfg.tau_d)
     model, tok = rwml.load_model(cfg.model, cfg.adapter)
     torch.manual_seed(cfg.seed)
-    groups = []
+    groups, k = [], cfg.num_generations
     for i in tqdm(range(0, len(trips), 4), desc="calibrate", unit="batch", dynamic_ncols=True):
-        roll = rwml.sample_group(model, tok, [rwml.wm_prompt(t, cfg.wm_reasoning) for t in trips[i:i + 4]],
-                                 system=rwml.wm_system(trips[i]),
-                                 num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
-                                 prefix=rwml.wm_prefix(cfg.wm_reasoning))
-        texts = roll["texts"]
-        groups += [texts[j:j + cfg.num_generations] for j in range(0, len(texts), cfg.num_generations)]
+        texts = rwml.sample_predictions(model, tok, trips[i:i + 4], reasoning=cfg.wm_reasoning, n=k,
+                                        max_new_tokens=cfg.max_completion_length).texts
+        groups += [texts[j:j + k] for j in range(0, len(texts), k)]
     rows = calibrate(reward_fn, groups, [t["next_obs"] for t in trips])
     return dict(rows=rows, n=len(trips), num_generations=cfg.num_generations, config=asdict(cfg))
 
@@ -237,73 +234,56 @@ def episode_log(cfg: AgentEvalConfig, done: dict):
         yield write
 
 
-def evaluate_agent_tau2(cfg: AgentEvalConfig) -> dict:
+def tau2_metrics(episodes: list[dict], tasks: list, seeds: int) -> dict:
     """tau2-bench: average official reward over seeds (mean and std), pass^k for k = 1..seeds, the share
     of invalid tool calls (unknown tool or bad arguments) per call, the agent's and the customer's (telecom's
     phone) apart, format errors per agent action."""
-    import torch
-
-    split = cfg.split or "test"
-    tasks = envs.tau2_tasks(cfg.domain, split, cfg.num_tasks, cfg.seed)
-    t0 = time.time()
-    done = finished_episodes(cfg)
-    todo = [dict(task=t, seed=s) for s in range(cfg.seeds) for t in tasks if (None, s, t.id) not in done]
-    if todo:
-        model, tok = rwml.load_model(cfg.model, cfg.adapter)
-        user = rwml.load_model(cfg.user_model) if cfg.user_model else (None, None)
-        torch.manual_seed(cfg.seed + len(done))
-        with episode_log(cfg, done) as on_episode:
-            played = rwml.play_tau2(
-                model, tok, cfg.domain, todo, user_model=user[0], user_tokenizer=user[1], top_p=cfg.top_p,
-                history_len=cfg.history_len, max_turns=cfg.max_turns, temperature=cfg.temperature,
-                max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, on_episode=on_episode,
-                desc=f"eval tau2 {cfg.domain}")
-        done.update(((None, e["seed"], e["game"]), e) for e in played)
-    episodes = [done[(None, s, t.id)] for s in range(cfg.seeds) for t in tasks]
-    per_seed = [statistics.fmean(e["reward"] for e in episodes if e["seed"] == s) for s in range(cfg.seeds)]
-    trials = [(sum(e["won"] for e in episodes if e["game"] == t.id), cfg.seeds) for t in tasks]
+    per_seed = [statistics.fmean(e["reward"] for e in episodes if e["seed"] == s) for s in range(seeds)]
+    trials = [(sum(e["won"] for e in episodes if e["game"] == t.id), seeds) for t in tasks]
     calls, steps = sum(e["tool_calls"] for e in episodes), sum(e["steps"] for e in episodes) or 1
     user_calls = sum(e["user_tool_calls"] for e in episodes)
-    return dict(env="tau2", domain=cfg.domain, split=split, average_reward=statistics.fmean(per_seed),
-                average_reward_std=_mean_std(per_seed)[1], pass_hat_k={k: envs.pass_hat_k(trials, k) for k in range(1, cfg.seeds + 1)},
+    return dict(average_reward=statistics.fmean(per_seed), average_reward_std=_mean_std(per_seed)[1],
+                pass_hat_k={k: envs.pass_hat_k(trials, k) for k in range(1, seeds + 1)},
                 invalid_tool_call_rate=sum(e["invalid"] for e in episodes) / max(calls, 1), tool_calls=calls,
                 user_invalid_tool_call_rate=sum(e["user_invalid"] for e in episodes) / max(user_calls, 1),
-                user_tool_calls=user_calls,
-                format_error_rate=sum(e["format_errors"] for e in episodes) / steps, mean_steps=steps / len(episodes),
-                num_tasks=len(tasks), num_episodes=len(episodes), per_seed_reward=per_seed,
-                seconds=round(time.time() - t0, 1), config=asdict(cfg), episodes=episodes)
+                user_tool_calls=user_calls, format_error_rate=sum(e["format_errors"] for e in episodes) / steps,
+                mean_steps=steps / len(episodes), num_tasks=len(tasks), num_episodes=len(episodes),
+                per_seed_reward=per_seed)
 
 
 def evaluate_agent(cfg: AgentEvalConfig) -> dict:
+    """Every game (tau2: task) of the split(s), `seeds` times, all in one batched `rwml.play`; then ALFWorld's
+    success and action quality (per split and task type) or tau2's average reward and pass^k."""
     import torch
 
-    if cfg.seeds < 1:
-        raise UserError(f"--seeds must be at least 1, got {cfg.seeds}")
-    if cfg.env == "tau2":
-        return evaluate_agent_tau2(cfg)
-    if cfg.env != "alfworld":
-        raise UserError(f"unknown --env {cfg.env!r}; choose alfworld or tau2")
-    splits = [s.strip() for s in (cfg.split or "valid_seen").split(",") if s.strip()]
-    games = {sp: envs.list_games(sp, cfg.num_games, cfg.seed) for sp in splits}
+    tau2 = cfg.env == "tau2"
+    splits = [s.strip() for s in (cfg.split or ("test" if tau2 else "valid_seen")).split(",") if s.strip()]
+    games = {sp: envs.games(cfg.env, sp, cfg.num_tasks if tau2 else cfg.num_games, cfg.seed, cfg.domain)
+             for sp in splits}
     t0 = time.time()
     done = finished_episodes(cfg)
     every = [dict(game=g, split=sp, seed=s) for s in range(cfg.seeds) for sp in splits for g in games[sp]]
-    todo = [ep for ep in every if (ep["split"], ep["seed"], envs.game_id(ep["game"])) not in done]
+    key = lambda ep: (ep["split"], ep["seed"], envs.game_name(ep["game"]))  # noqa: E731
+    todo = [ep for ep in every if key(ep) not in done]
     if todo:
-        with envs.EnvPool(cfg.num_workers, cfg.max_turns) as pool:
-            model, tok = rwml.load_model(cfg.model, cfg.adapter)
+        with envs.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns) as env:
+            model, tok = rwml.load_model(cfg.model, cfg.adapter)  # after make: game workers fork without it
+            user = rwml.load_model(cfg.user_model) if cfg.user_model else (None, None)
             torch.manual_seed(cfg.seed + len(done))
             # all seeds and splits in one call: bigger generation batches; each episode keeps its split, seed
             with episode_log(cfg, done) as on_episode:
                 played = rwml.play(
-                    model, tok, pool, todo, history_len=cfg.history_len, max_turns=cfg.max_turns,
-                    temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                    num_envs=cfg.num_envs, on_episode=on_episode, desc=f"eval {','.join(splits)}")
+                    model, tok, env, todo, history_len=cfg.history_len, temperature=cfg.temperature, top_p=cfg.top_p,
+                    max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, on_episode=on_episode,
+                    user_model=user[0], user_tokenizer=user[1], desc=f"eval {cfg.domain if tau2 else ','.join(splits)}")
         done.update(((e["split"], e["seed"], e["game"]), e) for e in played)
-    episodes = [done[(ep["split"], ep["seed"], envs.game_id(ep["game"]))] for ep in every]
-    result = _summarize(episodes, cfg.seeds)
-    result["per_split"] = {sp: dict(_summarize([e for e in episodes if e["split"] == sp], cfg.seeds),
-                                    num_games=len(games[sp])) for sp in splits}
+    episodes = [done[key(ep)] for ep in every]
+    if tau2:
+        result = dict(tau2_metrics(episodes, games[splits[0]], cfg.seeds), env="tau2", domain=cfg.domain)
+    else:
+        result = _summarize(episodes, cfg.seeds)
+        result["per_split"] = {sp: dict(_summarize([e for e in episodes if e["split"] == sp], cfg.seeds),
+                                        num_games=len(games[sp])) for sp in splits}
     result.update(split=",".join(splits), num_games=sum(map(len, games.values())), seconds=round(time.time() - t0, 1),
                   config=asdict(cfg), episodes=episodes)
     return result

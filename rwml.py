@@ -14,11 +14,11 @@ project, which quotes the paper and marks where the paper is silent and which de
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import random
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,95 +34,84 @@ from reward import parse_next_state
 # paper). Failures and invalid actions are kept: a world model must also learn "Nothing happens.".
 # Each turn t gives (history s_<=t = last H (obs, action) pairs + current obs, action a_t, next obs s_t+1).
 
-AGENT_SYSTEM = "You are an expert agent in a text-based household simulator (ALFWorld)."
-AGENT_PREFIX = "<think>"  # the reply is started for the model: small models then keep to the format
+@dataclass
+class Running:
+    """An episode in play: its index in the caller's list, its summary so far, the current observation and
+    the (observation, action) pairs before it."""
+    index: int
+    summary: dict
+    obs: str
+    past: list = field(default_factory=list)
 
 
-def agent_prompt(task: str, past: list[tuple[str, str]], obs: str, admissible: list[str], turn: int,
-                 max_turns: int) -> str:
-    """ReAct-style prompt: task, step count, last H (observation, action) pairs, now, admissible."""
-    lines = [f"Your task is to: {task}",
-             f"You have taken {turn} of at most {max_turns} steps."]
-    if past:
-        lines.append(f"Your last {len(past)} observations and the actions you took after them:")
-        lines += [f"[Observation {turn - len(past) + i + 1}] {o}\n[Action {turn - len(past) + i + 1}] {a}"
-                  for i, (o, a) in enumerate(past)]
-    lines += [f"[Current observation] {obs}",
-              "Admissible actions: " + ", ".join(admissible),
-              "Reply in this exact format: first think briefly inside <think> </think>, then give exactly "
-              "one admissible action inside <action> </action>, for example:",
-              "<think>I need a mug; mugs are often on countertops.</think><action>go to countertop 1</action>"]
-    return "\n".join(lines)
+def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, temperature: float = 1.0,
+         top_p: float = 1.0, max_new_tokens: int = 128, num_envs: int = 8, on_turn=None, on_episode=None,
+         record_tokens: bool = False, explore_prob: float = 0.0, seed: int = 0, user_model=None,
+         user_tokenizer=None, user_max_new_tokens: int = 96, desc: str = "episodes") -> list[dict]:
+    """Play `episodes` ({"game": an ALFWorld game file or a tau2 task, ...}) in `env` (`envs.make`), with
+    `num_envs` of them running at once.
 
-
-def play(model, tokenizer, pool: envs.EnvPool, episodes: list[dict], *, history_len: int = 2,
-         max_turns: int = 30, temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 128,
-         num_envs: int = 8, on_turn=None, on_episode=None, record_tokens: bool = False,
-         explore_prob: float = 0.0, seed: int = 0, desc: str = "episodes") -> list[dict]:
-    """Play `episodes` ({"game": path, ...}) with `num_envs` of them running at once.
-
-    Each round generates one action for every running episode in one batch, then steps all their games
-    in the worker pool. A finished episode's slot goes to the next waiting one. `on_turn(triplet)` and
-    `on_episode(summary)` see results as they happen (collection writes them to disk at once); a turn's
-    `episode` is its episode's index in `episodes`. `record_tokens` adds to each turn the user prompt
-    (`prompt`) and the exact token ids the model saw and sampled (`prompt_ids`, `completion_ids`), which
-    stage 2 trains on. `explore_prob` (collection only): each turn, with this probability the executed
-    action is `envs.explore_command` instead of the model's (the turn's `explored` is then True and the
-    model is not asked). Returns one summary per episode, in the order given.
-    """
+    Each round generates one reply for every running episode in one batch, then steps them all. A finished
+    episode's slot goes to the next waiting one. `on_turn(triplet)` and `on_episode(summary)` see results
+    as they happen (collection writes them to disk at once); a turn's `episode` is its episode's index in
+    `episodes`. `record_tokens` adds to each turn the prompt and the exact token ids the model saw and
+    sampled (`prompt_ids`, `completion_ids`), which stage 2 trains on. `explore_prob` (ALFWorld collection
+    only): each turn, with this probability the reply is `env.explore`'s instead of the model's (the turn's
+    `explored` is then True and the model is not asked). tau2's customer is `user_model` (default: the
+    agent's model with any adapter off, so that it stays the same while the agent trains). Returns one
+    summary per episode, in the order given."""
     if num_envs < 1:
         raise UserError(f"--num-envs must be at least 1, got {num_envs}")
+    customer = simulated_customer(user_model or model, user_tokenizer or tokenizer, base_only=user_model is None,
+                                  temperature=temperature, top_p=top_p, max_new_tokens=user_max_new_tokens)
     waiting, running, summaries = list(enumerate(episodes)), {}, [None] * len(episodes)
-    free_slots = list(range(num_envs))[::-1]
-    rng = random.Random(seed)
+    free_slots, rng = list(range(num_envs))[::-1], random.Random(seed)
+    explore_prob = explore_prob if env.can_explore else 0.0
     bar = tqdm(total=len(episodes), desc=desc, unit="ep", dynamic_ncols=True)
     while waiting or running:
         starts = {}
         while waiting and free_slots:
             starts[free_slots.pop()] = waiting.pop(0)
-        for slot, s in pool.reset({slot: ep["game"] for slot, (_, ep) in starts.items()}).items():
+        for slot, s in env.reset({slot: ep for slot, (_, ep) in starts.items()}, customer).items():
             i, ep = starts[slot]
-            summary = dict(ep, game=envs.game_id(ep["game"]), task=s["task"], task_type=s["task_type"],
-                           won=False, steps=0, invalid=0, format_errors=0, inefficient=0, explored=0)
-            running[slot] = dict(index=i, summary=summary, obs=s["obs"], admissible=s["admissible"], past=[])
+            counts = dict.fromkeys(env.counters, 0)
+            summary = dict(ep, game=s["game"], task=s["task"], task_type=s["task_type"], won=False, steps=0, **counts)
+            running[slot] = Running(i, summary, s["obs"])
         slots = sorted(running)
         explored = {s: explore_prob > 0 and rng.random() < explore_prob for s in slots}
-        asked = [s for s in slots if not explored[s]]  # the model writes these slots' actions
-        prompts = {}
+        asked = [s for s in slots if not explored[s]]  # the model writes these slots' replies
+        recent = {s: running[s].past[-history_len:] if history_len else [] for s in slots}
+        prompts = {s: env.prompt(s, recent[s]) for s in slots}
+        roll = sample_chat(model, tokenizer, [prompts[s] for s in asked], system=env.system, prefix=envs.AGENT_PREFIX,
+                           stop=env.stop, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=top_p) if asked else None
+        replies = {s: roll.texts[j] for j, s in enumerate(asked)}
+        replies.update({s: env.explore(s, rng) for s in slots if explored[s]})
+        results = env.step(replies, customer)
         for s in slots:
-            e = running[s]
-            e["recent"] = e["past"][-history_len:] if history_len else []
-            prompts[s] = agent_prompt(e["summary"]["task"], e["recent"], e["obs"], e["admissible"], len(e["past"]),
-                                      max_turns)
-        roll = sample(model, tokenizer, [chat(tokenizer, prompts[s], AGENT_SYSTEM, AGENT_PREFIX) for s in asked],
-                      prefix=AGENT_PREFIX, stop="</action>", max_new_tokens=max_new_tokens, temperature=temperature,
-                      top_p=top_p) if asked else None
-        replies = {s: roll["texts"][j] for j, s in enumerate(asked)}
-        parsed = {s: envs.parse_action(replies[s]) for s in asked}
-        parsed.update({s: (envs.explore_command(running[s]["admissible"], rng), True) for s in slots if explored[s]})
-        results = pool.step({s: command for s, (command, _) in parsed.items()})
-        for s in slots:
-            e, r, (command, well_formed) = running[s], results[s], parsed[s]
-            summ = e["summary"]
+            e, r = running[s], results[s]
+            summ = e.summary
             if on_turn is not None:
-                history = [{"observation": o, "action": a} for o, a in e["recent"]] + [{"observation": e["obs"]}]
-                turn = dict(game=summ["game"], task=summ["task"], task_type=summ["task_type"],
-                            rollout=summ.get("rollout", 0), episode=e["index"], step=summ["steps"], history=history,
-                            action=command, next_obs=r["obs"], valid=r["valid"], format_ok=well_formed, won=r["won"],
-                            done=r["done"], response=replies.get(s, ""), explored=explored[s])
+                history = [{"observation": o, "action": a} for o, a in recent[s]] + [{"observation": e.obs}]
+                turn = dict(env.turn_fields, game=summ["game"], task=summ["task"], task_type=summ["task_type"],
+                            rollout=summ.get("rollout", 0), episode=e.index, step=summ["steps"], history=history,
+                            action=r["action"], next_obs=r["obs"], valid=r["valid"], format_ok=r["format_ok"],
+                            won=r["won"], done=r["done"], response="" if explored[s] else replies[s],
+                            explored=explored[s])
                 if record_tokens and not explored[s]:
                     j = asked.index(s)
-                    turn.update(prompt=prompts[s], prompt_ids=roll["prompt_ids"][j], completion_ids=roll["completion_ids"][j])
+                    turn.update(prompt=prompts[s], prompt_ids=roll.prompt_ids[j], completion_ids=roll.completion_ids[j])
                 on_turn(turn)
-            summ["invalid"] += not (r["valid"] and well_formed)
-            summ["format_errors"] += not well_formed
-            summ["inefficient"] += r["valid"] and envs.is_inefficient(command)
-            summ["explored"] += explored[s]
-            summ.update(steps=r["turn"], won=r["won"])
-            e["past"].append((e["obs"], command))
-            e.update(obs=r["obs"], admissible=r["admissible"])
+            for k, v in r["counts"].items():
+                summ[k] += int(v)
+            if "explored" in summ:
+                summ["explored"] += explored[s]
+            summ.update(steps=summ["steps"] + 1, won=r["won"])
+            e.past.append((e.obs, r["action"]))
+            e.obs = r["obs"]
             if r["done"]:
-                summaries[e["index"]] = summ
+                summ.update(env.finish(s))
+                summaries[e.index] = summ
                 if on_episode is not None:
                     on_episode(summ)
                 del running[s]
@@ -133,195 +122,18 @@ def play(model, tokenizer, pool: envs.EnvPool, episodes: list[dict], *, history_
     return summaries
 
 
-# tau2-bench: the same loop for tool use with a simulated customer. The agent reads the domain's policy,
-# the tools and the conversation, and either calls a tool (observation: the tool's response) or writes to
-# the customer (observation: the customer's next message, written by a local model playing the task's
-# scenario, as tau2's user simulator does). The official grading scores the finished conversation.
-# In telecom the customer also acts on their own phone: a customer reply that is a <tool_call> runs one of
-# the domain's user tools; its result goes back to the customer only, who then writes to the agent.
+def simulated_customer(model, tokenizer, *, base_only: bool, temperature: float, top_p: float, max_new_tokens: int):
+    """tau2's customer as a batched function: chats (lists of messages) -> their next messages, written by
+    `model` (with `base_only`, its adapter switched off: the agent's base model, which training leaves as is)."""
+    def customer(chats: list[list[dict]]) -> list[str]:
+        if not chats:
+            return []
+        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in chats]
+        with model.disable_adapter() if base_only and hasattr(model, "disable_adapter") else nullcontext():
+            return sample(model, tokenizer, texts, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=top_p).texts
 
-TAU2_AGENT_SYSTEM = "You are a customer service agent. Help the customer while following the policy exactly."
-TAU2_GREETING = "Hi! How can I help you today?"  # tau2's first agent message
-TAU2_STOP = ("###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###")  # the user simulator ends the conversation
-TAU2_USER_TOOL_CALLS = 3  # a customer's tool calls per turn; then they must write to the agent
-TAU2_CUSTOMER_ONLY = ("customer tool call", "phone")  # transcript entries the agent never sees
-TAU2_USER_FORMAT = ("To act on your phone, reply with exactly one tool call and nothing else, for example "
-                    "<tool_call>{\"name\": \"check_status_bar\", \"arguments\": {}}</tool_call>; its result "
-                    "comes back to you only. Anything else you write is your message to the agent.")
-
-
-def tau2_tools_text(env, user: bool = False) -> str:
-    """One line per tool (`user`: the customer's own tools): name(arg: type, ...): the first line of its
-    description."""
-    lines = []
-    for name, tool in sorted((env.user_tools if user else env.tools).get_tools().items()):
-        props = tool.params.model_json_schema().get("properties", {})
-        args = ", ".join(f"{a}: {p.get('type', 'object')}" for a, p in props.items())
-        lines.append(f"- {name}({args}): {(tool.short_desc or '').splitlines()[0] if tool.short_desc else ''}")
-    return "\n".join(lines)
-
-
-def tau2_agent_prompt(policy: str, tools: str, transcript: list[tuple[str, str]]) -> str:
-    lines = ["<policy>", policy.strip(), "</policy>", "Tools:", tools, "The conversation so far:"]
-    lines += [f"[{who}] {text}" for who, text in transcript if who not in TAU2_CUSTOMER_ONLY]
-    lines += ["Reply in this exact format: first think briefly inside <think> </think>, then either call one "
-              "tool, for example <tool_call>{\"name\": \"get_user_details\", \"arguments\": {\"user_id\": "
-              "\"sara_doe_496\"}}</tool_call>, or write to the customer inside <reply> </reply>."]
-    return "\n".join(lines)
-
-
-def tau2_action_text(a: dict) -> str:
-    """The agent's action as one line of text (the triplet's `action`)."""
-    if a["kind"] == "tool":
-        return "tool call " + json.dumps(dict(name=a["name"], arguments=a["arguments"]))
-    return "reply: " + a["content"]
-
-
-def play_tau2(model, tokenizer, domain: str, episodes: list[dict], *, user_model=None, user_tokenizer=None,
-              history_len: int = 2, max_turns: int = 30, temperature: float = 1.0, top_p: float = 1.0,
-              max_new_tokens: int = 128, user_max_new_tokens: int = 96, num_envs: int = 8, on_turn=None,
-              on_episode=None, record_tokens: bool = False, desc: str = "conversations") -> list[dict]:
-    """`play` for tau2-bench: episodes are {"task": tau2 Task, ...}; `max_turns` counts agent actions. The
-    user simulator is `user_model` (default: the agent's model with any adapter off, so that the customer
-    stays the same while the agent trains; a stand-in for tau2's LLM user). In telecom the customer may
-    call their phone's tools (at most TAU2_USER_TOOL_CALLS per turn) before writing to the agent.
-    Summaries carry `reward` (official grading; 0 if the budget ran out), `won` (reward 1), `steps`,
-    `tool_calls`, `invalid` (invalid tool calls: unknown tool or bad arguments), `format_errors`, and the
-    customer's `user_tool_calls` and `user_invalid`, counted apart."""
-    from envs import Tau2Episode, parse_tau2_action, tau2_domain
-
-    same = user_model is None  # then the customer is the agent's base model: its adapter is switched off for it
-    user_model, user_tokenizer = user_model or model, user_tokenizer or tokenizer
-    tau2_domain(domain)  # one clear line when tau2 is not installed
-    from tau2.utils.utils import DATA_DIR  # tau2's own data folder
-
-    # tau2's user simulator guidelines, by whether the customer has tools (telecom's phone)
-    guidelines = {phone: (DATA_DIR / "tau2" / "user_simulator" / f"simulation_guidelines{end}.md").read_text()
-                  for phone, end in ((False, ""), (True, "_tools"))}
-    waiting, running, summaries = list(enumerate(episodes)), {}, [None] * len(episodes)
-    bar = tqdm(total=len(episodes), desc=desc, unit="conv", dynamic_ncols=True)
-    roles = {"agent": "user", "phone": "user", "customer": "assistant", "customer tool call": "assistant"}
-
-    def customer_prompt(e):
-        system = guidelines[e["phone"]] + "\n\n<scenario>\n" + str(e["task"].user_scenario) + "\n</scenario>"
-        if e["phone"]:
-            tools = tau2_tools_text(e["game"].env, user=True)
-            system += f"\n\nTools on your phone:\n{tools}\n{TAU2_USER_FORMAT}"
-        msgs = [{"role": "system", "content": system}]
-        for who, text in e["transcript"]:  # with the customer's own tool calls and results, in Qwen's markup
-            text = {"customer tool call": f"<tool_call>{text}</tool_call>",
-                    "phone": f"<tool_response>\n{text}\n</tool_response>"}.get(who, text)
-            if who in roles:
-                msgs.append({"role": roles[who], "content": text})
-        return user_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-
-    def user_turns(slots):  # the customer's next message for each conversation, in one batch per round
-        said, todo = {}, list(slots)
-        for round_ in range(TAU2_USER_TOOL_CALLS + 1):
-            if not todo:
-                break
-            off = same and hasattr(user_model, "disable_adapter")
-            with user_model.disable_adapter() if off else nullcontext():
-                out = sample(user_model, user_tokenizer, [customer_prompt(running[s]) for s in todo],
-                             max_new_tokens=user_max_new_tokens, temperature=temperature, top_p=top_p)["texts"]
-            acting = []
-            for s, text in zip(todo, out):
-                e = running[s]
-                a = parse_tau2_action(text) if e["phone"] else dict(kind="reply")  # no phone: all is said
-                if a["kind"] != "tool":
-                    said[s] = text.strip() or "(no answer)"
-                    continue
-                summ = e["summary"]
-                summ["user_tool_calls"] += 1
-                if round_ == TAU2_USER_TOOL_CALLS:  # over the turn's limit: not run; the agent hears nothing
-                    summ["user_invalid"] += 1
-                    said[s] = "(no answer)"
-                    continue
-                response, valid = e["game"].tool(a["name"], a["arguments"], "user") if a["name"] else \
-                    ("Error: the tool call is not valid JSON with a name and arguments", False)
-                summ["user_invalid"] += not valid
-                call = json.dumps(dict(name=a["name"], arguments=a["arguments"])) if a["name"] else a["raw"]
-                e["transcript"] += [("customer tool call", call), ("phone", response)]
-                acting.append(s)
-            todo = acting
-        return [said[s] for s in slots]
-
-    while waiting or running:
-        new = []
-        while waiting and len(running) < num_envs:
-            i, ep = waiting.pop(0)
-            task = ep["task"]
-            game = Tau2Episode(domain, task)
-            game.say("assistant", TAU2_GREETING)
-            slot = max(running, default=-1) + 1
-            running[slot] = dict(index=i, task=task, game=game, past=[], transcript=[("agent", TAU2_GREETING)],
-                                 phone=game.env.user_tools is not None,
-                                 summary=dict({k: v for k, v in ep.items() if k != "task"}, game=task.id, domain=domain,
-                                              reward=0.0, won=False, steps=0, tool_calls=0, invalid=0,
-                                              format_errors=0, user_tool_calls=0, user_invalid=0))
-            new.append(slot)
-        for slot, first in zip(new, user_turns(new)):  # the customers open, in one batch
-            running[slot]["game"].say("user", first)
-            running[slot]["transcript"].append(("customer", first))
-            running[slot]["obs"] = first
-        slots = sorted(running)
-        prompts = []
-        for s in slots:
-            e = running[s]
-            policy, tools = e["game"].env.get_policy(), tau2_tools_text(e["game"].env)
-            prompts.append(tau2_agent_prompt(policy, tools, e["transcript"]))
-        roll = sample(model, tokenizer, [chat(tokenizer, p, TAU2_AGENT_SYSTEM, AGENT_PREFIX) for p in prompts],
-                      prefix=AGENT_PREFIX, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
-        actions = {s: parse_tau2_action(r) for s, r in zip(slots, roll["texts"])}
-        replies = [s for s in slots if actions[s]["kind"] == "reply"]
-        for s in slots:
-            e, a = running[s], actions[s]
-            e["summary"]["format_errors"] += not a["well_formed"]
-            if a["kind"] == "tool":
-                e["summary"]["tool_calls"] += 1
-                response, valid = e["game"].tool(a["name"], a["arguments"]) if a["name"] else \
-                    ("Error: the tool call is not valid JSON with a name and arguments", False)
-                e["summary"]["invalid"] += not valid
-                e["next"], e["valid"] = response, valid
-                e["transcript"] += [("agent tool call", tau2_action_text(a)[len("tool call "):]), ("tool", response)]
-            else:
-                e["game"].say("assistant", a["content"] or "(empty)")
-                e["transcript"].append(("agent", a["content"]))
-                e["valid"] = True
-        for s, text in zip(replies, user_turns(replies)):
-            running[s]["game"].say("user", text)
-            running[s]["transcript"].append(("customer", text))
-            running[s]["next"] = text
-        for j, s in enumerate(slots):
-            e, a = running[s], actions[s]
-            summ = e["summary"]
-            summ["steps"] += 1
-            stopped = a["kind"] == "reply" and any(tok in e["next"] for tok in TAU2_STOP)
-            done = stopped or summ["steps"] >= max_turns
-            if on_turn is not None:
-                history = [{"observation": o, "action": x} for o, x in e["past"][-history_len:]] if history_len else []
-                turn = dict(env="tau2", domain=domain, game=e["task"].id, task_type=domain,
-                            task=f"help the customer as a {domain} customer service agent, following the policy",
-                            rollout=summ.get("rollout", 0), episode=e["index"], step=summ["steps"] - 1,
-                            history=history + [{"observation": e["obs"]}], action=tau2_action_text(a), next_obs=e["next"],
-                            valid=e["valid"], format_ok=a["well_formed"],
-                            won=False, done=done, response=roll["texts"][j])
-                if record_tokens:
-                    turn.update(prompt=prompts[j], prompt_ids=roll["prompt_ids"][j], completion_ids=roll["completion_ids"][j])
-                on_turn(turn)
-            e["past"].append((e["obs"], tau2_action_text(a)))
-            e["obs"] = e["next"]
-            if done:
-                graded = e["game"].grade(finished=stopped)
-                summ.update(reward=graded["reward"], won=graded["reward"] == 1.0, grading=graded)
-                summaries[e["index"]] = summ
-                if on_episode is not None:
-                    on_episode(summ)
-                del running[s]
-                bar.update(1)
-        bar.set_postfix(won=sum(bool(x and x["won"]) for x in summaries), running=len(running))
-    bar.close()
-    return summaries
+    return customer
 
 
 # ============================================================================ 2. World-model prompts (METHOD.md §2-3)
@@ -371,6 +183,14 @@ def wm_answer(t: dict) -> str:
     return f"{t['next_obs']}</next_state>"
 
 
+def sample_predictions(model, tokenizer, triplets: list[dict], *, reasoning: bool, n: int = 1,
+                       max_new_tokens: int = 96, temperature: float = 1.0, top_p: float = 1.0):
+    """`n` world-model predictions for each triplet (all of one environment), each ending at </next_state>."""
+    return sample_chat(model, tokenizer, [wm_prompt(t, reasoning) for t in triplets], system=wm_system(triplets[0]),
+                       prefix=wm_prefix(reasoning), stop=WM_STOP, n=n, max_new_tokens=max_new_tokens,
+                       temperature=temperature, top_p=top_p)
+
+
 def split_triplets(triplets: list[dict], frac: float = 0.1, seed: int = 0) -> tuple[list[dict], list[dict]]:
     """The paper's 90 / 10 split: (RWML training triplets, triplets that train the easiness filter)."""
     if len(triplets) < 2:
@@ -399,9 +219,8 @@ def easiness(model, tokenizer, triplets: list[dict], reward_fn, *, k: int = 10, 
     scores = [0.0] * len(triplets)
     for i in tqdm(range(0, len(triplets), per), desc="easiness", unit="batch", dynamic_ncols=True):
         chunk = [triplets[j] for j in order[i:i + per]]
-        outs = sample_group(model, tokenizer, [wm_prompt(t, reasoning=False) for t in chunk], num_generations=k,
-                            max_completion_length=max_new_tokens, temperature=temperature, system=wm_system(chunk[0]),
-                            prefix=wm_prefix(False))["texts"]
+        outs = sample_predictions(model, tokenizer, chunk, reasoning=False, n=k, max_new_tokens=max_new_tokens,
+                                  temperature=temperature).texts
         r = reward_fn(outs, [t["next_obs"] for t in chunk for _ in range(k)])
         for j, idx in enumerate(order[i:i + per]):
             scores[idx] = sum(r[j * k:(j + 1) * k]) / k
@@ -566,15 +385,6 @@ def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_i
     return mask.long()
 
 
-def sample_group(model, tokenizer, prompts: list[str], *, num_generations: int, max_completion_length: int,
-                 temperature: float = 1.0, top_p: float = 1.0, system: str = WM_SYSTEM, prefix: str = WM_PREFIX):
-    """num_generations completions per world-model prompt, as token tensors ready for the training forward;
-    each ends at </next_state> (or an end-of-turn token)."""
-    return sample(model, tokenizer, [chat(tokenizer, p, system, prefix) for p in prompts], n=num_generations,
-                  prefix=prefix, stop=WM_STOP, max_new_tokens=max_completion_length, temperature=temperature,
-                  top_p=top_p)
-
-
 @contextmanager
 def reference_policy(model):
     """pi_ref for the KL term: the frozen adapter named "ref" (TRL's name) when there is one (stage 2
@@ -662,11 +472,10 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg)
     observations, `num_iterations` updates. `cfg` carries the GRPO fields of train.Config."""
     G = cfg.num_generations
     model.eval()  # sampling
-    roll = sample_group(model, tokenizer, [wm_prompt(t, cfg.wm_reasoning) for t in triplets], num_generations=G,
-                        max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-                        system=wm_system(triplets[0]), prefix=wm_prefix(cfg.wm_reasoning))
-    rewards = torch.tensor(reward_fn(roll["texts"], [t["next_obs"] for t in triplets for _ in range(G)]), dtype=torch.float)
-    ids, attn, cmask = roll["input_ids"], roll["attention_mask"], roll["completion_mask"]
+    roll = sample_predictions(model, tokenizer, triplets, reasoning=cfg.wm_reasoning, n=G,
+                              max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p)
+    rewards = torch.tensor(reward_fn(roll.texts, [t["next_obs"] for t in triplets for _ in range(G)]), dtype=torch.float)
+    ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask,
                  advantages=group_advantages(rewards, G, cfg.scale_rewards),
                  weights=token_weights(cmask, cfg.loss_type, cfg.max_completion_length))
@@ -677,8 +486,8 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg)
     grouped = rewards.view(-1, G)
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
                 frac_reward_zero_std=float((grouped.std(1) == 0).float().mean()),
-                format_rate=sum(parse_next_state(t) is not None for t in roll["texts"]) / len(roll["texts"]),
-                completion_tokens=float(cmask.sum(1).float().mean()), updates=stats, sample=roll["texts"][0],
+                format_rate=sum(parse_next_state(t) is not None for t in roll.texts) / len(roll.texts),
+                completion_tokens=float(cmask.sum(1).float().mean()), updates=stats, sample=roll.texts[0],
                 sample_target=triplets[0]["next_obs"], sample_reward=float(rewards[0]))
 
 
@@ -706,24 +515,19 @@ def policy_batch(turns: list[dict], advantages: torch.Tensor, pad_token_id: int,
     return ids, attn, cmask, adv, weights
 
 
-def rollouts(model, tokenizer, pool: envs.EnvPool | None, games: list, n: int, cfg, **kwargs) -> list[dict]:
-    """`n` episodes of each game, with exact tokens recorded: ALFWorld game files through `play`, or tau2
-    tasks through `play_tau2` when `cfg.env == "tau2"` (the reward is then the official grading)."""
+def rollouts(model, tokenizer, env, games: list, n: int, cfg, **kwargs) -> list[dict]:
+    """`n` episodes of each game in `env` (`envs.make`), with the exact tokens recorded (stage 2 trains on
+    them); in tau2 the reward is the official grading."""
     model.eval()
-    kwargs = dict(history_len=cfg.history_len, max_turns=cfg.max_turns, temperature=cfg.temperature, top_p=cfg.top_p,
-                  max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, record_tokens=True, **kwargs)
-    if getattr(cfg, "env", "alfworld") == "tau2":
-        return play_tau2(model, tokenizer, cfg.domain, [dict(task=g, group=i, rollout=k) for i, g in enumerate(games)
-                                                        for k in range(n)], **kwargs)
-    return play(model, tokenizer, pool, [dict(game=g, group=i, rollout=k) for i, g in enumerate(games) for k in range(n)],
-                **kwargs)
+    episodes = [dict(game=g, group=i, rollout=k) for i, g in enumerate(games) for k in range(n)]
+    return play(model, tokenizer, env, episodes, history_len=cfg.history_len, temperature=cfg.temperature,
+                top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, record_tokens=True, **kwargs)
 
 
-def policy_step(model, tokenizer, optimizer, pool: envs.EnvPool | None, games: list, cfg) -> dict:
-    """One stage-2 step: num_generations episodes of each game (ALFWorld game files, or tau2 tasks with
-    `cfg.env == "tau2"`), terminal reward won, GRPO on every turn."""
+def policy_step(model, tokenizer, optimizer, env, games: list, cfg) -> dict:
+    """One stage-2 step: num_generations episodes of each game, terminal reward won, GRPO on every turn."""
     turns = []
-    summaries = rollouts(model, tokenizer, pool, games, cfg.num_generations, cfg, on_turn=turns.append,
+    summaries = rollouts(model, tokenizer, env, games, cfg.num_generations, cfg, on_turn=turns.append,
                          desc="policy rollouts")
     return policy_update(model, tokenizer, optimizer, turns, summaries, cfg)
 
@@ -763,9 +567,8 @@ def evaluate_wm(model, tokenizer, triplets: list[dict], reward_fn, *, max_new_to
     preds = [""] * (len(triplets) * k)
     for i in tqdm(range(0, len(triplets), per), desc="wm eval", unit="batch", dynamic_ncols=True):
         chunk = [triplets[j] for j in order[i:i + per]]
-        texts = sample_group(model, tokenizer, [wm_prompt(t, reasoning) for t in chunk], num_generations=k,
-                             max_completion_length=max_new_tokens, temperature=temperature if samples else 0.0,
-                             system=wm_system(chunk[0]), prefix=wm_prefix(reasoning))["texts"]
+        texts = sample_predictions(model, tokenizer, chunk, reasoning=reasoning, n=k, max_new_tokens=max_new_tokens,
+                                   temperature=temperature if samples else 0.0).texts
         for j, idx in enumerate(order[i:i + per]):
             preds[idx * k:(idx + 1) * k] = texts[j * k:(j + 1) * k]
     targets = [t["next_obs"] for t in triplets for _ in range(k)]
@@ -909,31 +712,60 @@ def checkpoint_generation_config_off(model):
         base.generation_config = saved
 
 
-@torch.no_grad()
-def generate_ids(model, tokenizer, texts: list[str], n: int = 1, stop: str | None = None, **kwargs):
-    """`n` sampled continuations of each (already templated) text: (prompt batch, [len(texts) * n, P + C]).
-    kwargs: temperature, top_p, max_new_tokens (see `sampling_config`).
+@dataclass
+class Rollout:
+    """Sampled completions: `texts` (prefix + completion), the tensors of the training forward
+    (`input_ids` [B, P + C] = [left-padded prompt | completion], `attention_mask`, `completion_mask` [B, C]:
+    exactly the sampled tokens, never the padding after a stop) and per row the token lists without padding
+    (`prompt_ids`, `completion_ids`)."""
+    texts: list[str]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
 
-    The n continuations of a prompt share one prefill: the prompt (all but its last token) runs through
-    the model once, its key/value cache is repeated n times, and generation continues from there. A plain
-    `num_return_sequences=n` would prefill every copy; prompts here are long and completions short."""
+
+@torch.no_grad()
+def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", stop: str | None = None,
+           max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0) -> Rollout:
+    """`n` completions of each (already templated) text, the `n` of a text next to each other: plain
+    sampling from softmax(logits / temperature) (no top-k, so the log-probs of training match), greedy at
+    temperature 0; a completion ends at an end-of-turn token or after `stop`. The n completions of a text
+    share one prefill: the prompt (all but its last token) runs through the model once and its key/value
+    cache is repeated n times (a plain `num_return_sequences=n` would prefill every copy; prompts here are
+    long and completions short)."""
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     ids, attn = batch["input_ids"], batch["attention_mask"]
-    gen = dict(generation_config=sampling_config(model, tokenizer, **kwargs))
+    gen = dict(generation_config=sampling_config(model, tokenizer, temperature=temperature, top_p=top_p,
+                                                 max_new_tokens=max_new_tokens))
     if stop:
         gen["generation_config"].stop_strings = [stop]
         gen["tokenizer"] = tokenizer
     with checkpoint_generation_config_off(model):
-        if n == 1 or ids.shape[1] < 2:
-            if n > 1:
-                batch = {k: v.repeat_interleave(n, 0) for k, v in batch.items()}
-            return batch, model.generate(**batch, **gen)
-        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-        cache = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=position_ids[:, :-1],
-                      use_cache=True).cache
-        cache.batch_repeat_interleave(n)
+        if n > 1 and ids.shape[1] > 1:
+            position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+            gen["cache"] = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=position_ids[:, :-1],
+                                 use_cache=True).cache
+            gen["cache"].batch_repeat_interleave(n)
         batch = {k: v.repeat_interleave(n, 0) for k, v in batch.items()}
-        return batch, model.generate(**batch, cache=cache, **gen)
+        out = model.generate(**batch, **gen)
+    P = batch["input_ids"].shape[1]
+    completion_ids = out[:, P:]
+    ends = stop_string_ends(tokenizer, stop, out, P) if stop else None
+    mask = completion_mask_from(completion_ids, stop_token_ids(model, tokenizer), tokenizer.pad_token_id, ends)
+    decoded = tokenizer.batch_decode(completion_ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True)
+    return Rollout(texts=[prefix + t for t in decoded], input_ids=out,
+                   attention_mask=torch.cat([batch["attention_mask"], mask], 1), completion_mask=mask,
+                   prompt_ids=[row[m.bool()].tolist() for row, m in zip(batch["input_ids"], batch["attention_mask"])],
+                   completion_ids=[row[m.bool()].tolist() for row, m in zip(completion_ids, mask)])
+
+
+def sample_chat(model, tokenizer, prompts: list[str], *, system: str | None = None, prefix: str = "",
+                **kwargs) -> Rollout:
+    """`sample` on user prompts: each goes through the model's chat template with `system`, and the
+    assistant's reply starts with `prefix` (written for the model). kwargs: those of `sample`."""
+    return sample(model, tokenizer, [chat(tokenizer, p, system, prefix) for p in prompts], prefix=prefix, **kwargs)
 
 
 def stop_string_ends(tokenizer, stop: str, sequences: torch.Tensor, completion_start: int) -> torch.Tensor:
@@ -944,36 +776,6 @@ def stop_string_ends(tokenizer, stop: str, sequences: torch.Tensor, completion_s
     criteria = StopStringCriteria(tokenizer, [stop])
     C = sequences.shape[1] - completion_start
     return torch.stack([criteria(sequences[:, :completion_start + k + 1], None) for k in range(C)], 1)
-
-
-@torch.no_grad()
-def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", stop: str | None = None,
-           max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0) -> dict:
-    """`n` completions of each (already templated) text, the `n` of a text next to each other; plain
-    sampling from softmax(logits / temperature) (no top-k, so the log-probs of training match), greedy at
-    temperature 0; generation ends at an end-of-turn token or after `stop`. Returns `texts` (prefix +
-    completion), the tensors of the training forward (`input_ids` [B*n, P + C], `attention_mask`,
-    `completion_mask` [B*n, C]: exactly the sampled tokens, never the padding after a stop) and, per row,
-    the token lists without padding (`prompt_ids`, `completion_ids`)."""
-    batch, out = generate_ids(model, tokenizer, texts, n, stop, max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p)
-    P = batch["input_ids"].shape[1]
-    completion_ids = out[:, P:]
-    ends = stop_string_ends(tokenizer, stop, out, P) if stop else None
-    mask = completion_mask_from(completion_ids, stop_token_ids(model, tokenizer), tokenizer.pad_token_id, ends)
-    decoded = tokenizer.batch_decode(completion_ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True)
-    return dict(texts=[prefix + t for t in decoded], input_ids=out,
-                attention_mask=torch.cat([batch["attention_mask"], mask], 1), completion_mask=mask,
-                prompt_ids=[row[m.bool()].tolist() for row, m in zip(batch["input_ids"], batch["attention_mask"])],
-                completion_ids=[row[m.bool()].tolist() for row, m in zip(completion_ids, mask)])
-
-
-def generate(model, tokenizer, prompts: list[str], *, system: str | None = None, prefix: str = "",
-             max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
-             stop: str | None = None, n: int = 1) -> list[str]:
-    """Batched, left-padded sampling from plain prompts; returns `prefix` + each completion."""
-    return sample(model, tokenizer, [chat(tokenizer, p, system, prefix) for p in prompts], n=n, prefix=prefix, stop=stop,
-                  max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)["texts"]
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int):

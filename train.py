@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import dataclasses
 import difflib
 import errno
@@ -316,11 +315,7 @@ def collect(cfg: Config, out: Path, load) -> Path:
     the same command continues: finished episodes are kept, an unfinished one is played again.
     `load()` gives (model, tokenizer), called only when there is something to play.
     """
-    if cfg.env == "tau2":  # games are the domain's tasks
-        tasks = {t.id: t for t in envs.tau2_tasks(cfg.domain, cfg.split, cfg.num_tasks, cfg.seed)}
-        games = list(tasks)
-    else:
-        games = envs.list_games(cfg.split, cfg.num_games, cfg.seed)  # bad data or split fails before the model loads
+    games = split_games(cfg)  # bad data or split fails before the model loads
     if cfg.rollouts_per_game < 1:
         raise UserError(f"--rollouts-per-game must be at least 1, got {cfg.rollouts_per_game}")
     out.mkdir(parents=True, exist_ok=True)
@@ -349,37 +344,24 @@ def collect(cfg: Config, out: Path, load) -> Path:
     # rewrite both without a line cut short by an interrupt, and without turns of unfinished episodes
     write_atomic(transitions, "".join(json.dumps(t) + "\n" for t in kept))
     write_atomic(episodes_file, "".join(json.dumps(e) + "\n" for e in done_eps))
-    game_id = (lambda g: g) if cfg.env == "tau2" else envs.game_id
-    todo = [dict(game=g, rollout=r) for g in games for r in range(cfg.rollouts_per_game) if (game_id(g), r) not in finished]
-    print(f"collect: {len(games)} {cfg.split} {'tasks' if cfg.env == 'tau2' else 'games'} x {cfg.rollouts_per_game} rollouts; "
-          f"{len(finished)} episodes already done, {len(todo)} to play -> {transitions}")
-    if todo and cfg.env == "tau2":
-        torch.manual_seed(cfg.seed + len(finished))
-        model, tok = load()
-        user = rwml.load_model(cfg.user_model) if cfg.user_model else (None, None)
-        with open(transitions, "a") as ft, open(episodes_file, "a") as fe:
+    todo = [dict(game=g, rollout=r) for g in games for r in range(cfg.rollouts_per_game)
+            if (envs.game_name(g), r) not in finished]
+    print(f"collect: {len(games)} {cfg.split} games x {cfg.rollouts_per_game} rollouts; {len(finished)} episodes "
+          f"already done, {len(todo)} to play -> {transitions}")
+    if todo:
+        torch.manual_seed(cfg.seed + len(finished))  # a resumed run does not replay the same samples
+        with make_env(cfg) as env, open(transitions, "a") as ft, open(episodes_file, "a") as fe:
+            model, tok = load()  # after make_env: ALFWorld's game workers fork without the model
+            user = rwml.load_model(cfg.user_model) if cfg.user_model else (None, None)
+
             def write(f, rec):
                 f.write(json.dumps(rec, default=str) + "\n")
                 f.flush()
 
-            rwml.play_tau2(model, tok, cfg.domain, [dict(ep, task=tasks[ep["game"]]) for ep in todo],
-                           user_model=user[0], user_tokenizer=user[1], history_len=cfg.history_len,
-                           max_turns=cfg.max_turns, temperature=cfg.temperature, top_p=cfg.top_p,
-                           max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, on_turn=lambda t: write(ft, t),
-                           on_episode=lambda e: write(fe, e), desc="collect tau2")
-    elif todo:
-        torch.manual_seed(cfg.seed + len(finished))  # a resumed run does not replay the same samples
-        with envs.EnvPool(cfg.num_workers, cfg.max_turns) as pool:  # workers fork before the model loads
-            model, tok = load()
-            with open(transitions, "a") as ft, open(episodes_file, "a") as fe:
-                def write(f, rec):
-                    f.write(json.dumps(rec) + "\n")
-                    f.flush()
-
-                rwml.play(model, tok, pool, todo, history_len=cfg.history_len, max_turns=cfg.max_turns,
-                          temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                          num_envs=cfg.num_envs, on_turn=lambda t: write(ft, t), on_episode=lambda e: write(fe, e),
-                          explore_prob=cfg.explore_prob, seed=cfg.seed + len(finished), desc="collect")
+            rwml.play(model, tok, env, todo, history_len=cfg.history_len, temperature=cfg.temperature, top_p=cfg.top_p,
+                      max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, on_turn=lambda t: write(ft, t),
+                      on_episode=lambda e: write(fe, e), explore_prob=cfg.explore_prob, seed=cfg.seed + len(finished),
+                      user_model=user[0], user_tokenizer=user[1], desc="collect")
     eps, trips = read_jsonl(episodes_file), read_jsonl(transitions)
     n = max(len(trips), 1)
     own = [t for t in trips if not t.get("explored")]
@@ -708,30 +690,31 @@ def train_wm_sft(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
 def train_rft(cfg: Config, out: Path, load):
     """RFT: the model plays the train games (tau2: tasks) rollouts_per_game times; SFT on its successes."""
     turns = []
-    games, workers = split_games(cfg)
-    with envs.EnvPool(workers, cfg.max_turns) if workers is not None else contextlib.nullcontext() as pool:
-        model, tok = load()  # ALFWorld's workers fork before the model loads
+    games = split_games(cfg)
+    with make_env(cfg) as env:
+        model, tok = load()  # after make_env: ALFWorld's game workers fork without the model
         torch.manual_seed(cfg.seed)
-        summaries = rwml.rollouts(model, tok, pool, games, cfg.rollouts_per_game, cfg, on_turn=turns.append,
+        summaries = rwml.rollouts(model, tok, env, games, cfg.rollouts_per_game, cfg, on_turn=turns.append,
                                   desc="rft rollouts")
     won = {i for i, s in enumerate(summaries) if s["won"]}
     keep = [t for t in turns if t["episode"] in won]
     if not keep:
         raise UserError(f"RFT: none of the {len(summaries)} episodes succeeded, so there is nothing to fine-tune on; "
                         "play more games (--num-games, --rollouts-per-game, --max-turns) or use a stronger --model")
-    system = rwml.TAU2_AGENT_SYSTEM if cfg.env == "tau2" else rwml.AGENT_SYSTEM
+    system = envs.Tau2.system if cfg.env == "tau2" else envs.Alfworld.system
     model, _, adapter = sft_adapter(cfg, model, tok, [t["prompt"] for t in keep], [t["response"] for t in keep], system,
                                     out, episodes=len(summaries), successes=len(won), turns=len(keep))
     print(f"rft: {len(won)}/{len(summaries)} episodes succeeded, SFT on their {len(keep)} turns; adapter -> {adapter}")
     return model
 
 
-def split_games(cfg: Config) -> tuple[list, int | None]:
-    """The games a stage plays (ALFWorld game files, or tau2 tasks) and the number of ALFWorld game
-    workers (None for tau2, whose tools run in-process)."""
-    if cfg.env == "tau2":
-        return envs.tau2_tasks(cfg.domain, cfg.split, cfg.num_tasks, cfg.seed), None
-    return envs.list_games(cfg.split, cfg.num_games, cfg.seed), cfg.num_workers
+def split_games(cfg: Config) -> list:
+    """The games a stage plays: `num_games` ALFWorld game files of `split`, or `num_tasks` tau2 tasks."""
+    return envs.games(cfg.env, cfg.split, cfg.num_tasks if cfg.env == "tau2" else cfg.num_games, cfg.seed, cfg.domain)
+
+
+def make_env(cfg: Config):
+    return envs.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns)
 
 
 # ----------------------------------------------------------------------------- stage 2: policy RL (METHOD.md §6)
@@ -750,9 +733,9 @@ def train_policy(cfg: Config, out: Path, load):
     check_init(cfg)
     _check_at_least(cfg, max_steps=1, games_per_step=1, num_generations=2, micro_batch_size=1, num_iterations=1,
                     save_steps=1, max_new_tokens=1)
-    games, workers = split_games(cfg)
-    with envs.EnvPool(workers, cfg.max_turns) if workers is not None else contextlib.nullcontext() as pool:
-        model, tok = load()  # ALFWorld's workers fork before the model loads
+    games = split_games(cfg)
+    with make_env(cfg) as env:
+        model, tok = load()  # after make_env: ALFWorld's game workers fork without the model
         torch.manual_seed(cfg.seed)
         model = start_adapter(cfg, model, None if cfg.init == "base" else cfg.adapter)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
@@ -765,7 +748,7 @@ def train_policy(cfg: Config, out: Path, load):
                 # the games of a step depend only on (seed, step): a resumed run plays the same ones
                 step_games = random.Random(cfg.seed * 1000 + state["step"]).sample(games, min(cfg.games_per_step, len(games)))
                 t0 = time.time()
-                res = rwml.policy_step(model, tok, optimizer, pool, step_games, cfg)
+                res = rwml.policy_step(model, tok, optimizer, env, step_games, cfg)
                 state["step"] += 1
                 u = res["updates"][-1]
                 log_row(metrics, writer, dict(step=state["step"], **{k: v for k, v in res.items() if k not in ("updates", "sample")},

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+import envs  # noqa: E402
 import rwml  # noqa: E402
 import train  # noqa: E402
 from bench.random_models import build  # noqa: E402
@@ -66,7 +67,7 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
     check("LoRA on all linear layers", any(p.requires_grad for p in model.parameters()))
 
     texts = [rwml.chat(tok, rwml.wm_prompt(t, False), rwml.WM_SYSTEM, rwml.wm_prefix(False)) for t in TRIPLETS]
-    _, shared = rwml.generate_ids(model, tok, texts, 3, max_new_tokens=12, temperature=0.0, top_p=1.0)
+    shared = rwml.sample(model, tok, texts, n=3, max_new_tokens=12, temperature=0.0).input_ids
     batch = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     with rwml.checkpoint_generation_config_off(model):
         plain = model.generate(**batch, generation_config=rwml.sampling_config(model, tok, temperature=0.0, top_p=1.0,
@@ -87,7 +88,8 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
 
     base = model.unload()  # the bare base again; stage 2 starts from the saved adapter, "ref" its frozen copy
     model = train.start_adapter(cfg, base, adapter)
-    prompt_ids = [tok(rwml.chat(tok, "Your task is to: put a mug in the sink", rwml.AGENT_SYSTEM, rwml.AGENT_PREFIX))["input_ids"]]
+    prompt_ids = [tok(rwml.chat(tok, "Your task is to: put a mug in the sink", envs.Alfworld.system,
+                            envs.AGENT_PREFIX))["input_ids"]]
     turns = [dict(episode=e, prompt_ids=prompt_ids[0], completion_ids=tok(f"go.</think><action>{a}</action>")["input_ids"],
                   response=a) for e, a in enumerate(["go to sinkbasin 1", "look"])]
     summaries = [dict(won=True, steps=1, invalid=0), dict(won=False, steps=1, invalid=0)]

@@ -77,8 +77,8 @@ def tiny(tiny_model):
 
 def rollout(model, tok, n=4, length=12):
     torch.manual_seed(0)
-    return rwml.sample_group(model, tok, ["go to desk 1", "open the drawer 2 please"], num_generations=n // 2,
-                             max_completion_length=length)
+    return rwml.sample_chat(model, tok, ["go to desk 1", "open the drawer 2 please"], system=rwml.WM_SYSTEM,
+                            prefix=rwml.WM_PREFIX, stop=rwml.WM_STOP, n=n // 2, max_new_tokens=length)
 
 
 def naive_logprobs(model, ids, attn, cmask):
@@ -97,7 +97,7 @@ def test_chunked_logprobs_and_gradients_match_naive(tiny):
             if "lora_B" in n:
                 p.normal_(0, 0.02)
     roll = rollout(model, tok)
-    ids, attn, cmask = roll["input_ids"], roll["attention_mask"], roll["completion_mask"]
+    ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     grads = []
     for fn in (lambda: rwml.completion_logprobs(model, ids, attn, cmask, chunk_size=5), lambda: naive_logprobs(model, ids, attn, cmask)):
@@ -124,9 +124,9 @@ def test_shared_prompt_forward_matches_naive_logprobs_and_gradients(tiny):
             if "lora_B" in n:
                 p.normal_(0, 0.02)
     torch.manual_seed(1)
-    roll = rwml.sample_group(model, tok, ["go to desk 1", "open the drawer 2 please", "look"], num_generations=3,
-                             max_completion_length=10)
-    ids, attn, cmask = roll["input_ids"], roll["attention_mask"], roll["completion_mask"]
+    roll = rwml.sample_chat(model, tok, ["go to desk 1", "open the drawer 2 please", "look"], system=rwml.WM_SYSTEM,
+                            prefix=rwml.WM_PREFIX, stop=rwml.WM_STOP, n=3, max_new_tokens=10)
+    ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     P = ids.shape[1] - cmask.shape[1]
     assert (attn[:, :P] == 0).any()  # prompts of different lengths: left padding is exercised
     adv = torch.linspace(-1, 1, ids.shape[0])
@@ -163,13 +163,13 @@ def test_kl_is_zero_against_itself_and_positive_against_another_policy(tiny_mode
     base, tok = rwml.load_model(tiny_model)
     model = train.start_adapter(train.Config(), base, tmp_path / "start")
     roll = rollout(model, tok)
-    batch = dict(input_ids=roll["input_ids"], attention_mask=roll["attention_mask"],
-                 completion_mask=roll["completion_mask"], advantages=torch.zeros(4),
-                 weights=rwml.token_weights(roll["completion_mask"], "grpo", 12))
+    batch = dict(input_ids=roll.input_ids, attention_mask=roll.attention_mask,
+                 completion_mask=roll.completion_mask, advantages=torch.zeros(4),
+                 weights=rwml.token_weights(roll.completion_mask, "grpo", 12))
     cfg = train.Config(beta=0.1, micro_batch_size=4)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     assert rwml.grpo_update(model, opt, batch, cfg)[0]["kl"] == 0.0  # reference = the frozen start adapter
-    args = roll["input_ids"], roll["attention_mask"], roll["completion_mask"]
+    args = roll.input_ids, roll.attention_mask, roll.completion_mask
     with torch.no_grad():
         logp = rwml.completion_logprobs(model, *args)
         with model.disable_adapter():
@@ -225,10 +225,10 @@ def test_shared_prefill_gives_the_same_tokens_as_plain_generate(tiny_model):
     plain = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     repeated = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True, add_special_tokens=False)
     ref = model.generate(**repeated, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
-    _, shared = rwml.generate_ids(model, tok, texts, 3, max_new_tokens=10, temperature=0.0, top_p=1.0)
+    shared = rwml.sample(model, tok, texts, n=3, max_new_tokens=10, temperature=0.0).input_ids
     assert torch.equal(shared, ref)
     torch.manual_seed(0)  # sampling: n different continuations per prompt, prompts kept in place
-    batch, out = rwml.generate_ids(model, tok, texts, 3, max_new_tokens=10, temperature=1.0, top_p=1.0)
+    out = rwml.sample(model, tok, texts, n=3, max_new_tokens=10, temperature=1.0).input_ids
     assert out.shape[0] == 6 and torch.equal(out[:, :plain["input_ids"].shape[1]], plain["input_ids"].repeat_interleave(3, 0))
     assert len({tuple(r) for r in out[:3, -10:].tolist()}) > 1
 
@@ -299,7 +299,7 @@ def test_sampling_ignores_the_checkpoints_generation_config(penalised_model):
     assert model.generation_config.repetition_penalty == 5.0
     roll = rwml.sample(model, tok, [rwml.chat(tok, "go to desk 1"), rwml.chat(tok, "open the fridge")],
                        max_new_tokens=12, temperature=0.0)
-    ids, attn, cmask = roll["input_ids"], roll["attention_mask"], roll["completion_mask"]
+    ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
@@ -336,11 +336,11 @@ def test_a_stop_string_ends_the_mask_and_padding_is_never_trained(tiny_model):
     assert tok.pad_token_id == tok.eos_token_id
     torch.manual_seed(0)
     roll = rwml.sample(model, tok, [rwml.chat(tok, "go to desk 1")] * 8, max_new_tokens=40, temperature=1.0, stop="e")
-    stopped = [j for j, t in enumerate(roll["texts"]) if t.endswith("e")]
+    stopped = [j for j, t in enumerate(roll.texts) if t.endswith("e")]
     assert stopped, "no row sampled an 'e' in 40 bytes"
     for j in stopped:
-        raw = tok.decode(roll["completion_ids"][j], skip_special_tokens=False)
+        raw = tok.decode(roll.completion_ids[j], skip_special_tokens=False)
         assert raw.endswith("e") and "e" not in raw[:-1] and tok.eos_token not in raw
-        width = roll["completion_mask"].shape[1]
-        if len(roll["completion_ids"][j]) < width:  # the row was padded after its stop
-            assert roll["input_ids"][j, -width + len(roll["completion_ids"][j])] == tok.pad_token_id
+        width = roll.completion_mask.shape[1]
+        if len(roll.completion_ids[j]) < width:  # the row was padded after its stop
+            assert roll.input_ids[j, -width + len(roll.completion_ids[j])] == tok.pad_token_id

@@ -17,9 +17,9 @@ def record_turns(tiny_model, num_games=2, episodes_per_game=2, max_turns=3):
     games = envs.list_games("train", num_games, seed=0)
     turns = []
     torch.manual_seed(0)
-    with envs.EnvPool(0, max_turns) as pool:
-        summaries = rwml.play(model, tok, pool, [dict(game=g) for g in games for _ in range(episodes_per_game)],
-                              max_turns=max_turns, max_new_tokens=6, num_envs=3, on_turn=turns.append,
+    with envs.make("alfworld", num_workers=0, max_turns=max_turns) as env:
+        summaries = rwml.play(model, tok, env, [dict(game=g) for g in games for _ in range(episodes_per_game)],
+                              max_new_tokens=6, num_envs=3, on_turn=turns.append,
                               record_tokens=True)
     return tok, turns, summaries
 
@@ -37,7 +37,7 @@ def test_every_turn_gets_its_episodes_advantage_and_environment_tokens_are_maske
         assert ids[j, -C:][cmask[j].bool()].tolist() == t["completion_ids"]
         assert ids[j, :-C][attn[j, :-C].bool()].tolist() == t["prompt_ids"]
         assert t["history"][-1]["observation"][:40] in tok.decode(t["prompt_ids"])
-        assert tok.decode(t["completion_ids"], skip_special_tokens=True) == t["response"][len(rwml.AGENT_PREFIX):]
+        assert tok.decode(t["completion_ids"], skip_special_tokens=True) == t["response"][len(envs.AGENT_PREFIX):]
     # later turns' prompts hold the observations that earlier turns caused: those are never trained on
     later = [t for t in turns if t["step"] > 0]
     assert later and all(t["history"][-2]["action"] in tok.decode(t["prompt_ids"]) for t in later)
@@ -59,8 +59,8 @@ def test_policy_step_with_all_equal_groups_trains_nothing(tiny_model):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     cfg = train.Config(num_generations=2, max_turns=2, max_new_tokens=6, num_envs=4, beta=0.0)
-    with envs.EnvPool(0, cfg.max_turns) as pool:
-        res = rwml.policy_step(model, tok, opt, pool, envs.list_games("train", 2, seed=0), cfg)
+    with envs.make("alfworld", num_workers=0, max_turns=cfg.max_turns) as env:
+        res = rwml.policy_step(model, tok, opt, env, envs.list_games("train", 2, seed=0), cfg)
     assert res["reward_mean"] == 0 and res["frac_reward_zero_std"] == 1
     assert res["num_turns"] == 8 and res["trained_turns"] == 0 and res["updates"][0]["loss"] == 0
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
@@ -69,20 +69,20 @@ def test_policy_step_with_all_equal_groups_trains_nothing(tiny_model):
 def scripted_episode(tok, game: str, commands: list[str], episode: int, max_turns: int):
     """An episode on the real engine with the given commands, recorded as `play(record_tokens=True)` does:
     the agent prompt, and a reply "<think>..</think><action>command</action>" as token ids."""
-    g = envs.Game(max_turns)
-    s = g.reset(game)
-    past, obs, admissible, turns = [], s["obs"], s["admissible"], []
-    for step, command in enumerate(commands):
-        prompt = rwml.agent_prompt(s["task"], past[-2:], obs, admissible, step, max_turns)
-        reply = f"I will {command}.</think><action>{command}</action>"
-        r = g.step(command)
-        turns.append(dict(episode=episode, step=step, prompt=prompt, response=rwml.AGENT_PREFIX + reply,
-                          prompt_ids=tok(rwml.chat(tok, prompt, rwml.AGENT_SYSTEM, rwml.AGENT_PREFIX))["input_ids"],
-                          completion_ids=tok(reply)["input_ids"]))
-        past.append((obs, command))
-        obs, admissible = r["obs"], r["admissible"]
-        if r["done"]:
-            break
+    turns, past = [], []
+    with envs.Alfworld(num_workers=0, max_turns=max_turns) as env:
+        obs = env.reset({0: dict(game=game)})[0]["obs"]
+        for step, command in enumerate(commands):
+            prompt = env.prompt(0, past[-2:])
+            reply = f"I will {command}.</think><action>{command}</action>"
+            r = env.step({0: envs.AGENT_PREFIX + reply})[0]
+            turns.append(dict(episode=episode, step=step, prompt=prompt, response=envs.AGENT_PREFIX + reply,
+                              prompt_ids=tok(rwml.chat(tok, prompt, env.system, envs.AGENT_PREFIX))["input_ids"],
+                              completion_ids=tok(reply)["input_ids"]))
+            past.append((obs, r["action"]))
+            obs = r["obs"]
+            if r["done"]:
+                break
     return turns, dict(won=r["won"], steps=len(turns), invalid=0)
 
 
@@ -136,8 +136,9 @@ def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
     model = train.start_adapter(cfg, model, adapter)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable and all(".default." in n for n, p in model.named_parameters() if p.requires_grad)
-    roll = rwml.sample_group(model, tok, ["go to desk 1", "open drawer 2"], num_generations=2, max_completion_length=6)
-    args = roll["input_ids"], roll["attention_mask"], roll["completion_mask"]
+    roll = rwml.sample_chat(model, tok, ["go to desk 1", "open drawer 2"], system=rwml.WM_SYSTEM, prefix=rwml.WM_PREFIX,
+                            stop=rwml.WM_STOP, n=2, max_new_tokens=6)
+    args = roll.input_ids, roll.attention_mask, roll.completion_mask
     batch = dict(input_ids=args[0], attention_mask=args[1], completion_mask=args[2])
     with torch.no_grad():
         policy = rwml.completion_logprobs(model, *args)
@@ -149,7 +150,7 @@ def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
     assert not torch.allclose(policy, bare, atol=1e-3)  # ... not the bare base model
     opt = torch.optim.AdamW(trainable, lr=5e-2)
     batch.update(advantages=torch.tensor([1.0, -1.0, 1.0, -1.0]),
-                 weights=rwml.token_weights(roll["completion_mask"], "grpo", 6))
+                 weights=rwml.token_weights(roll.completion_mask, "grpo", 6))
     first = rwml.grpo_update(model, opt, batch, cfg)
     assert first[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # starts at its reference
     second = rwml.grpo_update(model, opt, batch, cfg)

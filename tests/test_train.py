@@ -159,16 +159,16 @@ def test_4bit_lora_gradients_survive_generate(tiny_model):
             if "lora_B" in n:
                 p.normal_(0, 0.02)
     torch.manual_seed(0)
-    roll = rwml.sample_group(model, tok, ["go to desk 1"], num_generations=2, max_completion_length=6)
+    roll = rwml.sample_chat(model, tok, ["go to desk 1"], n=2, max_new_tokens=6)
 
     def grads():
         model.zero_grad()
-        lp = rwml.completion_logprobs(model, roll["input_ids"], roll["attention_mask"], roll["completion_mask"])
+        lp = rwml.completion_logprobs(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
         (-lp.sum()).backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     first = grads()
-    rwml.generate(model, tok, ["open drawer 1"], max_new_tokens=4, temperature=0)  # the eval-mode no-grad forward
+    rwml.sample_chat(model, tok, ["open drawer 1"], max_new_tokens=4, temperature=0)  # the eval-mode no-grad forward
     second = grads()
     assert all(torch.allclose(first[n], second[n], rtol=1e-4, atol=1e-7) for n in first)
     assert any(g.abs().sum() > 0 for g in first.values())
@@ -238,16 +238,15 @@ def test_every_tensor_reaching_the_loss_is_on_the_models_device(tiny_model, tran
     trips = train.read_transitions(transitions)[:2]
     cfg = train.Config(num_generations=2, max_completion_length=6, micro_batch_size=4, beta=0.1, num_iterations=2)
     torch.manual_seed(0)
-    roll = rwml.sample_group(model, tok, [rwml.wm_prompt(t, False) for t in trips], num_generations=2,
-                             max_completion_length=6, prefix=rwml.wm_prefix(False))
+    roll = rwml.sample_predictions(model, tok, trips, reasoning=False, n=2, max_new_tokens=6)
     turns = []
-    with envs.EnvPool(0, 2) as pool:
-        summaries = rwml.rollouts(model, tok, pool, envs.list_games("train", 1, seed=0), 2, dataclasses.replace(
-            cfg, max_turns=2, max_new_tokens=4), on_turn=turns.append)
+    with envs.make("alfworld", num_workers=0, max_turns=2) as env:
+        summaries = rwml.rollouts(model, tok, env, envs.list_games("train", 1, seed=0), 2, dataclasses.replace(
+            cfg, max_new_tokens=4), on_turn=turns.append)
     summaries[0]["won"] = True  # a mixed group, so that stage 2 has turns to train on
     model.to("meta")
     assert model.device.type == "meta"
-    on_device = {k: v.to("meta") if torch.is_tensor(v) else v for k, v in roll.items()}
+    on_device = rwml.Rollout(**{k: v.to("meta") if torch.is_tensor(v) else v for k, v in vars(roll).items()})
     monkeypatch.setattr(rwml, "sample", lambda *a, **k: on_device)
     monkeypatch.setattr(rwml, "rollouts", lambda *a, on_turn=None, **k: [on_turn(t) for t in turns] and summaries)
     monkeypatch.setattr(rwml, "group_logprobs", lambda model, p, pm, c, cm, **k: torch.zeros(cm.shape, device=model.device))
