@@ -43,49 +43,36 @@ from tqdm.auto import tqdm
 import envs
 import rwml
 from envs import UserError
-from reward import BUNDLED_EMBEDDER, SimToRealReward, calibrate
-from train import (check_adapter, check_choices, check_writable, parse_config, read_jsonl,
-                   read_transitions, run_cli, write_atomic)
+from reward import calibrate
+from train import (AgentConfig, ModelConfig, WorldModelConfig, check_adapter, check_choices, check_writable, make_reward,
+                   parse_config, read_jsonl, read_transitions, run_cli, write_atomic)
 
 COMMANDS = ("agent", "wm", "calibrate", "weights", "report", "sanity")
 
 
 @dataclass
-class AgentEvalConfig:
-    model: str = rwml.BUNDLED_MODEL
-    adapter: str | None = None
-    env: str = "alfworld"  # or tau2
-    domain: str = "retail"  # tau2: airline | retail | telecom
-    user_model: str | None = None  # tau2's simulated customer; None = the agent's model
+class AgentEvalConfig(AgentConfig, ModelConfig):
+    """The agent's fields of train.Config, with the paper's evaluation protocol as defaults."""
     split: str | None = None  # ALFWorld: valid_seen (ID, the default), valid_unseen (OOD), or both: a,b; tau2: test
     num_games: int | None = None  # per split; None = the whole split (140 seen, 134 unseen)
     num_tasks: int | None = None  # tau2: None = the whole split (test: retail 40, telecom 40, airline 20)
-    seeds: int = 3  # independent runs of every game; reported as mean and std
-    seed: int = 0  # draws the game subset and the sampling
     max_turns: int = 30
-    history_len: int = 2
+    max_new_tokens: int = 128
+    num_envs: int = 10
     temperature: float = 0.7
     top_p: float = 1.0
-    max_new_tokens: int = 128
-    num_envs: int = 10  # episodes played (and generated for) together
-    num_workers: int = 2
+    seeds: int = 3  # independent runs of every game; reported as mean and std (seed draws games and sampling)
     out: str = "results.json"
 
 
 @dataclass
-class WMEvalConfig:
+class WMEvalConfig(WorldModelConfig, ModelConfig):
+    """The world model's fields of train.Config, on a transitions file."""
     transitions: str | None = None  # held-out transitions.jsonl (from `train.py collect --split valid_seen`)
-    model: str = rwml.BUNDLED_MODEL
-    adapter: str | None = None
-    embedder: str = BUNDLED_EMBEDDER
-    tau_d: float = 0.1
     max_triplets: int = 0  # 0 = all; else a seeded sample
-    max_completion_length: int = 64
-    wm_reasoning: bool = False  # as in train.Config
-    eval_samples: int = 4  # predictions per triplet, sampled at `temperature` (0 = one greedy), as in train.Config
-    temperature: float = 1.0
+    max_completion_length: int = rwml.GRPOConfig.max_completion_length
+    temperature: float = rwml.GRPOConfig.temperature
     num_generations: int = 4  # calibrate: predictions per prompt (a GRPO group)
-    seed: int = 0
     out: str = "wm.json"
 
 
@@ -138,11 +125,12 @@ def _sample(trips: list[dict], n: int, seed: int) -> list[dict]:
     return [trips[i] for i in sorted(random.Random(seed).sample(range(len(trips)), n))]
 
 
-def evaluate_wm(cfg: WMEvalConfig) -> dict:
+def wm_accuracy(cfg: WMEvalConfig) -> dict:
+    """`eval.py wm`: rwml.evaluate_wm on a transitions file, the base model or base + adapter."""
     import torch
 
     trips = _sample(read_transitions(cfg.transitions), cfg.max_triplets, cfg.seed)
-    reward_fn = SimToRealReward(cfg.embedder, cfg.tau_d)
+    reward_fn = make_reward(cfg)
     model, tok = rwml.load_model(cfg.model, cfg.adapter)
     torch.manual_seed(cfg.seed)  # as train.py's before / after evaluation
     result = rwml.evaluate_wm(model, tok, trips, reward_fn, max_new_tokens=cfg.max_completion_length,
@@ -155,7 +143,7 @@ def calibrate_tau(cfg: WMEvalConfig) -> dict:
     import torch
 
     trips = _sample(read_transitions(cfg.transitions), cfg.max_triplets or 32, cfg.seed)
-    reward_fn = SimToRealReward(cfg.embedder, cfg.tau_d)
+    reward_fn = make_reward(cfg)
     model, tok = rwml.load_model(cfg.model, cfg.adapter)
     torch.manual_seed(cfg.seed)
     groups, k = [], cfg.num_generations
@@ -563,7 +551,7 @@ def main(argv: list[str] | None = None) -> None:
     check_adapter(cfg.adapter)
     out = Path(cfg.out)
     check_writable(out, folder=False)
-    run = dict(agent=evaluate_agent, wm=evaluate_wm, calibrate=calibrate_tau, weights=evaluate_weights)
+    run = dict(agent=evaluate_agent, wm=wm_accuracy, calibrate=calibrate_tau, weights=evaluate_weights)
     result = run[command](cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(result, indent=2))

@@ -257,9 +257,31 @@ def easy_subsample(scores: list[float], easy_share: float = 0.3, keep_prob: floa
 
 
 # ============================================================================ 5. GRPO (METHOD.md §5)
-#   A_i = (r_i - mean(r_group)) / std(r_group)
-#   loss = -E[min(rho A, clip(rho, 1 - eps, 1 + eps_high) A)] + beta KL(pi_theta || pi_ref),  rho = pi_theta / pi_old
-# pi_ref is the same model with its LoRA adapter disabled: no second copy of the weights.
+#   A_i  = (r_i - mean(r_group)) / std(r_group)
+#   loss = -mean_t[min(rho_t A_i, clip(rho_t, 1 - eps, 1 + eps_high) A_i)] + beta KL_k3(pi_theta || pi_ref),
+#   rho_t = pi_theta(token) / pi_old(token)
+# pi_ref is the adapter's starting point, held without a second copy of the weights (`reference_policy`).
+
+@dataclass
+class GRPOConfig:
+    """GRPO's hyperparameters, named as in TRL's GRPOConfig (micro_batch_size: TRL's
+    per_device_train_batch_size). train.Config adds the rest of the method's settings to these."""
+    learning_rate: float = 2e-4
+    num_generations: int = 8  # completions per prompt: one group
+    max_completion_length: int = 64  # tokens per world-model prediction
+    temperature: float = 1.0  # sampling temperature of collection and of GRPO groups (training divides by it too)
+    top_p: float = 1.0
+    beta: float = 0.0  # KL weight (TRL's default); the reference is the warm-up adapter, else the bare base model
+    epsilon: float = 0.2  # clip range of the probability ratio
+    epsilon_high: float | None = None  # DAPO's clip-higher; None = epsilon
+    num_iterations: int = 1  # updates per generated batch (mu)
+    loss_type: str = "grpo"  # grpo | dapo | dr_grpo: how token losses are averaged
+    scale_rewards: str = "group"  # group | batch | none: the std that divides advantages
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 8  # completions per forward/backward (gradient accumulation inside a step)
+    shared_prompt_forward: bool = True  # training forward: a group's completions share one prompt forward
+    logits_chunk_size: int = 512  # completion tokens per vocabulary projection
+
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
     """Group-normalised advantages (TRL's `scale_rewards`: group / batch / none; std is unbiased)."""
@@ -288,27 +310,161 @@ def token_weights(mask: torch.Tensor, loss_type: str, max_completion_length: int
     raise UserError(f"unknown loss_type {loss_type!r}; choose grpo, dapo or dr_grpo")
 
 
-def grpo_loss(logp, old_logp, ref_logp, advantages, weights, *, beta: float = 0.0, epsilon: float = 0.2,
-              epsilon_high: float | None = None) -> tuple[torch.Tensor, dict]:
-    """Clipped surrogate + beta * KL (k3 estimator) per token, weighted (see `token_weights`).
-    All per-token tensors are [B, C]; advantages is [B]."""
-    ratio = torch.exp(logp - old_logp)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high))
-    a = advantages.unsqueeze(1)
-    per_token = -torch.min(ratio * a, clipped * a)
-    kl = torch.zeros_like(logp)
-    if beta and ref_logp is not None:
-        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # k3: unbiased, always >= 0
-        per_token = per_token + beta * kl
-    loss = (per_token * weights).sum()
-    # TRL's clip ratio: tokens where the clipped term won, i.e. the ratio left the trust region in the
-    # direction the advantage pushes (below 1 - eps with A < 0, above 1 + eps_high with A > 0)
-    r, live = ratio.detach(), (weights > 0).float()
-    was_clipped = ((r < 1 - epsilon) & (a < 0)) | ((r > 1 + (epsilon if epsilon_high is None else epsilon_high)) & (a > 0))
-    norm = live.sum().clamp(min=1)
-    stats = dict(kl=float((kl.detach() * live).sum() / norm), clip_ratio=float((was_clipped.float() * live).sum() / norm))
-    return loss, stats
+def kl_k3(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi_theta || pi_ref), the k3 estimator: unbiased, never negative."""
+    return torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
 
+
+def grpo_loss(logp, old_logp, ref_logp, advantages, weights, *, beta: float = 0.0, epsilon: float = 0.2,
+              epsilon_high: float | None = None) -> torch.Tensor:
+    """The clipped surrogate plus beta * KL per token, averaged by `weights` (`token_weights`).
+    Per-token tensors are [B, C]; advantages is [B]."""
+    ratio, a = torch.exp(logp - old_logp), advantages.unsqueeze(1)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high))
+    per_token = -torch.min(ratio * a, clipped * a)
+    if beta:
+        per_token = per_token + beta * kl_k3(ref_logp, logp)
+    return (per_token * weights).sum()
+
+
+@torch.no_grad()
+def loss_stats(logp, old_logp, ref_logp, advantages, weights, *, epsilon: float = 0.2,
+               epsilon_high: float | None = None) -> dict:
+    """The mean KL and TRL's clip ratio over the live tokens: a token counts as clipped when the clipped
+    term wins, i.e. its ratio left [1 - eps, 1 + eps_high] in the direction its advantage pushes."""
+    ratio, a, live = torch.exp(logp - old_logp), advantages.unsqueeze(1), (weights > 0).float()
+    high = 1 + (epsilon if epsilon_high is None else epsilon_high)
+    clipped = ((ratio < 1 - epsilon) & (a < 0)) | ((ratio > high) & (a > 0))
+    kl = kl_k3(ref_logp, logp) if ref_logp is not None else torch.zeros_like(logp)
+    n = live.sum().clamp(min=1)
+    return dict(kl=float((kl * live).sum() / n), clip_ratio=float((clipped.float() * live).sum() / n))
+
+
+def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg: GRPOConfig, *,
+              reasoning: bool = True) -> dict:
+    """One RWML step on a batch of world-model prompts: sample a group of predictions per prompt, score
+    them against the real next observations, normalise within groups, `num_iterations` updates."""
+    G = cfg.num_generations
+    model.eval()  # sampling
+    roll = sample_predictions(model, tokenizer, triplets, reasoning=reasoning, n=G,
+                              max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p)
+    rewards = torch.tensor(reward_fn(roll.texts, [t["next_obs"] for t in triplets for _ in range(G)]), dtype=torch.float)
+    ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
+    batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask,
+                 advantages=group_advantages(rewards, G, cfg.scale_rewards),
+                 weights=token_weights(cmask, cfg.loss_type, cfg.max_completion_length))
+    if cfg.shared_prompt_forward:  # the G completions of a prompt share its forward, in training as in sampling
+        P = ids.shape[1] - cmask.shape[1]
+        batch.update(prompt_ids=ids[::G, :P], prompt_mask=attn[::G, :P], group_size=G)
+    stats = grpo_update(model, optimizer, batch, cfg)
+    grouped = rewards.view(-1, G)
+    return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
+                frac_reward_zero_std=float((grouped.std(1) == 0).float().mean()),
+                format_rate=sum(parse_next_state(t) is not None for t in roll.texts) / len(roll.texts),
+                completion_tokens=float(cmask.sum(1).float().mean()), updates=stats, sample=roll.texts[0],
+                sample_target=triplets[0]["next_obs"], sample_reward=float(rewards[0]))
+
+
+def grpo_update(model, optimizer, batch: dict, cfg: GRPOConfig) -> list[dict]:
+    """`num_iterations` optimizer steps on one batch of sampled sequences (`batch`: input_ids,
+    attention_mask, completion_mask, advantages, weights; for groups sharing a prompt also prompt_ids,
+    prompt_mask, group_size), in micro-batches. A non-finite loss or gradient skips that update."""
+    micro = micro_batches(to_device(batch, model.device), cfg.micro_batch_size)
+    model.eval()
+    with torch.no_grad():  # pi_old: with one update it is pi_theta, ratio 1, no forward needed
+        old = [batch_logprobs(model, mb, cfg) for mb in micro] if cfg.num_iterations > 1 else None
+        ref = reference_logprobs(model, micro, cfg) if cfg.beta else None
+    model.train()
+    stats = []
+    for _ in range(cfg.num_iterations):
+        parts = []
+        for j, mb in enumerate(micro):
+            logp = batch_logprobs(model, mb, cfg)
+            args = (logp, old[j] if old else logp.detach(), ref[j] if ref else None, mb["advantages"], mb["weights"])
+            loss = grpo_loss(*args, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high)
+            if not torch.isfinite(loss):
+                parts = None  # skip this update
+                break
+            loss.backward()
+            parts.append(dict(loss=loss.item(), tokens=mb["completion_mask"].sum().item(),
+                              **loss_stats(*args, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high)))
+        stats.append(optimizer_step(model, optimizer, cfg.max_grad_norm, parts))
+    model.eval()
+    return stats
+
+
+def to_device(batch: dict, device) -> dict:
+    """The one place a batch meets the model's device: rewards, advantages and weights are built on the
+    CPU, sampled tokens come from the model's device."""
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def micro_batches(batch: dict, size: int) -> list[dict]:
+    """Slices of about `size` rows made of whole groups (their prompt rows go with them)."""
+    G = batch.get("group_size", 1)
+    rows, B = G * max(1, size // G), len(batch["input_ids"])
+    out = []
+    for i in range(0, B, rows):
+        mb = {k: v[i:i + rows] if torch.is_tensor(v) and len(v) == B else v for k, v in batch.items()}
+        if G > 1:
+            mb.update(prompt_ids=batch["prompt_ids"][i // G:(i + rows) // G],
+                      prompt_mask=batch["prompt_mask"][i // G:(i + rows) // G])
+        out.append(mb)
+    return out
+
+
+def batch_logprobs(model, mb: dict, cfg: GRPOConfig) -> torch.Tensor:
+    """log pi(token) of a micro-batch's completion tokens: each group's prompt once (`group_logprobs`), or
+    every row whole (`completion_logprobs`)."""
+    ids, cmask = mb["input_ids"], mb["completion_mask"]
+    if mb.get("group_size", 1) > 1:
+        return group_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], ids[:, ids.shape[1] - cmask.shape[1]:],
+                              cmask, temperature=cfg.temperature, chunk_size=cfg.logits_chunk_size)
+    return completion_logprobs(model, ids, mb["attention_mask"], cmask, temperature=cfg.temperature,
+                               chunk_size=cfg.logits_chunk_size)
+
+
+def reference_logprobs(model, micro: list[dict], cfg: GRPOConfig) -> list[torch.Tensor]:
+    with reference_policy(model):
+        return [batch_logprobs(model, mb, cfg) for mb in micro]
+
+
+def optimizer_step(model, optimizer, max_grad_norm: float, parts: list[dict] | None) -> dict:
+    """Clip and step after the micro-batches' backward passes (`parts`: their losses and statistics; None
+    when a loss was not finite); the statistics of the update, token-weighted over micro-batches."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if parts is not None else float("nan")
+    ok = math.isfinite(grad_norm)
+    if ok:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    parts = parts or []
+    tokens = max(sum(p["tokens"] for p in parts), 1)
+    return dict(loss=sum(p["loss"] for p in parts) if ok else float("nan"),
+                kl=sum(p["kl"] * p["tokens"] for p in parts) / tokens,
+                clip_ratio=sum(p["clip_ratio"] * p["tokens"] for p in parts) / tokens, grad_norm=grad_norm,
+                skipped=not ok)
+
+
+@contextmanager
+def reference_policy(model):
+    """pi_ref for the KL term: the frozen adapter named "ref" (TRL's name) when there is one (stage 2
+    started from an RWML or WM-SFT adapter), else the model with its adapter disabled (the base model)."""
+    if "ref" in getattr(model, "peft_config", {}):
+        active = model.active_adapter
+        model.set_adapter("ref", inference_mode=True)
+        try:
+            yield
+        finally:
+            model.set_adapter(active)  # trainable again; "ref" stays frozen
+    else:
+        with model.disable_adapter():
+            yield
+
+
+
+# Log-probs of completion tokens only: the decoder runs on [prompt | completion], the vocabulary
+# projection only on completion tokens, in chunks recomputed in backward.
 
 def _chunk_logps(hidden, weight, bias, targets, temperature):
     logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
@@ -385,112 +541,6 @@ def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_i
     return mask.long()
 
 
-@contextmanager
-def reference_policy(model):
-    """pi_ref for the KL term: the frozen adapter named "ref" (TRL's name) when there is one (stage 2
-    started from an RWML or WM-SFT adapter), else the model with its adapter disabled (the base model)."""
-    if "ref" in getattr(model, "peft_config", {}):
-        active = model.active_adapter
-        model.set_adapter("ref", inference_mode=True)
-        try:
-            yield
-        finally:
-            model.set_adapter(active)  # trainable again; "ref" stays frozen
-    else:
-        with model.disable_adapter():
-            yield
-
-
-def to_device(batch: dict, device) -> dict:
-    """The one place a batch meets the model's device: rewards, advantages and weights are built on the
-    CPU, sampled tokens come from the model's device."""
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def grpo_update(model, optimizer, batch: dict, cfg) -> list[dict]:
-    """`num_iterations` optimizer steps on one batch of sampled sequences, in micro-batches (gradient
-    accumulation). `batch`: input_ids, attention_mask, completion_mask ([prompt | completion] rows),
-    advantages [B], weights [B, C] (`token_weights`), and for groups sharing a prompt, prompt_ids,
-    prompt_mask and group_size (then `group_logprobs` runs each prompt once). pi_old and pi_ref log-probs
-    come first, without gradients; pi_ref is `reference_policy`. `cfg` carries TRL's names:
-    num_iterations, beta, epsilon, epsilon_high, temperature, micro_batch_size, logits_chunk_size,
-    max_grad_norm. A non-finite loss or gradient skips that update."""
-    batch = to_device(batch, model.device)
-    ids, attn, cmask = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
-    advantages, weights = batch["advantages"], batch["weights"]
-    G, P = batch.get("group_size", 1), ids.shape[1] - cmask.shape[1]
-    rows = G * max(1, cfg.micro_batch_size // G)  # whole groups per micro-batch
-    micro = [slice(i, i + rows) for i in range(0, ids.shape[0], rows)]
-
-    def logprobs(sl):
-        if G > 1:
-            groups = slice(sl.start // G, sl.stop // G)
-            return group_logprobs(model, batch["prompt_ids"][groups], batch["prompt_mask"][groups], ids[sl, P:], cmask[sl],
-                                  temperature=cfg.temperature, chunk_size=cfg.logits_chunk_size)
-        return completion_logprobs(model, ids[sl], attn[sl], cmask[sl], temperature=cfg.temperature,
-                                   chunk_size=cfg.logits_chunk_size)
-
-    model.eval()
-    with torch.no_grad():
-        # with one update, pi_old = pi_theta: the ratio is 1 and needs no extra forward
-        old = [logprobs(sl) for sl in micro] if cfg.num_iterations > 1 else None
-        ref = None
-        if cfg.beta:
-            with reference_policy(model):
-                ref = [logprobs(sl) for sl in micro]
-    model.train()
-    stats = []
-    for _ in range(cfg.num_iterations):
-        loss_total, kl, clip, ok = 0.0, 0.0, 0.0, True
-        for j, sl in enumerate(micro):
-            logp = logprobs(sl)
-            loss, s = grpo_loss(logp, old[j] if old else logp.detach(), ref[j] if ref else None, advantages[sl],
-                                weights[sl], beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high)
-            if not torch.isfinite(loss):
-                ok = False
-                break
-            loss.backward()
-            n = cmask[sl].sum().item() / max(cmask.sum().item(), 1)  # token share, for averaging the stats
-            loss_total, kl, clip = loss_total + loss.item(), kl + s["kl"] * n, clip + s["clip_ratio"] * n
-        if ok:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
-                                                             cfg.max_grad_norm))
-            ok = math.isfinite(grad_norm)
-        if ok:
-            optimizer.step()
-        else:
-            grad_norm = float("nan")
-        optimizer.zero_grad(set_to_none=True)
-        stats.append(dict(loss=loss_total if ok else float("nan"), kl=kl, clip_ratio=clip, grad_norm=grad_norm,
-                          skipped=not ok))
-    model.eval()
-    return stats
-
-
-def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg) -> dict:
-    """One RWML step on a batch of world-model prompts: sample groups, score against the real next
-    observations, `num_iterations` updates. `cfg` carries the GRPO fields of train.Config."""
-    G = cfg.num_generations
-    model.eval()  # sampling
-    roll = sample_predictions(model, tokenizer, triplets, reasoning=cfg.wm_reasoning, n=G,
-                              max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p)
-    rewards = torch.tensor(reward_fn(roll.texts, [t["next_obs"] for t in triplets for _ in range(G)]), dtype=torch.float)
-    ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
-    batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask,
-                 advantages=group_advantages(rewards, G, cfg.scale_rewards),
-                 weights=token_weights(cmask, cfg.loss_type, cfg.max_completion_length))
-    if cfg.shared_prompt_forward:  # the G completions of a prompt share its forward, in training as in sampling
-        P = ids.shape[1] - cmask.shape[1]
-        batch.update(prompt_ids=ids[::G, :P], prompt_mask=attn[::G, :P], group_size=G)
-    stats = grpo_update(model, optimizer, batch, cfg)
-    grouped = rewards.view(-1, G)
-    return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
-                frac_reward_zero_std=float((grouped.std(1) == 0).float().mean()),
-                format_rate=sum(parse_next_state(t) is not None for t in roll.texts) / len(roll.texts),
-                completion_tokens=float(cmask.sum(1).float().mean()), updates=stats, sample=roll.texts[0],
-                sample_target=triplets[0]["next_obs"], sample_reward=float(rewards[0]))
-
-
 # ============================================================================ 6. Stage 2: policy RL (METHOD.md §6)
 # Ordinary multi-turn GRPO on task success, started from the RWML adapter (or the base model, or WM SFT).
 # For each game, num_generations episodes from the same start; the reward is the terminal success
@@ -515,31 +565,32 @@ def policy_batch(turns: list[dict], advantages: torch.Tensor, pad_token_id: int,
     return ids, attn, cmask, adv, weights
 
 
-def rollouts(model, tokenizer, env, games: list, n: int, cfg, **kwargs) -> list[dict]:
+def rollouts(model, tokenizer, env, games: list, n: int, **play_kwargs) -> list[dict]:
     """`n` episodes of each game in `env` (`envs.make`), with the exact tokens recorded (stage 2 trains on
-    them); in tau2 the reward is the official grading."""
+    them); in tau2 the reward is the official grading. play_kwargs: those of `play`."""
     model.eval()
     episodes = [dict(game=g, group=i, rollout=k) for i, g in enumerate(games) for k in range(n)]
-    return play(model, tokenizer, env, episodes, history_len=cfg.history_len, temperature=cfg.temperature,
-                top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, record_tokens=True, **kwargs)
+    return play(model, tokenizer, env, episodes, record_tokens=True, **play_kwargs)
 
 
-def policy_step(model, tokenizer, optimizer, env, games: list, cfg) -> dict:
-    """One stage-2 step: num_generations episodes of each game, terminal reward won, GRPO on every turn."""
+def policy_step(model, tokenizer, optimizer, env, games: list, cfg: GRPOConfig, **play_kwargs) -> dict:
+    """One stage-2 step: num_generations episodes of each game, sampled at cfg's temperature with replies of
+    at most max_completion_length tokens; terminal reward won; GRPO on every turn."""
     turns = []
-    summaries = rollouts(model, tokenizer, env, games, cfg.num_generations, cfg, on_turn=turns.append,
-                         desc="policy rollouts")
+    summaries = rollouts(model, tokenizer, env, games, cfg.num_generations, temperature=cfg.temperature,
+                         top_p=cfg.top_p, max_new_tokens=cfg.max_completion_length, on_turn=turns.append,
+                         desc="policy rollouts", **play_kwargs)
     return policy_update(model, tokenizer, optimizer, turns, summaries, cfg)
 
 
-def policy_update(model, tokenizer, optimizer, turns: list[dict], summaries: list[dict], cfg) -> dict:
+def policy_update(model, tokenizer, optimizer, turns: list[dict], summaries: list[dict], cfg: GRPOConfig) -> dict:
     """GRPO on recorded episodes: `summaries` in groups of num_generations episodes of one game, `turns`
     as `play(record_tokens=True)` gives them; the reward is won."""
     G = cfg.num_generations
     rewards = torch.tensor([float(s["won"]) for s in summaries])  # gamma = 1: the return is the terminal reward
     adv = group_advantages(rewards, G, cfg.scale_rewards)
     ids, attn, cmask, turn_adv, weights = policy_batch(turns, adv, tokenizer.pad_token_id, cfg.loss_type,
-                                                       cfg.max_new_tokens, keep_zero_advantage=bool(cfg.beta))
+                                                       cfg.max_completion_length, keep_zero_advantage=bool(cfg.beta))
     if ids.shape[0]:
         stats = grpo_update(model, optimizer, dict(input_ids=ids, attention_mask=attn, completion_mask=cmask,
                                                    advantages=turn_adv, weights=weights), cfg)

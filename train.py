@@ -27,11 +27,13 @@ import collections
 import dataclasses
 import difflib
 import errno
+import inspect
 import io
 import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -56,31 +58,48 @@ CHOICES = dict(env=("alfworld", "tau2"), domain=envs.TAU2_DOMAINS, init=INITS, r
 
 
 @dataclass
-class Config:
-    """Every hyperparameter of every stage. Defaults: the small-model recipe that shows RWML learning on the
-    bundled 135M model on a CPU; each departure from the paper is marked "(paper: ...)" and undone by
-    configs/paper.json (README, "Departures from the paper")."""
-    # --- model
+class ModelConfig:
     model: str = rwml.BUNDLED_MODEL  # any HF causal-LM id or local folder
-    adapter: str | None = None  # collect: play with this peft adapter; policy: start from it (see `init`)
+    adapter: str | None = None  # a peft adapter on top (collect: play with it; policy: start from it, see init)
     load_in_4bit: bool | None = None  # NF4 base weights via bitsandbytes (QLoRA); None = on when CUDA is present
     seed: int = 0
-    # --- data collection: the model plays train games at temperature 1.0; every turn is a triplet
+
+
+@dataclass
+class AgentConfig:
+    """How the model plays: in collection, in stage 2 and in `eval.py agent`."""
     env: str = "alfworld"  # or tau2 (tool use with a simulated customer; then `domain`, and games = tasks)
     domain: str = "retail"  # tau2: airline | retail | telecom
     user_model: str | None = None  # tau2's simulated customer: any HF causal LM; None = the agent's model
-    split: str = "train"
-    num_games: int = 16  # the paper plays every train game (3553); small default for a CPU sanity run
+    split: str | None = "train"
+    num_games: int | None = 16  # the paper plays every train game (3553); small default for a CPU sanity run
     num_tasks: int | None = 4  # tau2: tasks of the split (None = all; retail train has 74)
-    rollouts_per_game: int = 1  # the paper: 3 for ALFWorld
-    max_turns: int = 10  # environment step budget per episode (the paper: 30; `eval.py agent` uses 30)
-    explore_prob: float = 0.85  # share of turns whose action is drawn by command kind, not the model's (paper: 0)
-    history_len: int = 1  # H: previous (observation, action) pairs shown to the agent and kept per triplet (paper: 2)
-    temperature: float = 1.0  # sampling temperature of collection and of GRPO groups
-    top_p: float = 1.0
+    max_turns: int = 10  # environment step budget per episode (paper: 30; `eval.py agent` uses 30)
+    history_len: int = 1  # H: previous (observation, action) pairs the agent sees, kept per triplet (paper: 2)
     max_new_tokens: int = 64  # agent reply: <think>...</think><action>...</action>
     num_envs: int = 16  # episodes played (and generated for) together
     num_workers: int = 2  # game processes (0 = play in this process)
+
+
+@dataclass
+class WorldModelConfig:
+    """The world model's answer and its reward: 1 iff 1 - cos(E(prediction), E(real)) < tau_d."""
+    embedder: str = BUNDLED_EMBEDDER  # any sentence-transformers model id or folder
+    tau_d: float = 0.1  # chosen on the embedding geometry of real observations (README)
+    reward_metric: str = "embedding"  # or "rouge" (ablation)
+    reward_binary: bool = True  # False = the continuous-cosine ablation
+    wm_reasoning: bool = False  # <think> then <next_state> (paper: True); False = the reply starts at <next_state>
+    eval_samples: int = 4  # held-out predictions per triplet, sampled at `temperature` (0 = one greedy)
+
+
+@dataclass
+class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
+    """Every hyperparameter of every stage. Defaults: the small-model recipe that shows RWML learning on the
+    bundled 135M model on a CPU; each departure from the paper is marked "(paper: ...)" and undone by
+    configs/paper.json (README, "Departures from the paper")."""
+    # --- data collection: the model plays train games at `temperature`; every turn is a triplet
+    rollouts_per_game: int = 1  # the paper: 3 for ALFWorld
+    explore_prob: float = 0.85  # share of turns whose action is drawn by command kind, not the model's (paper: 0)
     heldout_split: str = "valid_seen"  # `all`: world-model accuracy is measured on games never trained on
     heldout_games: int = 6
     # --- "too easy" filter: an SFT copy on the filter split scores the rest
@@ -91,45 +110,23 @@ class Config:
     filter_samples: int = 4  # K predictions per training triplet (paper: 10)
     easy_share: float = 0.3  # tau_easy is set so that about this share counts as easy
     easy_keep_prob: float = 0.1  # easy triplets are kept with this probability
-    warmup: bool = True  # RWML starts from the SFT copy (format warm-up) and it is the KL reference (paper: False)
+    warmup: bool = True  # RWML starts from the SFT copy (format warm-up), its KL reference (paper: False)
     sft_epochs: int = 3
     sft_learning_rate: float = 5e-4
-    # --- reward: 1 iff 1 - cos(E(prediction), E(real)) < tau_d
-    embedder: str = BUNDLED_EMBEDDER  # any sentence-transformers model id or folder
-    tau_d: float = 0.1  # chosen with `python eval.py calibrate` and the embedding geometry (README)
-    reward_metric: str = "embedding"  # or "rouge" (ablation)
-    reward_binary: bool = True  # False = the continuous-cosine ablation
+    # --- RWML: GRPO on world-model prompts (the GRPO fields above), with a LoRA adapter
     reward_control: str = "none"  # controls: mis = another triplet's next observation, coin = a fair coin
-    # --- GRPO; names as in TRL
-    wm_reasoning: bool = False  # <think> then <next_state> (paper: True); False = the reply starts at <next_state>
     max_steps: int = 24  # optimizer steps
     prompts_per_step: int = 2  # world-model prompts per step, each with num_generations completions
-    num_generations: int = 8
-    max_completion_length: int = 64
-    learning_rate: float = 2e-4
-    beta: float = 0.0  # KL weight (TRL's default); the reference is the warm-up adapter, else the bare base model
-    epsilon: float = 0.2
-    epsilon_high: float | None = None  # DAPO's clip-higher; None = epsilon
-    num_iterations: int = 1  # updates per generated batch (mu)
-    loss_type: str = "grpo"  # grpo | dapo | dr_grpo
-    scale_rewards: str = "group"  # group | batch | none
-    max_grad_norm: float = 1.0
-    micro_batch_size: int = 8  # completions per forward/backward (gradient accumulation inside a step)
-    shared_prompt_forward: bool = True  # training forward: a group's completions share one prompt forward
-    logits_chunk_size: int = 512  # completion tokens per vocabulary projection
     gradient_checkpointing: bool = False
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
-    lora_target_modules: str = "all-linear"  # or e.g. "q_proj,k_proj,v_proj,o_proj"
-    # --- stage 2: policy RL on task success; also uses split, num_games, max_turns,
-    #     num_generations (episodes per game), max_new_tokens and the GRPO fields above
+    lora_target_modules: str = "all-linear"  # or e.g. "q_proj,k_proj,v_proj,o_proj" (paper: full fine-tuning)
+    # --- stage 2: policy RL on task success; also uses the agent's fields (num_generations: episodes per game)
     init: str = "base"  # what --adapter holds: base (no adapter) | rwml | wm-sft | rft; the KL reference is it, frozen
     games_per_step: int = 2  # games per policy step, drawn from the num_games train games
-    # --- world-model evaluation (held-out triplets, before and after)
-    eval_max_triplets: int = 48  # held-out triplets scored before and after (0 = all)
-    eval_samples: int = 4  # predictions per held-out triplet, sampled at `temperature` (0 = one greedy)
     # --- logging, checkpoints, output
+    eval_max_triplets: int = 48  # held-out triplets scored before and after (0 = all)
     save_steps: int = 4
     log_completions_steps: int = 4
     report_to: str = "none"  # or "tensorboard"
@@ -165,7 +162,7 @@ def check_config(cfg: Config, stage: str = "all") -> None:
         if isinstance(v, float) and not math.isfinite(v):
             bad(f.name, "must be a finite number")
     for name, lo in MIN.items():
-        if getattr(cfg, name) < lo:
+        if getattr(cfg, name) is not None and getattr(cfg, name) < lo:
             bad(name, f"must be at least {lo}")
     for name in UNIT:
         if not 0 <= getattr(cfg, name) <= 1:
@@ -204,9 +201,20 @@ def _fits(typ, value) -> bool:
     return value is None if typ is type(None) else isinstance(value, typ)
 
 
+def field_comments(cls) -> dict[str, str]:
+    """The comment after each field of a config dataclass and its bases: their --help text."""
+    docs = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass) and klass is not cls.__mro__[-1]:
+            for m in re.finditer(r"^    (\w+): [^\n#]*#\s*(.+)$", inspect.getsource(klass), re.M):
+                docs[m[1]] = m[2]
+    return docs
+
+
 def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None):
-    """Flags from a dataclass's fields; JSON file via --config; a typo gets a one-line error with a hint."""
-    hints = typing.get_type_hints(cls)
+    """Flags from a dataclass's fields (--help: each field's comment and default); JSON file via --config; a
+    typo gets a one-line error with a hint."""
+    hints, docs = typing.get_type_hints(cls), field_comments(cls)
     p = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS, allow_abbrev=False)
     for name, kw in (positional or {}).items():
         p.add_argument(name, **kw)
@@ -216,10 +224,11 @@ def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None
         if isinstance(typ, types.UnionType):  # `str | None` -> str
             typ = next(t for t in typing.get_args(typ) if t is not type(None))
         flag = "--" + f.name.replace("_", "-")
+        help_text = (docs[f.name] + " " if f.name in docs else "") + f"(default {f.default})"
         if typ is bool:
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=f"(default {f.default})")
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            p.add_argument(flag, dest=f.name, type=typ, metavar=typ.__name__.upper(), help=f"(default {f.default})")
+            p.add_argument(flag, dest=f.name, type=typ, metavar=typ.__name__.upper(), help=help_text)
     args, unknown = p.parse_known_args(argv)
     known = [f.name for f in dataclasses.fields(cls)]
     for u in unknown:
@@ -616,7 +625,7 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
         while state["step"] < cfg.max_steps:
             batch = [triplets[i] for i in next_batch(state, len(triplets), cfg.prompts_per_step, cfg.seed)]
             t0 = time.time()
-            res = rwml.grpo_step(model, tok, optimizer, batch, reward_fn, cfg)
+            res = rwml.grpo_step(model, tok, optimizer, batch, reward_fn, cfg, reasoning=cfg.wm_reasoning)
             seconds = (time.time() - t0) / len(res["updates"])
             for u in res["updates"]:
                 if state["step"] >= cfg.max_steps:
@@ -694,8 +703,8 @@ def train_rft(cfg: Config, out: Path, load):
     with make_env(cfg) as env:
         model, tok = load()  # after make_env: ALFWorld's game workers fork without the model
         torch.manual_seed(cfg.seed)
-        summaries = rwml.rollouts(model, tok, env, games, cfg.rollouts_per_game, cfg, on_turn=turns.append,
-                                  desc="rft rollouts")
+        summaries = rwml.rollouts(model, tok, env, games, cfg.rollouts_per_game, on_turn=turns.append,
+                                  desc="rft rollouts", **play_kwargs(cfg))
     won = {i for i, s in enumerate(summaries) if s["won"]}
     keep = [t for t in turns if t["episode"] in won]
     if not keep:
@@ -711,6 +720,12 @@ def train_rft(cfg: Config, out: Path, load):
 def split_games(cfg: Config) -> list:
     """The games a stage plays: `num_games` ALFWorld game files of `split`, or `num_tasks` tau2 tasks."""
     return envs.games(cfg.env, cfg.split, cfg.num_tasks if cfg.env == "tau2" else cfg.num_games, cfg.seed, cfg.domain)
+
+
+def play_kwargs(cfg: Config) -> dict:
+    """How the agent plays (`rwml.play`'s settings) in collection-like stages."""
+    return dict(history_len=cfg.history_len, temperature=cfg.temperature, top_p=cfg.top_p,
+                max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs)
 
 
 def make_env(cfg: Config):
@@ -741,6 +756,7 @@ def train_policy(cfg: Config, out: Path, load):
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                       weight_decay=0.0)
         state, writer = start_run(cfg, out, model, optimizer)
+        policy_grpo = dataclasses.replace(cfg, max_completion_length=cfg.max_new_tokens)  # a completion: a reply
         bar = tqdm(total=cfg.max_steps, initial=state["step"], desc=f"policy grpo ({cfg.init})", unit="step",
                    dynamic_ncols=True)
         with open(out / "metrics.jsonl", "a") as metrics:
@@ -748,7 +764,8 @@ def train_policy(cfg: Config, out: Path, load):
                 # the games of a step depend only on (seed, step): a resumed run plays the same ones
                 step_games = random.Random(cfg.seed * 1000 + state["step"]).sample(games, min(cfg.games_per_step, len(games)))
                 t0 = time.time()
-                res = rwml.policy_step(model, tok, optimizer, env, step_games, cfg)
+                res = rwml.policy_step(model, tok, optimizer, env, step_games, policy_grpo, history_len=cfg.history_len,
+                                       num_envs=cfg.num_envs)
                 state["step"] += 1
                 u = res["updates"][-1]
                 log_row(metrics, writer, dict(step=state["step"], **{k: v for k, v in res.items() if k not in ("updates", "sample")},
@@ -794,7 +811,7 @@ def plot_rewards(metrics_file: Path, png: Path, title: str) -> None:
     plt.close(fig)
 
 
-def make_reward(cfg: Config) -> SimToRealReward:
+def make_reward(cfg: WorldModelConfig) -> SimToRealReward:
     return SimToRealReward(cfg.embedder, cfg.tau_d, cfg.reward_metric, cfg.reward_binary)
 
 

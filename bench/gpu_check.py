@@ -79,7 +79,7 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     torch.manual_seed(1)
-    res = rwml.grpo_step(model, tok, opt, TRIPLETS, parity_reward, cfg)
+    res = rwml.grpo_step(model, tok, opt, TRIPLETS, parity_reward, cfg, reasoning=False)
     u = res["updates"][0]
     moved = any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
     check("stage-1 GRPO step", not u["skipped"] and moved, f"reward {res['reward_mean']:.2f}, loss {u['loss']:.4f}, "

@@ -73,7 +73,6 @@ def run_ours(cfg: BenchConfig) -> dict:
     import torch
 
     import rwml
-    import train
     from reward import SimToRealReward
 
     trips, reward = job_triplets(cfg), SimToRealReward()
@@ -81,14 +80,14 @@ def run_ours(cfg: BenchConfig) -> dict:
     torch.manual_seed(cfg.seed)
     model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, 0.0, ",".join(TARGETS))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate, weight_decay=0.0)
-    tcfg = train.Config(prompts_per_step=cfg.prompts_per_step, num_generations=cfg.num_generations, beta=cfg.beta,
-                        max_completion_length=cfg.max_completion_length, micro_batch_size=cfg.micro_batch_size,
-                        learning_rate=cfg.learning_rate, loss_type="grpo", temperature=1.0)
+    tcfg = rwml.GRPOConfig(num_generations=cfg.num_generations, beta=cfg.beta, learning_rate=cfg.learning_rate,
+                           max_completion_length=cfg.max_completion_length, micro_batch_size=cfg.micro_batch_size,
+                           loss_type="grpo", temperature=1.0)
     completions = tokens = 0
     t0 = time.perf_counter()
     for step in range(cfg.steps):
         batch = trips[step * cfg.prompts_per_step:(step + 1) * cfg.prompts_per_step]
-        res = rwml.grpo_step(model, tok, opt, batch, reward, tcfg)
+        res = rwml.grpo_step(model, tok, opt, batch, reward, tcfg, reasoning=True)  # TRL's prompts: <think> too
         n = len(batch) * cfg.num_generations
         completions, tokens = completions + n, tokens + res["completion_tokens"] * n
     return dict(seconds=time.perf_counter() - t0, completions=completions, tokens=tokens)

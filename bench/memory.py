@@ -40,14 +40,14 @@ def one_step(arm: str, model_name: str, sequences: int, length: int, completion:
     if arm == "naive":
         logits = model(input_ids=ids, attention_mask=attn).logits
         logp = logits[:, -completion - 1:-1].float().log_softmax(-1).gather(-1, ids[:, -completion:, None]).squeeze(-1)
-        loss, _ = rwml.grpo_loss(logp, logp.detach(), None, adv, weights)
+        loss = rwml.grpo_loss(logp, logp.detach(), None, adv, weights)
         loss.backward()
         loss_total = loss.item()
     else:
         for i in range(0, sequences, micro):
             s = slice(i, i + micro)
             logp = rwml.completion_logprobs(model, ids[s], attn[s], cmask[s])
-            loss, _ = rwml.grpo_loss(logp, logp.detach(), None, adv[s], weights[s])
+            loss = rwml.grpo_loss(logp, logp.detach(), None, adv[s], weights[s])
             loss.backward()
             loss_total += loss.item()
     opt.step()

@@ -34,8 +34,9 @@ ADV = torch.tensor([1.0, -2.0])
 def test_loss_types_by_hand(loss_type, expect):
     logp = torch.zeros(2, 3)
     w = rwml.token_weights(MASK, loss_type, max_completion_length=4)
-    loss, stats = rwml.grpo_loss(logp, logp, None, ADV, w)  # ratio 1: loss = -A per token
+    loss = rwml.grpo_loss(logp, logp, None, ADV, w)  # ratio 1: loss = -A per token
     assert loss.item() == pytest.approx(expect)
+    stats = rwml.loss_stats(logp, logp, None, ADV, w)
     assert stats["clip_ratio"] == 0.0 and stats["kl"] == 0.0
 
 
@@ -45,19 +46,20 @@ def test_clipping_by_hand():
     up, down = torch.log(torch.tensor([[1.5]])), torch.log(torch.tensor([[0.5]]))
     zero = torch.zeros(1, 1)
     # A > 0, ratio 1.5: clipped to 1.2 -> -1.2 A ; with epsilon_high 0.28 -> -1.28 A
-    assert rwml.grpo_loss(up, zero, None, torch.tensor([2.0]), w)[0].item() == pytest.approx(-2.4)
-    assert rwml.grpo_loss(up, zero, None, torch.tensor([2.0]), w, epsilon_high=0.28)[0].item() == pytest.approx(-2.56)
+    assert rwml.grpo_loss(up, zero, None, torch.tensor([2.0]), w).item() == pytest.approx(-2.4)
+    assert rwml.grpo_loss(up, zero, None, torch.tensor([2.0]), w, epsilon_high=0.28).item() == pytest.approx(-2.56)
     # A < 0, ratio 1.5: the unclipped term is the smaller one -> -1.5 A
-    assert rwml.grpo_loss(up, zero, None, torch.tensor([-2.0]), w)[0].item() == pytest.approx(3.0)
+    assert rwml.grpo_loss(up, zero, None, torch.tensor([-2.0]), w).item() == pytest.approx(3.0)
     # A < 0, ratio 0.5: clipped to 0.8 -> -0.8 A
-    loss, stats = rwml.grpo_loss(down, zero, None, torch.tensor([-2.0]), w)
-    assert loss.item() == pytest.approx(1.6) and stats["clip_ratio"] == 1.0
+    loss = rwml.grpo_loss(down, zero, None, torch.tensor([-2.0]), w)
+    assert loss.item() == pytest.approx(1.6) and rwml.loss_stats(down, zero, None, torch.tensor([-2.0]), w)["clip_ratio"] == 1.0
 
 
 def test_k3_kl_by_hand():
     logp, ref = torch.zeros(1, 1), torch.log(torch.tensor([[2.0]]))
     w = rwml.token_weights(torch.ones(1, 1), "grpo", 1)
-    loss, stats = rwml.grpo_loss(logp, logp, ref, torch.tensor([0.0]), w, beta=0.5)
+    loss = rwml.grpo_loss(logp, logp, ref, torch.tensor([0.0]), w, beta=0.5)
+    stats = rwml.loss_stats(logp, logp, ref, torch.tensor([0.0]), w)
     k3 = 2.0 - math.log(2.0) - 1
     assert stats["kl"] == pytest.approx(k3) and loss.item() == pytest.approx(0.5 * k3)
 
@@ -104,7 +106,7 @@ def test_chunked_logprobs_and_gradients_match_naive(tiny):
         model.zero_grad()
         lp = fn()
         w = rwml.token_weights(cmask, "grpo", 12)
-        loss, _ = rwml.grpo_loss(lp, lp.detach(), None, adv, w)
+        loss = rwml.grpo_loss(lp, lp.detach(), None, adv, w)
         loss.backward()
         grads.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
     (lp_a, g_a), (lp_b, g_b) = grads
@@ -136,7 +138,7 @@ def test_shared_prompt_forward_matches_naive_logprobs_and_gradients(tiny):
                lambda: naive_logprobs(model, ids, attn, cmask)):
         model.zero_grad()
         lp = fn()
-        loss, _ = rwml.grpo_loss(lp, lp.detach(), None, adv, w)
+        loss = rwml.grpo_loss(lp, lp.detach(), None, adv, w)
         loss.backward()
         grads.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
     (lp_a, g_a), (lp_b, g_b) = grads
@@ -174,7 +176,7 @@ def test_kl_is_zero_against_itself_and_positive_against_another_policy(tiny_mode
         logp = rwml.completion_logprobs(model, *args)
         with model.disable_adapter():
             bare = rwml.completion_logprobs(model, *args)
-    _, stats = rwml.grpo_loss(logp, logp, bare, torch.zeros(4), batch["weights"], beta=0.1)
+    stats = rwml.loss_stats(logp, logp, bare, torch.zeros(4), batch["weights"])
     assert stats["kl"] > 1e-3  # the bare base model is another policy
 
 
@@ -240,10 +242,10 @@ def test_clip_ratio_counts_only_tokens_where_the_clip_acts():
     region in the direction the advantage pushes. Ratio 1.5 with A < 0 is outside [0.8, 1.2] but not clipped."""
     w = rwml.token_weights(torch.ones(1, 1), "grpo", 1)
     up, down, zero = torch.log(torch.tensor([[1.5]])), torch.log(torch.tensor([[0.5]])), torch.zeros(1, 1)
-    assert rwml.grpo_loss(up, zero, None, torch.tensor([-1.0]), w)[1]["clip_ratio"] == 0.0
-    assert rwml.grpo_loss(up, zero, None, torch.tensor([1.0]), w)[1]["clip_ratio"] == 1.0
-    assert rwml.grpo_loss(down, zero, None, torch.tensor([1.0]), w)[1]["clip_ratio"] == 0.0
-    assert rwml.grpo_loss(down, zero, None, torch.tensor([-1.0]), w)[1]["clip_ratio"] == 1.0
+    assert rwml.loss_stats(up, zero, None, torch.tensor([-1.0]), w)["clip_ratio"] == 0.0
+    assert rwml.loss_stats(up, zero, None, torch.tensor([1.0]), w)["clip_ratio"] == 1.0
+    assert rwml.loss_stats(down, zero, None, torch.tensor([1.0]), w)["clip_ratio"] == 0.0
+    assert rwml.loss_stats(down, zero, None, torch.tensor([-1.0]), w)["clip_ratio"] == 1.0
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])

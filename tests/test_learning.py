@@ -35,7 +35,7 @@ def test_grpo_raises_the_reward_it_is_given(steerable_model):
                   next_obs=f"The box {i} is open.") for i in range(4)]
     rewards = []
     for step in range(25):
-        res = rwml.grpo_step(model, tok, opt, trips[step % 2 * 2:][:2], starts_with_a_letter, cfg)
+        res = rwml.grpo_step(model, tok, opt, trips[step % 2 * 2:][:2], starts_with_a_letter, cfg, reasoning=False)
         rewards.append(res["reward_mean"])
     start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert start < 0.3 and end > 0.7, rewards  # from ~10 % to most samples

@@ -58,9 +58,9 @@ def test_policy_step_with_all_equal_groups_trains_nothing(tiny_model):
     model = rwml.add_lora(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    cfg = train.Config(num_generations=2, max_turns=2, max_new_tokens=6, num_envs=4, beta=0.0)
-    with envs.make("alfworld", num_workers=0, max_turns=cfg.max_turns) as env:
-        res = rwml.policy_step(model, tok, opt, env, envs.list_games("train", 2, seed=0), cfg)
+    cfg = rwml.GRPOConfig(num_generations=2, max_completion_length=6, beta=0.0)
+    with envs.make("alfworld", num_workers=0, max_turns=2) as env:
+        res = rwml.policy_step(model, tok, opt, env, envs.list_games("train", 2, seed=0), cfg, num_envs=4)
     assert res["reward_mean"] == 0 and res["frac_reward_zero_std"] == 1
     assert res["num_turns"] == 8 and res["trained_turns"] == 0 and res["updates"][0]["loss"] == 0
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters() if p.requires_grad)
@@ -108,7 +108,7 @@ def test_policy_update_raises_the_won_episodes_replies_and_lowers_the_lost_ones(
 
     before = episode_logps()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    cfg = train.Config(num_generations=2, beta=0.0, micro_batch_size=4, max_new_tokens=32)
+    cfg = rwml.GRPOConfig(num_generations=2, beta=0.0, micro_batch_size=4, max_completion_length=32)
     res = rwml.policy_update(model, tok, opt, turns, [s_won, s_lost], cfg)
     after = episode_logps()
     assert res["reward_mean"] == 0.5 and res["frac_reward_zero_std"] == 0 and res["trained_turns"] == len(turns)

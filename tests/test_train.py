@@ -1,5 +1,4 @@
 """Stage-1 training end to end on a tiny model: checkpoints, resume, skipped steps, 4-bit gradients."""
-import dataclasses
 import json
 import math
 
@@ -81,7 +80,7 @@ def test_non_finite_loss_skips_the_step(tiny_model, transitions):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     cfg = train.Config(num_generations=2, max_completion_length=6, micro_batch_size=2)
     trips = train.read_transitions(transitions)[:2]
-    res = rwml.grpo_step(model, tok, opt, trips, lambda c, t: [math.nan] * len(c), cfg)
+    res = rwml.grpo_step(model, tok, opt, trips, lambda c, t: [math.nan] * len(c), cfg, reasoning=False)
     assert res["updates"][0]["skipped"] and math.isnan(res["updates"][0]["loss"])
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
 
@@ -185,7 +184,7 @@ def test_num_iterations_reuses_one_batch_for_several_updates(tiny_model, transit
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     cfg = train.Config(num_generations=2, max_completion_length=6, micro_batch_size=2, num_iterations=3, beta=0.1)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    res = rwml.grpo_step(model, tok, opt, train.read_transitions(transitions)[:2], parity_reward, cfg)
+    res = rwml.grpo_step(model, tok, opt, train.read_transitions(transitions)[:2], parity_reward, cfg, reasoning=False)
     assert len(res["updates"]) == 3 and not any(u["skipped"] for u in res["updates"])
     assert res["updates"][0]["clip_ratio"] == 0.0  # first update: pi_theta == pi_old
     assert all(u["kl"] > 0 for u in res["updates"])
@@ -209,7 +208,7 @@ def test_shared_prompt_forward_gives_the_same_update_as_the_plain_path(tiny_mode
         cfg = train.Config(num_generations=3, max_completion_length=8, micro_batch_size=3, num_iterations=2, beta=0.1,
                            shared_prompt_forward=shared)
         torch.manual_seed(1)
-        res = rwml.grpo_step(model, tok, opt, train.read_transitions(transitions)[3:5], parity_reward, cfg)
+        res = rwml.grpo_step(model, tok, opt, train.read_transitions(transitions)[3:5], parity_reward, cfg, reasoning=False)
         results.append((res, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}))
     (a, wa), (b, wb) = results
     assert a["sample"] == b["sample"] and a["reward_std"] > 0 and a["updates"][1]["kl"] > 0
@@ -241,8 +240,8 @@ def test_every_tensor_reaching_the_loss_is_on_the_models_device(tiny_model, tran
     roll = rwml.sample_predictions(model, tok, trips, reasoning=False, n=2, max_new_tokens=6)
     turns = []
     with envs.make("alfworld", num_workers=0, max_turns=2) as env:
-        summaries = rwml.rollouts(model, tok, env, envs.list_games("train", 1, seed=0), 2, dataclasses.replace(
-            cfg, max_new_tokens=4), on_turn=turns.append)
+        summaries = rwml.rollouts(model, tok, env, envs.list_games("train", 1, seed=0), 2, max_new_tokens=4,
+                                  on_turn=turns.append)
     summaries[0]["won"] = True  # a mixed group, so that stage 2 has turns to train on
     model.to("meta")
     assert model.device.type == "meta"
@@ -255,7 +254,7 @@ def test_every_tensor_reaching_the_loss_is_on_the_models_device(tiny_model, tran
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     reward = lambda completions, targets: [float(i % 2) for i in range(len(completions))]  # noqa: E731
     with pytest.raises(Reached):
-        rwml.grpo_step(model, tok, opt, trips, reward, cfg)
+        rwml.grpo_step(model, tok, opt, trips, reward, cfg, reasoning=False)
     with pytest.raises(Reached):
         rwml.policy_step(model, tok, opt, None, ["game"], cfg)
     assert len(seen) >= 8 and all(d.type == "meta" for d in seen), seen
