@@ -250,7 +250,8 @@ def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None
                 close = difflib.get_close_matches(k, known, n=1)
                 raise UserError(f"unknown key {k!r} in {args.config}" + (f"; did you mean {close[0]!r}?" if close else ""))
             if not _fits(hints[k], v):
-                want = str(hints[k]).replace("NoneType", "null").replace("<class '", "").replace("'>", "")
+                want = str(hints[k]).replace("NoneType", "null").replace("None", "null")
+                want = want.replace("<class '", "").replace("'>", "")
                 raise UserError(f"{k} in {args.config} must be {want}, got {json.dumps(v)}")
     values.update({k: v for k, v in vars(args).items() if k in known})
     rest = {k: v for k, v in vars(args).items() if k not in known and k != "config"}

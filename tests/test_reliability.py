@@ -336,7 +336,7 @@ def nothing_slow(monkeypatch):
     import eval as evaluate
 
     for owner, name in ((rwml, "load_model"), (train, "make_reward"), (train, "filter_triplets"),
-                        (envs, "EnvPool"), (evaluate, "SimToRealReward")):
+                        (envs, "EnvPool"), (evaluate, "make_reward")):
         monkeypatch.setattr(owner, name, slow)
 
 
@@ -372,7 +372,7 @@ WM = ["train.py", "wm", "--no-easy-filter", "--no-warmup"]
     (["train.py", "collect", "--config", "{bad}/list.json"], "holds [1, 2], not a JSON object"),
     (["train.py", "collect", "--config", "{bad}/null.json"], "holds null, not a JSON object"),
     (["train.py", "collect", "--config", "{bad}/two.json"],
-     'num_games in {bad}/two.json must be int, got "two"'),
+     'num_games in {bad}/two.json must be int | null, got "two"'),
     (["eval.py", "agent", "--config", "{bad}/out5.json"], "out in {bad}/out5.json must be str, got 5"),
     (["eval.py", "wm", "--transitions", "{bad}/latin1.jsonl"], "latin1.jsonl is not UTF-8 text"),
     (["eval.py", "wm", "--transitions", "{bad}/first_list.jsonl"], "first_list.jsonl, line 1: a JSON list"),
