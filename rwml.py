@@ -276,12 +276,12 @@ def easy_subsample(scores: list[float], easy_share: float = 0.3, keep_prob: floa
 class GRPOConfig:
     """GRPO's hyperparameters, named as in TRL's GRPOConfig (micro_batch_size: TRL's
     per_device_train_batch_size). train.Config adds the rest of the method's settings to these."""
-    learning_rate: float = 2e-4
+    learning_rate: float = 1e-4
     num_generations: int = 8  # completions per prompt: one group
     max_completion_length: int = 64  # tokens per world-model prediction
     temperature: float = 1.0  # sampling temperature of collection and GRPO groups (training divides by it)
     top_p: float = 1.0
-    beta: float = 0.0  # KL weight (TRL's default); reference: the warm-up adapter, else the bare base model
+    beta: float = 0.1  # KL weight; the reference is the warm-up adapter, else the bare base model (TRL: 0)
     epsilon: float = 0.2  # clip range of the probability ratio
     epsilon_high: float | None = None  # DAPO's clip-higher; None = epsilon
     num_iterations: int = 1  # updates per generated batch (mu)
