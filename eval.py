@@ -129,7 +129,8 @@ def wm_accuracy(cfg: WMEvalConfig) -> dict:
     """`eval.py wm`: rwml.evaluate_wm on a transitions file, the base model or base + adapter."""
     import torch
 
-    trips = _sample(read_transitions(cfg.transitions), cfg.max_triplets, cfg.seed)
+    # the draw is fixed (not the run's seed), as train.py's held-out set: every seed scores the same triplets
+    trips = _sample(read_transitions(cfg.transitions), cfg.max_triplets, 0)
     reward_fn = make_reward(cfg)
     model, tok = rwml.load_model(cfg.model, cfg.adapter)
     torch.manual_seed(cfg.seed)  # as train.py's before / after evaluation
@@ -476,8 +477,11 @@ def sanity_report(folder: Path) -> str:
     seeds = sorted(folder.glob("seed*"), key=lambda p: int(p.name[4:]))
     if not seeds:
         raise UserError(f"no seed*/ folders in {folder}: run sanity.sh first")
-    evals = {d.name: {a: json.loads((d / f"eval_{a}.json").read_text()) for a, _ in SANITY_ARMS
-                      if (d / f"eval_{a}.json").is_file()} for d in seeds}
+    def arm_file(d: Path, name: str) -> Path | None:  # the warm-up is shared: folder/<name>, not per seed
+        return next((f for f in (d / name, folder / name) if f.is_file()), None)
+
+    evals = {d.name: {a: json.loads(f.read_text()) for a, _ in SANITY_ARMS if (f := arm_file(d, f"eval_{a}.json"))}
+             for d in seeds}
     first = next(iter(next(iter(evals.values())).values()))
     cfg = first.get("config", {})
     lines = [f"Held-out world-model accuracy: {first['n']} `valid_seen` triplets (games never trained on) x "
@@ -513,7 +517,7 @@ def sanity_report(folder: Path) -> str:
     for d in seeds:
         (rw, zero), (coin, _) = curve(read_jsonl(d / "rwml" / "metrics.jsonl")), curve(read_jsonl(d / "coin" / "metrics.jsonl"))
         lines.append(f"| {d.name[4:]} | {rw} | {zero} | {coin} |")
-    agents = {d.name: [json.loads((d / f"agent_{a}.json").read_text()) if (d / f"agent_{a}.json").is_file() else None
+    agents = {d.name: [json.loads(f.read_text()) if (f := arm_file(d, f"agent_{a}.json")) else None
                        for a in ("warmup", "rwml")] for d in seeds}
     if any(all(v) for v in agents.values()):
         lines += ["", "**agent** (`valid_seen`, invalid actions per action: invalid command or format error)", "",

@@ -105,6 +105,8 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     # --- "too easy" filter: an SFT copy on the filter split scores the rest
     transitions: str | None = None  # `filter` / `wm` / `wm-sft`: a collection's transitions.jsonl
     filter_dir: str | None = None  # where the filter's outputs are kept and reused (None = <out>/filter)
+    filter_seed: int | None = None  # seed of the split, the SFT copy and its scores (None = seed): runs with other
+    #                                 seeds can then share one filter and one warm-up
     easy_filter: bool = True  # False = the paper's "without easy subsampling" ablation
     filter_split: float = 0.35  # share of triplets that trains the SFT copy, never seen by GRPO (paper: 0.1)
     filter_samples: int = 4  # K predictions per training triplet (paper: 10)
@@ -183,7 +185,7 @@ def check_config(cfg: Config, stage: str = "all") -> None:
         bad("num_tasks", "must be at least 1 (or left out: all tasks)")
     if cfg.epsilon_high is not None and cfg.epsilon_high < 0:
         bad("epsilon_high", "must be 0 or more (or left out: --epsilon)")
-    if stage == "all":  # collection gives at most this many triplets (fewer if an episode is won early)
+    if stage == "all" and cfg.num_games is not None:  # collection gives at most this many triplets
         n = cfg.num_games * cfg.rollouts_per_game * cfg.max_turns
         if n - max(1, round(cfg.filter_split * n)) < cfg.prompts_per_step:
             bad("filter_split", f"leaves fewer than --prompts-per-step {cfg.prompts_per_step} of the at most {n} "
@@ -391,7 +393,7 @@ def kind_mix(triplets: list[dict]) -> str:
 
 # ----------------------------------------------------------------------------- stage: filter
 
-FILTER_JOB = ("model", "seed", "easy_filter", "filter_split", "filter_samples", "easy_share", "easy_keep_prob", "warmup",
+FILTER_JOB = ("model", "easy_filter", "filter_split", "filter_samples", "easy_share", "easy_keep_prob", "warmup",
               "sft_epochs", "sft_learning_rate", "embedder", "tau_d", "reward_metric", "reward_binary",
               "max_completion_length", "lora_r", "lora_alpha", "lora_target_modules")
 
@@ -404,30 +406,31 @@ def filter_triplets(cfg: Config, triplets: list[dict], out: Path, load, reward_f
     so RWML, its baselines and its controls start from a model that writes the answer format. Cached in
     `out`, reused by any stage with the same settings. Returns (kept triplets, warm-up adapter or None)."""
     kept_file, meta_file, warm = out / "kept.jsonl", out / "filter.json", out / "warmup_adapter"
-    job = {k: getattr(cfg, k) for k in FILTER_JOB} | {"num_triplets": len(triplets)}
+    seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
+    job = {k: getattr(cfg, k) for k in FILTER_JOB} | {"seed": seed, "num_triplets": len(triplets)}
     if kept_file.exists() and meta_file.exists() and json.loads(meta_file.read_text())["job"] == job \
             and (not cfg.warmup or (warm / "adapter_config.json").is_file()):
         kept = read_jsonl(kept_file)
         print(f"filter: reusing {kept_file} ({len(kept)} triplets)" + (f" and {warm}" if cfg.warmup else ""))
         return kept, warm if cfg.warmup else None
-    train, filter_set = rwml.split_triplets(triplets, cfg.filter_split, cfg.seed)
+    train, filter_set = rwml.split_triplets(triplets, cfg.filter_split, seed)
     info = dict(easy_share=None)
     if cfg.easy_filter or cfg.warmup:
         model, tok = load()
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(seed)
         # the separate copy: a LoRA adapter of its own, trained, used, then removed (kept on disk for warmup)
         copy = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, 0.0, cfg.lora_target_modules)
         info["sft_losses"] = rwml.sft(copy, tok, [rwml.wm_prompt(t, reasoning=False) for t in filter_set],
                                       [rwml.wm_answer(t) for t in filter_set], system=rwml.wm_system(filter_set[0]),
                                       prefix=rwml.wm_prefix(False), epochs=cfg.sft_epochs, lr=cfg.sft_learning_rate,
-                                      seed=cfg.seed)
+                                      seed=seed)
         if cfg.warmup:
             out.mkdir(parents=True, exist_ok=True)
             save_adapter(copy, out, "warmup_adapter")
     if cfg.easy_filter:
         scores = rwml.easiness(copy, tok, train, reward_fn, k=cfg.filter_samples,
                                max_new_tokens=cfg.max_completion_length, temperature=1.0)
-        keep, easy, tau_easy = rwml.easy_subsample(scores, cfg.easy_share, cfg.easy_keep_prob, cfg.seed)
+        keep, easy, tau_easy = rwml.easy_subsample(scores, cfg.easy_share, cfg.easy_keep_prob, seed)
         kept = [t for t, k in zip(train, keep) if k]
         info.update(tau_easy=tau_easy, easy_share=sum(easy) / max(len(easy), 1), target_easy_share=cfg.easy_share,
                     mean_easiness=sum(scores) / max(len(scores), 1),

@@ -123,8 +123,11 @@ def gone_within(pids: list[int], seconds: float) -> bool:
 
 def start_pool_process() -> tuple[subprocess.Popen, list[int]]:
     """A process that holds an EnvPool of 2 workers (a game loaded), in its own process group."""
+    # SIGINT back to its default: a shell without job control (`cmd &`, some CI runners) starts background
+    # jobs with SIGINT ignored, and Python then never raises KeyboardInterrupt; a terminal does not
     proc = subprocess.Popen([sys.executable, "-c", POOL_SCRIPT.format(root=str(ROOT))], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert len(pids) == 2 and all(running(p) for p in pids), proc.stderr.read()
     return proc, pids
@@ -145,7 +148,11 @@ def test_workers_exit_when_their_parent_is_killed():
 def test_ctrl_c_is_one_line_and_the_workers_exit():
     proc, pids = start_pool_process()
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal signals the whole foreground process group
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 1 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "interrupted", err
     assert gone_within(pids, 5)
@@ -381,6 +388,10 @@ WM = ["train.py", "wm", "--no-easy-filter", "--no-warmup"]
     (AGENT + ["--adapter", "{bad}/adapter"], "adapter_config.json is not a readable peft adapter config"),
     (["train.py", "policy", "--init", "rwml", "--adapter", "{bad}/adapter"], "not a readable peft adapter"),
     (AGENT + ["--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
+    # issue 11: a filter split (the warm-up's slice) or an exploration rate that leaves nothing to train on
+    (["train.py", "--num-games", "1", "--max-turns", "2", "--filter-split", "0.9"], "leaves fewer than"),
+    (["train.py", "--explore-prob", "1.5"], "--explore-prob 1.5: must be between 0 and 1"),
+    (["train.py", "--heldout-games", "0"], "--heldout-games 0: must be at least 1"),
     # 8. bad values
     (AGENT + ["--temperature", "-1"], "--temperature -1.0: must be 0 or more"),
     (AGENT + ["--temperature", "nan"], "--temperature nan: must be a finite number"),
@@ -504,5 +515,6 @@ def test_collection_after_kill_9_keeps_every_finished_episode_and_says_what_it_d
     eps2, trips2, _ = files()
     assert eps2[:len(eps)] == eps and trips2[:len(kept)] == kept  # nothing finished was lost or changed
     assert len(eps2) == 4 and len(trips2) == sum(e["steps"] for e in eps2)
-    paragraph = (ROOT / "README.md").read_text().split("No run loses work")[1].split("\n\n")[1]
-    assert "The unit is the episode" in paragraph and "played again from their start" in paragraph
+    section = (ROOT / "README.md").read_text().split("## No run loses work")[1].split("\n## ")[0]
+    section = " ".join(section.split())  # the README's line breaks fall anywhere
+    assert "The unit is the episode" in section and "played again from their start" in section
