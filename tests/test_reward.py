@@ -57,10 +57,17 @@ def test_continuous_and_rouge_options():
     assert rouge_l("", "a") == 0.0
 
 
-def test_target_embeddings_are_cached(reward):
+def test_target_embeddings_are_cached(reward, monkeypatch):
     reward._targets.clear()
-    reward([wrap(p) for p in PARAPHRASE] * 3, REAL * 3)
-    assert len(reward._targets) == 2
+    encoded = []
+    embed = reward._embed
+    monkeypatch.setattr(reward, "_embed", lambda texts: encoded.extend(texts) or embed(texts))
+    first = reward([wrap(p) for p in PARAPHRASE] * 3, REAL * 3)
+    assert sorted(t for t in encoded if t in REAL) == sorted(REAL)  # each target embedded once, not 3 times
+    encoded.clear()
+    again = reward([wrap(p) for p in PARAPHRASE] * 3, REAL * 3)
+    assert not set(encoded) & set(REAL)  # the second call embeds predictions only
+    assert again == first == [1.0, 1.0] * 3  # and the cached embeddings give the same rewards
 
 
 def test_calibrate_reports_mean_reward_and_uninformative_groups(reward):
