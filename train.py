@@ -5,6 +5,8 @@
     python train.py wm --transitions runs/collect/transitions.jsonl --max-steps 200 --num-generations 4 --out runs/wm
     python train.py wm ... --resume      # continue an interrupted run from its last checkpoint
     python train.py wm ... --reward-control mis|coin                     # the reward controls
+    python train.py wm ... --trainer trl  # the same stage in TRL's GRPOTrainer; on N GPUs:
+    accelerate launch --num_processes N train.py wm ... --trainer trl [--use-vllm]
     python train.py wm-sft --transitions runs/collect/transitions.jsonl --out runs/wm_sft
     python train.py policy --init rwml --adapter runs/wm/adapter --num-games 8 --num-generations 4 --out runs/policy
     python train.py collect --env tau2 --domain retail --num-tasks 20 --out runs/tau2   # tau2-bench triplets
@@ -24,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import difflib
 import errno
+import importlib.util
 import inspect
 import io
 import json
@@ -54,7 +58,7 @@ STAGES = ("all", "collect", "filter", "wm", "wm-sft", "rft", "policy")
 INITS = ("base", "rwml", "wm-sft", "rft")
 CHOICES = dict(env=("alfworld", "tau2"), domain=envs.TAU2_DOMAINS, init=INITS, reward_control=("none", "mis", "coin"), reward_metric=("embedding", "rouge"),
                loss_type=("grpo", "dapo", "dr_grpo"), scale_rewards=("group", "batch", "none"),
-               report_to=("none", "tensorboard"))
+               report_to=("none", "tensorboard"), trainer=("ours", "trl"))
 
 
 @dataclass
@@ -124,6 +128,8 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     lora_target_modules: str = "all-linear"  # or e.g. "q_proj,k_proj,v_proj,o_proj" (paper: full fine-tuning)
+    trainer: str = "ours"  # ours | trl: stage wm in TRL's GRPOTrainer, also under accelerate launch (README)
+    use_vllm: bool = False  # --trainer trl: generation in vLLM, colocated (TRL's use_vllm; needs vllm)
     # --- stage 2: policy RL on task success; also uses the agent's fields (num_generations: episodes per game)
     init: str = "base"  # what --adapter holds: base (no adapter) | rwml | wm-sft | rft; the KL reference is it, frozen
     games_per_step: int = 2  # games per policy step, drawn from the num_games train games
@@ -185,11 +191,40 @@ def check_config(cfg: Config, stage: str = "all") -> None:
         bad("num_tasks", "must be at least 1 (or left out: all tasks)")
     if cfg.epsilon_high is not None and cfg.epsilon_high < 0:
         bad("epsilon_high", "must be 0 or more (or left out: --epsilon)")
+    if cfg.trainer == "trl":
+        check_trl(cfg, stage)
+    elif cfg.use_vllm:
+        bad("use_vllm", "generation in vLLM is TRL's; add --trainer trl")
     if stage == "all" and cfg.num_games is not None:  # collection gives at most this many triplets
         n = cfg.num_games * cfg.rollouts_per_game * cfg.max_turns
         if n - max(1, round(cfg.filter_split * n)) < cfg.prompts_per_step:
             bad("filter_split", f"leaves fewer than --prompts-per-step {cfg.prompts_per_step} of the at most {n} "
                 "collected triplets for GRPO; lower it or collect more (--num-games, --max-turns)")
+
+
+# Our GRPO loop's speed-ups, which TRL's GRPOTrainer does not have: with --trainer trl they must stay at
+# their defaults. Every other field the wm stage reads has a TRL counterpart (train_wm_trl).
+NO_TRL = ("shared_prompt_forward", "logits_chunk_size")
+
+
+def check_trl(cfg: Config, stage: str) -> None:
+    """--trainer trl: the wm stage (and the filter it runs), TRL installed, no field TRL would ignore."""
+    if stage not in ("wm", "filter"):
+        raise UserError(f"--trainer trl trains the wm stage only; `train.py {stage}` has our trainer alone")
+    for f in dataclasses.fields(Config):
+        if f.name in NO_TRL and getattr(cfg, f.name) != f.default:
+            raise UserError(f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)!r} has no counterpart in "
+                            "TRL's GRPOTrainer; leave it out with --trainer trl")
+    if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
+        raise UserError("--trainer trl needs TRL: pip install --no-deps -r bench/requirements.txt")
+
+
+def process_state():
+    """accelerate's view of this process (one of `accelerate launch`'s, or the only one); on a machine
+    without CUDA the processes talk over gloo."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
 
 
 def _fits(typ, value) -> bool:
@@ -663,6 +698,95 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
     return model
 
 
+def train_wm_trl(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, start: Path | None = None):
+    """RWML through TRL's GRPOTrainer (--trainer trl), in one process or in each of `accelerate launch`'s:
+    the same triplets (filter output), prompts, reward, start (the warm-up adapter or a fresh LoRA) and KL
+    reference, and the same fields under TRL's names. Differences: TRL's own data order; the prompt is
+    tokenized by TRL (a tokenizer that adds BOS to text gets a second one after the template's); without
+    vLLM, generation stops at end of turn only, so the tokens after </next_state> train too (the reward
+    reads the text up to the first </next_state>, as ours). Checkpoints: TRL's, in <out>/trl. Returns the
+    peft model."""
+    from datasets import Dataset
+    from peft import LoraConfig, PeftModel
+    from transformers.trainer_utils import get_last_checkpoint
+    from trl import GRPOConfig, GRPOTrainer
+
+    if not triplets:
+        raise UserError("no training triplets left after filtering; collect more games")
+    state, cuda = process_state(), torch.cuda.is_available()
+    per_step, n = cfg.prompts_per_step * cfg.num_generations, state.num_processes
+    with state.main_process_first():  # mis.json: one writer at a time
+        triplets, reward_fn = reward_control(cfg, triplets, reward_fn, out)
+    if n > 1 and getattr(reward_fn, "rng", None) is not None:  # COIN: each process flips coins of its own
+        reward_fn.rng.seed(cfg.seed * 1000 + state.process_index)
+    # ours: prompts_per_step x num_generations completions a step, micro_batch_size per forward; TRL: per
+    # process micro-batches x processes x accumulation steps (micro_batch_size is an upper bound here too)
+    micro = min(cfg.micro_batch_size, max(per_step // n, 1))
+    if per_step % (micro * n):
+        raise UserError(f"--prompts-per-step x --num-generations = {per_step} completions a step do not "
+                        f"split into {n} processes x --micro-batch-size {micro}; change one of them")
+    trl_dir = out / "trl"
+    last = get_last_checkpoint(str(trl_dir)) if trl_dir.is_dir() else None
+    if last and not cfg.resume:
+        raise UserError(f"{out} already holds a run; pass --resume to continue it, or use another --out")
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    prefix, stop = rwml.wm_prefix(cfg.wm_reasoning), rwml.WM_STOP
+    model, tok = load()
+    # our prompt text: chat template, system prompt and the reply's prefix, which TRL's completions then lack
+    prompts = [rwml.chat(tok, rwml.wm_prompt(t, cfg.wm_reasoning), rwml.wm_system(t), prefix)
+               for t in triplets]
+    data = Dataset.from_dict(dict(prompt=prompts, targets=[t["next_obs"] for t in triplets],
+                                  action=[t["action"] for t in triplets]))
+
+    def reward(completions, targets, action, trainer_state, **_):
+        texts = [prefix + (c[:c.index(stop) + len(stop)] if stop in c else c) for c in completions]
+        rewards = reward_fn(texts, targets)
+        step = trainer_state.global_step + 1  # the step these completions train
+        if state.is_main_process and (step % cfg.log_completions_steps == 0 or step == 1):
+            with open(out / "samples.jsonl", "a") as f:
+                f.write(json.dumps(dict(step=step, action=action[0], completion=texts[0], target=targets[0],
+                                        reward=rewards[0])) + "\n")
+        return rewards
+
+    reward.__name__ = getattr(reward_fn, "__name__", "reward")  # TRL logs rewards/<name>/mean
+    args = GRPOConfig(
+        output_dir=str(trl_dir), seed=cfg.seed, max_steps=cfg.max_steps, learning_rate=cfg.learning_rate,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,  # ours: AdamW at a constant rate
+        num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
+        temperature=cfg.temperature, top_p=cfg.top_p, top_k=0, beta=cfg.beta, epsilon=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high, num_iterations=cfg.num_iterations, loss_type=cfg.loss_type,
+        scale_rewards=cfg.scale_rewards, max_grad_norm=cfg.max_grad_norm, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=per_step // (micro * n), save_steps=cfg.save_steps, save_total_limit=1,
+        activation_checkpointing=cfg.gradient_checkpointing,  # transformers 5's name of gradient_checkpointing
+        activation_checkpointing_kwargs=dict(use_reentrant=False),
+        logging_steps=1, report_to=cfg.report_to, use_cpu=not cuda, bf16=cuda, use_vllm=cfg.use_vllm,
+        vllm_mode="colocate",  # vLLM can stop at </next_state> as ours does, keeping it in the text
+        generation_kwargs=dict(stop=[stop], include_stop_str_in_output=True) if cfg.use_vllm else None)
+    torch.manual_seed(cfg.seed)
+    peft_config = None
+    if start:  # the warm-up adapter trains on; TRL copies it to a frozen "ref" adapter, the KL reference
+        model = PeftModel.from_pretrained(model, str(start), is_trainable=True)
+    else:  # a fresh LoRA; the KL reference is the base model (adapter disabled)
+        targets = cfg.lora_target_modules
+        peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                 task_type="CAUSAL_LM", target_modules=targets if targets == "all-linear"
+                                 else [m.strip() for m in targets.split(",")])
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                          processing_class=tok, peft_config=peft_config)
+    trainer.train(resume_from_checkpoint=last)
+    model = trainer.model
+    if state.is_main_process:
+        adapter = save_adapter(model, out)
+        rows = [dict(r, reward_mean=r["reward"]) for r in trainer.state.log_history if "reward" in r]
+        write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO (TRL)")
+        print(f"wm (trl, {n} processes): {trainer.state.global_step} steps; adapter -> {adapter}")
+    state.wait_for_everyone()
+    return model
+
+
 # ----------------------------------------------------------------------------- baselines: WM SFT, RFT (METHOD.md §7)
 
 def sft_adapter(cfg: Config, model, tok, prompts: list[str], answers: list[str], system: str, out: Path, *,
@@ -937,9 +1061,11 @@ def main(argv: list[str] | None = None) -> None:
         train_wm_sft(cfg, trips, out, load, reward_fn)
         return
     if stage in ("filter", "wm"):
-        kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
+        # under accelerate launch every process gets here: the main one filters, the others reuse its cache
+        with process_state().main_process_first() if cfg.trainer == "trl" else contextlib.nullcontext():
+            kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
         if stage == "wm":
-            train_wm(cfg, kept, out, load, reward_fn, start)
+            (train_wm_trl if cfg.trainer == "trl" else train_wm)(cfg, kept, out, load, reward_fn, start)
         return
     # all: collect on train games, collect held-out games, filter (+ warm-up), RWML, held-out accuracy before / after
     trips = read_jsonl(collect(cfg, out / "collect", load))
