@@ -69,9 +69,9 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
     texts = [rwml.chat(tok, rwml.wm_prompt(t, False), rwml.WM_SYSTEM, rwml.wm_prefix(False)) for t in TRIPLETS]
     shared = rwml.sample(model, tok, texts, n=3, max_new_tokens=12, temperature=0.0).input_ids
     batch = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    with rwml.checkpoint_generation_config_off(model):
-        plain = model.generate(**batch, generation_config=rwml.sampling_config(model, tok, temperature=0.0, top_p=1.0,
-                                                                               max_new_tokens=12))
+    cfg_plain = rwml.sampling_config(model, tok, temperature=0.0, top_p=1.0, max_new_tokens=12)  # before the
+    with rwml.checkpoint_generation_config_off(model):  # checkpoint's generation_config (its end-of-turn ids) is off
+        plain = model.generate(**batch, generation_config=cfg_plain)
     agree = (shared == plain).float().mean().item() if shared.shape == plain.shape else 0.0
     # bf16 / 4-bit kernels may round a cached and an uncached forward apart: report agreement, require most
     check("shared-prefill sampling vs plain generate (greedy)", agree > 0.9, f"{agree:.1%} of tokens equal")
