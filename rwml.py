@@ -17,6 +17,7 @@ import importlib.util
 import math
 import os
 import random
+import re
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,7 +134,7 @@ def simulated_customer(model, tokenizer, *, base_only: bool, temperature: float,
     def customer(chats: list[list[dict]]) -> list[str]:
         if not chats:
             return []
-        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in chats]
+        texts = [chat_template(tokenizer, m) for m in chats]
         with model.disable_adapter() if base_only and hasattr(model, "disable_adapter") else nullcontext():
             return sample(model, tokenizer, texts, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p).texts
@@ -750,7 +751,35 @@ def load_model(name_or_path: str = BUNDLED_MODEL, adapter: str | None = None, de
 def chat(tokenizer, prompt: str, system: str | None = None, prefix: str = "") -> str:
     """The model's own chat template around one user turn, and the start of the assistant's reply."""
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) + prefix
+    return chat_template(tokenizer, msgs, thinking=prefix.startswith("<think>")) + prefix
+
+
+_THINK_TAIL = re.compile(r"<think>\s*(</think>\s*)?$")
+
+
+def chat_template(tokenizer, msgs: list[dict], thinking: bool = False) -> str:
+    """`msgs` through the model's chat template, with the generation prompt. The reply's thinking markup is
+    ours alone; `thinking`: our reply starts with <think>. A template with a thinking switch gets it
+    (Qwen3's enable_thinking; other templates ignore the variable): switched off, Qwen3's template writes an
+    empty <think></think> block itself, which must not come before a <think> of ours. A <think> block that
+    a template opens or closes at the end anyway (forced-thinking templates) goes when ours opens one, and
+    is closed empty, as Qwen3 does, when ours does not. A template without a system role (Gemma 2's raises)
+    gets the system prompt at the top of the first user turn, where Gemma 3's template puts it."""
+    from jinja2.exceptions import TemplateError
+
+    def render(m):
+        return tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False,
+                                             enable_thinking=thinking)
+    try:
+        text = render(msgs)
+    except TemplateError:
+        if len(msgs) < 2 or msgs[0]["role"] != "system" or msgs[1]["role"] != "user":
+            raise
+        text = render([dict(msgs[1], content=msgs[0]["content"] + "\n\n" + msgs[1]["content"]), *msgs[2:]])
+    tail = _THINK_TAIL.search(text)
+    if tail and (thinking or not tail.group(1)):
+        text = text[:tail.start()] + ("" if thinking else "<think>\n\n</think>\n\n")  # Qwen3's empty block
+    return text
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
