@@ -2,8 +2,10 @@
 
     python bench/gpu_check.py                      # on CUDA: Qwen2.5-0.5B- and 1.5B-shaped models, 4-bit NF4
     python bench/gpu_check.py --device cpu --shapes tiny-llama   # the same checks on the CPU (the tests run it)
+    python bench/gpu_check.py --shapes tiny-qwen3,tiny-gemma2,tiny-gemma3   # other architectures (random_models)
 
-Per shape: 4-bit NF4 load, LoRA on all linear layers, shared-prefill sampling against plain generate, one
+Per shape: 4-bit NF4 load, LoRA on all linear layers, both fast paths of the log-probs taken (`rwml.fast_paths`:
+in bf16 too), shared-prefill sampling against plain generate, one
 stage-1 GRPO step (world-model prompts, KL against the adapter-disabled base), the adapter saved, then a
 stage-2 update started from it (KL against its frozen copy "ref"), the adapter reloaded the peft way, and
 peak GPU memory. Prints one line per check and ends with "gpu-check: all passed" or the failures;
@@ -65,6 +67,8 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
     torch.manual_seed(0)
     model = train.start_adapter(cfg, model)
     check("LoRA on all linear layers", any(p.requires_grad for p in model.parameters()))
+    fast = rwml.fast_paths(model)  # bf16 / 4-bit may round the fast paths away from the model's own logits
+    check("fast paths (chunked projection, shared prompt cache)", fast.head and fast.shared_prompt, str(fast))
 
     texts = [rwml.chat(tok, rwml.wm_prompt(t, False), rwml.WM_SYSTEM, rwml.wm_prefix(False)) for t in TRIPLETS]
     shared = rwml.sample(model, tok, texts, n=3, max_new_tokens=12, temperature=0.0).input_ids
