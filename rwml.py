@@ -17,6 +17,8 @@ import importlib.util
 import math
 import os
 import random
+import re
+import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,7 +135,7 @@ def simulated_customer(model, tokenizer, *, base_only: bool, temperature: float,
     def customer(chats: list[list[dict]]) -> list[str]:
         if not chats:
             return []
-        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in chats]
+        texts = [chat_template(tokenizer, m) for m in chats]
         with model.disable_adapter() if base_only and hasattr(model, "disable_adapter") else nullcontext():
             return sample(model, tokenizer, texts, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p).texts
@@ -479,10 +481,15 @@ def reference_policy(model):
 
 
 # Log-probs of completion tokens only: the decoder runs on [prompt | completion], the vocabulary
-# projection only on completion tokens, in chunks recomputed in backward.
+# projection only on completion tokens, in chunks recomputed in backward. These two shortcuts (our own
+# projection, a prompt's key/value cache shared by its group) are checked once per model against the model's
+# own full logits (`fast_paths`); one that disagrees gives way to the plain path, never to a wrong number.
 
-def _chunk_logps(hidden, weight, bias, targets, temperature):
-    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+def _chunk_logps(hidden, weight, bias, targets, temperature, softcap):
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    if softcap:  # Gemma 2's final-logit soft-capping, in the head's dtype as its own forward does it
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.float() / temperature
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
 
@@ -493,8 +500,14 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
     Rows are [left-padded prompt | completion]; C = completion_mask.shape[1]. The decoder runs once; the
     vocabulary projection runs on `chunk_size` completion tokens at a time and is recomputed in backward
-    (checkpointed), so vocabulary-sized logits never exist for the whole batch.
-    (For architectures with logit soft-capping or scaling, e.g. Gemma 2, this projection would differ.)"""
+    (checkpointed), so vocabulary-sized logits never exist for the whole batch. On a model whose logits
+    this projection does not reproduce (`fast_paths`): `plain_logprobs`."""
+    if not fast_paths(model).head:
+        return plain_logprobs(model, input_ids, attention_mask, completion_mask, temperature=temperature)
+    return _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size)
+
+
+def _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each row's text starts at 0
     hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
@@ -504,14 +517,27 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
                           chunk_size)
 
 
+def plain_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   completion_mask: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """`completion_logprobs` the plain way: the model's own forward, with whatever its architecture does to
+    its logits, and vocabulary-sized logits for every completion token at once (memory: B x C x vocab)."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    C = completion_mask.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=C + 1).logits[:, :-1]
+    logp = (logits.float() / temperature).log_softmax(-1).gather(-1, input_ids[:, -C:, None]).squeeze(-1)
+    return logp * completion_mask
+
+
 def _head_logprobs(base, hidden, targets, completion_mask, temperature, chunk_size):
     """hidden [B, C, H]: the states that predict targets [B, C]; log-probs where completion_mask is 1."""
     keep = completion_mask.bool()
     h, targets = hidden[keep], targets[keep]
     head = base.get_output_embeddings()
+    softcap = getattr(base.config.get_text_config(), "final_logit_softcapping", None)
     parts = []
     for i in range(0, h.shape[0], chunk_size):
-        args = (h[i:i + chunk_size], head.weight, head.bias, targets[i:i + chunk_size], temperature)
+        args = (h[i:i + chunk_size], head.weight, head.bias, targets[i:i + chunk_size], temperature, softcap)
         grad = torch.is_grad_enabled()  # then the chunk's logits are recomputed in backward, not kept
         parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False) if grad else _chunk_logps(*args))
     out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=hidden.device)
@@ -526,7 +552,21 @@ def group_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
     prompt share one forward of that prompt. Its key/value cache (with its autograd graph: gradients reach
     the LoRA weights through it) is repeated n times, and only the completion tokens run n times. Same
     numbers as the plain path on [prompt | completion] rows (tested), for about (P + nC) / n(P + C) of the
-    decoder work and activation memory: world-model prompts are hundreds of tokens, completions tens."""
+    decoder work and activation memory: world-model prompts are hundreds of tokens, completions tens.
+    Where either shortcut is off for the model (`fast_paths`): `completion_logprobs` on whole rows."""
+    fast = fast_paths(model)
+    if not (fast.head and fast.shared_prompt):
+        n = completion_ids.shape[0] // prompt_ids.shape[0]
+        ids = torch.cat([prompt_ids.repeat_interleave(n, 0), completion_ids], 1)
+        mask = torch.cat([prompt_mask.repeat_interleave(n, 0), completion_mask], 1)
+        return completion_logprobs(model, ids, mask, completion_mask, temperature=temperature,
+                                   chunk_size=chunk_size)
+    return _shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                   temperature, chunk_size)
+
+
+def _shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                            chunk_size):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder, n = base.get_decoder(), completion_ids.shape[0] // prompt_ids.shape[0]
     position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
@@ -541,6 +581,76 @@ def group_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
     # the prompt's last state predicts the first completion token; completion states predict the rest
     states = torch.cat([out.last_hidden_state[:, -1:].repeat_interleave(n, 0), hidden[:, :-1]], 1)
     return _head_logprobs(base, states, completion_ids, completion_mask, temperature, chunk_size)
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    head: bool  # log-probs from the decoder's states through our own chunked projection (`_head_logprobs`)
+    shared_prompt: bool  # a group's completions on their prompt's repeated key/value cache (training, sample)
+
+
+_FAST_PATHS = weakref.WeakKeyDictionary()  # base model -> FastPaths
+_SAID: set[str] = set()
+
+
+def fast_paths(model) -> FastPaths:
+    """Which shortcuts this model's log-probs and samples may take, checked once per model on a few tokens
+    against its own forward's full logits. An architecture may do to its logits what `_chunk_logps` does
+    not, or have a cache whose repeat gives other numbers: such a shortcut gives way to the plain path, said
+    once in the log. (Gemma 2's soft-capping is reproduced, and Gemma 3's sliding-window cache repeats
+    correctly: tests/test_architectures.py.)"""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if base not in _FAST_PATHS:
+        _FAST_PATHS[base] = _probe_fast_paths(model, base)
+    return _FAST_PATHS[base]
+
+
+@torch.no_grad()
+def _probe_fast_paths(model, base) -> FastPaths:
+    vocab = base.get_output_embeddings().weight.shape[0]
+    ids = (torch.arange(1, 13, device=base.device) * 7919 % vocab).repeat(2, 1)  # 12 arbitrary tokens, twice
+    attn, cmask, P = torch.ones_like(ids), torch.ones_like(ids[:, 8:]), 8
+    attn[1, :3] = 0  # the second row left-padded
+    # half-precision GPU kernels may round a cached forward apart from an uncached one: a looser bound there
+    # (a missing soft-cap or logit scale moves log-probs by whole nats)
+    tol = 1e-3 if base.get_output_embeddings().weight.dtype == torch.float32 else 0.1
+    training = model.training
+    model.eval()  # no dropout: both paths must compute the same function
+    try:
+        want = plain_logprobs(model, ids, attn, cmask)
+        ours, head = _check(_decoder_logprobs, (model, ids, attn, cmask, 1.0, 512), want, tol)
+        group = (model, ids[:, :P], attn[:, :P], ids[:, P:].repeat_interleave(2, 0),
+                 cmask.repeat_interleave(2, 0), 1.0, 512)  # each prompt's completion twice
+        # the cache against the same projection without it: sampling's shared prefill needs only the cache
+        ref = (want if ours is None else ours).repeat_interleave(2, 0)
+        _, shared = _check(_shared_prompt_logprobs, group, ref, tol)
+    finally:
+        model.train(training)
+    name = type(base).__name__
+    if head:
+        _say_once(name + " head", f"rwml: {name}: log-probs from its own full logits (slower, more memory): "
+                                  f"our chunked projection gives other numbers ({head})")
+    if shared:
+        _say_once(name + " cache", f"rwml: {name}: no shared prompt cache (sampling prefills every copy, a "
+                                   f"group's completions run on whole rows): its repeat gives other numbers "
+                                   f"({shared})")
+    return FastPaths(head=not head, shared_prompt=not shared)
+
+
+def _check(fn, args, want, tol) -> tuple[torch.Tensor | None, str | None]:
+    """(fn(*args), None) when that gives `want` to within `tol`, else (its output or None, why not)."""
+    try:
+        got = fn(*args)
+    except Exception as e:  # noqa: BLE001 -- a shortcut that fails in any way: the plain path
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    err = (got - want).abs().max().item()
+    return got, None if err <= tol else f"log-probs differ by up to {err:.3g}"
+
+
+def _say_once(key: str, line: str) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        print(line, flush=True)
 
 
 def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_id=None,
@@ -750,7 +860,35 @@ def load_model(name_or_path: str = BUNDLED_MODEL, adapter: str | None = None, de
 def chat(tokenizer, prompt: str, system: str | None = None, prefix: str = "") -> str:
     """The model's own chat template around one user turn, and the start of the assistant's reply."""
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) + prefix
+    return chat_template(tokenizer, msgs, thinking=prefix.startswith("<think>")) + prefix
+
+
+_THINK_TAIL = re.compile(r"<think>\s*(</think>\s*)?$")
+
+
+def chat_template(tokenizer, msgs: list[dict], thinking: bool = False) -> str:
+    """`msgs` through the model's chat template, with the generation prompt. The reply's thinking markup is
+    ours alone; `thinking`: our reply starts with <think>. A template with a thinking switch gets it
+    (Qwen3's enable_thinking; other templates ignore the variable): switched off, Qwen3's template writes an
+    empty <think></think> block itself, which must not come before a <think> of ours. A <think> block that
+    a template opens or closes at the end anyway (forced-thinking templates) goes when ours opens one, and
+    is closed empty, as Qwen3 does, when ours does not. A template without a system role (Gemma 2's raises)
+    gets the system prompt at the top of the first user turn, where Gemma 3's template puts it."""
+    from jinja2.exceptions import TemplateError
+
+    def render(m):
+        return tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False,
+                                             enable_thinking=thinking)
+    try:
+        text = render(msgs)
+    except TemplateError:
+        if len(msgs) < 2 or msgs[0]["role"] != "system" or msgs[1]["role"] != "user":
+            raise
+        text = render([dict(msgs[1], content=msgs[0]["content"] + "\n\n" + msgs[1]["content"]), *msgs[2:]])
+    tail = _THINK_TAIL.search(text)
+    if tail and (thinking or not tail.group(1)):
+        text = text[:tail.start()] + ("" if thinking else "<think>\n\n</think>\n\n")  # Qwen3's empty block
+    return text
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
@@ -815,7 +953,7 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
     temperature 0; a completion ends at an end-of-turn token or after `stop`. The n completions of a text
     share one prefill: the prompt (all but its last token) runs through the model once and its key/value
     cache is repeated n times (a plain `num_return_sequences=n` would prefill every copy; prompts here are
-    long and completions short)."""
+    long and completions short), on every model whose cache repeats correctly (`fast_paths`)."""
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     ids, attn = batch["input_ids"], batch["attention_mask"]
     gen = dict(generation_config=sampling_config(model, tokenizer, temperature=temperature, top_p=top_p,
@@ -824,7 +962,7 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
         gen["generation_config"].stop_strings = [stop]
         gen["tokenizer"] = tokenizer
     with checkpoint_generation_config_off(model):
-        if n > 1 and ids.shape[1] > 1:
+        if n > 1 and ids.shape[1] > 1 and fast_paths(model).shared_prompt:
             position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
             gen["cache"] = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
                                  position_ids=position_ids[:, :-1], use_cache=True).cache

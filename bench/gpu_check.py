@@ -2,8 +2,10 @@
 
     python bench/gpu_check.py                      # on CUDA: Qwen2.5-0.5B- and 1.5B-shaped models, 4-bit NF4
     python bench/gpu_check.py --device cpu --shapes tiny-llama   # the same checks on the CPU (the tests run it)
+    python bench/gpu_check.py --shapes tiny-qwen3,tiny-gemma2,tiny-gemma3   # other architectures (random_models)
 
-Per shape: 4-bit NF4 load, LoRA on all linear layers, shared-prefill sampling against plain generate, one
+Per shape: 4-bit NF4 load, LoRA on all linear layers, both fast paths of the log-probs taken (`rwml.fast_paths`:
+in bf16 too), shared-prefill sampling against plain generate, one
 stage-1 GRPO step (world-model prompts, KL against the adapter-disabled base), the adapter saved, then a
 stage-2 update started from it (KL against its frozen copy "ref"), the adapter reloaded the peft way, and
 peak GPU memory. Prints one line per check and ends with "gpu-check: all passed" or the failures;
@@ -65,13 +67,15 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
     torch.manual_seed(0)
     model = train.start_adapter(cfg, model)
     check("LoRA on all linear layers", any(p.requires_grad for p in model.parameters()))
+    fast = rwml.fast_paths(model)  # bf16 / 4-bit may round the fast paths away from the model's own logits
+    check("fast paths (chunked projection, shared prompt cache)", fast.head and fast.shared_prompt, str(fast))
 
     texts = [rwml.chat(tok, rwml.wm_prompt(t, False), rwml.WM_SYSTEM, rwml.wm_prefix(False)) for t in TRIPLETS]
     shared = rwml.sample(model, tok, texts, n=3, max_new_tokens=12, temperature=0.0).input_ids
     batch = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    with rwml.checkpoint_generation_config_off(model):
-        plain = model.generate(**batch, generation_config=rwml.sampling_config(model, tok, temperature=0.0, top_p=1.0,
-                                                                               max_new_tokens=12))
+    cfg_plain = rwml.sampling_config(model, tok, temperature=0.0, top_p=1.0, max_new_tokens=12)  # before the
+    with rwml.checkpoint_generation_config_off(model):  # checkpoint's generation_config (its end-of-turn ids) is off
+        plain = model.generate(**batch, generation_config=cfg_plain)
     agree = (shared == plain).float().mean().item() if shared.shape == plain.shape else 0.0
     # bf16 / 4-bit kernels may round a cached and an uncached forward apart: report agreement, require most
     check("shared-prefill sampling vs plain generate (greedy)", agree > 0.9, f"{agree:.1%} of tokens equal")
