@@ -30,7 +30,12 @@ data: setup
 train: data
 	$(PY) train.py $(ARGS)
 
-test: data
+# TRL for the tests of `--trainer trl` and for bench/grpo_vs_trl.py; training with our trainer does not need it
+$(VENV)/.installed-trl: $(VENV)/.installed bench/requirements.txt
+	$(PY) -m pip install -q --no-deps -r bench/requirements.txt
+	touch $@
+
+test: data $(VENV)/.installed-trl
 	$(PY) -m pytest -q tests $(ARGS)
 
 # RWML learning, measured: 3 seeds, warm-up vs warm-up + RWML vs the matched WM-SFT and COIN controls
