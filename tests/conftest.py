@@ -31,6 +31,26 @@ def tiny_model(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
 
 
+@pytest.fixture
+def lora_model(tiny_model):
+    """make(seed, std) -> (tiny model with a LoRA adapter r 4 whose lora_B is drawn ~ N(0, std), tokenizer):
+    an adapter that is not the identity, so that it changes log-probs from the first step."""
+    import torch
+
+    import rwml
+
+    def make(seed: int = 0, std: float = 0.05):
+        model, tok = rwml.load_model(tiny_model)
+        torch.manual_seed(seed)
+        model = rwml.add_lora(model, r=4, alpha=8)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, std)
+        return model, tok
+    return make
+
+
 @pytest.fixture(scope="session")
 def transitions(tmp_path_factory) -> str:
     import json

@@ -148,19 +148,13 @@ def test_shared_prompt_forward_matches_naive_logprobs_and_gradients(tiny):
     assert all(g_a[n].abs().sum() > 0 for n in g_a if "lora_A" in n and "k_proj" in n)  # k, v: through the cache
 
 
-def test_kl_is_zero_against_itself_and_positive_against_another_policy(tiny_model, tmp_path):
+def test_kl_is_zero_against_itself_and_positive_against_another_policy(tiny_model, lora_model, tmp_path):
     """The k3 KL of a policy against itself is exactly 0, and > 0 against a different one: with an adapter
     that is not the identity, the warm-up-style reference (a frozen copy, "ref") gives 0 and the bare base
     model gives > 0. A reference that silently pointed at the wrong weights fails one of the two."""
     import train
 
-    model, tok = rwml.load_model(tiny_model)
-    torch.manual_seed(0)
-    model = rwml.add_lora(model, r=4, alpha=8)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.3)
+    model, tok = lora_model(seed=0, std=0.3)
     model.save_pretrained(tmp_path / "start")
     base, tok = rwml.load_model(tiny_model)
     model = train.start_adapter(train.Config(), base, tmp_path / "start")
@@ -249,20 +243,14 @@ def test_clip_ratio_counts_only_tokens_where_the_clip_acts():
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
-def test_micro_batches_accumulate_to_the_big_batch_update(tiny_model, loss_type):
+def test_micro_batches_accumulate_to_the_big_batch_update(lora_model, loss_type):
     """Gradient accumulation over micro-batches gives the same update as one forward of the whole batch,
     for every loss_type (the weights are those of the whole batch, not of each micro-batch)."""
     import train
 
     deltas = []
     for micro in (6, 2, 1):
-        model, tok = rwml.load_model(tiny_model)
-        torch.manual_seed(0)
-        model = rwml.add_lora(model, r=4, alpha=8)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.05)
+        model, tok = lora_model(seed=0, std=0.05)
         prompts = [tok(rwml.chat(tok, p))["input_ids"] for p in ("go to desk 1", "open the drawer 2 please", "look")]
         completions = [tok(c)["input_ids"] for c in ("You arrive", "Nothing happens.", "You", "You open it", "ok", "x")]
         ids, attn, cmask = rwml.pack([p for p in prompts for _ in range(2)], completions, tok.pad_token_id)

@@ -191,19 +191,13 @@ def test_num_iterations_reuses_one_batch_for_several_updates(tiny_model, transit
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
 
 
-def test_shared_prompt_forward_gives_the_same_update_as_the_plain_path(tiny_model, transitions):
+def test_shared_prompt_forward_gives_the_same_update_as_the_plain_path(lora_model, transitions):
     """The whole GRPO step (sampling, reward, old / ref / train forwards, optimizer) with and without the
     shared prompt forward: same samples, same loss, same KL, same weights afterwards
     (detaching the cache inside group_logprobs makes this test fail: k / v gradients flow through it)."""
     results = []
     for shared in (True, False):
-        model, tok = rwml.load_model(tiny_model)
-        torch.manual_seed(0)
-        model = rwml.add_lora(model, r=4, alpha=8)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.05)
+        model, tok = lora_model(seed=0, std=0.05)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         cfg = train.Config(num_generations=3, max_completion_length=8, micro_batch_size=3, num_iterations=2, beta=0.1,
                            shared_prompt_forward=shared)
@@ -278,18 +272,12 @@ def test_coin_control_resumes_with_the_same_coins(tiny_model, transitions, tmp_p
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_rwml_from_the_warmup_trains_it_on_and_keeps_it_as_the_reference(tiny_model, transitions, tmp_path):
+def test_rwml_from_the_warmup_trains_it_on_and_keeps_it_as_the_reference(tiny_model, lora_model, transitions, tmp_path):
     """With warm-up, RWML's adapter starts as the warm-up adapter (not a fresh one) and the KL reference is a
     frozen copy of it (not the bare base model): KL 0 at the first update, > 0 after; the reference unchanged."""
     from safetensors.torch import load_file
 
-    model, _ = rwml.load_model(tiny_model)
-    torch.manual_seed(3)
-    model = rwml.add_lora(model, r=4, alpha=8)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.3)
+    model, _ = lora_model(seed=3, std=0.3)
     model.save_pretrained(tmp_path / "warm")
     warm = load_file(tmp_path / "warm" / "adapter_model.safetensors")
     cfg = train.Config(model=tiny_model, max_steps=2, save_steps=1, prompts_per_step=2, num_generations=2,
