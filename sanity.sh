@@ -33,7 +33,7 @@ for s in $SEEDS; do
     [ -f "$d/rwml/adapter/adapter_config.json" ] || $PY train.py wm "${run[@]}" --out "$d/rwml" --resume
     [ -f "$d/coin/adapter/adapter_config.json" ] || $PY train.py wm "${run[@]}" --reward-control coin --out "$d/coin" --resume
     [ -f "$d/wm_sft/adapter/adapter_config.json" ] || $PY train.py wm-sft "${run[@]}" --out "$d/wm_sft"
-    score "$F/warmup_adapter" 0 "$OUT/eval_warmup.json"
+    score "$F/warmup_adapter" 0 "$OUT/eval_warmup.json"  # the shared warm-up: once, after the first seed made it
     play "$F/warmup_adapter" "$OUT/agent_warmup.json"
     for arm in rwml wm_sft coin; do score "$d/$arm/adapter" "$s" "$d/eval_$arm.json"; done
     play "$d/rwml/adapter" "$d/agent_rwml.json"

@@ -707,7 +707,7 @@ def train_wm_trl(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, 
     reads the text up to the first </next_state>, as ours). Checkpoints: TRL's, in <out>/trl. Returns the
     peft model."""
     from datasets import Dataset
-    from peft import LoraConfig, PeftModel
+    from peft import PeftModel
     from transformers.trainer_utils import get_last_checkpoint
     from trl import GRPOConfig, GRPOTrainer
 
@@ -765,16 +765,11 @@ def train_wm_trl(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, 
         vllm_mode="colocate",  # vLLM can stop at </next_state> as ours does, keeping it in the text
         generation_kwargs=dict(stop=[stop], include_stop_str_in_output=True) if cfg.use_vllm else None)
     torch.manual_seed(cfg.seed)
-    peft_config = None
     if start:  # the warm-up adapter trains on; TRL copies it to a frozen "ref" adapter, the KL reference
         model = PeftModel.from_pretrained(model, str(start), is_trainable=True)
-    else:  # a fresh LoRA; the KL reference is the base model (adapter disabled)
-        targets = cfg.lora_target_modules
-        peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                 task_type="CAUSAL_LM", target_modules=targets if targets == "all-linear"
-                                 else [m.strip() for m in targets.split(",")])
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
-                          processing_class=tok, peft_config=peft_config)
+    else:  # a fresh LoRA, as ours (its B = 0: the reference TRL copies from it is the base model)
+        model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok)
     trainer.train(resume_from_checkpoint=last)
     model = trainer.model
     if state.is_main_process:
