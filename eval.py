@@ -477,7 +477,7 @@ def sanity_report(folder: Path) -> str:
     seeds = sorted(folder.glob("seed*"), key=lambda p: int(p.name[4:]))
     if not seeds:
         raise UserError(f"no seed*/ folders in {folder}: run sanity.sh first")
-    def arm_file(d: Path, name: str) -> Path | None:  # the warm-up is shared: folder/<name>, not per seed
+    def arm_file(d: Path, name: str) -> Path | None:  # the seed's own file, else the run's (a shared warm-up)
         return next((f for f in (d / name, folder / name) if f.is_file()), None)
 
     evals = {d.name: {a: json.loads(f.read_text()) for a, _ in SANITY_ARMS if (f := arm_file(d, f"eval_{a}.json"))}
