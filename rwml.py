@@ -279,7 +279,7 @@ class GRPOConfig:
     """GRPO's hyperparameters, named as in TRL's GRPOConfig (micro_batch_size: TRL's
     per_device_train_batch_size). train.Config adds the rest of the method's settings to these."""
     learning_rate: float = 1e-4
-    num_generations: int = 8  # completions per prompt: one group
+    num_generations: int = 4  # completions per prompt: one group (TRL: 8; 4 so a step affords 4 prompts, README)
     max_completion_length: int = 64  # tokens per world-model prediction
     temperature: float = 1.0  # sampling temperature of collection and GRPO groups (training divides by it)
     top_p: float = 1.0

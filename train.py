@@ -123,7 +123,6 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     reward_control: str = "none"  # controls: mis = another triplet's next observation, coin = a fair coin
     max_steps: int = 24  # optimizer steps
     prompts_per_step: int = 4  # world-model prompts per step, each with num_generations completions
-    num_generations: int = 4  # completions per prompt, a GRPO group (stage 2: episodes per game; TRL: 8)
     gradient_checkpointing: bool = False
     lora_r: int = 16
     lora_alpha: int = 32
