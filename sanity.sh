@@ -14,7 +14,7 @@ PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/sanity}
 SEEDS=${SEEDS:-"0 1 2"}
 COIN_SEEDS=${COIN_SEEDS:-$SEEDS}  # seeds that also run the COIN control
-STEPS=${STEPS:-16}          # GRPO steps of RWML and COIN (x 4 prompts: most of the kept triplets once); WM SFT updates
+STEPS=${STEPS:-20}          # GRPO steps of RWML and COIN (x 4 prompts = 80: every kept triplet once); WM SFT updates
 HELDOUT=${HELDOUT:-48}      # held-out triplets scored per arm (the same ones for every arm and seed)
 AGENT_GAMES=${AGENT_GAMES:-4}
 JOBS=${JOBS:-2}
@@ -48,13 +48,13 @@ export -f score play
 in_parallel "collect $PY train.py collect --seed 0 --out $OUT/collect" \
     "heldout $PY train.py collect --seed 0 --split valid_seen --num-games 6 --out $OUT/heldout"
 JOBS=1 in_parallel "filter $PY train.py filter --transitions $T --filter-dir $F --filter-seed 0 --seed 0 --out $F"
-train=() later=() evals=()  # the long runs first, so that the two lanes end together
+train=() later=() evals=()  # the long runs first; what needs only the warm-up fills the lanes' ends
 for s in $SEEDS; do
     d=$OUT/seed$s
     run="--transitions $T --seed $s --max-steps $STEPS --filter-dir $F --filter-seed 0"
     train+=("rwml$s [ -f $d/rwml/adapter/adapter_config.json ] || $PY train.py wm $run --out $d/rwml --resume")
     later+=("wm_sft$s [ -f $d/wm_sft/adapter/adapter_config.json ] || $PY train.py wm-sft $run --out $d/wm_sft")
-    evals+=("eval_warmup$s score $F/warmup_adapter $s $d/eval_warmup.json")
+    later+=("eval_warmup$s score $F/warmup_adapter $s $d/eval_warmup.json")
     for arm in rwml wm_sft; do evals+=("eval_$arm$s score $d/$arm/adapter $s $d/eval_$arm.json"); done
     case " $COIN_SEEDS " in *" $s "*)
         train+=("coin$s [ -f $d/coin/adapter/adapter_config.json ] || $PY train.py wm $run --reward-control coin --out $d/coin --resume")
@@ -62,8 +62,8 @@ for s in $SEEDS; do
     esac
 done
 first=${SEEDS%% *}
-evals+=("agent_warmup play $F/warmup_adapter $OUT/agent_warmup.json"
-        "agent_rwml$first play $OUT/seed$first/rwml/adapter $OUT/seed$first/agent_rwml.json")
+later+=("agent_warmup play $F/warmup_adapter $OUT/agent_warmup.json")
+evals+=("agent_rwml$first play $OUT/seed$first/rwml/adapter $OUT/seed$first/agent_rwml.json")
 in_parallel "${train[@]}" "${later[@]}"
 in_parallel "${evals[@]}"
 $PY eval.py sanity "$OUT" --out "$OUT/sanity.md"
