@@ -31,7 +31,9 @@ in_parallel() {  # in_parallel "NAME COMMAND..." ...: each command a job, JOBS a
         pids+=($!) names+=("${spec%% *}")
     done
     for i in "${!pids[@]}"; do
-        wait "${pids[$i]}" || { echo "sanity.sh: ${names[$i]} failed, see $OUT/logs/${names[$i]}.log"; exit 1; }
+        wait "${pids[$i]}" || {  # stop the jobs still running: a rerun must not race them
+            for p in $(jobs -rp); do pkill -P "$p"; kill "$p"; done 2>/dev/null
+            echo "sanity.sh: ${names[$i]} failed, see $OUT/logs/${names[$i]}.log"; exit 1; }
         echo "done: ${names[$i]}"
     done
 }
