@@ -162,6 +162,57 @@ def observation_kind(obs: str) -> str:
     return next((kind for kind, start in _OBS_KINDS if text.startswith(start)), "other")
 
 
+# ----------------------------------------------------------------------------- content-free baselines
+# What a world model must beat: predictions written from the action text alone (or the current observation),
+# with no model and no knowledge of the room. A target the template rule already hits is a sentence to
+# parse, not dynamics to learn; the rest ("beyond-template" targets) is what a world model has to learn.
+
+_CLOSED_WHEN_REACHED = ("cabinet", "drawer", "fridge", "microwave", "safe")  # receptacles that start closed
+
+
+def template_prediction(action: str) -> str:
+    """The game's sentence for the action's words: `go to X` -> "The X is closed." (cabinets, drawers,
+    fridges, microwaves, safes) or "On the X, you see nothing."; `open X` -> "... In it, you see nothing.";
+    close / take / move / heat / cool / clean / slice / use -> the game's sentence with the action's words;
+    anything else -> "Nothing happens."."""
+    a = normalize(str(action))
+    verb, _, rest = a.partition(" ")
+    two = re.fullmatch(r"(.+?) (from|to|with) (.+)", rest)
+    if verb == "go" and rest.startswith("to ") and rest[3:]:
+        x = rest[3:]
+        if x.split()[0] in _CLOSED_WHEN_REACHED:
+            return f"You arrive at {x}. The {x} is closed."
+        return f"You arrive at {x}. On the {x}, you see nothing."
+    if verb == "open" and rest:
+        return f"You open the {rest}. The {rest} is open. In it, you see nothing."
+    if verb == "close" and rest:
+        return f"You close the {rest}."
+    if verb == "use" and rest:
+        return f"You turn on the {rest}."
+    if two and (verb, two[2]) == ("take", "from"):
+        return f"You pick up the {two[1]} from the {two[3]}."
+    if two and (verb, two[2]) == ("move", "to"):
+        return f"You move the {two[1]} to the {two[3]}."
+    if two and two[2] == "with" and verb in ("heat", "cool", "clean", "slice"):
+        return f"You {verb} the {two[1]} using the {two[3]}."
+    return "Nothing happens."
+
+
+def baseline_prediction(name: str, triplet: dict) -> str:
+    """A content-free baseline's predicted next observation: `template` (`template_prediction`), `nothing`
+    (always "Nothing happens."), `copy` (the current observation)."""
+    if name == "template":
+        return template_prediction(triplet["action"])
+    if name == "nothing":
+        return "Nothing happens."
+    if name == "copy":
+        return triplet["history"][-1]["observation"]
+    raise UserError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
+
+
+BASELINES = ("template", "nothing", "copy")
+
+
 # ----------------------------------------------------------------------------- engine caches
 
 _ORIGINALS: dict = {}
@@ -420,17 +471,20 @@ class EnvPool:
         self.close()
 
 
-def walkthrough_triplets(split: str = "train", num_games: int = 3, history_len: int = 2, seed: int = 0) -> list[dict]:
-    """Real triplets without a model: the expert walkthroughs of real games on the real engine, with a
-    wrong command first so that "Nothing happens." is there too, in the format `train.py collect`
-    writes. For tests and benchmarks that need real world-model prompts and targets."""
+def walkthrough_triplets(split: str = "train", num_games: int | None = 3, history_len: int = 2, seed: int = 0,
+                         wrong_first: bool = True, games: list[str] | None = None) -> list[dict]:
+    """Real triplets without a model: the expert walkthroughs of real games on the real engine, in the
+    format `train.py collect` writes. `wrong_first`: a wrong command first, so that "Nothing happens." is
+    there too (tests, benchmarks); without it, the "purposeful" held-out triplets: what an agent pursuing
+    its task sees (object lists, take / move / heat / cool / clean), unlike the exploration policy's."""
     import json
 
     out, game = [], Game(max_turns=100)
-    for path in list_games(split, num_games, seed):
+    for path in games if games is not None else list_games(split, num_games, seed):
         s = game.reset(path)
         past, obs = [], s["obs"]
-        for i, command in enumerate(["fly away"] + json.loads(Path(path).read_text())["walkthrough"]):
+        plan = json.loads(Path(path).read_text())["walkthrough"]
+        for i, command in enumerate((["fly away"] if wrong_first else []) + plan):
             r = game.step(command)
             out.append(dict(game=game_id(path), task=s["task"], task_type=s["task_type"], rollout=0, step=i,
                             history=[{"observation": o, "action": a} for o, a in past[-history_len:]]

@@ -3,7 +3,8 @@
     python eval.py agent --split valid_seen --num-games 10 --max-turns 30 --seeds 3 --out results.json
     python eval.py agent --adapter runs/rwml/adapter ...      # a peft adapter on top of the base model
     python eval.py agent --env tau2 --domain retail --num-tasks 10 --seeds 3 --out tau2.json
-    python eval.py wm --transitions FILE [--adapter DIR] --out wm.json
+    python eval.py wm --transitions FILE [--adapter DIR] --out wm.json   # + wm.triplets.jsonl, every triplet
+    python eval.py wm --transitions FILE --baseline template --out rule.json   # a content-free baseline
     python eval.py calibrate --transitions FILE --out calibrate.json
     python eval.py weights --adapter DIR --out weights.json
     python eval.py report runs/base runs/rwml ... --out results.md
@@ -12,7 +13,9 @@ agent: ALFWorld success rate on valid_seen (in distribution) or valid_unseen (ou
 the paper's action-quality shares, per task type, mean and std over seeds (the paper: 3 runs); tau2-bench:
 average reward, pass^k and the invalid tool-call rates (the agent's, and telecom's customer's apart).
 wm: world-model accuracy on held-out triplets (share with r_WM = 1, mean cosine, exact match), base
-model or base + adapter; use triplets collected on games never trained on (valid_seen / valid_unseen).
+model or base + adapter, or a content-free baseline (`--baseline template|nothing|copy`); overall, per
+observation kind and on the targets the template rule misses; use triplets of games never trained on
+(valid_seen: the dev split, for choosing settings; valid_unseen: the test split, for reporting).
 calibrate: for candidate tau_d, the base model's mean reward and the share of GRPO groups whose rewards
 are all equal (no learning signal), from sampled world-model predictions on real triplets.
 weights: the paper's weight-change measure of an adapter against its base model (merged), per layer and
@@ -45,7 +48,7 @@ import rwml
 from envs import UserError
 from reward import calibrate
 from train import (AgentConfig, ModelConfig, WorldModelConfig, check_adapter, check_choices, check_writable, make_reward,
-                   parse_config, read_jsonl, read_transitions, run_cli, write_atomic)
+                   parse_config, read_jsonl, read_transitions, run_cli, write_atomic, write_eval)
 
 COMMANDS = ("agent", "wm", "calibrate", "weights", "report", "sanity")
 
@@ -68,8 +71,9 @@ class AgentEvalConfig(AgentConfig, ModelConfig):
 @dataclass
 class WMEvalConfig(WorldModelConfig, ModelConfig):
     """The world model's fields of train.Config, on a transitions file."""
-    transitions: str | None = None  # held-out transitions.jsonl (from `train.py collect --split valid_seen`)
+    transitions: str | None = None  # held-out transitions.jsonl (from `train.py collect --split valid_unseen`)
     max_triplets: int = 0  # 0 = all; else a seeded sample
+    baseline: str | None = None  # wm: score a content-free rule instead of a model: template | nothing | copy
     max_completion_length: int = rwml.GRPOConfig.max_completion_length
     temperature: float = rwml.GRPOConfig.temperature
     num_generations: int = 4  # calibrate: predictions per prompt (a GRPO group)
@@ -132,11 +136,22 @@ def wm_accuracy(cfg: WMEvalConfig) -> dict:
     # the draw is fixed (not the run's seed), as train.py's held-out set: every seed scores the same triplets
     trips = _sample(read_transitions(cfg.transitions), cfg.max_triplets, 0)
     reward_fn = make_reward(cfg)
+    info = dict(transitions=cfg.transitions, split=collection_split(cfg.transitions), config=asdict(cfg))
+    if cfg.baseline:
+        return dict(rwml.baseline_wm(cfg.baseline, trips, reward_fn), **info)
     model, tok = rwml.load_model(cfg.model, cfg.adapter)
     torch.manual_seed(cfg.seed)  # as train.py's before / after evaluation
     result = rwml.evaluate_wm(model, tok, trips, reward_fn, max_new_tokens=cfg.max_completion_length,
                               reasoning=cfg.wm_reasoning, samples=cfg.eval_samples, temperature=cfg.temperature)
-    return dict(result, transitions=cfg.transitions, config=asdict(cfg))
+    return dict(result, model=cfg.adapter or cfg.model, **info)
+
+
+def collection_split(transitions: str) -> str | None:
+    """The split a transitions file was collected on, from the collect.json beside it (None if unknown)."""
+    meta = Path(transitions).with_name("collect.json")
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return json.loads(meta.read_text()).get("split")
+    return None
 
 
 def calibrate_tau(cfg: WMEvalConfig) -> dict:
@@ -467,65 +482,101 @@ def report(cfg: ReportConfig, folders: list[str]) -> str:
 # ----------------------------------------------------------------------------- the sanity table (sanity.sh)
 
 SANITY_ARMS = (("warmup", "warm-up"), ("rwml", "+ RWML"), ("wm_sft", "+ WM SFT"), ("coin", "+ COIN"))
+SANITY_BASELINES = (("template", "template rule"), ("nothing", "always \"Nothing happens.\""),
+                    ("copy", "copy the observation"), ("base", "base model"))
+SANITY_COLUMNS = (("all targets", lambda r: r["wm_accuracy"]),
+                  ("not \"Nothing happens.\"", lambda r: r["per_kind"]["change"]["wm_accuracy"]),
+                  ("beyond the template rule", lambda r: r["per_kind"]["beyond_template"]["wm_accuracy"]),
+                  ("mean cosine", lambda r: r["mean_cosine"]))
+MIN_RATE_N = 10  # a kind with fewer held-out triplets is listed, not quoted as a rate
+
+
+def _spread(xs: list[float], fmt: str = ".3f") -> str:
+    """"mean ± sd (a / b / c)" over seeds (sample sd)."""
+    if not xs:
+        return "–"
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{statistics.fmean(xs):{fmt}} ± {sd:.3f} ({' / '.join(f'{x:{fmt}}' for x in xs)})"
 
 
 def sanity_report(folder: Path) -> str:
-    """The tables of `sanity.sh`, from its run folder: held-out world-model accuracy per seed and arm (the
-    warm-up, then RWML and its matched controls from it), the training reward, the agent's invalid actions."""
-    from train import read_jsonl
+    """The tables of `sanity.sh`, from its run folder: per held-out kind, the content-free baselines, the
+    base model, and per arm the mean ± sd over the independent seeds (each seed's value in brackets), the
+    paired RWML - warm-up gain, accuracy per observation kind; then the training diagnostics."""
+    from train import HELDOUT_KINDS
 
     seeds = sorted(folder.glob("seed*"), key=lambda p: int(p.name[4:]))
     if not seeds:
         raise UserError(f"no seed*/ folders in {folder}: run sanity.sh first")
-    def arm_file(d: Path, name: str) -> Path | None:  # the seed's own file, else the run's (a shared warm-up)
-        return next((f for f in (d / name, folder / name) if f.is_file()), None)
 
-    evals = {d.name: {a: json.loads(f.read_text()) for a, _ in SANITY_ARMS if (f := arm_file(d, f"eval_{a}.json"))}
-             for d in seeds}
-    first = next(iter(next(iter(evals.values())).values()))
-    cfg = first.get("config", {})
-    lines = [f"Held-out world-model accuracy: {first['n']} `valid_seen` triplets (games never trained on) x "
-             f"{cfg.get('eval_samples', 0) or 1} predictions sampled at T {cfg.get('temperature', 0)}, reward 1 iff "
-             f"1 - cos < tau_d {cfg.get('tau_d')}; the share of predictions with reward 1.", ""]
-    for title, get in (("targets other than \"Nothing happens.\"", lambda r: r["per_kind"]["change"]["wm_accuracy"]),
-                       ("all targets", lambda r: r["wm_accuracy"]), ("mean cosine, all targets", lambda r: r["mean_cosine"])):
-        lines += [f"**{title}**", "", "| seed | " + " | ".join(n for _, n in SANITY_ARMS) + " | RWML gain |",
-                  "|---|" + "---|" * (len(SANITY_ARMS) + 1)]
-        cols = {a: [] for a, _ in SANITY_ARMS}
-        for d, runs in evals.items():
-            row = {a: get(runs[a]) for a, _ in SANITY_ARMS if a in runs}
-            for a, v in row.items():
-                cols[a].append(v)
-            gain = f"{row['rwml'] - row['warmup']:+.3f}" if {"rwml", "warmup"} <= row.keys() else "–"
-            lines.append(f"| {d[4:]} | " + " | ".join(f"{row[a]:.3f}" if a in row else "–" for a, _ in SANITY_ARMS)
-                         + f" | {gain} |")
-        mean = {a: statistics.fmean(v) for a, v in cols.items() if v}
-        gain = f"{mean['rwml'] - mean['warmup']:+.3f}" if {"rwml", "warmup"} <= mean.keys() else "–"
-        lines += ["| mean | " + " | ".join(f"{mean[a]:.3f}" if a in mean else "–" for a, _ in SANITY_ARMS)
-                  + f" | {gain} |", ""]
-    lines += ["**training** (mean reward per step, first quarter -> last quarter of the steps; share of groups "
-              "whose rewards are all equal)", "", "| seed | RWML reward | RWML all-equal groups | COIN reward |",
-              "|---|---|---|---|"]
+    def read(path: Path):
+        return json.loads(path.read_text()) if path.is_file() else None
 
-    def curve(rows):
+    lines = []
+    for kind in HELDOUT_KINDS:
+        base = {b: read(folder / "baselines" / f"{b}_{kind}.json") for b, _ in SANITY_BASELINES}
+        arms = {a: [r for d in seeds if (r := read(d / f"eval_{a}_{kind}.json"))] for a, _ in SANITY_ARMS}
+        first = next((r for r in [*base.values(), *(x for v in arms.values() for x in v)] if r), None)
+        if first is None:
+            continue
+        cfg = first.get("config", {})
+        beyond_n = first["per_kind"]["beyond_template"]["n"]
+        lines += [f"### {kind} triplets: {first['n']} of `{first.get('split') or '?'}` (`{first.get('transitions')}`), "
+                  f"{beyond_n} beyond the template rule", "",
+                  f"{cfg.get('eval_samples', 0) or 1} predictions per triplet sampled at T {cfg.get('temperature', 0)} "
+                  f"(the rules: one), reward 1 iff 1 - cos < tau_d {cfg.get('tau_d')}; the share of predictions with "
+                  f"reward 1. Arms: mean ± sd over {len(seeds)} independent seeds (each seed's value in brackets).", "",
+                  "| | " + " | ".join(c for c, _ in SANITY_COLUMNS) + " |", "|---|" + "---|" * len(SANITY_COLUMNS)]
+        for b, name in SANITY_BASELINES:
+            if base[b]:
+                lines.append(f"| {name} | " + " | ".join(f"{get(base[b]):.3f}" for _, get in SANITY_COLUMNS) + " |")
+        for a, name in SANITY_ARMS:
+            if arms[a]:
+                lines.append(f"| {name} | " + " | ".join(_spread([get(r) for r in arms[a]]) for _, get in SANITY_COLUMNS)
+                             + " |")
+        pairs = [(r, w) for d in seeds if (r := read(d / f"eval_rwml_{kind}.json")) and (w := read(d / f"eval_warmup_{kind}.json"))]
+        if pairs:
+            lines.append("| **RWML − warm-up** (paired) | " + " | ".join(
+                _spread([get(r) - get(w) for r, w in pairs], "+.3f") for _, get in SANITY_COLUMNS) + " |")
+        kinds = sorted(first["per_observation_kind"], key=lambda k: -first["per_observation_kind"][k]["n"])
+        few = [f"{k} {first['per_observation_kind'][k]['n']}" for k in kinds if first["per_observation_kind"][k]["n"] < MIN_RATE_N]
+        cols = [(b, n) for b, n in SANITY_BASELINES[:1] if base[b]] + [(a, n) for a, n in SANITY_ARMS if arms[a]]
+        lines += ["", f"By observation kind (kinds with at least {MIN_RATE_N} triplets; mean over seeds):", "",
+                  "| kind | n | " + " | ".join(n for _, n in cols) + " |", "|---|---|" + "---|" * len(cols)]
+        for k in kinds:
+            n = first["per_observation_kind"][k]["n"]
+            if n < MIN_RATE_N:
+                continue
+            vals = []
+            for c, _ in cols:
+                rs = [base[c]] if c in base else arms[c]
+                vals.append(f"{statistics.fmean(r['per_observation_kind'][k]['wm_accuracy'] for r in rs):.3f}")
+            lines.append(f"| {k} | {n} | " + " | ".join(vals) + " |")
+        lines += ([f"", f"Too few to quote as a rate: {', '.join(few)}."] if few else []) + [""]
+    lines += ["### training", "", "Mean per step, first quarter -> last quarter of the steps: the reward, the share of "
+              "predictions that are \"Nothing happens.\"; the share of groups whose rewards are all equal (no gradient), "
+              "and of the mixed groups (those that carry the gradient), the share whose target is \"Nothing happens.\".",
+              "", "| seed | RWML reward | predicted \"Nothing happens.\" | all-equal groups | mixed groups with a "
+              "\"Nothing happens.\" target | COIN reward |", "|---|---|---|---|---|---|"]
+
+    def quarters(rows, key):
+        rows = [r for r in rows if key in r]
         if not rows:
-            return "–", "–"
+            return "–"
         q = max(1, len(rows) // 4)
-        head, tail = (statistics.fmean(r["reward_mean"] for r in part) for part in (rows[:q], rows[-q:]))
-        return f"{head:.2f} -> {tail:.2f}", f"{statistics.fmean(r['frac_reward_zero_std'] for r in rows):.2f}"
+        head, tail = (statistics.fmean(r[key] for r in part) for part in (rows[:q], rows[-q:]))
+        return f"{head:.2f} -> {tail:.2f}"
 
+    def mixed_nothing(rows):
+        mixed = [k for r in rows for k, g in zip(r.get("target_kinds", []), r.get("group_rewards", [])) if 0 < g < 1]
+        return f"{sum(k == 'nothing_happens' for k in mixed) / len(mixed):.2f} of {len(mixed)}" if mixed else "–"
+
+    from train import read_jsonl
     for d in seeds:
-        (rw, zero), (coin, _) = curve(read_jsonl(d / "rwml" / "metrics.jsonl")), curve(read_jsonl(d / "coin" / "metrics.jsonl"))
-        lines.append(f"| {d.name[4:]} | {rw} | {zero} | {coin} |")
-    agents = {d.name: [json.loads(f.read_text()) if (f := arm_file(d, f"agent_{a}.json")) else None
-                       for a in ("warmup", "rwml")] for d in seeds}
-    if any(all(v) for v in agents.values()):
-        lines += ["", "**agent** (`valid_seen`, invalid actions per action: invalid command or format error)", "",
-                  "| seed | warm-up | + RWML | episodes |", "|---|---|---|---|"]
-        for d, (a, b) in agents.items():
-            if a and b:
-                lines.append(f"| {d[4:]} | {a['invalid_action_rate']:.3f} | {b['invalid_action_rate']:.3f} | "
-                             f"{a['num_episodes']} |")
+        rw, coin = read_jsonl(d / "rwml" / "metrics.jsonl"), read_jsonl(d / "coin" / "metrics.jsonl")
+        zero = f"{statistics.fmean(r['frac_reward_zero_std'] for r in rw):.2f}" if rw else "–"
+        lines.append(f"| {d.name[4:]} | {quarters(rw, 'reward_mean')} | {quarters(rw, 'nothing_share')} | {zero} | "
+                     f"{mixed_nothing(rw)} | {quarters(coin, 'reward_mean')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -556,14 +607,20 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(cfg.out)
     check_writable(out, folder=False)
     run = dict(agent=evaluate_agent, wm=wm_accuracy, calibrate=calibrate_tau, weights=evaluate_weights)
+    if command == "wm" and cfg.baseline and cfg.baseline not in envs.BASELINES:
+        raise UserError(f"unknown --baseline {cfg.baseline!r}; choose one of {', '.join(envs.BASELINES)}")
     result = run[command](cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, json.dumps(result, indent=2))
+    (write_eval if command == "wm" else lambda p, r: write_atomic(p, json.dumps(r, indent=2)))(out, result)
     if command == "agent":
         episodes_file(cfg).unlink(missing_ok=True)  # all in `out` now
     if command == "wm":
-        print(f"wm_accuracy {result['wm_accuracy']:.3f}, mean_cosine {result['mean_cosine']:.3f}, exact_match "
-              f"{result['exact_match']:.3f}, format {result['format_rate']:.3f}, n {result['n']} -> {out}")
+        beyond = result["per_kind"]["beyond_template"]
+        print(f"{cfg.transitions} ({result['split'] or 'split unknown'}), {cfg.baseline or result['model']}: "
+              f"wm_accuracy {result['wm_accuracy']:.3f}, beyond the template rule {beyond['wm_accuracy']:.3f} "
+              f"({beyond['n']} triplets), mean_cosine {result['mean_cosine']:.3f}, exact_match "
+              f"{result['exact_match']:.3f}, format {result['format_rate']:.3f}, n {result['n']} -> {out} "
+              f"(+ {out.stem}.triplets.jsonl)")
         return
     if command == "weights":
         print(f"parameters changed: {result['changed_share']:.4%} of {result['total']:,}; per module: "

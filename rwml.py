@@ -371,9 +371,11 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg:
         P = ids.shape[1] - cmask.shape[1]
         batch.update(prompt_ids=ids[::G, :P], prompt_mask=attn[::G, :P], group_size=G)
     stats = grpo_update(model, optimizer, batch, cfg)
-    grouped = rewards.view(-1, G)
+    grouped, states = rewards.view(-1, G), [parse_next_state(t) for t in roll.texts]
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if G > 1 else 0.0,
                 frac_reward_zero_std=float((grouped.std(1) == 0).float().mean()),
+                group_rewards=grouped.mean(1).tolist(),  # per prompt: which groups carry a gradient (mixed)
+                nothing_share=sum(s == "Nothing happens." for s in states) / len(states),
                 format_rate=sum(parse_next_state(t) is not None for t in roll.texts) / len(roll.texts),
                 completion_tokens=float(cmask.sum(1).float().mean()), updates=stats, sample=roll.texts[0],
                 sample_target=triplets[0]["next_obs"], sample_reward=float(rewards[0]))
@@ -744,9 +746,11 @@ def evaluate_wm(model, tokenizer, triplets: list[dict], reward_fn, *, max_new_to
                 batch_size: int = 16, reasoning: bool = True, samples: int = 0,
                 temperature: float = 1.0) -> dict:
     """World-model accuracy on held-out triplets: the share of predictions with r_WM = 1, mean cosine,
-    exact match and format rate, overall, on real changes vs "Nothing happens.", and per observation kind
+    exact match and format rate, overall, on real changes vs "Nothing happens.", on the targets the
+    content-free template rule misses (`beyond_template`), and per observation kind
     (`envs.observation_kind`). `samples` = 0: one greedy prediction per triplet; k > 0: k sampled at
-    `temperature` (the quantity GRPO raises, with less noise on a small held-out set)."""
+    `temperature` (the quantity GRPO raises, with less noise on a small held-out set). The result's
+    `triplets` holds every triplet's predictions, rewards and cosines (`score_wm`)."""
     k, per = max(samples, 1), max(1, batch_size // max(samples, 1))
     order = by_length([wm_prompt(t, reasoning) for t in triplets])
     preds = [""] * (len(triplets) * k)
@@ -757,13 +761,24 @@ def evaluate_wm(model, tokenizer, triplets: list[dict], reward_fn, *, max_new_to
                                    temperature=temperature if samples else 0.0).texts
         for j, idx in enumerate(order[i:i + per]):
             preds[idx * k:(idx + 1) * k] = texts[j * k:(j + 1) * k]
+    out = score_wm(triplets, preds, reward_fn, k)
+    out.update(samples=samples, temperature=temperature if samples else 0.0)
+    return out
+
+
+def score_wm(triplets: list[dict], completions: list[str], reward_fn, k: int = 1) -> dict:
+    """Score k completions per triplet (`<next_state>` replies, in triplet order): the summaries of
+    `evaluate_wm`, and under `triplets` one row per triplet (its predictions, rewards, cosines, kind, and
+    whether the template rule hits it). Content-free baselines are scored here too, with the same reward."""
     targets = [t["next_obs"] for t in triplets for _ in range(k)]
-    rewards = reward_fn(preds, targets)
-    states = [parse_next_state(p) for p in preds]
+    rewards = reward_fn(completions, targets)
+    states = [parse_next_state(p) for p in completions]
     sims = reward_fn.similarity(states, targets)
+    rule = reward_fn([f"<next_state>{envs.template_prediction(t['action'])}</next_state>" for t in triplets],
+                     [t["next_obs"] for t in triplets])
     rows = [dict(reward=r, cosine=s, exact=bool(p) and envs.normalize(p) == envs.normalize(t),
-                 parsed=p is not None, kind=envs.observation_kind(t))
-            for r, s, p, t in zip(rewards, sims, states, targets)]
+                 parsed=p is not None, kind=envs.observation_kind(t), beyond=rule[i // k] == 0)
+            for i, (r, s, p, t) in enumerate(zip(rewards, sims, states, targets))]
 
     def summary(rs):
         n = max(len(rs), 1)
@@ -773,14 +788,25 @@ def evaluate_wm(model, tokenizer, triplets: list[dict], reward_fn, *, max_new_to
                     n=len(rs) // k)
 
     out = summary(rows)
-    out.update(samples=samples, temperature=temperature if samples else 0.0)
     out["per_kind"] = dict(change=summary([r for r in rows if r["kind"] != "nothing_happens"]),
-                           nothing_happens=summary([r for r in rows if r["kind"] == "nothing_happens"]))
+                           nothing_happens=summary([r for r in rows if r["kind"] == "nothing_happens"]),
+                           beyond_template=summary([r for r in rows if r["beyond"]]))
     out["per_observation_kind"] = {kind: summary([r for r in rows if r["kind"] == kind])
                                    for kind in sorted({r["kind"] for r in rows})}
     out["examples"] = [dict(action=t["action"], target=t["next_obs"], prediction=p)
-                       for t, p in zip(triplets[:8], preds[::k])]
+                       for t, p in zip(triplets[:8], completions[::k])]
+    out["triplets"] = [dict(game=t.get("game"), rollout=t.get("rollout"), step=t.get("step"), action=t["action"],
+                            target=t["next_obs"], kind=rows[i * k]["kind"], template_hit=not rows[i * k]["beyond"],
+                            predictions=states[i * k:(i + 1) * k], rewards=rewards[i * k:(i + 1) * k],
+                            cosines=[round(c, 4) for c in sims[i * k:(i + 1) * k]])
+                       for i, t in enumerate(triplets)]
     return out
+
+
+def baseline_wm(name: str, triplets: list[dict], reward_fn) -> dict:
+    """A content-free baseline (`envs.baseline_prediction`: template, nothing, copy) scored as a model is."""
+    preds = [f"<next_state>{envs.baseline_prediction(name, t)}</next_state>" for t in triplets]
+    return dict(score_wm(triplets, preds, reward_fn), samples=0, temperature=0.0, model=name)
 
 
 # ========================================================================= Plumbing: models, generation

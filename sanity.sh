@@ -1,26 +1,28 @@
 #!/usr/bin/env bash
-# RWML learning on the bundled 135M model, measured over seeds (make sanity):
-#   bash sanity.sh      ->  $OUT/sanity.md (and results/sanity.md when OUT is the default)
-# One collection of train games and one of held-out valid_seen games; one filter whose SFT copy is the warm-up
-# (filter seed 0), shared by every seed so that each seed's arms start from the same model; then per seed:
-# RWML from the warm-up and the matched controls WM SFT (same triplets, same order, same number of updates)
-# and COIN (fair-coin reward). Every arm, and the warm-up, is scored on the same held-out triplets with the
-# seed's sampling; the agent's invalid-action rate is measured for the warm-up and the first seed's RWML.
-# Independent runs go JOBS at a time, one thread each: on 2 cores two 1-thread RWML runs took 30 s a step each,
-# one 2-thread run 19 s (small matrices scale badly across threads). Logs: $OUT/logs/. Reruns keep what is done.
+# RWML learning on the bundled 135M model, measured over independent seeds (make sanity):
+#   bash sanity.sh                      ->  $OUT/sanity.md (and results/sanity.md when OUT is the default)
+#   SPLIT=valid_seen OUT=runs/dev bash sanity.sh     the development split: where settings are chosen
+# The test set, the same for every seed (paired comparison): HELD_GAMES games of SPLIT (valid_unseen, the test
+# split, by default), as two kinds of triplets: `explore` (the collection policy's, played once with seed 0)
+# and `purposeful` (the games' expert walkthroughs). Scored on it: the content-free baselines (template rule,
+# always "Nothing happens.", copy the observation), the base model, and per seed the warm-up, RWML from it and
+# the matched controls WM SFT (same triplets, order, number of updates and learning rate) and COIN (a fair
+# coin for a reward). Each seed is a replication: its own train games, collection, filter, warm-up and runs.
+# Jobs go JOBS at a time, one thread each (small matrices scale badly across threads). Logs: $OUT/logs/.
+# Reruns keep what is done.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/sanity}
+SPLIT=${SPLIT:-valid_unseen}
+HELD_GAMES=${HELD_GAMES:-20}
+HELDOUT=${HELDOUT:-64}      # triplets of each held-out kind scored per arm (the same ones for every arm and seed)
 SEEDS=${SEEDS:-"0 1 2"}
 COIN_SEEDS=${COIN_SEEDS:-$SEEDS}  # seeds that also run the COIN control
-STEPS=${STEPS:-20}          # GRPO steps of RWML and COIN (x 4 prompts = 80: every kept triplet once); WM SFT updates
-HELDOUT=${HELDOUT:-48}      # held-out triplets scored per arm (the same ones for every arm and seed)
-AGENT_GAMES=${AGENT_GAMES:-4}
+STEPS=${STEPS:-20}          # GRPO steps of RWML and COIN; WM SFT updates
 JOBS=${JOBS:-2}
-T=$OUT/collect/transitions.jsonl
-H=$OUT/heldout/transitions.jsonl
-F=$OUT/filter
+FILTER_JOBS=${FILTER_JOBS:-$JOBS}
+KINDS="explore purposeful"
 mkdir -p "$OUT/logs"
 
 in_parallel() {  # in_parallel "NAME COMMAND..." ...: each command a job, JOBS at a time, one thread each
@@ -37,36 +39,43 @@ in_parallel() {  # in_parallel "NAME COMMAND..." ...: each command a job, JOBS a
         echo "done: ${names[$i]}"
     done
 }
-score() {  # score ADAPTER SEED OUT: held-out world-model accuracy
-    [ -f "$3" ] || $PY eval.py wm --transitions "$H" --max-triplets "$HELDOUT" --adapter "$1" --seed "$2" --out "$3"
-}
-play() {  # play ADAPTER OUT: the agent on valid_seen games (seed 0: the same games and sampling for every arm)
-    [ -f "$2" ] || $PY eval.py agent --split valid_seen --num-games "$AGENT_GAMES" --max-turns 10 --seeds 1 \
-        --seed 0 --adapter "$1" --out "$2"
+score() {  # score NAME SEED OUT_STEM [eval.py flags]: held-out world-model accuracy on both kinds
+    local name=$1 seed=$2 stem=$3 kind; shift 3
+    for kind in $KINDS; do
+        f=$OUT/heldout_$kind/transitions.jsonl
+        [ -f "${stem}_$kind.json" ] || $PY eval.py wm --transitions "$f" --max-triplets "$HELDOUT" --seed "$seed" \
+            --out "${stem}_$kind.json" "$@"
+    done
 }
 
-export PY H HELDOUT AGENT_GAMES
-export -f score play
-in_parallel "collect $PY train.py collect --seed 0 --out $OUT/collect" \
-    "heldout $PY train.py collect --seed 0 --split valid_seen --num-games 6 --out $OUT/heldout"
-JOBS=1 in_parallel "filter $PY train.py filter --transitions $T --filter-dir $F --filter-seed 0 --seed 0 --out $F"
-train=() later=() evals=()  # the long runs first; what needs only the warm-up fills the lanes' ends
+export PY OUT HELDOUT KINDS
+export -f score
+jobs=("heldout_explore $PY train.py collect --seed 0 --split $SPLIT --num-games $HELD_GAMES --out $OUT/heldout_explore"
+      "heldout_purposeful $PY train.py collect --walkthrough --seed 0 --split $SPLIT --num-games $HELD_GAMES --out $OUT/heldout_purposeful")
+for s in $SEEDS; do  # each seed draws its own train games
+    jobs+=("collect$s $PY train.py collect --seed $s --out $OUT/seed$s/collect")
+done
+in_parallel "${jobs[@]}"
+jobs=("baselines for b in template nothing copy; do score \$b 0 $OUT/baselines/\$b --baseline \$b; done"
+      "base score base 0 $OUT/baselines/base")
+for s in $SEEDS; do
+    jobs+=("filter$s $PY train.py filter --transitions $OUT/seed$s/collect/transitions.jsonl --seed $s --filter-dir $OUT/seed$s/filter --out $OUT/seed$s/filter")
+done
+JOBS=$FILTER_JOBS in_parallel "${jobs[@]}"
+train=() evals=()
 for s in $SEEDS; do
     d=$OUT/seed$s
-    run="--transitions $T --seed $s --max-steps $STEPS --filter-dir $F --filter-seed 0"
+    run="--transitions $d/collect/transitions.jsonl --seed $s --max-steps $STEPS --filter-dir $d/filter"
     train+=("rwml$s [ -f $d/rwml/adapter/adapter_config.json ] || $PY train.py wm $run --out $d/rwml --resume")
-    later+=("wm_sft$s [ -f $d/wm_sft/adapter/adapter_config.json ] || $PY train.py wm-sft $run --out $d/wm_sft")
-    later+=("eval_warmup$s score $F/warmup_adapter $s $d/eval_warmup.json")
-    for arm in rwml wm_sft; do evals+=("eval_$arm$s score $d/$arm/adapter $s $d/eval_$arm.json"); done
     case " $COIN_SEEDS " in *" $s "*)
         train+=("coin$s [ -f $d/coin/adapter/adapter_config.json ] || $PY train.py wm $run --reward-control coin --out $d/coin --resume")
-        evals+=("eval_coin$s score $d/coin/adapter $s $d/eval_coin.json") ;;
+        evals+=("eval_coin$s score coin $s $d/eval_coin --adapter $d/coin/adapter") ;;
     esac
+    train+=("wm_sft$s [ -f $d/wm_sft/adapter/adapter_config.json ] || $PY train.py wm-sft $run --out $d/wm_sft")
+    train+=("eval_warmup$s score warmup $s $d/eval_warmup --adapter $d/filter/warmup_adapter")
+    for arm in rwml wm_sft; do evals+=("eval_$arm$s score $arm $s $d/eval_$arm --adapter $d/$arm/adapter"); done
 done
-first=${SEEDS%% *}
-later+=("agent_warmup play $F/warmup_adapter $OUT/agent_warmup.json")
-evals+=("agent_rwml$first play $OUT/seed$first/rwml/adapter $OUT/seed$first/agent_rwml.json")
-in_parallel "${train[@]}" "${later[@]}"
+in_parallel "${train[@]}"
 in_parallel "${evals[@]}"
 $PY eval.py sanity "$OUT" --out "$OUT/sanity.md"
 [ "$OUT" = runs/sanity ] && cp "$OUT/sanity.md" results/sanity.md || true

@@ -104,8 +104,10 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     # --- data collection: the model plays train games at `temperature`; every turn is a triplet
     rollouts_per_game: int = 1  # the paper: 3 for ALFWorld
     explore_prob: float = 0.85  # share of turns whose action is drawn by command kind, not the model's (paper: 0)
-    heldout_split: str = "valid_seen"  # `all`: world-model accuracy is measured on games never trained on
-    heldout_games: int = 6
+    heldout_split: str = "valid_unseen"  # `all`: the test split, never used to choose anything (valid_seen: the dev split)
+    heldout_games: int = 20  # held-out games; each gives explore triplets (this collection policy) and purposeful
+    #                          ones (its expert walkthrough)
+    walkthrough: bool = False  # collect: play each game's expert walkthrough instead of the model (no model loads)
     # --- "too easy" filter: an SFT copy on the filter split scores the rest
     transitions: str | None = None  # `filter` / `wm` / `wm-sft`: a collection's transitions.jsonl
     filter_dir: str | None = None  # where the filter's outputs are kept and reused (None = <out>/filter)
@@ -134,7 +136,7 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     init: str = "base"  # what --adapter holds: base (no adapter) | rwml | wm-sft | rft; the KL reference is it, frozen
     games_per_step: int = 2  # games per policy step, drawn from the num_games train games
     # --- logging, checkpoints, output
-    eval_max_triplets: int = 48  # held-out triplets scored before and after (0 = all)
+    eval_max_triplets: int = 64  # held-out triplets of each kind scored before and after (0 = all)
     save_steps: int = 4
     log_completions_steps: int = 4
     report_to: str = "none"  # or "tensorboard"
@@ -369,6 +371,8 @@ def collect(cfg: Config, out: Path, load) -> Path:
     job = {k: getattr(cfg, k) for k in ("model", "adapter", "seed", "split", "num_games", "rollouts_per_game",
                                         "max_turns", "history_len", "temperature", "top_p", "max_new_tokens",
                                         "explore_prob")}
+    if cfg.walkthrough:
+        return collect_walkthroughs(cfg, out, games)
     if cfg.env != "alfworld":  # tau2: the model's own actions only
         del job["num_games"], job["explore_prob"]
         job.update(env=cfg.env, domain=cfg.domain, num_tasks=cfg.num_tasks, user_model=cfg.user_model)
@@ -417,6 +421,22 @@ def collect(cfg: Config, out: Path, load) -> Path:
           f"own replies well formed {sum(t['format_ok'] for t in own) / max(len(own), 1):.1%}")
     if cfg.env == "alfworld":
         print("collect: next observations by kind: " + kind_mix(trips))
+    return transitions
+
+
+def collect_walkthroughs(cfg: Config, out: Path, games: list) -> Path:
+    """`collect --walkthrough`: the games' expert plans on the real engine, one triplet per step, no model:
+    the "purposeful" held-out triplets (what an agent pursuing its task sees)."""
+    if cfg.env != "alfworld":
+        raise UserError("--walkthrough needs --env alfworld (tau2 tasks have no expert walkthrough here)")
+    out.mkdir(parents=True, exist_ok=True)
+    trips = envs.walkthrough_triplets(history_len=cfg.history_len, wrong_first=False, games=games)
+    transitions = out / "transitions.jsonl"
+    write_atomic(out / "collect.json", json.dumps(dict(walkthrough=True, split=cfg.split, seed=cfg.seed,
+                                                       num_games=cfg.num_games, history_len=cfg.history_len), indent=2))
+    write_atomic(transitions, "".join(json.dumps(t) + "\n" for t in trips))
+    print(f"collect: {len(trips)} walkthrough triplets of {len(games)} {cfg.split} games -> {transitions}; "
+          f"next observations by kind: {kind_mix(trips)}")
     return transitions
 
 
@@ -671,8 +691,11 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
                     break
                 state["step"] += 1
                 log_row(metrics, writer, dict(step=state["step"], epoch=state["epoch"], **{k: res[k] for k in (
-                    "reward_mean", "reward_std", "frac_reward_zero_std", "format_rate", "completion_tokens")},
-                    **u, lr=cfg.learning_rate, seconds=round(seconds, 2)))
+                    "reward_mean", "reward_std", "frac_reward_zero_std", "format_rate", "completion_tokens",
+                    "nothing_share")}, **u, lr=cfg.learning_rate, seconds=round(seconds, 2),
+                    # which targets the step's groups had and which were mixed (carried a gradient)
+                    target_kinds=[envs.observation_kind(t["next_obs"]) for t in batch],
+                    group_rewards=res["group_rewards"]))
                 if u["skipped"]:
                     tqdm.write(f"wm: step {state['step']}: non-finite loss or gradient, update skipped")
                 bar.update(1)
@@ -786,13 +809,13 @@ def train_wm_trl(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, 
 
 def sft_adapter(cfg: Config, model, tok, prompts: list[str], answers: list[str], system: str, out: Path, *,
                 prefix: str = "", start: Path | None = None, epochs: int | None = None, batch_size: int = 8,
-                shuffle: bool = True, **info):
-    """The SFT baselines: plain SFT of a fresh LoRA adapter (or of `start`), saved with config.json and
-    sft.json (losses, info)."""
+                shuffle: bool = True, lr: float | None = None, **info):
+    """The SFT baselines: plain SFT of a fresh LoRA adapter (or of `start`) at `lr` (default
+    sft_learning_rate), saved with config.json and sft.json (losses, info)."""
     torch.manual_seed(cfg.seed)
     model = start_adapter(cfg, model, start)
     losses = rwml.sft(model, tok, prompts, answers, system=system, prefix=prefix, epochs=epochs or cfg.sft_epochs,
-                      lr=cfg.sft_learning_rate, batch_size=batch_size, seed=cfg.seed, shuffle=shuffle)
+                      lr=lr or cfg.sft_learning_rate, batch_size=batch_size, seed=cfg.seed, shuffle=shuffle)
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
     write_atomic(out / "sft.json", json.dumps(dict(losses=losses, **info), indent=2))
@@ -802,7 +825,7 @@ def sft_adapter(cfg: Config, model, tok, prompts: list[str], answers: list[str],
 def train_wm_sft(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
     """WM SFT, the paper's baseline, matched to RWML: plain next-observation SFT (no reasoning) on the
     triplets RWML trains on (the same filter output), in RWML's data order, `max_steps` updates of
-    `prompts_per_step` triplets, from RWML's start (the warm-up adapter, or a fresh one)."""
+    `prompts_per_step` triplets at RWML's learning_rate, from RWML's start (the warm-up adapter, or a fresh one)."""
     kept, start = filter_triplets(cfg, triplets, filter_dir(cfg, out), load, reward_fn)
     if not kept:
         raise UserError("no training triplets left after filtering; collect more games")
@@ -812,7 +835,8 @@ def train_wm_sft(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
     model, losses, adapter = sft_adapter(cfg, model, tok, [rwml.wm_prompt(t, reasoning=False) for t in stream],
                                          [rwml.wm_answer(t) for t in stream], rwml.wm_system(stream[0]), out,
                                          prefix=rwml.wm_prefix(False), start=start, epochs=1,
-                                         batch_size=cfg.prompts_per_step, shuffle=False, num_triplets=len(kept),
+                                         batch_size=cfg.prompts_per_step, shuffle=False, lr=cfg.learning_rate,
+                                         num_triplets=len(kept), learning_rate=cfg.learning_rate,
                                          updates=cfg.max_steps, start_adapter=str(start) if start else None)
     print(f"wm-sft: {cfg.max_steps} updates of {cfg.prompts_per_step} triplets (of {len(kept)}) from "
           f"{'the warm-up adapter' if start else 'a fresh adapter'}, mean loss {losses[0]:.3f}; adapter -> {adapter}")
@@ -993,13 +1017,39 @@ def filter_dir(cfg: Config, out: Path) -> Path:
     return Path(cfg.filter_dir) if cfg.filter_dir else out / "filter"
 
 
-def heldout_triplets(cfg: Config, transitions: Path) -> list[dict]:
-    """The held-out triplets scored before and after: `eval_max_triplets` of them, drawn with a fixed seed
-    (not the run's), so that runs with other seeds on the same collection score the same set."""
-    trips = read_jsonl(transitions)
-    if cfg.eval_max_triplets and len(trips) > cfg.eval_max_triplets:
-        trips = [trips[i] for i in sorted(random.Random(0).sample(range(len(trips)), cfg.eval_max_triplets))]
-    return trips
+HELDOUT_KINDS = ("explore", "purposeful")  # this collection policy's triplets; the expert walkthroughs'
+
+
+def check_heldout(cfg: Config) -> None:
+    """`all` scores games never trained on: the held-out split must not share a game with the train games.
+    Checked on the game files before any model loads."""
+    if cfg.env != "alfworld":
+        raise UserError("the `all` stage runs on ALFWorld; for tau2 use the collect / wm / policy stages")
+    train = {envs.game_id(g) for g in split_games(cfg)}
+    held = {envs.game_id(g) for g in envs.list_games(cfg.heldout_split, cfg.heldout_games, 0)}
+    if cfg.heldout_split == cfg.split or train & held:
+        raise UserError(f"--heldout-split {cfg.heldout_split} shares {len(train & held)} games with the train games "
+                        f"(--split {cfg.split}); use valid_unseen (the test split) or valid_seen (the dev split)")
+
+
+def heldout_triplets(cfg: Config, out: Path, load) -> dict[str, list[dict]]:
+    """The held-out triplets scored before and after, of both kinds, from the same `heldout_games` games
+    (drawn with seed 0, not the run's, so that runs of every seed score the same test set): `explore`, this
+    collection policy's (played with seed 0), and `purposeful`, the games' expert walkthroughs. Each kind:
+    `eval_max_triplets` of them, drawn with a fixed seed."""
+    held = dataclasses.replace(cfg, split=cfg.heldout_split, num_games=cfg.heldout_games, rollouts_per_game=1,
+                               seed=0, adapter=None)
+    files = dict(explore=collect(held, out / "heldout", load),
+                 purposeful=collect(dataclasses.replace(held, walkthrough=True), out / "heldout_purposeful", load))
+    sets = {}
+    for kind, path in files.items():
+        trips = read_jsonl(path)
+        if not trips:
+            raise UserError(f"the held-out {kind} triplets ({path}) are empty; use more --heldout-games")
+        if cfg.eval_max_triplets and len(trips) > cfg.eval_max_triplets:
+            trips = [trips[i] for i in sorted(random.Random(0).sample(range(len(trips)), cfg.eval_max_triplets))]
+        sets[kind] = dict(triplets=trips, file=str(path))
+    return sets
 
 
 def evaluate_heldout(cfg: Config, model, tok, heldout: list[dict], reward_fn) -> dict:
@@ -1008,11 +1058,23 @@ def evaluate_heldout(cfg: Config, model, tok, heldout: list[dict], reward_fn) ->
                             temperature=cfg.temperature, max_new_tokens=cfg.max_completion_length)
 
 
+def write_eval(path: Path, result: dict) -> None:
+    """An evaluation's summary (JSON) and, beside it, every triplet's predictions, rewards and cosines
+    (<name>.triplets.jsonl): what a reader needs to audit the summary."""
+    rows = result.get("triplets", [])
+    detail = path.with_name(path.stem + ".triplets.jsonl")
+    write_atomic(detail, "".join(json.dumps(r) + "\n" for r in rows))
+    summary = {k: v for k, v in result.items() if k != "triplets"}
+    write_atomic(path, json.dumps(dict(summary, triplets_file=detail.name), indent=2))
+
+
 def before_after_line(before: dict, after: dict) -> str:
     change_b, change_a = before["per_kind"]["change"], after["per_kind"]["change"]
-    return (f"held-out world-model accuracy {before['wm_accuracy']:.3f} -> {after['wm_accuracy']:.3f} "
+    beyond_b, beyond_a = before["per_kind"]["beyond_template"], after["per_kind"]["beyond_template"]
+    return (f"world-model accuracy {before['wm_accuracy']:.3f} -> {after['wm_accuracy']:.3f} "
             f"({before['n']} triplets); without \"Nothing happens.\" {change_b['wm_accuracy']:.3f} -> "
-            f"{change_a['wm_accuracy']:.3f} ({change_b['n']} triplets); mean cosine {before['mean_cosine']:.3f} -> "
+            f"{change_a['wm_accuracy']:.3f} ({change_b['n']}); beyond the template rule {beyond_b['wm_accuracy']:.3f} "
+            f"-> {beyond_a['wm_accuracy']:.3f} ({beyond_b['n']}); mean cosine {before['mean_cosine']:.3f} -> "
             f"{after['mean_cosine']:.3f}")
 
 
@@ -1028,6 +1090,8 @@ def main(argv: list[str] | None = None) -> None:
     check_config(cfg, stage)
     if stage == "policy":
         check_init(cfg)
+    if stage == "all":
+        check_heldout(cfg)
     out, t0 = Path(cfg.out), time.time()
     check_writable(out)
     if cfg.filter_dir:
@@ -1062,30 +1126,46 @@ def main(argv: list[str] | None = None) -> None:
         if stage == "wm":
             (train_wm_trl if cfg.trainer == "trl" else train_wm)(cfg, kept, out, load, reward_fn, start)
         return
-    # all: collect on train games, collect held-out games, filter (+ warm-up), RWML, held-out accuracy before / after
+    # all: collect on train games, collect held-out games (both kinds), filter (+ warm-up), RWML, held-out
+    # accuracy before / after, beside the content-free baselines
     trips = read_jsonl(collect(cfg, out / "collect", load))
-    heldout_cfg = dataclasses.replace(cfg, split=cfg.heldout_split, num_games=cfg.heldout_games, rollouts_per_game=1)
-    heldout = heldout_triplets(cfg, collect(heldout_cfg, out / "heldout", load))
+    heldout = heldout_triplets(cfg, out, load)
     kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
-    before_file = out / "wm_eval_before.json"  # the model RWML starts from: the warm-up adapter, or the base model
-    if not before_file.exists():
+    before_files = {kind: out / f"wm_eval_before_{kind}.json" for kind in HELDOUT_KINDS}
+    if not all(f.exists() for f in before_files.values()):  # the model RWML starts from: the warm-up or the base
         model, tok = load()
         if start:
             from peft import PeftModel
 
             model = PeftModel.from_pretrained(model, str(start))
-        before = dict(evaluate_heldout(cfg, model, tok, heldout, reward_fn), model="warm-up" if start else "base")
+        for kind, f in before_files.items():
+            write_eval(f, dict(evaluate_heldout(cfg, model, tok, heldout[kind]["triplets"], reward_fn),
+                               model="warm-up" if start else "base", split=cfg.heldout_split,
+                               transitions=heldout[kind]["file"]))
         if start:
             model.unload()  # the bare base model again, for train_wm
-        write_atomic(before_file, json.dumps(before, indent=2))
     resume = cfg.resume or swap_checkpoint(out / "checkpoint")  # `all` continues where it stopped
     model = train_wm(dataclasses.replace(cfg, resume=resume), kept, out, load, reward_fn, start)
-    after = dict(evaluate_heldout(cfg, model, load()[1], heldout, reward_fn), model="RWML")
-    write_atomic(out / "wm_eval_rwml.json", json.dumps(after, indent=2))
-    before = json.loads(before_file.read_text())
-    print(f"\n{cfg.heldout_split}, tau_d {cfg.tau_d}, {cfg.eval_samples or 'one greedy'} prediction(s) per triplet; "
-          f"before = {before['model']}, after = RWML ({cfg.max_steps} steps)")
-    print(before_after_line(before, after) + f"; {(time.time() - t0) / 60:.1f} min -> {out}")
+    print(f"\n{cfg.heldout_split} (the test split: {cfg.heldout_games} games never trained on), tau_d {cfg.tau_d}, "
+          f"{cfg.eval_samples or 'one greedy'} prediction(s) per triplet; before = "
+          f"{'the warm-up' if start else 'the base model'}, after = RWML ({cfg.max_steps} steps)")
+    lines = []
+    for kind in HELDOUT_KINDS:
+        trips_k = heldout[kind]["triplets"]
+        after = dict(evaluate_heldout(cfg, model, load()[1], trips_k, reward_fn), model="RWML", split=cfg.heldout_split,
+                     transitions=heldout[kind]["file"])
+        write_eval(out / f"wm_eval_rwml_{kind}.json", after)
+        rules = {name: rwml.baseline_wm(name, trips_k, reward_fn) for name in envs.BASELINES}
+        for name, r in rules.items():
+            write_eval(out / f"wm_eval_{name}_{kind}.json", dict(r, split=cfg.heldout_split,
+                                                                  transitions=heldout[kind]["file"]))
+        before = json.loads(before_files[kind].read_text())
+        print(f"{kind} ({heldout[kind]['file']}): content-free baselines: template rule {rules['template']['wm_accuracy']:.3f}, "
+              f"always \"Nothing happens.\" {rules['nothing']['wm_accuracy']:.3f}, copy the observation "
+              f"{rules['copy']['wm_accuracy']:.3f}")
+        lines.append(f"{kind}: " + before_after_line(before, after))
+    print("\n".join(lines) + f"\n{(time.time() - t0) / 60:.1f} min -> {out} (per-triplet outputs: "
+          f"{out}/wm_eval_*.triplets.jsonl)")
 
 
 def disk_full(e: BaseException) -> bool:

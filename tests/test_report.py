@@ -79,34 +79,3 @@ def test_report_bad_input(tmp_path):
         ev.main(["report", str(tmp_path / "nope")])
     with pytest.raises(UserError, match="no results"):
         ev.main(["report", str(tmp_path)])
-
-
-def test_sanity_table_compares_every_seed_with_its_own_scoring_of_the_warmup(tmp_path):
-    """sanity.sh scores the shared warm-up with each seed's sampling (<run>/seed<s>/eval_warmup.json) and each
-    seed's gain is against that; a run folder with one <run>/eval_warmup.json uses it for every seed."""
-    def wm(acc, change):
-        return dict(wm_accuracy=acc, mean_cosine=0.8, n=48, config=dict(eval_samples=4, temperature=1.0, tau_d=0.1),
-                    per_kind=dict(change=dict(wm_accuracy=change)))
-
-    (tmp_path / "eval_warmup.json").write_text(json.dumps(wm(0.40, 0.45)))
-    (tmp_path / "agent_warmup.json").write_text(json.dumps(dict(invalid_action_rate=0.5, num_episodes=4)))
-    for s, (rwml, coin) in enumerate([(0.55, 0.40), (0.35, 0.44)]):
-        d = tmp_path / f"seed{s}"
-        for arm in ("rwml", "coin"):
-            (d / arm).mkdir(parents=True)
-            rows = [dict(reward_mean=r, frac_reward_zero_std=0.5) for r in (0.1, 0.2, 0.3, 0.4)]
-            (d / arm / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (d / "eval_rwml.json").write_text(json.dumps(wm(0.5, rwml)))
-        if s == 1:
-            (d / "eval_warmup.json").write_text(json.dumps(wm(0.40, 0.30)))
-        (d / "eval_coin.json").write_text(json.dumps(wm(0.4, coin)))
-        (d / "agent_rwml.json").write_text(json.dumps(dict(invalid_action_rate=0.25, num_episodes=4)))
-    text = ev.sanity_report(tmp_path)
-    change = text.split("**all targets**")[0]
-    assert "| 0 | 0.450 | 0.550 | – | 0.400 | +0.100 |" in change
-    assert "| 1 | 0.300 | 0.350 | – | 0.440 | +0.050 |" in change
-    assert "| mean | 0.375 | 0.450 | – | 0.420 | +0.075 |" in change
-    assert "| 0 | 0.10 -> 0.40 | 0.50 | 0.10 -> 0.40 |" in text
-    assert "| 1 | 0.500 | 0.250 | 4 |" in text  # the agent: shared warm-up vs this seed's RWML
-    with pytest.raises(UserError, match="run sanity.sh first"):
-        ev.sanity_report(tmp_path / "seed0")

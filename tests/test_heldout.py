@@ -1,0 +1,130 @@
+"""The world-model evaluation protocol: held-out games disjoint from train games, the content-free
+baselines on the real engine and the real embedder, per-triplet outputs, the sanity table."""
+import json
+
+import pytest
+
+import envs
+import eval as ev
+import rwml
+import train
+from envs import UserError
+from reward import SimToRealReward
+
+
+@pytest.fixture(scope="module")
+def reward_fn():
+    return SimToRealReward(tau_d=0.1)
+
+
+@pytest.fixture(scope="module")
+def purposeful():
+    """Expert-walkthrough triplets of 4 valid_unseen games (the real engine), no wrong first command."""
+    return envs.walkthrough_triplets("valid_unseen", 4, history_len=1, seed=0, wrong_first=False)
+
+
+def test_heldout_games_are_disjoint_from_train_games():
+    cfg = train.Config()
+    train.check_heldout(cfg)  # the defaults: train games vs the test split
+    held = {envs.game_id(g) for g in envs.list_games(cfg.heldout_split, cfg.heldout_games, 0)}
+    for seed in range(3):
+        games = {envs.game_id(g) for g in train.split_games(train.Config(seed=seed))}
+        assert not games & held and len(games) == cfg.num_games
+    assert cfg.heldout_split == "valid_unseen"  # the default run reports on the test split
+    with pytest.raises(UserError, match="shares 16 games with the train games"):
+        train.check_heldout(train.Config(heldout_split="train", heldout_games=16))
+    with pytest.raises(UserError, match="--heldout-split valid_seen shares"):
+        train.check_heldout(train.Config(split="valid_seen", heldout_split="valid_seen"))
+
+
+def test_template_rule_writes_the_games_sentences():
+    t = envs.template_prediction
+    assert t("go to cabinet 3") == "You arrive at cabinet 3. The cabinet 3 is closed."
+    assert t("go to countertop 1") == "You arrive at countertop 1. On the countertop 1, you see nothing."
+    assert t("open fridge 1") == "You open the fridge 1. The fridge 1 is open. In it, you see nothing."
+    assert t("close drawer 2") == "You close the drawer 2."
+    assert t("take mug 1 from countertop 2") == "You pick up the mug 1 from the countertop 2."
+    assert t("move mug 1 to coffeemachine 1") == "You move the mug 1 to the coffeemachine 1."
+    assert t("heat apple 1 with microwave 1") == "You heat the apple 1 using the microwave 1."
+    assert t("use desklamp 1") == "You turn on the desklamp 1."
+    for free in ("I think I should look for a mug", "", "go", "take mug 1", "fly away"):
+        assert t(free) == "Nothing happens."
+
+
+def test_template_rule_scores_what_it_should_on_a_fixed_set(purposeful, reward_fn):
+    """On real walkthroughs, every event the action spells out is hit (take, move, heat, cool, clean, use); an
+    arrival or an opening is hit only when there is nothing to list; "Nothing happens." is never predicted."""
+    r = rwml.baseline_wm("template", purposeful, reward_fn)
+    rows = r["triplets"]
+    assert len(rows) == len(purposeful) == r["n"]
+    for row, trip in zip(rows, purposeful):
+        exact = envs.template_prediction(trip["action"]) == trip["next_obs"]
+        if row["kind"] in ("take", "move", "heat", "cool", "clean", "toggle"):
+            assert exact and row["rewards"] == [1.0]
+        if exact:
+            assert row["template_hit"]
+        if row["kind"] == "arrive" and "you see a" in trip["next_obs"]:
+            assert not exact
+    assert r["per_kind"]["beyond_template"]["wm_accuracy"] == 0.0  # by definition
+    assert 0.3 < r["wm_accuracy"] < 1.0  # object lists are beyond it
+    assert rwml.baseline_wm("nothing", purposeful, reward_fn)["wm_accuracy"] == 0.0  # no walkthrough step fails
+    copy = rwml.baseline_wm("copy", purposeful, reward_fn)
+    assert copy["triplets"][1]["predictions"] == [purposeful[1]["history"][-1]["observation"]]
+
+
+def test_every_wm_evaluation_writes_its_triplets(tmp_path, transitions, capsys):
+    """eval.py wm: the summary names the file and split it scored; beside it, one row per triplet with its
+    predictions, rewards and cosines, which reproduce the summary."""
+    ev.main(["wm", "--transitions", transitions, "--baseline", "template", "--out", str(tmp_path / "rule.json")])
+    summary = json.loads((tmp_path / "rule.json").read_text())
+    rows = [json.loads(x) for x in (tmp_path / "rule.triplets.jsonl").read_text().splitlines()]
+    assert summary["triplets_file"] == "rule.triplets.jsonl" and "triplets" not in summary
+    assert len(rows) == summary["n"] == len(train.read_jsonl(train.Path(transitions)))
+    assert sum(r["rewards"][0] for r in rows) / len(rows) == pytest.approx(summary["wm_accuracy"])
+    assert set(rows[0]) >= {"game", "step", "action", "target", "kind", "template_hit", "predictions", "rewards", "cosines"}
+    assert f"{transitions} (split unknown), template:" in capsys.readouterr().out
+    with pytest.raises(UserError, match="unknown --baseline 'oracle'"):
+        ev.main(["wm", "--transitions", transitions, "--baseline", "oracle", "--out", str(tmp_path / "x.json")])
+
+
+def test_walkthrough_collection_needs_no_model(tmp_path, capsys):
+    out = tmp_path / "purposeful"
+    train.main(["collect", "--walkthrough", "--split", "valid_unseen", "--num-games", "2", "--model", "/nonexistent",
+                "--out", str(out)])
+    trips = train.read_jsonl(out / "transitions.jsonl")
+    assert trips and all(t["valid"] for t in trips) and trips[-1]["won"]
+    assert json.loads((out / "collect.json").read_text())["split"] == "valid_unseen"
+    assert ev.collection_split(str(out / "transitions.jsonl")) == "valid_unseen"
+
+
+def _wm(acc, change, beyond, kinds):
+    return dict(wm_accuracy=acc, mean_cosine=0.8, n=40, split="valid_unseen", transitions="h.jsonl",
+                config=dict(eval_samples=4, temperature=1.0, tau_d=0.1),
+                per_kind=dict(change=dict(wm_accuracy=change), beyond_template=dict(wm_accuracy=beyond, n=12)),
+                per_observation_kind={k: dict(wm_accuracy=v, n=n) for k, (v, n) in kinds.items()})
+
+
+def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tmp_path):
+    (tmp_path / "baselines").mkdir()
+    kinds = dict(arrive=(0.5, 30), take=(1.0, 4))
+    for kind in train.HELDOUT_KINDS:
+        (tmp_path / "baselines" / f"template_{kind}.json").write_text(json.dumps(_wm(0.85, 0.8, 0.0, kinds)))
+    for s, (w, r) in enumerate([(0.40, 0.50), (0.30, 0.25), (0.35, 0.45)]):
+        d = tmp_path / f"seed{s}"
+        (d / "rwml").mkdir(parents=True)
+        rows = [dict(reward_mean=x, frac_reward_zero_std=0.5, nothing_share=x, target_kinds=["arrive", "nothing_happens"],
+                     group_rewards=[0.5, 0.25 if s else 1.0]) for x in (0.1, 0.2, 0.3, 0.4)]
+        (d / "rwml" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+        for kind in train.HELDOUT_KINDS:
+            (d / f"eval_warmup_{kind}.json").write_text(json.dumps(_wm(w, w, w, kinds)))
+            (d / f"eval_rwml_{kind}.json").write_text(json.dumps(_wm(r, r, r, kinds)))
+    text = ev.sanity_report(tmp_path)
+    explore = text.split("### purposeful")[0]
+    assert "| template rule | 0.850 | 0.800 | 0.000 | 0.800 |" in explore
+    assert "| warm-up | 0.350 ± 0.050 (0.400 / 0.300 / 0.350)" in explore
+    assert "| **RWML − warm-up** (paired) | +0.050 ± 0.087 (+0.100 / -0.050 / +0.100)" in explore
+    assert "| arrive | 30 | 0.500 | 0.500 | 0.500 |" in explore and "Too few to quote as a rate: take 4." in explore
+    assert "| 0 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 | 0.00 of 4 | – |" in text
+    assert "| 1 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 | 0.50 of 8 | – |" in text
+    with pytest.raises(UserError, match="run sanity.sh first"):
+        ev.sanity_report(tmp_path / "seed0")
