@@ -94,6 +94,12 @@ class ReportConfig:
     plots: bool = True
 
 
+@dataclass
+class SanityConfig:
+    split: str = "valid_unseen"  # whose held-out scores to tabulate: valid_unseen (test) or valid_seen (dev)
+    out: str = "sanity.md"
+
+
 EVAL_MIN = dict(seeds=1, max_turns=1, history_len=0, max_new_tokens=1, num_envs=1, num_workers=0, num_games=1,
                 num_tasks=1, max_triplets=0, max_completion_length=1, eval_samples=0, num_generations=1)
 
@@ -499,7 +505,7 @@ def _spread(xs: list[float], fmt: str = ".3f") -> str:
     return f"{statistics.fmean(xs):{fmt}} ± {sd:.3f} ({' / '.join(f'{x:{fmt}}' for x in xs)})"
 
 
-def sanity_report(folder: Path) -> str:
+def sanity_report(folder: Path, split: str = "valid_unseen") -> str:
     """The tables of `sanity.sh`, from its run folder: per held-out kind, the content-free baselines, the
     base model, and per arm the mean ± sd over the independent seeds (each seed's value in brackets), the
     paired RWML - warm-up gain, accuracy per observation kind; then the training diagnostics."""
@@ -508,14 +514,15 @@ def sanity_report(folder: Path) -> str:
     seeds = sorted(folder.glob("seed*"), key=lambda p: int(p.name[4:]))
     if not seeds:
         raise UserError(f"no seed*/ folders in {folder}: run sanity.sh first")
+    held = folder / split  # the held-out sets of this split and every score on them
 
     def read(path: Path):
         return json.loads(path.read_text()) if path.is_file() else None
 
     lines = []
     for kind in HELDOUT_KINDS:
-        base = {b: read(folder / "baselines" / f"{b}_{kind}.json") for b, _ in SANITY_BASELINES}
-        arms = {a: [r for d in seeds if (r := read(d / f"eval_{a}_{kind}.json"))] for a, _ in SANITY_ARMS}
+        base = {b: read(held / "baselines" / f"{b}_{kind}.json") for b, _ in SANITY_BASELINES}
+        arms = {a: [r for d in seeds if (r := read(held / d.name / f"eval_{a}_{kind}.json"))] for a, _ in SANITY_ARMS}
         first = next((r for r in [*base.values(), *(x for v in arms.values() for x in v)] if r), None)
         if first is None:
             continue
@@ -534,7 +541,8 @@ def sanity_report(folder: Path) -> str:
             if arms[a]:
                 lines.append(f"| {name} | " + " | ".join(_spread([get(r) for r in arms[a]]) for _, get in SANITY_COLUMNS)
                              + " |")
-        pairs = [(r, w) for d in seeds if (r := read(d / f"eval_rwml_{kind}.json")) and (w := read(d / f"eval_warmup_{kind}.json"))]
+        pairs = [(r, w) for d in seeds if (r := read(held / d.name / f"eval_rwml_{kind}.json"))
+                 and (w := read(held / d.name / f"eval_warmup_{kind}.json"))]
         if pairs:
             lines.append("| **RWML − warm-up** (paired) | " + " | ".join(
                 _spread([get(r) - get(w) for r, w in pairs], "+.3f") for _, get in SANITY_COLUMNS) + " |")
@@ -586,10 +594,10 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError(f"usage: python eval.py {{{','.join(COMMANDS)}}} [flags]; see python eval.py agent --help")
     command = argv[0]
     if command == "sanity":
-        cfg, rest = parse_config(ReportConfig, argv[1:], prog="eval.py sanity",
+        cfg, rest = parse_config(SanityConfig, argv[1:], prog="eval.py sanity",
                                  positional={"run": dict(help="the run folder of sanity.sh (runs/sanity)")})
         check_writable(Path(cfg.out), folder=False)
-        text = sanity_report(Path(rest["run"]))
+        text = sanity_report(Path(rest["run"]), cfg.split)
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(Path(cfg.out), text)
         print(text + f"-> {cfg.out}")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # RWML learning on the bundled 135M model, measured over independent seeds (make sanity):
-#   bash sanity.sh                      ->  $OUT/sanity.md (and results/sanity.md when OUT is the default)
-#   SPLIT=valid_seen OUT=runs/dev bash sanity.sh     the development split: where settings are chosen
+#   bash sanity.sh                  ->  $OUT/sanity_valid_unseen.md (and results/ when OUT is the default)
+#   SPLIT=valid_seen bash sanity.sh     the same runs scored on the development split, where settings are chosen
+#                                       (training does not depend on the split: a second split only scores)
 # The test set, the same for every seed (paired comparison): HELD_GAMES games of SPLIT (valid_unseen, the test
 # split, by default), as two kinds of triplets: `explore` (the collection policy's, played once with seed 0)
 # and `purposeful` (the games' expert walkthroughs). Scored on it: the content-free baselines (template rule,
@@ -23,6 +24,7 @@ STEPS=${STEPS:-20}          # GRPO steps of RWML and COIN; WM SFT updates
 JOBS=${JOBS:-2}
 FILTER_JOBS=${FILTER_JOBS:-$JOBS}
 KINDS="explore purposeful"
+H=$OUT/$SPLIT  # the held-out sets and every score on them
 mkdir -p "$OUT/logs"
 
 in_parallel() {  # in_parallel "NAME COMMAND..." ...: each command a job, JOBS at a time, one thread each
@@ -41,23 +43,24 @@ in_parallel() {  # in_parallel "NAME COMMAND..." ...: each command a job, JOBS a
 }
 score() {  # score NAME SEED OUT_STEM [eval.py flags]: held-out world-model accuracy on both kinds
     local name=$1 seed=$2 stem=$3 kind; shift 3
+    mkdir -p "$(dirname "$stem")"
     for kind in $KINDS; do
-        f=$OUT/heldout_$kind/transitions.jsonl
+        f=$H/heldout_$kind/transitions.jsonl
         [ -f "${stem}_$kind.json" ] || $PY eval.py wm --transitions "$f" --max-triplets "$HELDOUT" --seed "$seed" \
             --out "${stem}_$kind.json" "$@"
     done
 }
 
-export PY OUT HELDOUT KINDS
+export PY H HELDOUT KINDS
 export -f score
-jobs=("heldout_explore $PY train.py collect --seed 0 --split $SPLIT --num-games $HELD_GAMES --out $OUT/heldout_explore"
-      "heldout_purposeful $PY train.py collect --walkthrough --seed 0 --split $SPLIT --num-games $HELD_GAMES --out $OUT/heldout_purposeful")
+jobs=("heldout_explore_$SPLIT $PY train.py collect --seed 0 --split $SPLIT --num-games $HELD_GAMES --out $H/heldout_explore"
+      "heldout_purposeful_$SPLIT $PY train.py collect --walkthrough --seed 0 --split $SPLIT --num-games $HELD_GAMES --out $H/heldout_purposeful")
 for s in $SEEDS; do  # each seed draws its own train games
     jobs+=("collect$s $PY train.py collect --seed $s --out $OUT/seed$s/collect")
 done
 in_parallel "${jobs[@]}"
-jobs=("baselines for b in template nothing copy; do score \$b 0 $OUT/baselines/\$b --baseline \$b; done"
-      "base score base 0 $OUT/baselines/base")
+jobs=("baselines_$SPLIT for b in template nothing copy; do score \$b 0 $H/baselines/\$b --baseline \$b; done"
+      "base_$SPLIT score base 0 $H/baselines/base")
 for s in $SEEDS; do
     jobs+=("filter$s $PY train.py filter --transitions $OUT/seed$s/collect/transitions.jsonl --seed $s --filter-dir $OUT/seed$s/filter --out $OUT/seed$s/filter")
 done
@@ -69,13 +72,13 @@ for s in $SEEDS; do
     train+=("rwml$s [ -f $d/rwml/adapter/adapter_config.json ] || $PY train.py wm $run --out $d/rwml --resume")
     case " $COIN_SEEDS " in *" $s "*)
         train+=("coin$s [ -f $d/coin/adapter/adapter_config.json ] || $PY train.py wm $run --reward-control coin --out $d/coin --resume")
-        evals+=("eval_coin$s score coin $s $d/eval_coin --adapter $d/coin/adapter") ;;
+        evals+=("eval_coin${s}_$SPLIT score coin $s $H/seed$s/eval_coin --adapter $d/coin/adapter") ;;
     esac
     train+=("wm_sft$s [ -f $d/wm_sft/adapter/adapter_config.json ] || $PY train.py wm-sft $run --out $d/wm_sft")
-    train+=("eval_warmup$s score warmup $s $d/eval_warmup --adapter $d/filter/warmup_adapter")
-    for arm in rwml wm_sft; do evals+=("eval_$arm$s score $arm $s $d/eval_$arm --adapter $d/$arm/adapter"); done
+    train+=("eval_warmup${s}_$SPLIT score warmup $s $H/seed$s/eval_warmup --adapter $d/filter/warmup_adapter")
+    for arm in rwml wm_sft; do evals+=("eval_$arm${s}_$SPLIT score $arm $s $H/seed$s/eval_$arm --adapter $d/$arm/adapter"); done
 done
 in_parallel "${train[@]}"
 in_parallel "${evals[@]}"
-$PY eval.py sanity "$OUT" --out "$OUT/sanity.md"
-[ "$OUT" = runs/sanity ] && cp "$OUT/sanity.md" results/sanity.md || true
+$PY eval.py sanity "$OUT" --split "$SPLIT" --out "$OUT/sanity_$SPLIT.md"
+[ "$OUT" = runs/sanity ] && cp "$OUT/sanity_$SPLIT.md" results/ || true

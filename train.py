@@ -1039,10 +1039,10 @@ def heldout_triplets(cfg: Config, out: Path, load) -> dict[str, list[dict]]:
     `eval_max_triplets` of them, drawn with a fixed seed."""
     held = dataclasses.replace(cfg, split=cfg.heldout_split, num_games=cfg.heldout_games, rollouts_per_game=1,
                                seed=0, adapter=None)
-    files = dict(explore=collect(held, out / "heldout", load),
-                 purposeful=collect(dataclasses.replace(held, walkthrough=True), out / "heldout_purposeful", load))
     sets = {}
-    for kind, path in files.items():
+    for kind in ("purposeful", "explore"):  # the walkthroughs first: they need no model
+        path = collect(dataclasses.replace(held, walkthrough=kind == "purposeful"),
+                       out / ("heldout_purposeful" if kind == "purposeful" else "heldout"), load)
         trips = read_jsonl(path)
         if not trips:
             raise UserError(f"the held-out {kind} triplets ({path}) are empty; use more --heldout-games")
@@ -1128,8 +1128,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     # all: collect on train games, collect held-out games (both kinds), filter (+ warm-up), RWML, held-out
     # accuracy before / after, beside the content-free baselines
-    trips = read_jsonl(collect(cfg, out / "collect", load))
     heldout = heldout_triplets(cfg, out, load)
+    trips = read_jsonl(collect(cfg, out / "collect", load))
     kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
     before_files = {kind: out / f"wm_eval_before_{kind}.json" for kind in HELDOUT_KINDS}
     if not all(f.exists() for f in before_files.values()):  # the model RWML starts from: the warm-up or the base

@@ -105,19 +105,21 @@ def _wm(acc, change, beyond, kinds):
 
 
 def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tmp_path):
-    (tmp_path / "baselines").mkdir()
+    held = tmp_path / "valid_unseen"  # sanity.sh's layout: training per seed, scores per held-out split
+    (held / "baselines").mkdir(parents=True)
     kinds = dict(arrive=(0.5, 30), take=(1.0, 4))
     for kind in train.HELDOUT_KINDS:
-        (tmp_path / "baselines" / f"template_{kind}.json").write_text(json.dumps(_wm(0.85, 0.8, 0.0, kinds)))
+        (held / "baselines" / f"template_{kind}.json").write_text(json.dumps(_wm(0.85, 0.8, 0.0, kinds)))
     for s, (w, r) in enumerate([(0.40, 0.50), (0.30, 0.25), (0.35, 0.45)]):
         d = tmp_path / f"seed{s}"
         (d / "rwml").mkdir(parents=True)
         rows = [dict(reward_mean=x, frac_reward_zero_std=0.5, nothing_share=x, target_kinds=["arrive", "nothing_happens"],
                      group_rewards=[0.5, 0.25 if s else 1.0]) for x in (0.1, 0.2, 0.3, 0.4)]
         (d / "rwml" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+        (held / d.name).mkdir()
         for kind in train.HELDOUT_KINDS:
-            (d / f"eval_warmup_{kind}.json").write_text(json.dumps(_wm(w, w, w, kinds)))
-            (d / f"eval_rwml_{kind}.json").write_text(json.dumps(_wm(r, r, r, kinds)))
+            (held / d.name / f"eval_warmup_{kind}.json").write_text(json.dumps(_wm(w, w, w, kinds)))
+            (held / d.name / f"eval_rwml_{kind}.json").write_text(json.dumps(_wm(r, r, r, kinds)))
     text = ev.sanity_report(tmp_path)
     explore = text.split("### purposeful")[0]
     assert "| template rule | 0.850 | 0.800 | 0.000 | 0.800 |" in explore
