@@ -532,7 +532,8 @@ def filter_triplets(cfg: Config, triplets: list[dict], out: Path, load, reward_f
     seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
     job = {k: getattr(cfg, k) for k in FILTER_JOB} | {"seed": seed, "num_triplets": len(triplets)}
     if kept_file.exists() and meta_file.exists() and json.loads(meta_file.read_text())["job"] == job \
-            and (not cfg.warmup or (warm / "adapter_config.json").is_file()):
+            and (not cfg.warmup or ((warm / "adapter_config.json").is_file()
+                                    and file_problem(warm / "adapter_model.safetensors") is None)):  # else made again
         kept = read_jsonl(kept_file)
         print(f"filter: reusing {kept_file} ({len(kept)} triplets)" + (f" and {warm}" if cfg.warmup else ""))
         return kept, warm if cfg.warmup else None

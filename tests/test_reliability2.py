@@ -117,6 +117,16 @@ def test_resume_falls_back_to_the_last_whole_checkpoint(wm_run, tmp_path):
     assert sorted(p.name for p in out.glob("checkpoint*")) == ["checkpoint"]
 
 
+def test_a_damaged_warmup_adapter_is_made_again_not_reused(tiny_model, transitions, tmp_path, capsys):
+    cfg = train.Config(model=tiny_model, easy_filter=False, sft_epochs=1)
+    trips, load = train.read_transitions(transitions), lambda: rwml.load_model(tiny_model)
+    _, warm = train.filter_triplets(cfg, trips, tmp_path, load, None)
+    damage(warm / "adapter_model.safetensors", "truncated")
+    capsys.readouterr()
+    _, warm = train.filter_triplets(cfg, trips, tmp_path, load, None)
+    assert "reusing" not in capsys.readouterr().out and train.file_problem(warm / "adapter_model.safetensors") is None
+
+
 # ----------------------------------------------------------------------------- --resume: the same run
 
 @pytest.mark.parametrize("extra, diff", [
@@ -344,12 +354,12 @@ def test_a_nested_reply_is_not_well_formed():
     assert envs.parse_tau2_action("<reply>hi</reply>")["well_formed"]
 
 
-@pytest.mark.parametrize("word", range(1, 7))
-def test_a_cut_action_keeps_no_trailing_space(word):
-    long = ("a" * word + " ") * 200  # past MAX_ACTION_CHARS (200), so the command is cut
-    for text in (f"<action>{long}</action>", f"<action>{long}</action><action>x</action>", long):
-        command, ok = envs.parse_action(text)
-        assert not ok and command and command == command.strip() and len(command) <= envs.MAX_ACTION_CHARS
+def test_a_cut_action_keeps_no_trailing_space():
+    for word in range(1, 7):  # one of these word lengths puts a space right at the cut
+        long = ("a" * word + " ") * 200  # past MAX_ACTION_CHARS (200), so the command is cut
+        for text in (f"<action>{long}</action>", f"<action>{long}</action><action>x</action>", long):
+            command, ok = envs.parse_action(text)
+            assert not ok and command and command == command.strip() and len(command) <= envs.MAX_ACTION_CHARS
 
 
 POOL_SCRIPT = """
