@@ -121,11 +121,11 @@ def parse_action(text) -> tuple[str, bool]:
     blocks = [b for b in blocks if b]
     if len(blocks) == 1 and len(blocks[0]) <= MAX_ACTION_CHARS:
         return blocks[0], True
-    if blocks:
-        return blocks[0][:MAX_ACTION_CHARS], False
+    if blocks:  # rstrip: a cut that falls after a word leaves no trailing space
+        return blocks[0][:MAX_ACTION_CHARS].rstrip(), False
     lines = [normalize(line) for line in _TAG.sub(" ", text).splitlines()]
     lines = [line for line in lines if line]
-    return (lines[-1][:MAX_ACTION_CHARS] if lines else ""), False
+    return (lines[-1][:MAX_ACTION_CHARS].rstrip() if lines else ""), False
 
 
 def is_inefficient(command: str) -> bool:
@@ -292,6 +292,13 @@ class Game:
                 self.env.load(path)  # reuses this slot's Fast Downward library instead of loading another
             self.path, self.turn, self.done = path, 0, False
             state = self.env.reset()
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- whatever the engine raises on a damaged file: name the file
+            self.env = None  # a half-loaded engine is not reused
+            why = (str(e).splitlines() or [""])[0][:200]
+            raise UserError(f"game file {path} does not load ({type(e).__name__}: {why}); it may be damaged: "
+                            f"restore it (alfworld-download, or `make data`), or remove its folder") from None
         finally:
             sys.argv = argv
         # "-= Welcome to TextWorld, ALFRED! =-\n\n<room>\n\nYour task is to: <task>"
@@ -334,6 +341,7 @@ def _serve(conn, max_turns: int, cache: bool, parent_pid: int, parent_ends: list
     """Worker loop: owns the games of its slots; answers lists of (slot, op, arg) in order. Exits with its
     parent, however the parent exits; leaves Ctrl-C to the parent, which says it in one line."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C signals the whole process group
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so may SIGTERM (kill -TERM -PGID); the parent says it
     _die_with_parent()
     for end in parent_ends:  # forked copies of the parent's pipe ends: they would keep the pipes open
         end.close()          # after the parent dies, and this worker would wait for a message forever
@@ -535,7 +543,9 @@ def tau2_tasks(domain: str, split: str = "test", num_tasks: int | None = None, s
     if num_tasks is not None:
         if num_tasks < 1:
             raise UserError(f"--num-tasks must be at least 1, got {num_tasks}")
-        keep = sorted(random.Random(seed).sample(range(len(tasks)), min(num_tasks, len(tasks))))
+        if num_tasks > len(tasks):  # as list_games: never fewer than asked, silently
+            raise UserError(f"tau2 {domain} split {split} has {len(tasks)} tasks, asked for --num-tasks {num_tasks}")
+        keep = sorted(random.Random(seed).sample(range(len(tasks)), num_tasks))
         tasks = [tasks[i] for i in keep]
     return tasks
 
@@ -561,7 +571,11 @@ def parse_tau2_action(text) -> dict:
             return dict(kind="tool", name="", arguments={}, well_formed=False, raw=raw.strip())
         return dict(kind="tool", name=call["name"], arguments=call.get("arguments", {}), well_formed=one)
     if replies:
-        return dict(kind="reply", content=replies[0][2].strip(), well_formed=one)
+        content = replies[0][2]
+        nested = list(_literal("<reply>").finditer(content))  # "<reply><reply>hi</reply>": one block, badly nested
+        if nested:
+            content = content[nested[-1].end():]
+        return dict(kind="reply", content=content.strip(), well_formed=one and not nested)
     cuts = [0] + [i for start, end, _ in tag_blocks(text, "think") for i in (start, end)] + [len(text)]
     content = "".join(text[a:b] for a, b in zip(cuts[::2], cuts[1::2]))  # without the <think> blocks
     return dict(kind="reply", content=content.strip(), well_formed=False)
@@ -680,13 +694,15 @@ def pass_hat_k(trials: list[tuple[int, int]], k: int) -> float:
 AGENT_PREFIX = "<think>"  # the start of every agent reply, written for the model: small models keep the format
 
 
-def make(env: str = "alfworld", *, domain: str = "retail", num_workers: int = 2, max_turns: int = 30):
-    """The environment the agent plays: ALFWorld games in `num_workers` processes, or a tau2 domain."""
+def make(env: str = "alfworld", *, domain: str = "retail", num_workers: int = 2, max_turns: int = 30,
+         at_once: int | None = None):
+    """The environment the agent plays: ALFWorld games in `num_workers` processes, or a tau2 domain.
+    `at_once`: the most episodes that run together; more workers than that would only idle."""
     if env == "tau2":
         return Tau2(domain, max_turns)
     if env != "alfworld":
         raise UserError(f"unknown env {env!r}; choose alfworld or tau2")
-    return Alfworld(num_workers, max_turns)
+    return Alfworld(num_workers if at_once is None else min(num_workers, max(at_once, 1)), max_turns)
 
 
 def games(env: str, split: str, num: int | None, seed: int = 0, domain: str = "retail") -> list:

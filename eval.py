@@ -47,8 +47,9 @@ import envs
 import rwml
 from envs import UserError
 from reward import calibrate
-from train import (AgentConfig, ModelConfig, WorldModelConfig, check_adapter, check_choices, check_writable, make_reward,
-                   parse_config, read_jsonl, read_transitions, run_cli, write_atomic, write_eval)
+from train import (AgentConfig, ModelConfig, WorldModelConfig, check_adapter, check_choices, check_context, check_seeds,
+                   check_writable, make_reward, parse_config, read_jsonl, read_transitions, run_cli, wm_prompt_fits,
+                   write_atomic, write_eval)
 
 COMMANDS = ("agent", "wm", "calibrate", "weights", "report", "sanity")
 
@@ -110,6 +111,7 @@ def check_eval_config(cfg) -> None:
         raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: {why}")
 
     check_choices(cfg)
+    check_seeds(cfg)
     for f in fields(cfg):
         v = getattr(cfg, f.name)
         if isinstance(v, float) and not math.isfinite(v):
@@ -140,7 +142,7 @@ def wm_accuracy(cfg: WMEvalConfig) -> dict:
     import torch
 
     # the draw is fixed (not the run's seed), as train.py's held-out set: every seed scores the same triplets
-    trips = _sample(read_transitions(cfg.transitions), cfg.max_triplets, 0)
+    trips = _sample(read_transitions(cfg.transitions, wm_prompt_fits(cfg)), cfg.max_triplets, 0)
     reward_fn = make_reward(cfg)
     info = dict(transitions=cfg.transitions, split=collection_split(cfg.transitions), config=asdict(cfg))
     if cfg.baseline:
@@ -164,7 +166,7 @@ def calibrate_tau(cfg: WMEvalConfig) -> dict:
     """Sample num_generations world-model predictions per triplet at temperature 1, then tabulate."""
     import torch
 
-    trips = _sample(read_transitions(cfg.transitions), cfg.max_triplets or 32, cfg.seed)
+    trips = _sample(read_transitions(cfg.transitions, wm_prompt_fits(cfg)), cfg.max_triplets or 32, cfg.seed)
     reward_fn = make_reward(cfg)
     model, tok = rwml.load_model(cfg.model, cfg.adapter)
     torch.manual_seed(cfg.seed)
@@ -276,7 +278,8 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
     key = lambda ep: (ep["split"], ep["seed"], envs.game_name(ep["game"]))  # noqa: E731
     todo = [ep for ep in every if key(ep) not in done]
     if todo:
-        with envs.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns) as env:
+        with envs.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns,
+                       at_once=min(cfg.num_envs, len(todo))) as env:
             model, tok = rwml.load_model(cfg.model, cfg.adapter)  # after make: game workers fork without it
             user = rwml.load_model(cfg.user_model) if cfg.user_model else (None, None)
             torch.manual_seed(cfg.seed + len(done))
@@ -361,22 +364,57 @@ def read_run(folder: Path) -> dict:
 
     run = dict(name=folder.name, splits={}, tau2={}, wm=None, weights=None,
                curve=read_jsonl(folder / "metrics.jsonl"))
+    for n, row in enumerate(run["curve"], 1):
+        problem = "not a JSON object" if not isinstance(row, dict) else _numbers_problem(row, ("step", "reward_mean"))
+        if problem:
+            raise UserError(f"{folder / 'metrics.jsonl'}, record {n}: {problem}; fix or remove that file")
     for f in sorted(folder.glob("*.json")):
         try:
-            data = json.loads(f.read_text())
-        except ValueError:
-            continue
+            data = json.loads(f.read_text(encoding="utf-8-sig"))
+        except (OSError, ValueError) as e:  # damaged results are named, not taken for "no results"
+            raise UserError(f"{f} does not read as JSON ({(str(e).splitlines() or [''])[0]}); fix or remove it") \
+                from None
         if not isinstance(data, dict):
             continue
         if "success_rate" in data and "split" in data:
-            run["splits"].update(data.get("per_split") or {data["split"]: data})
+            kind, parts = "eval.py agent", data.get("per_split") or {str(data["split"]): data}
+            problem = _numbers_problem(parts, ()) or next(
+                (p for p in (_numbers_problem(x, AGENT_KEYS) for x in parts.values()) if p), None)
         elif data.get("env") == "tau2" and "average_reward" in data:
-            run["tau2"][data["domain"]] = data
+            kind = "eval.py agent --env tau2"
+            problem = _numbers_problem(data, TAU2_KEYS) or (
+                None if isinstance(data.get("domain"), str) else "domain is missing or not text")
         elif "wm_accuracy" in data and "per_kind" in data:
-            run["wm"] = data
+            kind, problem = "eval.py wm", _numbers_problem(data, ("wm_accuracy",))
         elif "changed_share" in data and "per_module" in data:
+            kind, problem = "eval.py weights", _numbers_problem(data, ("changed_share",))
+        else:
+            continue
+        if problem:  # a traceback in the table otherwise (KeyError, TypeError), far from the file
+            raise UserError(f"{f}: {problem}, so it is no result of `{kind}`; write it again, or remove it")
+        if kind == "eval.py agent":
+            run["splits"].update(parts)
+        elif kind == "eval.py wm":
+            run["wm"] = data
+        elif kind == "eval.py weights":
             run["weights"] = data
+        else:
+            run["tau2"][data["domain"]] = data
     return run
+
+
+AGENT_KEYS = ("success_rate", "num_episodes", "mean_steps", "invalid_action_rate")
+TAU2_KEYS = ("average_reward", "num_tasks", "num_episodes", "tool_calls", "invalid_tool_call_rate")
+
+
+def _numbers_problem(data, keys) -> str | None:
+    """What keeps a result from the tables (`keys` missing or not numbers; a *_std not a number), or None."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    is_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+    bad = next((k for k in keys if not is_num(data.get(k))), None) or next(
+        (k for k in data if k.endswith("_std") and not is_num(data[k])), None)
+    return None if bad is None else f"{bad} is missing or not a number"
 
 
 def report_table(runs: list[dict]) -> str:
@@ -611,6 +649,7 @@ def main(argv: list[str] | None = None) -> None:
     config_cls = dict(agent=AgentEvalConfig, weights=WeightsConfig).get(command, WMEvalConfig)
     cfg, _ = parse_config(config_cls, argv[1:], prog=f"eval.py {command}")
     check_eval_config(cfg)
+    check_context(cfg)
     check_adapter(cfg.adapter)
     out = Path(cfg.out)
     check_writable(out, folder=False)

@@ -102,6 +102,10 @@ class SimToRealReward:
         if len(preds) != len(targets):  # zip would drop the extra ones silently, indexing would raise
             raise UserError(f"the reward got {len(preds)} completions but {len(targets)} targets; it needs "
                             "one real next observation per completion")
+        bad = next((i for i, t in enumerate(targets) if not isinstance(t, str)), None)
+        if bad is not None:  # None from a missing dataset field would crash the embedder's tokenizer
+            raise UserError(f"the reward's target {bad} is {type(targets[bad]).__name__}, not text; every "
+                            "completion needs its real next observation as a string")
         if self.metric == "rouge":
             return [rouge_l(p, t) if p else 0.0 for p, t in zip(preds, targets)]
         new = sorted({t for t in targets if t not in self._targets})

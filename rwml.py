@@ -982,6 +982,7 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
     long and completions short), on every model whose cache repeats correctly (`fast_paths`)."""
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     ids, attn = batch["input_ids"], batch["attention_mask"]
+    check_fits(model, ids.shape[1] + max_new_tokens, f"a prompt of {ids.shape[1]} tokens and {max_new_tokens} new ones")
     gen = dict(generation_config=sampling_config(model, tokenizer, temperature=temperature, top_p=top_p,
                                                  max_new_tokens=max_new_tokens))
     if stop:
@@ -1009,6 +1010,15 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
                    prompt_ids=[row[m.bool()].tolist()
                                for row, m in zip(batch["input_ids"], batch["attention_mask"])],
                    completion_ids=[row[m.bool()].tolist() for row, m in zip(completion_ids, mask)])
+
+
+def check_fits(model, tokens: int, what: str) -> None:
+    """A sequence within the model's context: past it a model fails deep inside, or runs out of memory
+    (a 1 MB observation), after minutes."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and tokens > limit:
+        raise UserError(f"{what} exceed the model's context of {limit} tokens; shorten the observations or the "
+                        "history (--history-len), or the reply")
 
 
 def sample_chat(model, tokenizer, prompts: list[str], *, system: str | None = None, prefix: str = "",
@@ -1104,6 +1114,7 @@ def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str
             batch_loss = 0.0
             for part in token_micro_batches([(p, a) for _, p, a in chunk], max_tokens):
                 t = [x.to(model.device) for x in pack(*zip(*part), tokenizer.pad_token_id)]
+                check_fits(model, t[0].shape[1], f"an SFT prompt and answer of {t[0].shape[1]} tokens")
                 logp = completion_logprobs(model, *t)
                 loss = -(logp * t[2]).sum() / n
                 loss.backward()

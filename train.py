@@ -30,6 +30,8 @@ import contextlib
 import dataclasses
 import difflib
 import errno
+import fcntl
+import functools
 import importlib.util
 import inspect
 import io
@@ -39,9 +41,11 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import time
 import types
+import zipfile
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,6 +193,7 @@ def check_config(cfg: Config, stage: str = "all") -> None:
         bad("tau_d", "must be in (0, 2] (a cosine distance)")
     if not 0 < cfg.filter_split < 1:
         bad("filter_split", "the share of triplets that trains the SFT copy must be between 0 and 1")
+    check_seeds(cfg)
     if cfg.num_tasks is not None and cfg.num_tasks < 1:
         bad("num_tasks", "must be at least 1 (or left out: all tasks)")
     if cfg.epsilon_high is not None and cfg.epsilon_high < 0:
@@ -207,6 +212,17 @@ def check_config(cfg: Config, stage: str = "all") -> None:
 # Our GRPO loop's speed-ups, which TRL's GRPOTrainer does not have: with --trainer trl they must stay at
 # their defaults. Every other field the wm stage reads has a TRL counterpart (train_wm_trl).
 NO_TRL = ("shared_prompt_forward", "logits_chunk_size")
+
+
+SEED_MAX = 2**32 - 1  # numpy's bound (transformers' set_seed); torch's is 2**64 - 1
+
+
+def check_seeds(cfg) -> None:
+    """--seed (and --filter-seed) in the range every seeded library takes: torch raises "Overflow" past it."""
+    for name in ("seed", "filter_seed"):
+        v = getattr(cfg, name, None)
+        if v is not None and not 0 <= v <= SEED_MAX:
+            raise UserError(f"--{name.replace('_', '-')} {v}: must be between 0 and {SEED_MAX}")
 
 
 def check_trl(cfg: Config, stage: str) -> None:
@@ -277,7 +293,7 @@ def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None
     values = {}
     if getattr(args, "config", None):
         try:
-            values = json.loads(Path(args.config).read_text())
+            values = json.loads(Path(args.config).read_text(encoding="utf-8-sig"))  # -sig: a BOM is fine
         except (OSError, ValueError) as e:
             raise UserError(f"cannot read config file {args.config}: {e}") from None
         if not isinstance(values, dict):
@@ -333,6 +349,78 @@ def check_adapter(path: str | None, flag: str = "--adapter") -> None:
         why = str(e).splitlines()[0] if str(e) else repr(e)
         raise UserError(f"{config} is not a readable peft adapter config ({why}); save the adapter again, or "
                         f"give another {flag}") from None
+    weights = next((Path(path) / n for n in ("adapter_model.safetensors", "adapter_model.bin")
+                    if (Path(path) / n).is_file()), Path(path) / "adapter_model.safetensors")
+    problem = file_problem(weights)
+    if problem:
+        raise UserError(f"{weights} {problem}; save the adapter again, or give another {flag}")
+
+
+def file_problem(path: Path) -> str | None:
+    """Why a safetensors or torch.save file would not load, or None: checked cheaply, before any model
+    loads (safetensors: its header and size; torch.save's zip: every record's checksum)."""
+    if not path.is_file():
+        return "is missing"
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt"):
+                pass
+        else:
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip()
+            if bad:
+                raise ValueError(f"record {bad} fails its checksum")
+    except Exception as e:  # noqa: BLE001 -- whatever the reader raises, the file is the problem
+        return f"is damaged ({(str(e).splitlines() or [type(e).__name__])[0]})"
+    return None
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a checkpoint folder would not load back, or None: both files read whole, not merely exist."""
+    for name in ("adapter_model.safetensors", "trainer_state.pt"):
+        problem = file_problem(folder / name)
+        if problem:
+            return f"{folder / name} {problem}"
+    return None
+
+
+_LOCKS: dict[str, int] = {}  # --out folder -> the descriptor of its lock, held by this process
+
+
+def lock_out(out: Path) -> None:
+    """One run at a time in an --out folder: an exclusive flock on <out>/.lock, held until `main` returns or
+    the process ends (the kernel drops it also on kill -9; the file stays, harmless). A stage that this
+    process runs again in the same folder keeps its lock."""
+    key = str(out.resolve())
+    if key in _LOCKS:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # BlockingIOError: another process holds it
+        pid = os.read(fd, 20).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise UserError(f"another run is using {out} (pid {pid}); wait for it to end, or use another --out") \
+            from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    _LOCKS[key] = fd
+
+
+def releases_locks(fn):
+    """`fn` gives back the --out locks it took, however it ends (tests run stages one after another)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        before = set(_LOCKS)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for key in set(_LOCKS) - before:
+                os.close(_LOCKS.pop(key))
+    return wrapper
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -340,7 +428,7 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     out = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8-sig", errors="replace").splitlines():
         try:
             out.append(json.loads(line))
         except ValueError:
@@ -401,7 +489,7 @@ def collect(cfg: Config, out: Path, load) -> Path:
           f"already done, {len(todo)} to play -> {transitions}")
     if todo:
         torch.manual_seed(cfg.seed + len(finished))  # a resumed run does not replay the same samples
-        with make_env(cfg) as env, open(transitions, "a") as ft, open(episodes_file, "a") as fe:
+        with make_env(cfg, len(todo)) as env, open(transitions, "a") as ft, open(episodes_file, "a") as fe:
             model, tok = load()  # after make_env: ALFWorld's game workers fork without the model
             user = rwml.load_model(cfg.user_model) if cfg.user_model else (None, None)
 
@@ -464,7 +552,8 @@ def filter_triplets(cfg: Config, triplets: list[dict], out: Path, load, reward_f
     seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
     job = {k: getattr(cfg, k) for k in FILTER_JOB} | {"seed": seed, "num_triplets": len(triplets)}
     if kept_file.exists() and meta_file.exists() and json.loads(meta_file.read_text())["job"] == job \
-            and (not cfg.warmup or (warm / "adapter_config.json").is_file()):
+            and (not cfg.warmup or ((warm / "adapter_config.json").is_file()
+                                    and file_problem(warm / "adapter_model.safetensors") is None)):  # else made again
         kept = read_jsonl(kept_file)
         print(f"filter: reusing {kept_file} ({len(kept)} triplets)" + (f" and {warm}" if cfg.warmup else ""))
         return kept, warm if cfg.warmup else None
@@ -520,7 +609,7 @@ def save_checkpoint(path: Path, model, optimizer, state: dict) -> None:
     torch.save(dict(state, optimizer=optimizer.state_dict(), torch_rng=torch.get_rng_state(),
                     cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None), buffer)
     write_atomic(tmp / "trainer_state.pt", buffer.getvalue())  # last, by rename: it marks a complete folder
-    swap_checkpoint(path)
+    swap_checkpoint(path, verify=False)  # just written: no need to read it back
 
 
 def _remove_checkpoint(folder: Path) -> None:
@@ -529,16 +618,18 @@ def _remove_checkpoint(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def swap_checkpoint(path: Path) -> bool:
+def swap_checkpoint(path: Path, verify: bool = True) -> bool:
     """Put a complete checkpoint.tmp in the place of `path`, the last step of a save; at a run's start, the
     same finishes a save that a crash stopped at any point. A complete .tmp is always the newest state. A
     checkpoint.old (left by earlier versions' two-rename swap) is used when there is nothing else, then
-    removed, as is any incomplete .tmp. Returns whether `path` holds a checkpoint."""
+    removed, as is any incomplete .tmp. With `verify`, complete = every file reads whole (a damaged .tmp is
+    never swapped in; a damaged `path` gives way to a whole .old). Returns whether `path` holds a checkpoint."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    if (tmp / "trainer_state.pt").is_file():
+    whole = (lambda f: checkpoint_problem(f) is None) if verify else (lambda f: (f / "trainer_state.pt").is_file())
+    if whole(tmp):
         _remove_checkpoint(path)
         tmp.rename(path)
-    elif (old / "trainer_state.pt").is_file() and not (path / "trainer_state.pt").is_file():
+    elif whole(old) and not whole(path):
         _remove_checkpoint(path)
         old.rename(path)
     _remove_checkpoint(tmp)
@@ -567,17 +658,54 @@ def _check_at_least(cfg: Config, **bounds) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be at least {lo}, got {getattr(cfg, name)}")
 
 
-def start_run(cfg: Config, out: Path, model, optimizer) -> tuple[dict, object]:
-    """Resume from `out/checkpoint` (with --resume) or refuse to overwrite a run; cut metrics.jsonl and
-    samples.jsonl back to the checkpoint's step (the steps after it run again, and are logged again);
-    write config.json; open TensorBoard if asked. Returns (state, writer or None)."""
+# fields that change no trained weight: --resume takes other values of these (max_steps: to train on)
+RESUME_FREE = ("out", "resume", "report_to", "max_steps", "save_steps", "log_completions_steps", "num_workers",
+               "eval_max_triplets", "eval_samples", "heldout_split", "heldout_games", "filter_dir",
+               "micro_batch_size", "logits_chunk_size", "shared_prompt_forward", "gradient_checkpointing")
+
+
+def check_resume(cfg: Config, out: Path, stage: str, resume: bool | None = None) -> bool:
+    """Before a run trains on from `out/checkpoint`: the checkpoint reads whole, it is of this stage, and the
+    settings that change training are those it was made with (out/config.json). One line otherwise.
+    Returns whether there is a checkpoint to resume from."""
     ckpt = out / "checkpoint"
-    has_ckpt = swap_checkpoint(ckpt)
-    state = dict(step=0, epoch=0, cursor=0)
-    if has_ckpt and not cfg.resume:
+    if not swap_checkpoint(ckpt):
+        return False
+    if not (cfg.resume if resume is None else resume):
         raise UserError(f"{out} already holds a run; pass --resume to continue it, or use another --out")
+    problem = checkpoint_problem(ckpt)
+    if problem:
+        raise UserError(f"cannot resume: {problem}; delete {ckpt} to start the run over, or use another --out")
+    saved = torch.load(ckpt / "trainer_state.pt", weights_only=False, mmap=True, map_location="cpu").get("stage", stage)
+    if saved != stage:
+        raise UserError(f"cannot resume: {out} holds a {saved} run, not a {stage} run; use another --out")
+    check_settings(cfg, out)
+    return True
+
+
+def check_settings(cfg: Config, out: Path) -> None:
+    """The settings that change training (all but RESUME_FREE) are those of out/config.json, if any."""
+    try:
+        old = json.loads((out / "config.json").read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError):
+        return  # nothing to compare with
+    new = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    diff = [f"--{k.replace('_', '-')} {old[k]!r} -> {v!r}" for k, v in new.items()
+            if k not in RESUME_FREE and k in old and old[k] != v]
+    if diff:
+        raise UserError(f"cannot resume: {out} was trained with other settings ({', '.join(diff)}); resume with "
+                        "its settings, or use another --out")
+
+
+def start_run(cfg: Config, out: Path, model, optimizer, stage: str = "wm") -> tuple[dict, object]:
+    """Resume from `out/checkpoint` (with --resume; `check_resume`) or refuse to overwrite a run; cut
+    metrics.jsonl and samples.jsonl back to the checkpoint's step (the steps after it run again, and are
+    logged again); write config.json; open TensorBoard if asked. Returns (state, writer or None)."""
+    ckpt = out / "checkpoint"
+    has_ckpt = check_resume(cfg, out, stage)
+    state = dict(step=0, epoch=0, cursor=0, stage=stage)
     if has_ckpt:
-        state = load_checkpoint(ckpt, model, optimizer)
+        state = dict(dict(stage=stage), **load_checkpoint(ckpt, model, optimizer))  # earlier versions': no stage
         print(f"resumed from {ckpt} at step {state['step']}")
     out.mkdir(parents=True, exist_ok=True)
     for log in (out / "metrics.jsonl", out / "samples.jsonl"):
@@ -752,6 +880,8 @@ def train_wm_trl(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, 
     last = get_last_checkpoint(str(trl_dir)) if trl_dir.is_dir() else None
     if last and not cfg.resume:
         raise UserError(f"{out} already holds a run; pass --resume to continue it, or use another --out")
+    if last:
+        check_settings(cfg, out)
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
@@ -847,7 +977,7 @@ def train_rft(cfg: Config, out: Path, load):
     """RFT: the model plays the train games (tau2: tasks) rollouts_per_game times; SFT on its successes."""
     turns = []
     games = split_games(cfg)
-    with make_env(cfg) as env:
+    with make_env(cfg, len(games) * cfg.rollouts_per_game) as env:
         model, tok = load()  # after make_env: ALFWorld's game workers fork without the model
         torch.manual_seed(cfg.seed)
         summaries = rwml.rollouts(model, tok, env, games, cfg.rollouts_per_game, on_turn=turns.append,
@@ -875,8 +1005,9 @@ def play_kwargs(cfg: Config) -> dict:
                 max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs)
 
 
-def make_env(cfg: Config):
-    return envs.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns)
+def make_env(cfg: Config, episodes: int | None = None):
+    at_once = None if episodes is None else min(cfg.num_envs, episodes)  # no more game workers than games
+    return envs.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns, at_once=at_once)
 
 
 # ----------------------------------------------------------------------------- stage 2: policy RL (METHOD.md §6)
@@ -896,13 +1027,13 @@ def train_policy(cfg: Config, out: Path, load):
     _check_at_least(cfg, max_steps=1, games_per_step=1, num_generations=2, micro_batch_size=1, num_iterations=1,
                     save_steps=1, max_new_tokens=1)
     games = split_games(cfg)
-    with make_env(cfg) as env:
+    with make_env(cfg, min(cfg.games_per_step, len(games)) * cfg.num_generations) as env:
         model, tok = load()  # after make_env: ALFWorld's game workers fork without the model
         torch.manual_seed(cfg.seed)
         model = start_adapter(cfg, model, None if cfg.init == "base" else cfg.adapter)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                       weight_decay=0.0)
-        state, writer = start_run(cfg, out, model, optimizer)
+        state, writer = start_run(cfg, out, model, optimizer, "policy")
         policy_grpo = dataclasses.replace(cfg, max_completion_length=cfg.max_new_tokens)  # a completion: a reply
         bar = tqdm(total=cfg.max_steps, initial=state["step"], desc=f"policy grpo ({cfg.init})", unit="step",
                    dynamic_ncols=True)
@@ -981,15 +1112,63 @@ def triplet_problem(t) -> str | None:
     return None
 
 
-def read_transitions(path: str | None) -> list[dict]:
-    """A collection's triplets, every record checked: a bad one is one line naming the file and line.
-    A last line cut short by an interrupt is dropped, as everywhere."""
+@functools.lru_cache(maxsize=8)
+def model_context(name: str) -> tuple[object, int | None]:
+    """(tokenizer, context length in tokens) of a model, read without its weights; (None, None) where they
+    do not read (rwml.load_model then says why)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        path = rwml._bundled_smollm2() if name == rwml.BUNDLED_MODEL else name
+        config = AutoConfig.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception:  # noqa: BLE001 -- no config to read: nothing to check here
+        return None, None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return tok, getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+
+
+def check_context(cfg, stage: str | None = None) -> None:
+    """Reply lengths (--max-new-tokens, --max-completion-length) within the model's context, before it loads."""
+    names = [n for n in ("max_new_tokens", "max_completion_length") if isinstance(getattr(cfg, n, None), int)]
+    ctx = model_context(cfg.model)[1] if names and hasattr(cfg, "model") else None
+    for n in names if ctx else ():
+        if getattr(cfg, n) >= ctx:
+            raise UserError(f"--{n.replace('_', '-')} {getattr(cfg, n)}: at least {cfg.model}'s whole context of "
+                            f"{ctx} tokens, with no room for the prompt; lower it")
+
+
+def wm_prompt_fits(cfg):
+    """For read_transitions: why a triplet's world-model prompt and its answer (the SFT target, or
+    max_completion_length sampled tokens) do not fit the model's context, or None; None if unknown."""
+    tok, ctx = model_context(cfg.model)
+    if ctx is None:
+        return None
+
+    def problem(t: dict) -> str | None:
+        prompts = [rwml.chat(tok, rwml.wm_prompt(t, r), rwml.wm_system(t), rwml.wm_prefix(r))
+                   for r in {cfg.wm_reasoning, False}]
+        answer = rwml.wm_answer(t)
+        if max(len(p.encode()) for p in prompts) + max(len(answer.encode()), cfg.max_completion_length) + 16 <= ctx:
+            return None  # a token is at least a byte (byte-level BPE): no need to tokenize
+        n = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+        m = max(len(tok(answer, add_special_tokens=False)["input_ids"]) + 1, cfg.max_completion_length)
+        if n + m <= ctx:
+            return None
+        return (f"its world-model prompt ({n} tokens) and answer ({m}) exceed {cfg.model}'s context of {ctx} "
+                "tokens; shorten or drop this triplet")
+    return problem
+
+
+def read_transitions(path: str | None, fits=None) -> list[dict]:
+    """A collection's triplets, every record checked (`fits`: an extra check, e.g. `wm_prompt_fits`): a bad
+    one is one line naming the file and line. A last line cut short by an interrupt is dropped, as everywhere."""
     if not path:
         raise UserError("--transitions is required: the transitions.jsonl of a collection (python train.py collect)")
     if not Path(path).is_file():
         raise UserError(f"transitions file not found: {path}")
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()  # -sig: an editor's BOM is fine
     except UnicodeDecodeError as e:
         raise UserError(f"{path} is not UTF-8 text (byte {e.start}); expected {TRIPLET_FORMAT}") from None
     trips = []
@@ -1002,7 +1181,7 @@ def read_transitions(path: str | None) -> list[dict]:
             if n == len(lines):
                 break
             raise UserError(f"{path}, line {n}: not JSON; expected {TRIPLET_FORMAT}") from None
-        problem = triplet_problem(t)
+        problem = triplet_problem(t) or (fits(t) if fits else None)
         if problem:
             raise UserError(f"{path}, line {n}: {problem}; expected {TRIPLET_FORMAT}")
         trips.append(t)
@@ -1078,6 +1257,7 @@ def before_after_line(before: dict, after: dict) -> str:
             f"{after['mean_cosine']:.3f}")
 
 
+@releases_locks
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     stage = argv[0] if argv and not argv[0].startswith("-") else "all"
@@ -1097,6 +1277,11 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.filter_dir:
         check_writable(Path(cfg.filter_dir), "--filter-dir")
     check_adapter(cfg.adapter)
+    check_context(cfg, stage)
+    if os.environ.get("RANK", "0") == "0":  # under accelerate launch the main process holds it for all
+        lock_out(out)
+    if stage in ("wm", "policy", "all") and cfg.trainer == "ours":  # before the filter and the model load
+        check_resume(cfg, out, "policy" if stage == "policy" else "wm", cfg.resume or stage == "all")
     four_bit = torch.cuda.is_available() if cfg.load_in_4bit is None else cfg.load_in_4bit
     loaded = []
 
@@ -1114,7 +1299,7 @@ def main(argv: list[str] | None = None) -> None:
     if stage == "rft":
         train_rft(cfg, out, load)
         return
-    trips = read_transitions(cfg.transitions) if stage in ("wm-sft", "filter", "wm") else None
+    trips = read_transitions(cfg.transitions, wm_prompt_fits(cfg)) if stage in ("wm-sft", "filter", "wm") else None
     reward_fn = make_reward(cfg)
     if stage == "wm-sft":
         train_wm_sft(cfg, trips, out, load, reward_fn)
@@ -1173,9 +1358,14 @@ def disk_full(e: BaseException) -> bool:
     return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e)
 
 
+def _terminated(*_):
+    raise KeyboardInterrupt  # SIGTERM ends a run as Ctrl-C does: files closed, one line
+
+
 def run_cli(main, on_interrupt: str = "interrupted") -> None:
-    """Bad input (a UserError), a full disk and Ctrl-C are one line on stderr and exit status 1, never a
-    traceback."""
+    """Bad input (a UserError), a full disk, Ctrl-C and SIGTERM are one line on stderr and exit status 1,
+    never a traceback."""
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         main()
     except UserError as e:
