@@ -1278,6 +1278,7 @@ def main(argv: list[str] | None = None) -> None:
         check_writable(Path(cfg.filter_dir), "--filter-dir")
     check_adapter(cfg.adapter)
     check_context(cfg, stage)
+    trips = read_transitions(cfg.transitions, wm_prompt_fits(cfg)) if stage in ("wm-sft", "filter", "wm") else None
     if os.environ.get("RANK", "0") == "0":  # under accelerate launch the main process holds it for all
         lock_out(out)
     if stage in ("wm", "policy", "all") and cfg.trainer == "ours":  # before the filter and the model load
@@ -1299,7 +1300,6 @@ def main(argv: list[str] | None = None) -> None:
     if stage == "rft":
         train_rft(cfg, out, load)
         return
-    trips = read_transitions(cfg.transitions, wm_prompt_fits(cfg)) if stage in ("wm-sft", "filter", "wm") else None
     reward_fn = make_reward(cfg)
     if stage == "wm-sft":
         train_wm_sft(cfg, trips, out, load, reward_fn)

@@ -52,7 +52,7 @@ FAMILIES = {
 }
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=8192)
+            max_position_embeddings=32768)  # byte-level tokens: a tau2 prompt (~10 KB) is ~10k of them
 ARCH = dict(TINY, initializer_range=0.1)  # weights large enough that a completion depends on its prompt
 # name -> (transformers config class, its arguments, chat family); the Qwen2.5 shapes are those of the real
 # checkpoints. The other tiny-* shapes are one per architecture the tests cover; Gemma 2's soft-caps are far below
