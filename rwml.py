@@ -964,8 +964,10 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
     with checkpoint_generation_config_off(model):
         if n > 1 and ids.shape[1] > 1 and fast_paths(model).shared_prompt:
             position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-            gen["cache"] = model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
-                                 position_ids=position_ids[:, :-1], use_cache=True).cache
+            # the decoder alone: only its cache is needed, never the prompt's vocabulary-sized logits
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            gen["cache"] = base.get_decoder()(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
+                                              position_ids=position_ids[:, :-1], use_cache=True).cache
             gen["cache"].batch_repeat_interleave(n)
         batch = {k: v.repeat_interleave(n, 0) for k, v in batch.items()}
         out = model.generate(**batch, **gen)
@@ -1037,16 +1039,28 @@ def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0,
         raise UserError(f"cannot put LoRA on {target_modules!r}: {str(e).splitlines()[0]}") from None
 
 
+SFT_MAX_TOKENS = 512  # padded tokens per SFT forward/backward: ~2.6 MB each on SmolLM2-135M (results/README.md)
+
+
 def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str | None = None,
         prefix: str = "", epochs: int = 3, lr: float = 2e-4, batch_size: int = 8, seed: int = 0,
-        shuffle: bool = True) -> list[float]:
+        shuffle: bool = True, max_tokens: int = SFT_MAX_TOKENS) -> list[float]:
     """Plain supervised fine-tuning of the trainable (LoRA) weights on prompt -> answer (the reply starts
     with `prefix`, written for the model as in sampling); loss on the answer and its end-of-turn token
-    only. Returns the mean loss of each epoch."""
+    only. One optimizer step per batch of `batch_size` pairs, its loss the mean over the batch's answer
+    tokens; the batch runs in micro-batches of at most `max_tokens` padded tokens (`token_micro_batches`),
+    whose gradients add up to the whole batch's: memory follows the budget, not the batch. Returns the
+    mean loss of each epoch."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
     eos = tokenizer.eos_token
-    pairs = [(chat(tokenizer, p, system, prefix), a + eos) for p, a in zip(prompts, answers)]
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # (prompt text, prompt ids, answer ids), tokenized once; batches are grouped by the prompt text's length
+    pairs = [(c, ids(c), ids(a + eos)) for c, a in ((chat(tokenizer, p, system, prefix), a)
+                                                     for p, a in zip(prompts, answers))]
     rng, losses = random.Random(seed), []
     model.train()
     for _ in tqdm(range(epochs), desc="sft", unit="epoch", dynamic_ncols=True):
@@ -1060,20 +1074,37 @@ def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str
             rng.shuffle(batches)
         total = 0.0
         for chunk in batches:
-            ids, attn, cmask = pack([tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in chunk],
-                                    [tokenizer(a, add_special_tokens=False)["input_ids"] for _, a in chunk],
-                                    tokenizer.pad_token_id)
-            ids, attn, cmask = ids.to(model.device), attn.to(model.device), cmask.to(model.device)
-            logp = completion_logprobs(model, ids, attn, cmask)
-            loss = -(logp * cmask).sum() / cmask.sum()
-            loss.backward()
+            n = sum(len(a) for _, _, a in chunk)  # the batch's answer tokens: every micro-batch divides by it
+            batch_loss = 0.0
+            for part in token_micro_batches([(p, a) for _, p, a in chunk], max_tokens):
+                t = [x.to(model.device) for x in pack(*zip(*part), tokenizer.pad_token_id)]
+                logp = completion_logprobs(model, *t)
+                loss = -(logp * t[2]).sum() / n
+                loss.backward()
+                batch_loss += loss.item()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            total += loss.item() * len(chunk)
+            total += batch_loss * len(chunk)
         losses.append(total / max(len(pairs), 1))
     model.eval()
     return losses
+
+
+def token_micro_batches(rows: list[tuple[list[int], list[int]]], max_tokens: int) -> list[list[tuple]]:
+    """(prompt ids, completion ids) rows -> micro-batches of similar lengths whose padded size (`pack`:
+    rows x (longest prompt + longest completion)) stays within `max_tokens`; a longer row goes alone.
+    Activation memory of a forward/backward grows with its padded tokens (and attention's with their
+    square), not with its row count."""
+    out, cur, P, C = [], [], 0, 0
+    for r in sorted(rows, key=lambda r: (len(r[0]), len(r[1]))):
+        p, c = max(P, len(r[0])), max(C, len(r[1]))
+        if cur and (len(cur) + 1) * (p + c) > max_tokens:
+            out.append(cur)
+            cur, p, c = [], len(r[0]), len(r[1])
+        cur.append(r)
+        P, C = p, c
+    return out + [cur] if cur else out
 
 
 def fix_4bit_cpu_gradients(model) -> int:
