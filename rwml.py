@@ -360,11 +360,12 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg:
     them against the real next observations, normalise within groups, `num_iterations` updates."""
     G = cfg.num_generations
     model.eval()  # sampling
-    roll = sample_predictions(model, tokenizer, triplets, reasoning=reasoning, n=G,
-                              max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                              top_p=cfg.top_p)
-    targets = [t["next_obs"] for t in triplets for _ in range(G)]
-    rewards = torch.tensor(reward_fn(roll.texts, targets), dtype=torch.float)
+    with cost.stage("grpo sampling"):
+        roll = sample_predictions(model, tokenizer, triplets, reasoning=reasoning, n=G,
+                                  max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                                  top_p=cfg.top_p)
+        targets = [t["next_obs"] for t in triplets for _ in range(G)]
+        rewards = torch.tensor(reward_fn(roll.texts, targets), dtype=torch.float)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask,
                  advantages=group_advantages(rewards, G, cfg.scale_rewards),
@@ -372,7 +373,8 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg:
     if cfg.shared_prompt_forward:  # a group's completions share its prompt's forward, as in sampling
         P = ids.shape[1] - cmask.shape[1]
         batch.update(prompt_ids=ids[::G, :P], prompt_mask=attn[::G, :P], group_size=G)
-    stats = grpo_update(model, optimizer, batch, cfg)
+    with cost.stage("grpo update"):
+        stats = grpo_update(model, optimizer, batch, cfg)
     grouped = rewards.view(-1, G)
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if G > 1 else 0.0,
                 frac_reward_zero_std=float((grouped.std(1) == 0).float().mean()),

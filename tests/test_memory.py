@@ -101,7 +101,9 @@ def test_every_run_ends_with_a_cost_line_and_cost_json(tiny_model, transitions, 
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("cost: ")]
     data = json.loads((tmp_path / "cost.json").read_text())
     assert len(line) == 1 and " | filter " in line[0] and " | grpo " in line[0]
-    assert list(data["stages"]) == ["filter", "grpo"]
+    assert list(data["stages"]) == ["filter", "grpo", "grpo sampling", "grpo update"]  # the last two inside grpo
+    assert data["stages"]["grpo sampling"]["seconds"] + data["stages"]["grpo update"]["seconds"] \
+        <= data["stages"]["grpo"]["seconds"]
     assert 0 < data["stages"]["grpo"]["peak_rss_gb"] <= data["peak_rss_gb"] and data["seconds"] > 0
 
 
