@@ -4,13 +4,16 @@
         with cost.stage("collect"):   # any stage, nested or not, entered once or many times
             ...
 
-Peak RSS per stage is honest, not the process's running maximum: on Linux the kernel's high-water mark
-(VmHWM) is read and reset (/proc/self/clear_refs, "5") at every stage boundary, so a stage's peak is its
-own; a stage that encloses others gets the highest of theirs and its own. Elsewhere (no /proc) only
-getrusage's ru_maxrss exists, which never goes down: a stage's figure is then "peak so far" and the file
-says so (`per_stage_peak`). Game worker processes are counted apart (`workers_peak_rss_gb`: the largest
-worker that has ended, getrusage RUSAGE_CHILDREN), as `/usr/bin/time -v` counts the largest process of a
-tree. On CUDA also torch.cuda.max_memory_allocated, reset the same way.
+Peak RSS per stage is the stage's own, not the process's running maximum, and the kernel's high-water mark
+is never reset (resetting it, /proc/self/clear_refs "5", would also hide the true peak from getrusage and
+from `/usr/bin/time -v`): a stage during which the process's high-water mark (VmHWM) rose peaked exactly
+there; any other stage's peak is the highest RSS a background thread sampled during it (every 50 ms;
+activations live for seconds). A stage that encloses others gets the highest of theirs and its own. The
+whole run's peak is the exact high-water mark. Without /proc only getrusage's ru_maxrss exists, which never
+goes down: stage figures are then "peak so far" (`stage_peaks` says which). Game worker processes are
+counted apart (`workers_peak_rss_gb`: the largest worker that has ended, getrusage RUSAGE_CHILDREN), as
+`/usr/bin/time -v` counts the largest process of a tree. On CUDA also torch.cuda.max_memory_allocated,
+whose peak is reset at each boundary.
 """
 from __future__ import annotations
 
@@ -18,32 +21,35 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 GB = 1024 ** 3
-_CLEAR_REFS = Path("/proc/self/clear_refs")
+_STATUS = Path("/proc/self/status")
 
 
-def _hwm_bytes() -> int:
-    """This process's peak RSS since the last reset: VmHWM, or ru_maxrss (never reset) without /proc."""
+def _status(field: str) -> int | None:
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return None
 
 
-def _reset_hwm() -> bool:
-    """VmHWM := current RSS (Linux >= 4.0). False where that is not possible."""
-    try:
-        _CLEAR_REFS.write_text("5")
-        return True
-    except OSError:
-        return False
+def _hwm_bytes() -> int:
+    """This process's peak RSS so far: VmHWM, or getrusage's ru_maxrss without /proc (the same number)."""
+    hwm = _status("VmHWM:")
+    if hwm is None:
+        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return hwm
+
+
+def _rss_bytes() -> int:
+    return _status("VmRSS:") or 0
 
 
 def _workers_bytes() -> int:
@@ -57,21 +63,33 @@ def _cuda():
 
 
 class Tracker:
-    def __init__(self):
+    def __init__(self, interval: float = 0.05):
         self.t0, self.stages, self.open = time.time(), {}, []
-        self.resets = _reset_hwm()
-        self.peak, self.cuda_peak = 0, 0  # the whole run's, over every segment
+        self.proc = _status("VmRSS:") is not None
+        self.last_hwm, self.sampled, self.cuda_peak = _hwm_bytes(), 0, 0
         self.workers0 = _workers_bytes()
+        self._stop = threading.Event()
+        if self.proc:
+            threading.Thread(target=self._sample, args=(interval,), daemon=True).start()
+
+    def _sample(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.sampled = max(self.sampled, _rss_bytes())
+
+    def close(self) -> None:
+        self._stop.set()
 
     def _segment(self) -> None:
-        """Close the memory segment since the last boundary: its peaks go to every open stage; reset."""
-        rss, cuda = _hwm_bytes(), _cuda()
+        """Close the memory segment since the last boundary: its peak goes to every open stage."""
+        hwm, cuda = _hwm_bytes(), _cuda()
+        sampled, self.sampled = self.sampled, 0
+        # a new record in this segment is its exact peak; else the highest sample (or the record so far)
+        rss = hwm if hwm > self.last_hwm or not self.proc else max(sampled, _rss_bytes())
+        self.last_hwm = hwm
         gpu = cuda.max_memory_allocated() if cuda else 0
-        self.peak, self.cuda_peak = max(self.peak, rss), max(self.cuda_peak, gpu)
+        self.cuda_peak = max(self.cuda_peak, gpu)
         for s in self.open:
             s["peak"], s["cuda_peak"] = max(s["peak"], rss), max(s["cuda_peak"], gpu)
-        if self.resets:
-            _reset_hwm()
         if cuda:
             cuda.reset_peak_memory_stats()
 
@@ -98,9 +116,9 @@ class Tracker:
             return round(b / GB, 3)
 
         workers = _workers_bytes()
-        out = dict(seconds=round(time.time() - self.t0, 1), peak_rss_gb=gb(self.peak),
+        out = dict(seconds=round(time.time() - self.t0, 1), peak_rss_gb=gb(_hwm_bytes()),
                    workers_peak_rss_gb=gb(workers) if workers > self.workers0 else None,
-                   per_stage_peak=self.resets, pid=os.getpid(), stages={})
+                   stage_peaks="exact or sampled" if self.proc else "running maximum", pid=os.getpid(), stages={})
         if _cuda() or self.cuda_peak:
             out["cuda_max_allocated_gb"] = gb(self.cuda_peak)
         for name, s in self.stages.items():
@@ -124,7 +142,7 @@ def line(summary: dict) -> str:
     head = f"cost: {one(summary)} peak RSS"
     if summary.get("workers_peak_rss_gb"):
         head += f", largest worker {summary['workers_peak_rss_gb']:.2f} GB"
-    if not summary["per_stage_peak"]:
+    if summary["stage_peaks"] == "running maximum":
         head += " (stage peaks: running maximum)"
     return " | ".join([head] + [f"{name} {one(s)}" for name, s in summary["stages"].items()])
 
@@ -151,6 +169,7 @@ def run(folder: Path | None):
         yield _TRACKER
     finally:
         summary = _TRACKER.summary()
+        _TRACKER.close()
         print(line(summary), flush=True)
         if folder is not None and Path(folder).is_dir():
             tmp = Path(folder) / "cost.json.tmp"
