@@ -172,6 +172,6 @@ def run(folder: Path | None):
         _TRACKER.close()
         print(line(summary), flush=True)
         if folder is not None and Path(folder).is_dir():
-            tmp = Path(folder) / "cost.json.tmp"
+            tmp = Path(folder) / f"cost.json.tmp{os.getpid()}"  # accelerate launch: one writer per process
             tmp.write_text(json.dumps(summary, indent=2))
             os.replace(tmp, Path(folder) / "cost.json")
