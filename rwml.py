@@ -27,6 +27,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
+import cost
 import envs
 from envs import UserError
 from reward import parse_next_state
@@ -291,6 +292,7 @@ class GRPOConfig:
     scale_rewards: str = "group"  # group | batch | none: the std that divides advantages
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8  # completions per forward/backward (gradient accumulation inside a step)
+    micro_batch_tokens: int = 512  # and at most this many padded tokens in one (a group that needs more goes alone; 0 = no limit)
     shared_prompt_forward: bool = True  # training forward: a group's completions share one prompt forward
     logits_chunk_size: int = 512  # completion tokens per vocabulary projection
 
@@ -358,11 +360,12 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg:
     them against the real next observations, normalise within groups, `num_iterations` updates."""
     G = cfg.num_generations
     model.eval()  # sampling
-    roll = sample_predictions(model, tokenizer, triplets, reasoning=reasoning, n=G,
-                              max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                              top_p=cfg.top_p)
-    targets = [t["next_obs"] for t in triplets for _ in range(G)]
-    rewards = torch.tensor(reward_fn(roll.texts, targets), dtype=torch.float)
+    with cost.stage("grpo sampling"):
+        roll = sample_predictions(model, tokenizer, triplets, reasoning=reasoning, n=G,
+                                  max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                                  top_p=cfg.top_p)
+        targets = [t["next_obs"] for t in triplets for _ in range(G)]
+        rewards = torch.tensor(reward_fn(roll.texts, targets), dtype=torch.float)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask,
                  advantages=group_advantages(rewards, G, cfg.scale_rewards),
@@ -370,7 +373,8 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg:
     if cfg.shared_prompt_forward:  # a group's completions share its prompt's forward, as in sampling
         P = ids.shape[1] - cmask.shape[1]
         batch.update(prompt_ids=ids[::G, :P], prompt_mask=attn[::G, :P], group_size=G)
-    stats = grpo_update(model, optimizer, batch, cfg)
+    with cost.stage("grpo update"):
+        stats = grpo_update(model, optimizer, batch, cfg)
     grouped, states = rewards.view(-1, G), [parse_next_state(t) for t in roll.texts]
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if G > 1 else 0.0,
                 frac_reward_zero_std=float((grouped.std(1) == 0).float().mean()),
@@ -385,7 +389,8 @@ def grpo_update(model, optimizer, batch: dict, cfg: GRPOConfig) -> list[dict]:
     """`num_iterations` optimizer steps on one batch of sampled sequences (`batch`: input_ids,
     attention_mask, completion_mask, advantages, weights; for groups sharing a prompt also prompt_ids,
     prompt_mask, group_size), in micro-batches. A non-finite loss or gradient skips that update."""
-    micro = micro_batches(to_device(batch, model.device), cfg.micro_batch_size)
+    micro = micro_batches(to_device(batch, model.device), cfg.micro_batch_size,
+                          getattr(cfg, "micro_batch_tokens", 0))
     model.eval()
     with torch.no_grad():  # pi_old: with one update it is pi_theta, ratio 1, no forward needed
         old = [batch_logprobs(model, mb, cfg) for mb in micro] if cfg.num_iterations > 1 else None
@@ -416,18 +421,44 @@ def to_device(batch: dict, device) -> dict:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def micro_batches(batch: dict, size: int) -> list[dict]:
-    """Slices of about `size` rows made of whole groups (their prompt rows go with them)."""
-    G = batch.get("group_size", 1)
-    rows, B = G * max(1, size // G), len(batch["input_ids"])
-    out = []
-    for i in range(0, B, rows):
-        mb = {k: v[i:i + rows] if torch.is_tensor(v) and len(v) == B else v for k, v in batch.items()}
-        if G > 1:
-            mb.update(prompt_ids=batch["prompt_ids"][i // G:(i + rows) // G],
-                      prompt_mask=batch["prompt_mask"][i // G:(i + rows) // G])
-        out.append(mb)
-    return out
+def micro_batches(batch: dict, size: int, max_tokens: int = 0) -> list[dict]:
+    """Consecutive slices of whole groups (their prompt rows go with them): at most `size` rows (rounded to
+    whole groups) and, with `max_tokens`, at most that many padded tokens in the forward (groups sharing a
+    prompt: groups x (prompt + G completions), else rows x (prompt + completion)), widths counted after
+    each slice drops the columns that are padding in all its rows; a group that needs more goes alone.
+    Activation memory follows the tokens of a forward, not its row count."""
+    G, B = batch.get("group_size", 1), len(batch["input_ids"])
+    C = batch["completion_mask"].shape[1]
+    P = batch["input_ids"].shape[1] - C
+    plen, clen = batch["attention_mask"][:, :P].sum(1).tolist(), batch["completion_mask"].sum(1).tolist()
+    rows_cap = G * max(1, size // G)
+    bounds, start, wp, wc = [], 0, 0, 0
+    for g in range(0, B, G):
+        p, c = max(wp, *plen[g:g + G]), max(wc, *clen[g:g + G])
+        rows = g + G - start
+        tokens = rows // G * (p + G * c) if G > 1 else rows * (p + c)
+        if g > start and (rows > rows_cap or 0 < max_tokens < tokens):
+            bounds.append((start, g))
+            start, p, c = g, max(plen[g:g + G]), max(clen[g:g + G])
+        wp, wc = p, c
+    bounds.append((start, B))
+    return [_trimmed(batch, i, j, G, P) for i, j in bounds]
+
+
+def _trimmed(batch: dict, i: int, j: int, G: int, P: int) -> dict:
+    """Rows i:j of `batch` without the prompt columns before any of them starts and the completion columns
+    after all of them end: those are padding, masked everywhere (positions come from the attention mask)."""
+    B, C = len(batch["input_ids"]), batch["completion_mask"].shape[1]
+    mb = {k: v[i:j] if torch.is_tensor(v) and len(v) == B else v for k, v in batch.items()}
+    lead = P - int(mb["attention_mask"][:, :P].sum(1).max())  # prompt columns that are all padding
+    keep_c = max(int(mb["completion_mask"].sum(1).max()), 1)
+    mb["input_ids"] = mb["input_ids"][:, lead:P + keep_c]
+    mb["attention_mask"] = mb["attention_mask"][:, lead:P + keep_c]
+    mb["completion_mask"], mb["weights"] = mb["completion_mask"][:, :keep_c], mb["weights"][:, :keep_c]
+    if G > 1:
+        mb.update(prompt_ids=batch["prompt_ids"][i // G:j // G, lead:],
+                  prompt_mask=batch["prompt_mask"][i // G:j // G, lead:])
+    return mb
 
 
 def batch_logprobs(model, mb: dict, cfg: GRPOConfig) -> torch.Tensor:
@@ -710,10 +741,12 @@ def policy_step(model, tokenizer, optimizer, env, games: list, cfg: GRPOConfig, 
     """One stage-2 step: num_generations episodes of each game, sampled at cfg's temperature with replies of
     at most max_completion_length tokens; terminal reward won; GRPO on every turn."""
     turns = []
-    summaries = rollouts(model, tokenizer, env, games, cfg.num_generations, temperature=cfg.temperature,
-                         top_p=cfg.top_p, max_new_tokens=cfg.max_completion_length, on_turn=turns.append,
-                         desc="policy rollouts", **play_kwargs)
-    return policy_update(model, tokenizer, optimizer, turns, summaries, cfg)
+    with cost.stage("policy rollouts"):
+        summaries = rollouts(model, tokenizer, env, games, cfg.num_generations, temperature=cfg.temperature,
+                             top_p=cfg.top_p, max_new_tokens=cfg.max_completion_length, on_turn=turns.append,
+                             desc="policy rollouts", **play_kwargs)
+    with cost.stage("policy update"):
+        return policy_update(model, tokenizer, optimizer, turns, summaries, cfg)
 
 
 def policy_update(model, tokenizer, optimizer, turns: list[dict], summaries: list[dict],

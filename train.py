@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+import cost
 import envs
 import rwml
 from envs import RERUN, UserError
@@ -211,7 +212,7 @@ def check_config(cfg: Config, stage: str = "all") -> None:
 
 # Our GRPO loop's speed-ups, which TRL's GRPOTrainer does not have: with --trainer trl they must stay at
 # their defaults. Every other field the wm stage reads has a TRL counterpart (train_wm_trl).
-NO_TRL = ("shared_prompt_forward", "logits_chunk_size")
+NO_TRL = ("shared_prompt_forward", "logits_chunk_size", "micro_batch_tokens")
 
 
 SEED_MAX = 2**32 - 1  # numpy's bound (transformers' set_seed); torch's is 2**64 - 1
@@ -542,6 +543,11 @@ FILTER_JOB = ("model", "easy_filter", "filter_split", "filter_samples", "easy_sh
 
 
 def filter_triplets(cfg: Config, triplets: list[dict], out: Path, load, reward_fn) -> tuple[list[dict], Path | None]:
+    with cost.stage("filter"):
+        return _filter_triplets(cfg, triplets, out, load, reward_fn)
+
+
+def _filter_triplets(cfg: Config, triplets: list[dict], out: Path, load, reward_fn) -> tuple[list[dict], Path | None]:
     """The "too easy" subsampling: `filter_split` of the triplets trains a separate LoRA copy (SFT, no
     reasoning); K sampled predictions of that copy per remaining triplet give easiness = mean r_WM; easy iff
     easiness >= tau_easy (about `easy_share` easy); easy ones are kept with probability `easy_keep_prob`.
@@ -564,16 +570,18 @@ def filter_triplets(cfg: Config, triplets: list[dict], out: Path, load, reward_f
         torch.manual_seed(seed)
         # the separate copy: a LoRA adapter of its own, trained, used, then removed (kept on disk for warmup)
         copy = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, 0.0, cfg.lora_target_modules)
-        info["sft_losses"] = rwml.sft(copy, tok, [rwml.wm_prompt(t, reasoning=False) for t in filter_set],
-                                      [rwml.wm_answer(t) for t in filter_set], system=rwml.wm_system(filter_set[0]),
-                                      prefix=rwml.wm_prefix(False), epochs=cfg.sft_epochs, lr=cfg.sft_learning_rate,
-                                      seed=seed)
+        with cost.stage("filter sft"):
+            info["sft_losses"] = rwml.sft(copy, tok, [rwml.wm_prompt(t, reasoning=False) for t in filter_set],
+                                          [rwml.wm_answer(t) for t in filter_set], system=rwml.wm_system(filter_set[0]),
+                                          prefix=rwml.wm_prefix(False), epochs=cfg.sft_epochs,
+                                          lr=cfg.sft_learning_rate, seed=seed)
         if cfg.warmup:
             out.mkdir(parents=True, exist_ok=True)
             save_adapter(copy, out, "warmup_adapter")
     if cfg.easy_filter:
-        scores = rwml.easiness(copy, tok, train, reward_fn, k=cfg.filter_samples,
-                               max_new_tokens=cfg.max_completion_length, temperature=1.0)
+        with cost.stage("easiness"):
+            scores = rwml.easiness(copy, tok, train, reward_fn, k=cfg.filter_samples,
+                                   max_new_tokens=cfg.max_completion_length, temperature=1.0)
         keep, easy, tau_easy = rwml.easy_subsample(scores, cfg.easy_share, cfg.easy_keep_prob, seed)
         kept = [t for t, k in zip(train, keep) if k]
         info.update(tau_easy=tau_easy, easy_share=sum(easy) / max(len(easy), 1), target_easy_share=cfg.easy_share,
@@ -944,8 +952,9 @@ def sft_adapter(cfg: Config, model, tok, prompts: list[str], answers: list[str],
     sft_learning_rate), saved with config.json and sft.json (losses, info)."""
     torch.manual_seed(cfg.seed)
     model = start_adapter(cfg, model, start)
-    losses = rwml.sft(model, tok, prompts, answers, system=system, prefix=prefix, epochs=epochs or cfg.sft_epochs,
-                      lr=lr or cfg.sft_learning_rate, batch_size=batch_size, seed=cfg.seed, shuffle=shuffle)
+    with cost.stage("sft"):
+        losses = rwml.sft(model, tok, prompts, answers, system=system, prefix=prefix, epochs=epochs or cfg.sft_epochs,
+                          lr=lr or cfg.sft_learning_rate, batch_size=batch_size, seed=cfg.seed, shuffle=shuffle)
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
     write_atomic(out / "sft.json", json.dumps(dict(losses=losses, **info), indent=2))
@@ -980,8 +989,9 @@ def train_rft(cfg: Config, out: Path, load):
     with make_env(cfg, len(games) * cfg.rollouts_per_game) as env:
         model, tok = load()  # after make_env: ALFWorld's game workers fork without the model
         torch.manual_seed(cfg.seed)
-        summaries = rwml.rollouts(model, tok, env, games, cfg.rollouts_per_game, on_turn=turns.append,
-                                  desc="rft rollouts", **play_kwargs(cfg))
+        with cost.stage("rft rollouts"):
+            summaries = rwml.rollouts(model, tok, env, games, cfg.rollouts_per_game, on_turn=turns.append,
+                                      desc="rft rollouts", **play_kwargs(cfg))
     won = {i for i, s in enumerate(summaries) if s["won"]}
     keep = [t for t in turns if t["episode"] in won]
     if not keep:
@@ -1042,8 +1052,9 @@ def train_policy(cfg: Config, out: Path, load):
                 # the games of a step depend only on (seed, step): a resumed run plays the same ones
                 step_games = random.Random(cfg.seed * 1000 + state["step"]).sample(games, min(cfg.games_per_step, len(games)))
                 t0 = time.time()
-                res = rwml.policy_step(model, tok, optimizer, env, step_games, policy_grpo, history_len=cfg.history_len,
-                                       num_envs=cfg.num_envs)
+                with cost.stage("policy grpo"):  # rwml.policy_step: "policy rollouts", "policy update"
+                    res = rwml.policy_step(model, tok, optimizer, env, step_games, policy_grpo,
+                                           history_len=cfg.history_len, num_envs=cfg.num_envs)
                 state["step"] += 1
                 u = res["updates"][-1]
                 log_row(metrics, writer, dict(step=state["step"], **{k: v for k, v in res.items() if k not in ("updates", "sample")},
@@ -1283,6 +1294,11 @@ def main(argv: list[str] | None = None) -> None:
         lock_out(out)
     if stage in ("wm", "policy", "all") and cfg.trainer == "ours":  # before the filter and the model load
         check_resume(cfg, out, "policy" if stage == "policy" else "wm", cfg.resume or stage == "all")
+    with cost.run(out):  # at the end: the cost line, and out/cost.json
+        run_stage(stage, cfg, out, t0, trips)
+
+
+def run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] | None) -> None:
     four_bit = torch.cuda.is_available() if cfg.load_in_4bit is None else cfg.load_in_4bit
     loaded = []
 
@@ -1292,7 +1308,8 @@ def main(argv: list[str] | None = None) -> None:
         return loaded[0]
 
     if stage == "collect":
-        collect(cfg, out, load)
+        with cost.stage("collect"):
+            collect(cfg, out, load)
         return
     if stage == "policy":
         train_policy(cfg, out, load)
@@ -1309,12 +1326,15 @@ def main(argv: list[str] | None = None) -> None:
         with process_state().main_process_first() if cfg.trainer == "trl" else contextlib.nullcontext():
             kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
         if stage == "wm":
-            (train_wm_trl if cfg.trainer == "trl" else train_wm)(cfg, kept, out, load, reward_fn, start)
+            with cost.stage("grpo"):
+                (train_wm_trl if cfg.trainer == "trl" else train_wm)(cfg, kept, out, load, reward_fn, start)
         return
     # all: collect on train games, collect held-out games (both kinds), filter (+ warm-up), RWML, held-out
     # accuracy before / after, beside the content-free baselines
-    heldout = heldout_triplets(cfg, out, load)
-    trips = read_jsonl(collect(cfg, out / "collect", load))
+    with cost.stage("heldout collect"):
+        heldout = heldout_triplets(cfg, out, load)
+    with cost.stage("collect"):
+        trips = read_jsonl(collect(cfg, out / "collect", load))
     kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
     before_files = {kind: out / f"wm_eval_before_{kind}.json" for kind in HELDOUT_KINDS}
     if not all(f.exists() for f in before_files.values()):  # the model RWML starts from: the warm-up or the base
@@ -1323,22 +1343,25 @@ def main(argv: list[str] | None = None) -> None:
             from peft import PeftModel
 
             model = PeftModel.from_pretrained(model, str(start))
-        for kind, f in before_files.items():
-            write_eval(f, dict(evaluate_heldout(cfg, model, tok, heldout[kind]["triplets"], reward_fn),
-                               model="warm-up" if start else "base", split=cfg.heldout_split,
-                               transitions=heldout[kind]["file"]))
+        with cost.stage("eval before"):
+            for kind, f in before_files.items():
+                write_eval(f, dict(evaluate_heldout(cfg, model, tok, heldout[kind]["triplets"], reward_fn),
+                                   model="warm-up" if start else "base", split=cfg.heldout_split,
+                                   transitions=heldout[kind]["file"]))
         if start:
             model.unload()  # the bare base model again, for train_wm
     resume = cfg.resume or swap_checkpoint(out / "checkpoint")  # `all` continues where it stopped
-    model = train_wm(dataclasses.replace(cfg, resume=resume), kept, out, load, reward_fn, start)
+    with cost.stage("grpo"):
+        model = train_wm(dataclasses.replace(cfg, resume=resume), kept, out, load, reward_fn, start)
     print(f"\n{cfg.heldout_split} (the test split: {cfg.heldout_games} games never trained on), tau_d {cfg.tau_d}, "
           f"{cfg.eval_samples or 'one greedy'} prediction(s) per triplet; before = "
           f"{'the warm-up' if start else 'the base model'}, after = RWML ({cfg.max_steps} steps)")
     lines = []
     for kind in HELDOUT_KINDS:
         trips_k = heldout[kind]["triplets"]
-        after = dict(evaluate_heldout(cfg, model, load()[1], trips_k, reward_fn), model="RWML", split=cfg.heldout_split,
-                     transitions=heldout[kind]["file"])
+        with cost.stage("eval after"):
+            after = dict(evaluate_heldout(cfg, model, load()[1], trips_k, reward_fn), model="RWML",
+                         split=cfg.heldout_split, transitions=heldout[kind]["file"])
         write_eval(out / f"wm_eval_rwml_{kind}.json", after)
         rules = {name: rwml.baseline_wm(name, trips_k, reward_fn) for name in envs.BASELINES}
         for name, r in rules.items():

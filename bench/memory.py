@@ -1,18 +1,26 @@
-"""Peak RAM and time of one GRPO update, side by side: a naive full-logits step vs ours.
+"""Peak RAM and speed of one training update, side by side: the warm-up SFT step and the GRPO step, ours vs the
+naive full-logits path (and, for SFT, TRL's SFTTrainer), on the same job.
 
-    python bench/memory.py [--model bundled:SmolLM2-135M-Instruct] [--sequences 8] [--length 512]
+    OMP_NUM_THREADS=1 python bench/memory.py [--model bundled:SmolLM2-135M-Instruct] [--job sft|grpo|both]
 
-naive: one forward over the whole batch with the model's full logits ([B, T, vocab] in fp32: 0.8 GB for
-8 x 512 x 49152), log_softmax, backward -- what a plain GRPO loop does. ours (rwml.py): micro-batches
-(`micro_batch_size`), the decoder's hidden states, and the vocabulary projection only on completion
-tokens, in checkpointed chunks. Same model, LoRA r=16 on q,k,v,o, same tokens, AdamW step. Each arm runs
-in a fresh process so that its peak RSS is its own; the losses are printed to show the maths agree.
+SFT job: one optimizer step on a batch of 8 (prompt, answer) pairs, the 8 longest real world-model prompts of
+the filter's warm-up (`envs.walkthrough_triplets`, history 1, no reasoning), loss the mean over answer tokens.
+  naive  the whole batch in one forward with the model's own logits for every token ([B, T, vocab] fp32),
+         log_softmax, masked mean: what a plain SFT loop does
+  ours   rwml.sft: micro-batches of at most SFT_MAX_TOKENS padded tokens with gradient accumulation, the
+         vocabulary projection on answer tokens only, in checkpointed chunks
+  trl    TRL's SFTTrainer, prompt-completion data, completion_only_loss, the same batch, LoRA and learning rate
+GRPO job: one update of `--sequences` random sequences of `--length` tokens (`--completion` of them sampled):
+  naive  one forward with full logits, as above; ours: rwml.grpo_update (micro_batch_size, micro_batch_tokens)
+Same model, LoRA (r 16, all-linear: train.py's default), AdamW. Each arm runs in a fresh process, so that
+its peak is its own: peak RSS is the process's high-water mark during the update (VmHWM, reset just before
+it), "+" what the update added over the memory held before it. The losses are printed to show the maths
+agree. tests/test_memory.py runs the child mode on a tiny model to hold the memory bound.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -20,71 +28,163 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
-def one_step(arm: str, model_name: str, sequences: int, length: int, completion: int, micro: int) -> dict:
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _measure(fn):
+    """(fn(), peak RSS during fn, what fn added over the RSS before it, seconds)."""
+    import cost
+
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := RSS now (Linux); this process measures one step
+    before, t = _rss(), time.time()
+    out = fn()
+    seconds, peak = time.time() - t, cost._hwm_bytes()
+    return out, peak, peak - before, seconds
+
+
+def sft_job(tok, n: int = 8, history_len: int = 1):
+    """The SFT batch: the n longest real world-model prompts, chat-templated, and their answers + eos."""
+    import envs
+    import rwml
+
+    trips = envs.walkthrough_triplets(num_games=6, history_len=history_len)
+    trips = sorted(trips, key=lambda t: -len(rwml.wm_prompt(t, reasoning=False)))[:n]
+    system, prefix = rwml.wm_system(trips[0]), rwml.wm_prefix(False)
+    return ([rwml.wm_prompt(t, reasoning=False) for t in trips], [rwml.wm_answer(t) for t in trips],
+            [rwml.chat(tok, rwml.wm_prompt(t, reasoning=False), system, prefix) for t in trips], system, prefix)
+
+
+def one_step(job: str, arm: str, model_name: str, a) -> dict:
     import torch
 
     import rwml
 
     model, tok = rwml.load_model(model_name)
-    model = rwml.add_lora(model)
     torch.manual_seed(0)
-    ids = torch.randint(100, len(tok) - 100, (sequences, length))
-    attn = torch.ones_like(ids)
-    cmask = torch.ones(sequences, completion, dtype=torch.long)
-    adv = torch.linspace(-1, 2, sequences)  # not symmetric: the loss is not 0
-    weights = rwml.token_weights(cmask, "grpo", completion)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    model.train()
-    t = time.time()
-    loss_total = 0.0
-    if arm == "naive":
-        logits = model(input_ids=ids, attention_mask=attn).logits
-        logp = logits[:, -completion - 1:-1].float().log_softmax(-1).gather(-1, ids[:, -completion:, None]).squeeze(-1)
-        loss = rwml.grpo_loss(logp, logp.detach(), None, adv, weights)
-        loss.backward()
-        loss_total = loss.item()
+    model = rwml.add_lora(model, 16, 32, 0.0, "all-linear")
+    rwml.fast_paths(model)  # the once-per-model check, outside the measured update
+    params = [p for p in model.parameters() if p.requires_grad]
+    if job == "sft":
+        prompts, answers, texts, system, prefix = sft_job(tok)
+        rows = [(tok(t, add_special_tokens=False)["input_ids"], tok(x + tok.eos_token, add_special_tokens=False)["input_ids"])
+                for t, x in zip(texts, answers)]
+        tokens = sum(len(p) + len(c) for p, c in rows)
+        if arm == "ours":
+            step = lambda: rwml.sft(model, tok, prompts, answers, system=system, prefix=prefix, epochs=1, lr=a.lr,
+                                    batch_size=len(prompts), shuffle=False, max_tokens=a.max_tokens)[0]
+        elif arm == "naive":
+            def step():
+                opt = torch.optim.AdamW(params, lr=a.lr)
+                model.train()
+                ids, attn, cmask = rwml.pack(*zip(*rows), tok.pad_token_id)
+                C = cmask.shape[1]
+                logits = model(input_ids=ids, attention_mask=attn,
+                               position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
+                logp = logits[:, -C - 1:-1].float().log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1)
+                loss = -(logp * cmask).sum() / cmask.sum()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                return loss.item()
+        else:
+            step = trl_sft_step(model, tok, texts, [x + tok.eos_token for x in answers], a.lr)
     else:
-        for i in range(0, sequences, micro):
-            s = slice(i, i + micro)
-            logp = rwml.completion_logprobs(model, ids[s], attn[s], cmask[s])
-            loss = rwml.grpo_loss(logp, logp.detach(), None, adv[s], weights[s])
-            loss.backward()
-            loss_total += loss.item()
-    opt.step()
-    seconds = time.time() - t
-    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2  # Linux: KiB
-    return dict(arm=arm, peak_rss_gb=round(peak_gb, 2), seconds=round(seconds, 1), loss=loss_total)
+        ids = torch.randint(100, len(tok) - 100, (a.sequences, a.length))
+        cmask = torch.ones(a.sequences, a.completion, dtype=torch.long)
+        batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), completion_mask=cmask,
+                     advantages=torch.linspace(-1, 2, a.sequences),  # not symmetric: the loss is not 0
+                     weights=rwml.token_weights(cmask, "grpo", a.completion))
+        tokens = ids.numel()
+        cfg = rwml.GRPOConfig(micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens, beta=0.0)
+        opt = torch.optim.AdamW(params, lr=1e-5)
+        if arm == "ours":
+            step = lambda: rwml.grpo_update(model, opt, batch, cfg)[0]["loss"]
+        else:
+            def step():
+                model.train()
+                C = a.completion
+                logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits
+                logp = logits[:, -C - 1:-1].float().log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1)
+                loss = rwml.grpo_loss(logp, logp.detach(), None, batch["advantages"], batch["weights"])
+                loss.backward()
+                opt.step()
+                return loss.item()
+    loss, peak, added, seconds = _measure(step)
+    return dict(job=job, arm=arm, peak_rss_gb=round(peak / 2 ** 30, 3), added_gb=round(added / 2 ** 30, 3),
+                seconds=round(seconds, 2), tokens=tokens, tokens_per_s=round(tokens / seconds, 1), loss=loss,
+                threads=torch.get_num_threads())
+
+
+def trl_sft_step(model, tok, prompts: list[str], completions: list[str], lr: float):
+    """TRL's SFTTrainer on the same batch: built outside the measurement, one step of train() inside it."""
+    import tempfile
+
+    import torch
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    tmp = tempfile.mkdtemp()
+    args = SFTConfig(output_dir=tmp, max_steps=1, per_device_train_batch_size=len(prompts),
+                     gradient_accumulation_steps=1, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
+                     weight_decay=0.0, max_grad_norm=1.0, completion_only_loss=True, max_length=None,
+                     report_to="none", save_strategy="no", logging_steps=1, use_cpu=not torch.cuda.is_available(),
+                     dataloader_num_workers=0, seed=0)
+    trainer = SFTTrainer(model=model, args=args, processing_class=tok,
+                         train_dataset=Dataset.from_dict(dict(prompt=prompts, completion=completions)))
+
+    def step():
+        trainer.train()
+        return next(r["loss"] for r in trainer.state.log_history if "loss" in r)
+    return step
+
+
+ARMS = dict(sft=("naive", "ours", "trl"), grpo=("naive", "ours"))
 
 
 def main() -> None:
+    import rwml
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--model", default="bundled:SmolLM2-135M-Instruct")
-    p.add_argument("--sequences", type=int, default=8)
-    p.add_argument("--length", type=int, default=512, help="tokens per sequence (prompt + completion)")
-    p.add_argument("--completion", type=int, default=128, help="completion tokens per sequence")
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--arm", choices=("naive", "ours"), help=argparse.SUPPRESS)  # the child process
+    p.add_argument("--job", choices=("sft", "grpo", "both"), default="both")
+    p.add_argument("--lr", type=float, default=5e-4, help="SFT learning rate (train.py's sft_learning_rate)")
+    p.add_argument("--max-tokens", type=int, default=rwml.SFT_MAX_TOKENS, help="ours: SFT tokens per micro-batch")
+    p.add_argument("--sequences", type=int, default=16, help="GRPO: completions in the update")
+    p.add_argument("--length", type=int, default=400, help="GRPO: tokens per sequence (prompt + completion)")
+    p.add_argument("--completion", type=int, default=64, help="GRPO: completion tokens per sequence")
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--micro-batch-tokens", type=int, default=rwml.GRPOConfig.micro_batch_tokens)
+    p.add_argument("--arm", help=argparse.SUPPRESS)  # the child process: job:arm
     a = p.parse_args()
     if a.arm:
-        print(json.dumps(one_step(a.arm, a.model, a.sequences, a.length, a.completion, a.micro_batch_size)))
+        job, arm = a.arm.split(":")
+        print(json.dumps(one_step(job, arm, a.model, a)))
         return
-    rows = []
-    for arm in ("naive", "ours"):
-        r = subprocess.run([sys.executable, __file__, "--arm", arm, "--model", a.model, "--sequences", str(a.sequences),
-                            "--length", str(a.length), "--completion", str(a.completion),
-                            "--micro-batch-size", str(a.micro_batch_size)], capture_output=True, text=True)
-        if r.returncode:
-            sys.exit(f"error: the {arm} arm failed: {r.stderr.strip().splitlines()[-1]}")
-        rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
-        print(f"{arm:>6}: peak RSS {rows[-1]['peak_rss_gb']:.2f} GB, {rows[-1]['seconds']:.1f} s, loss {rows[-1]['loss']:.6f}",
-              flush=True)
-    naive, ours = rows
-    print(f"\n{a.sequences} sequences x {a.length} tokens ({a.completion} completion), LoRA r=16 q,k,v,o, "
-          f"micro-batch {a.micro_batch_size}")
-    print(f"peak RSS ours / naive: {ours['peak_rss_gb'] / naive['peak_rss_gb']:.2f}  "
-          f"({ours['peak_rss_gb']:.2f} GB vs {naive['peak_rss_gb']:.2f} GB)")
-    print(f"time ours / naive:     {ours['seconds'] / naive['seconds']:.2f}")
-    print(f"same loss:             {abs(ours['loss'] - naive['loss']) < 1e-4 * max(1.0, abs(naive['loss']))}")
+    argv = [x for x in sys.argv[1:]]
+    for job in (("sft", "grpo") if a.job == "both" else (a.job,)):
+        rows = {}
+        for arm in ARMS[job]:
+            r = subprocess.run([sys.executable, __file__, "--arm", f"{job}:{arm}", *argv], capture_output=True, text=True)
+            if r.returncode:
+                sys.exit(f"error: the {job} {arm} arm failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+            rows[arm] = row = json.loads(r.stdout.strip().splitlines()[-1])
+            print(f"{job:>4} {arm:>5}: peak RSS {row['peak_rss_gb']:.2f} GB (+{row['added_gb']:.2f} GB), "
+                  f"{row['seconds']:.1f} s, {row['tokens_per_s']:.0f} tokens/s, loss {row['loss']:.6f}", flush=True)
+        ours = rows["ours"]
+        for other in (o for o in ARMS[job] if o != "ours"):
+            o = rows[other]
+            print(f"{job:>4} ours / {other}: peak RSS {ours['peak_rss_gb'] / o['peak_rss_gb']:.2f}, "
+                  f"added {ours['added_gb'] / max(o['added_gb'], 1e-9):.2f}, "
+                  f"tokens/s {ours['tokens_per_s'] / o['tokens_per_s']:.2f}, "
+                  f"same loss {abs(ours['loss'] - o['loss']) < 1e-4 * max(1.0, abs(o['loss']))}", flush=True)
+    print(f"\n{a.model}, LoRA r 16 all-linear, {ours['threads']} thread(s); SFT: 8 longest real world-model prompts, "
+          f"ours in micro-batches of <= {a.max_tokens} tokens; GRPO: {a.sequences} x {a.length} tokens "
+          f"({a.completion} completion), micro-batch {a.micro_batch_size} / {a.micro_batch_tokens} tokens")
 
 
 if __name__ == "__main__":

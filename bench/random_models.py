@@ -61,6 +61,8 @@ SHAPES = {
     "tiny-llama": ("LlamaConfig", TINY, "chatml"),
     "tiny-llama3": ("LlamaConfig", dict(ARCH, rope_theta=5e5), "llama3"),
     "tiny-smollm2": ("LlamaConfig", dict(ARCH, tie_word_embeddings=True), "chatml"),  # tied, as SmolLM2's
+    # SmolLM2's vocabulary on the tiny body: vocabulary-sized logits dominate memory, as on the real model
+    "tiny-wide": ("LlamaConfig", dict(TINY, vocab_size=49152, tie_word_embeddings=True), "chatml"),
     "tiny-qwen2": ("Qwen2Config", dict(ARCH, tie_word_embeddings=True), "qwen2.5"),  # q/k/v biases
     "tiny-qwen3": ("Qwen3Config", dict(ARCH, head_dim=16), "qwen3"),  # q/k norms
     "tiny-gemma2": ("Gemma2Config", dict(ARCH, head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
