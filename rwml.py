@@ -793,6 +793,7 @@ def choice_batch(turns: list[dict], advantages: torch.Tensor, loss_type: str,
 # (gamma = 1), the group-normalised advantage of an episode goes to every action-generating turn of it.
 # A turn is one training sequence [prompt | the model's reply]: observations live in the prompt, so
 # environment tokens are never trained on. The world-model reward is never mixed in (the "Dark Room").
+# In choose mode a turn's one trained quantity is log pi(a|s) of its executed command (`choice_batch`).
 
 def policy_batch(turns: list[dict], advantages: torch.Tensor, pad_token_id: int, loss_type: str,
                  max_completion_length: int, keep_zero_advantage: bool = True):
