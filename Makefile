@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export ALFWORLD_DATA ?= $(HOME)/.cache/alfworld
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup data train test sanity bench gpu-check arms clean
+.PHONY: setup data train test sanity bench gpu-check arms agent-sanity clean
 
 setup: $(VENV)/.installed
 
@@ -52,6 +52,10 @@ gpu-check: setup
 # every arm of the paper's comparison, small, then one table (runs/arms/results.md); see arms.sh
 arms: data
 	PY=$(PY) bash arms.sh
+
+# the agent comparison on a laptop: TextWorld, --action-mode choose, five arms x 3 seeds (agent_sanity.sh)
+agent-sanity: setup
+	PY=$(PY) bash agent_sanity.sh
 
 clean:
 	rm -rf $(VENV) runs

@@ -337,7 +337,7 @@ def _die_with_parent() -> None:
             pass
 
 
-def _serve(conn, max_turns: int, cache: bool, parent_pid: int, parent_ends: list) -> None:
+def _serve(conn, max_turns: int, cache: bool, parent_pid: int, parent_ends: list, game_cls=None) -> None:
     """Worker loop: owns the games of its slots; answers lists of (slot, op, arg) in order. Exits with its
     parent, however the parent exits; leaves Ctrl-C to the parent, which says it in one line."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C signals the whole process group
@@ -360,7 +360,7 @@ def _serve(conn, max_turns: int, cache: bool, parent_pid: int, parent_ends: list
         out = []
         for slot, op, arg in jobs:
             try:
-                game = games.setdefault(slot, Game(max_turns))
+                game = games.setdefault(slot, (game_cls or Game)(max_turns))
                 out.append(game.reset(arg) if op == "reset" else game.step(arg))
             except Exception as e:  # sent back, raised in the parent with the worker's message
                 out.append(e)
@@ -376,10 +376,12 @@ class EnvPool:
     that names it. Workers exit with the process that made them.
     """
 
-    def __init__(self, num_workers: int = 2, max_turns: int = 30, cache: bool = True, timeout: float = 300.0):
+    def __init__(self, num_workers: int = 2, max_turns: int = 30, cache: bool = True, timeout: float = 300.0,
+                 game_cls=None):
         if num_workers < 0:
             raise UserError(f"--num-workers must be 0 or more, got {num_workers}")
         self.num_workers, self.max_turns, self.cache, self.timeout = num_workers, max_turns, cache, timeout
+        self.game_cls = game_cls or Game  # one game of a slot: ALFWorld's Game, or TextWorld's TwGame
         self.local: dict[int, Game] = {}
         self.conns, self.procs, self.pending = [], [], None
         if num_workers:
@@ -388,7 +390,8 @@ class EnvPool:
             for _ in range(num_workers):
                 parent, child = ctx.Pipe()
                 ends = self.conns + [parent]  # the parent's ends so far, which the fork copies
-                p = ctx.Process(target=_serve, args=(child, max_turns, cache, os.getpid(), ends), daemon=True)
+                p = ctx.Process(target=_serve, args=(child, max_turns, cache, os.getpid(), ends, self.game_cls),
+                                daemon=True)
                 p.start()
                 child.close()  # only the worker holds its end: when the worker dies, reading here gives EOF
                 self.conns.append(parent)
@@ -449,7 +452,7 @@ class EnvPool:
         return f"game worker {i} (pid {proc.pid}) died{how}, e.g. killed or out of memory; {RERUN}"
 
     def _local(self, slot, op, arg):
-        game = self.local.setdefault(slot, Game(self.max_turns))
+        game = self.local.setdefault(slot, self.game_cls(self.max_turns))
         return game.reset(arg) if op == "reset" else game.step(arg)
 
     def reset(self, games: dict[int, str]) -> dict[int, dict]:
@@ -696,18 +699,36 @@ AGENT_PREFIX = "<think>"  # the start of every agent reply, written for the mode
 
 def make(env: str = "alfworld", *, domain: str = "retail", num_workers: int = 2, max_turns: int = 30,
          at_once: int | None = None):
-    """The environment the agent plays: ALFWorld games in `num_workers` processes, or a tau2 domain.
-    `at_once`: the most episodes that run together; more workers than that would only idle."""
+    """The environment the agent plays: ALFWorld or TextWorld games in `num_workers` processes, or a tau2
+    domain. `at_once`: the most episodes that run together; more workers than that would only idle."""
+    workers = num_workers if at_once is None else min(num_workers, max(at_once, 1))
     if env == "tau2":
         return Tau2(domain, max_turns)
+    if env == "textworld":
+        return TextWorld(workers, max_turns)
     if env != "alfworld":
-        raise UserError(f"unknown env {env!r}; choose alfworld or tau2")
-    return Alfworld(num_workers if at_once is None else min(num_workers, max(at_once, 1)), max_turns)
+        raise UserError(f"unknown env {env!r}; choose alfworld, textworld or tau2")
+    return Alfworld(workers, max_turns)
 
 
-def games(env: str, split: str, num: int | None, seed: int = 0, domain: str = "retail") -> list:
-    """What the agent plays: ALFWorld game files, or tau2 tasks (both a seeded subset of a split)."""
+def games(env: str, split: str, num: int | None, seed: int = 0, domain: str = "retail",
+          sizes: tuple[int, int, int] = (2, 4, 2)) -> list:
+    """What the agent plays: ALFWorld game files, TextWorld games generated at `sizes` (world size, objects,
+    quest length), or tau2 tasks (each a seeded subset of a split)."""
+    if env == "textworld":
+        return textworld_games(split, num, seed, *sizes)
     return tau2_tasks(domain, split, num, seed) if env == "tau2" else list_games(split, num, seed)
+
+
+ACTION_MODES = ("generate", "choose")
+
+
+def check_action_mode(env: str, mode: str) -> None:
+    """`choose` picks among the turn's admissible commands, which tau2 does not have: one line, before any
+    model loads."""
+    if mode == "choose" and env == "tau2":
+        raise UserError("--action-mode choose picks among a turn's admissible commands, and tau2 has no such "
+                        "list; use --action-mode generate with --env tau2")
 
 
 def game_name(game) -> str:
@@ -728,7 +749,7 @@ class Alfworld:
 
     def reset(self, episodes: dict[int, dict], customer=None) -> dict[int, dict]:
         out = self.pool.reset({slot: ep["game"] for slot, ep in episodes.items()})
-        self.state.update(out)
+        self.state.update({slot: dict(r, name=game_id(episodes[slot]["game"])) for slot, r in out.items()})
         return {slot: dict(obs=s["obs"], game=game_id(episodes[slot]["game"]), task=s["task"],
                            task_type=s["task_type"]) for slot, s in out.items()}
 
@@ -748,6 +769,26 @@ class Alfworld:
 
     def explore(self, slot: int, rng: random.Random) -> str:
         return f"<action>{explore_command(self.state[slot]['admissible'], rng)}</action>"
+
+    can_choose = True  # `--action-mode choose`: the policy picks one of `admissible(slot)`
+
+    def admissible(self, slot: int) -> list[str]:
+        """The turn's admissible commands, from the engine; none is an error that names the game."""
+        s = self.state[slot]
+        if not s["admissible"]:
+            raise UserError(f"game {s.get('name', '?')} offers no admissible commands at step {s['turn']}; "
+                            "--action-mode choose needs them (use --action-mode generate)")
+        return list(s["admissible"])
+
+    def choice_prompt(self, slot: int, recent: list[tuple[str, str]]) -> str:
+        """`prompt` for `--action-mode choose`: the same text, but the reply is only the action, which the
+        policy picks from the admissible list (no <think>: it would have to be generated first)."""
+        text = self.prompt(slot, recent)
+        return text[:text.index("Reply in this exact format:")] + (
+            f"Reply with exactly one admissible action inside <action> </action>, for example:\n"
+            f"<action>{self.example_action}</action>")
+
+    example_action = "go to countertop 1"
 
     def step(self, replies: dict[int, str], customer=None) -> dict[int, dict]:
         parsed = {slot: parse_action(r) for slot, r in replies.items()}
@@ -940,3 +981,128 @@ class Tau2:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# ============================================================================ TextWorld generated games
+# The engine under ALFWorld also generates games: a world of `world_size` rooms, `nb_objects` objects and a
+# quest of `quest_length` steps (textworld's `tw-make custom`). At 135M parameters ALFWorld's success is
+# ~0 whatever the policy (a uniform-random admissible policy wins 0 of 60 valid_seen games in 30 steps),
+# so there is no advantage for stage 2 to learn from; small generated games are a setting where it can
+# (README, "Departures"). Games are generated once, offline, into $RWML_CACHE/textworld, and played on the
+# real engine (Glulx) with the ALFWorld agent's prompt, parser and counters.
+
+TW_SPLITS = {"train": 0, "dev": 1_000_000, "test": 2_000_000}  # game seeds of a split: offset + [0, TW_POOL)
+TW_POOL = 100_000
+
+
+def textworld_root() -> Path:
+    return Path(os.environ.get("RWML_CACHE", "~/.cache/rwml")).expanduser() / "textworld"
+
+
+def textworld_game_path(split: str, game_seed: int, world_size: int, nb_objects: int, quest_length: int) -> Path:
+    """<cache>/textworld/w2-n4-q2-test/seed-2000017/game.z8: `game_id` gives `w2-n4-q2-test/seed-2000017`."""
+    return textworld_root() / f"w{world_size}-n{nb_objects}-q{quest_length}-{split}" / f"seed-{game_seed}" / "game.z8"
+
+
+def make_textworld_game(path: Path, game_seed: int, world_size: int, nb_objects: int, quest_length: int) -> None:
+    """One game with textworld's generator (what `tw-make custom` does), written to a temporary folder and
+    renamed into place: a game folder that exists is complete, also when two processes make it at once."""
+    import shutil
+
+    import textworld
+    import textworld.generator
+
+    options = textworld.GameOptions()
+    options.nb_rooms, options.nb_objects, options.quest_length = world_size, nb_objects, quest_length
+    options.seeds, options.force_recompile = game_seed, True
+    tmp = path.parent.with_name(path.parent.name + f".tmp{os.getpid()}")
+    options.path = str(tmp / path.name)
+    try:
+        textworld.generator.compile_game(textworld.generator.make_game(options), options)
+    except Exception as e:  # noqa: BLE001 -- the generator's errors (no quest of this length, ...) name no fix
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"TextWorld cannot generate a game with --world-size {world_size} --nb-objects "
+                        f"{nb_objects} --quest-length {quest_length} ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); try a shorter quest or more objects") from None
+    try:
+        tmp.rename(path.parent)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def textworld_games(split: str, num_games: int | None, seed: int = 0, world_size: int = 2, nb_objects: int = 4,
+                    quest_length: int = 2) -> list[str]:
+    """`num_games` game files of a split (train / dev / test: disjoint game seeds), drawn with `seed`, as
+    `list_games` draws ALFWorld's; generated on first use (~2.5 s a game) and kept in the cache."""
+    if split not in TW_SPLITS:
+        raise UserError(f"unknown TextWorld split {split!r}; choose one of {', '.join(TW_SPLITS)}")
+    if num_games is None:
+        raise UserError("TextWorld games are generated: give their number, e.g. --num-games 20")
+    if num_games < 1:
+        raise UserError(f"the number of games must be at least 1, got {num_games}")
+    for name, v, lo in (("world_size", world_size, 1), ("nb_objects", nb_objects, 1), ("quest_length", quest_length, 1)):
+        if v < lo:
+            raise UserError(f"--{name.replace('_', '-')} must be at least {lo}, got {v}")
+    seeds = sorted(TW_SPLITS[split] + i for i in random.Random(seed).sample(range(TW_POOL), num_games))
+    paths = [textworld_game_path(split, s, world_size, nb_objects, quest_length) for s in seeds]
+    todo = [(p, s) for p, s in zip(paths, seeds) if not p.is_file()]
+    if todo:
+        from tqdm.auto import tqdm
+
+        for p, s in tqdm(todo, desc=f"generating TextWorld {split} games", unit="game", dynamic_ncols=True):
+            p.parent.parent.mkdir(parents=True, exist_ok=True)
+            make_textworld_game(p, s, world_size, nb_objects, quest_length)
+    return [str(p) for p in paths]
+
+
+def _tw_text(feedback: str) -> str:
+    """The game's text without the prompt line it ends with ("\\n>  -= Kitchen =-0/2")."""
+    text = feedback.rsplit("\n>", 1)[0] if "\n>" in feedback else feedback
+    return "\n".join(line.rstrip() for line in text.strip().splitlines()).strip()
+
+
+class TwGame(Game):
+    """One generated TextWorld game with our step budget and bookkeeping; the same dicts as `Game`."""
+
+    def reset(self, path: str) -> dict:
+        import textworld
+
+        if not os.path.isfile(path):
+            raise UserError(f"TextWorld game not found: {path}; delete its folder to generate it again")
+        if self.env is None:
+            infos = textworld.EnvInfos(won=True, lost=True, admissible_commands=True, objective=True)
+            self.env = textworld.start(path, infos)
+        elif path != self.path:
+            self.env.load(path)
+        self.path, self.turn, self.done = path, 0, False
+        state = self.env.reset()
+        task = " ".join(state["objective"].split())
+        text = state.feedback
+        after = text.find(state["objective"])  # the banner and the objective come before the first room
+        obs = _tw_text(text[after + len(state["objective"]):] if after >= 0 else text)
+        self.admissible = list(state["admissible_commands"] or [])
+        return dict(obs=obs, task=task, admissible=self.admissible, won=False, done=False, turn=0,
+                    task_type="textworld")
+
+    def step(self, command: str) -> dict:
+        if self.env is None or self.done:
+            raise RuntimeError("step() on a game that is not running; call reset() first")
+        match = {normalize(c): c for c in self.admissible}.get(normalize(command))
+        state, _, _ = self.env.step(match if match is not None else command)
+        self.turn += 1
+        won = bool(state["won"])
+        self.done = won or bool(state["lost"]) or self.turn >= self.max_turns
+        self.admissible = list(state["admissible_commands"] or [])
+        return dict(obs=_tw_text(state.feedback), admissible=self.admissible, won=won, done=self.done,
+                    turn=self.turn, valid=match is not None)
+
+
+class TextWorld(Alfworld):
+    """Generated TextWorld games for the agent: ALFWorld's prompt, parser, counters and action modes, on
+    TextWorld's engine; triplets carry env "textworld" (their world-model prompt says so)."""
+
+    system = "You are an expert agent in a text-based adventure game (TextWorld)."
+    turn_fields, example_action = {"env": "textworld"}, "take key from table"
+
+    def __init__(self, num_workers: int = 2, max_turns: int = 30):
+        self.pool, self.max_turns, self.state = EnvPool(num_workers, max_turns, game_cls=TwGame), max_turns, {}

@@ -66,6 +66,7 @@ class AgentEvalConfig(AgentConfig, ModelConfig):
     temperature: float = 0.7
     top_p: float = 1.0
     seeds: int = 3  # independent runs of every game; reported as mean and std (seed draws games and sampling)
+    policy: str = "model"  # or random: a uniform admissible command each turn (a baseline; no model loads)
     out: str = "results.json"
 
 
@@ -127,6 +128,7 @@ def check_eval_config(cfg) -> None:
     if getattr(cfg, "rel", 0) < 0:
         bad("rel", "must be 0 or more")
     if isinstance(cfg, AgentEvalConfig):
+        envs.check_action_mode(cfg.env, "choose" if cfg.policy == "random" else cfg.action_mode)
         if cfg.split is not None and not [sp for sp in cfg.split.split(",") if sp.strip()]:
             bad("split", "names no split; e.g. valid_seen, or valid_seen,valid_unseen")
 
@@ -211,7 +213,8 @@ def _summarize(episodes: list[dict], seeds: int) -> dict:
 
 
 EPISODE_JOB = ("model", "adapter", "env", "domain", "user_model", "split", "num_games", "num_tasks", "seed",
-               "max_turns", "history_len", "temperature", "top_p", "max_new_tokens")
+               "max_turns", "history_len", "temperature", "top_p", "max_new_tokens", "action_mode", "policy",
+               "world_size", "nb_objects", "quest_length")
 
 
 def episodes_file(cfg: AgentEvalConfig) -> Path:
@@ -266,12 +269,20 @@ def tau2_metrics(episodes: list[dict], tasks: list, seeds: int) -> dict:
 def evaluate_agent(cfg: AgentEvalConfig) -> dict:
     """Every game (tau2: task) of the split(s), `seeds` times, all in one batched `rwml.play`; then ALFWorld's
     success and action quality (per split and task type) or tau2's average reward and pass^k."""
+    import dataclasses
+
     import torch
 
     tau2 = cfg.env == "tau2"
-    splits = [s.strip() for s in (cfg.split or ("test" if tau2 else "valid_seen")).split(",") if s.strip()]
-    games = {sp: envs.games(cfg.env, sp, cfg.num_tasks if tau2 else cfg.num_games, cfg.seed, cfg.domain)
-             for sp in splits}
+    mode = "random" if cfg.policy == "random" else cfg.action_mode
+    if mode == "choose" and cfg.seeds > 1:  # greedy on deterministic games: every seed plays the same
+        print(f"eval: --action-mode choose evaluates greedily, so every seed plays the same episodes; 1 seed, "
+              f"not {cfg.seeds}")
+        cfg = dataclasses.replace(cfg, seeds=1)
+    splits = [s.strip() for s in (cfg.split or ("valid_seen" if cfg.env == "alfworld" else "test")).split(",")
+              if s.strip()]
+    games = {sp: envs.games(cfg.env, sp, cfg.num_tasks if tau2 else cfg.num_games, cfg.seed, cfg.domain,
+                            (cfg.world_size, cfg.nb_objects, cfg.quest_length)) for sp in splits}
     t0 = time.time()
     done = finished_episodes(cfg)
     every = [dict(game=g, split=sp, seed=s) for s in range(cfg.seeds) for sp in splits for g in games[sp]]
@@ -280,15 +291,18 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
     if todo:
         with envs.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns,
                        at_once=min(cfg.num_envs, len(todo))) as env:
-            model, tok = rwml.load_model(cfg.model, cfg.adapter)  # after make: game workers fork without it
+            # after make: game workers fork without it; the random policy needs none
+            model, tok = rwml.load_model(cfg.model, cfg.adapter) if mode != "random" else (None, None)
             user = rwml.load_model(cfg.user_model) if cfg.user_model else (None, None)
             torch.manual_seed(cfg.seed + len(done))
             # all seeds and splits in one call: bigger generation batches; each episode keeps its split, seed
             with episode_log(cfg, done) as on_episode:
                 played = rwml.play(
-                    model, tok, env, todo, history_len=cfg.history_len, temperature=cfg.temperature, top_p=cfg.top_p,
+                    model, tok, env, todo, history_len=cfg.history_len, top_p=cfg.top_p,
+                    temperature=0.0 if mode == "choose" else cfg.temperature,  # choose: greedy at evaluation
                     max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, on_episode=on_episode,
-                    user_model=user[0], user_tokenizer=user[1], desc=f"eval {cfg.domain if tau2 else ','.join(splits)}")
+                    user_model=user[0], user_tokenizer=user[1], desc=f"eval {cfg.domain if tau2 else ','.join(splits)}",
+                    action_mode=mode, seed=cfg.seed + len(done))
         done.update(((e["split"], e["seed"], e["game"]), e) for e in played)
     episodes = [done[key(ep)] for ep in every]
     if tau2:

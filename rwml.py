@@ -50,7 +50,8 @@ class Running:
 def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, temperature: float = 1.0,
          top_p: float = 1.0, max_new_tokens: int = 128, num_envs: int = 8, on_turn=None, on_episode=None,
          record_tokens: bool = False, explore_prob: float = 0.0, seed: int = 0, user_model=None,
-         user_tokenizer=None, user_max_new_tokens: int = 96, desc: str = "episodes") -> list[dict]:
+         user_tokenizer=None, user_max_new_tokens: int = 96, desc: str = "episodes",
+         action_mode: str = "generate") -> list[dict]:
     """Play `episodes` ({"game": an ALFWorld game file or a tau2 task, ...}) in `env` (`envs.make`), with
     `num_envs` of them running at once.
 
@@ -61,10 +62,18 @@ def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, t
     sampled (`prompt_ids`, `completion_ids`), which stage 2 trains on. `explore_prob` (ALFWorld collection
     only): each turn, with this probability the reply is `env.explore`'s instead of the model's (the turn's
     `explored` is then True and the model is not asked). tau2's customer is `user_model` (default: the
-    agent's model with any adapter off, so that it stays the same while the agent trains). Returns one
-    summary per episode, in the order given."""
+    agent's model with any adapter off, so that it stays the same while the agent trains). `action_mode`:
+    generate (free-form ReAct replies, the paper's), choose (the LM's softmax over the turn's admissible
+    commands, `choose_actions`; greedy at temperature 0; recorded turns add `candidate_ids` and `choice`)
+    or random (a uniform admissible command: a baseline; no model needed). Returns one summary per
+    episode, in the order given."""
     if num_envs < 1:
         raise UserError(f"--num-envs must be at least 1, got {num_envs}")
+    if action_mode not in ("generate", "choose", "random"):
+        raise UserError(f"unknown action mode {action_mode!r}; choose generate, choose or random")
+    if action_mode != "generate" and not getattr(env, "can_choose", False):
+        raise UserError(f"--action-mode {action_mode} picks among a turn's admissible commands, which this "
+                        "environment does not list; use --action-mode generate")
     customer = simulated_customer(user_model or model, user_tokenizer or tokenizer,
                                   base_only=user_model is None, temperature=temperature, top_p=top_p,
                                   max_new_tokens=user_max_new_tokens)
@@ -86,11 +95,19 @@ def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, t
         explored = {s: explore_prob > 0 and rng.random() < explore_prob for s in slots}
         asked = [s for s in slots if not explored[s]]  # the model writes these slots' replies
         recent = {s: running[s].past[-history_len:] if history_len else [] for s in slots}
-        prompts = {s: env.prompt(s, recent[s]) for s in slots}
-        roll = sample_chat(model, tokenizer, [prompts[s] for s in asked], system=env.system,
-                           prefix=envs.AGENT_PREFIX, stop=env.stop, max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_p=top_p) if asked else None
-        replies = {s: roll.texts[j] for j, s in enumerate(asked)}
+        prompts = {s: (env.choice_prompt if action_mode == "choose" else env.prompt)(s, recent[s]) for s in slots}
+        roll = picks = None
+        if asked and action_mode == "generate":
+            roll = sample_chat(model, tokenizer, [prompts[s] for s in asked], system=env.system,
+                               prefix=envs.AGENT_PREFIX, stop=env.stop, max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_p=top_p)
+        elif asked and action_mode == "choose":
+            picks = choose_actions(model, tokenizer, [prompts[s] for s in asked], [env.admissible(s) for s in asked],
+                                   system=env.system, temperature=temperature)
+        if action_mode == "random":
+            replies = {s: f"<action>{rng.choice(env.admissible(s))}</action>" for s in asked}
+        else:
+            replies = {s: roll.texts[j] if roll else picks[j].reply for j, s in enumerate(asked)}
         replies.update({s: env.explore(s, rng) for s in slots if explored[s]})
         results = env.step(replies, customer)
         for s in slots:
@@ -103,10 +120,14 @@ def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, t
                             step=summ["steps"], history=history, action=r["action"], next_obs=r["obs"],
                             valid=r["valid"], format_ok=r["format_ok"], won=r["won"], done=r["done"],
                             response="" if explored[s] else replies[s], explored=explored[s])
-                if record_tokens and not explored[s]:
+                if record_tokens and roll is not None and not explored[s]:
                     j = asked.index(s)
                     turn.update(prompt=prompts[s], prompt_ids=roll.prompt_ids[j],
                                 completion_ids=roll.completion_ids[j])
+                elif record_tokens and picks is not None and not explored[s]:  # the choice, exactly
+                    c = picks[asked.index(s)]
+                    turn.update(prompt=prompts[s], prompt_ids=c.prompt_ids, candidate_ids=c.candidate_ids,
+                                choice=c.index, completion_ids=c.candidate_ids[c.index])
                 on_turn(turn)
             for k, v in r["counts"].items():
                 summ[k] += int(v)
@@ -151,6 +172,8 @@ def simulated_customer(model, tokenizer, *, base_only: bool, temperature: float,
 WM_SYSTEMS = dict(  # by the triplet's environment (`env`, ALFWorld when absent)
     alfworld="You are a world model of a text-based household simulator (ALFWorld): you predict what the "
              "game says next.",
+    textworld="You are a world model of a text-based adventure game (TextWorld): you predict what the game "
+              "says next.",
     tau2="You are a world model of a customer service environment (tau2-bench): you predict the tool's "
          "response "
          "to the agent's tool call, or the customer's next message after the agent's reply.")
@@ -166,6 +189,9 @@ _WM_ASK = dict(  # (question, what to write, example answer)
     alfworld=("What does the game answer to this action?", "the game's answer",
               "<think>Going somewhere lists what is there.</think><next_state>You arrive at shelf 1. On the "
               "shelf 1, you see a vase 2.</next_state>"),
+    textworld=("What does the game answer to this action?", "the game's answer",
+               "<think>Taking an object moves it to the inventory.</think><next_state>You take the key from the "
+               "table.</next_state>"),
     tau2=("What comes back: the tool's response to this call, or the customer's next message after this "
           "reply?", "it", "<think>Looking up a user returns their record.</think><next_state>{\"user_id\": "
           "\"sara_doe_496\", "
@@ -463,7 +489,10 @@ def _trimmed(batch: dict, i: int, j: int, G: int, P: int) -> dict:
 
 def batch_logprobs(model, mb: dict, cfg: GRPOConfig) -> torch.Tensor:
     """log pi(token) of a micro-batch's completion tokens: each group's prompt once (`group_logprobs`), or
-    every row whole (`completion_logprobs`)."""
+    every row whole (`completion_logprobs`); in choose mode ([B, 1]) log pi(a|s) of each turn's choice."""
+    if "choices" in mb:  # --action-mode choose: a turn's one "token" is its discrete choice (`choice_batch`)
+        return torch.stack([choice_logprobs(candidate_scores(model, p, c, chunk_size=cfg.logits_chunk_size),
+                                            cfg.temperature)[k] for p, c, k in mb["choices"]]).unsqueeze(1)
     ids, cmask = mb["input_ids"], mb["completion_mask"]
     if mb.get("group_size", 1) > 1:
         completions = ids[:, ids.shape[1] - cmask.shape[1]:]
@@ -703,12 +732,100 @@ def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_i
     return mask.long()
 
 
+# ==================================================== Choose mode: the policy over admissible commands
+# Small LMs act without invalid actions when the policy is the LM's likelihood of each admissible command,
+# normalised over the admissible set (GLAM: Carta et al., ICML 2023). The reply is written for the model up
+# to "<action>"; a candidate is the tokens of "<command></action>" (the closing tag ends the command, so
+# "go to cabinet 1" is not scored as a prefix of "go to cabinet 10"):
+#   score(a) = sum_t log p_theta(a_t | prompt, a_<t),   pi(a|s) = softmax_a(score(a) / T)
+# Summed, not length-normalised (CHOICE_LENGTH_NORM), measured on expert walkthrough states of the bundled
+# 135M model (README; results/choice_score_sum_vs_mean.json): the summed score is the exact probability of
+# the command's text under the LM, and at T 1 its softmax puts 1.4-1.9x the mass of the normalised one on
+# the expert's command (dividing by the length, 5-10 tokens, acts as a much higher temperature); greedy,
+# the two differ by a few states (top-1 32 vs 35 % on TextWorld, 8 vs 13 % on ALFWorld; 2 vs 3 of 20 games won).
+# Batched: a turn's prompt runs once and every candidate runs on its key/value cache (`group_logprobs`).
+
+CHOICE_PREFIX, CHOICE_END = "<action>", "</action>"
+CHOICE_LENGTH_NORM = False  # score = mean instead of sum of the command's token log-probs (measured: README)
+
+
+@dataclass
+class Choice:
+    """One turn's pick: the candidate `index`, the `reply` the environment parses, and the exact tokens
+    stage 2 trains on (the prompt up to "<action>", every candidate's tokens); `logprobs`: log pi(a|s)."""
+    index: int
+    reply: str
+    prompt_ids: list[int]
+    candidate_ids: list[list[int]]
+    logprobs: list[float]
+
+
+def choice_inputs(tokenizer, prompt: str, commands: list[str], system: str | None) -> tuple[list, list]:
+    """(prompt token ids up to the reply's "<action>", one token list per "<command></action>")."""
+    text = chat(tokenizer, prompt, system, CHOICE_PREFIX)
+    return (tokenizer(text, add_special_tokens=False)["input_ids"],
+            [tokenizer(c + CHOICE_END, add_special_tokens=False)["input_ids"] for c in commands])
+
+
+def candidate_scores(model, prompt_ids: list[int], candidate_ids: list[list[int]], *,
+                     length_norm: bool | None = None, chunk_size: int = 512) -> torch.Tensor:
+    """score(a) for each candidate ([n]; with gradients when they are on): its tokens' log-probs after the
+    prompt, at temperature 1, summed (or averaged, `length_norm`; default CHOICE_LENGTH_NORM). One forward
+    of the prompt, all candidates on its cache."""
+    norm = CHOICE_LENGTH_NORM if length_norm is None else length_norm
+    dev, n, C = model.device, len(candidate_ids), max(map(len, candidate_ids))
+    ids, mask = torch.zeros(n, C, dtype=torch.long), torch.zeros(n, C, dtype=torch.long)
+    for j, c in enumerate(candidate_ids):
+        ids[j, :len(c)], mask[j, :len(c)] = torch.tensor(c, dtype=torch.long), 1
+    prompt = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
+    logp = group_logprobs(model, prompt, torch.ones_like(prompt), ids.to(dev), mask.to(dev), chunk_size=chunk_size)
+    score = logp.sum(1)
+    return score / mask.to(dev).sum(1) if norm else score
+
+
+def choice_logprobs(scores: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log pi(a|s) over the candidates: the log-softmax of score / T, normaliser included (T 0: greedy
+    play, whose probabilities are reported at T 1)."""
+    return torch.log_softmax(scores / (temperature if temperature > 0 else 1.0), -1)
+
+
+@torch.no_grad()
+def choose_actions(model, tokenizer, prompts: list[str], admissible: list[list[str]], *, system: str | None,
+                   temperature: float = 1.0) -> list[Choice]:
+    """One command per prompt, drawn from pi(a|s) (greedy at temperature 0)."""
+    out = []
+    for prompt, commands in zip(prompts, admissible):
+        prompt_ids, candidate_ids = choice_inputs(tokenizer, prompt, commands, system)
+        logp = choice_logprobs(candidate_scores(model, prompt_ids, candidate_ids), temperature)
+        k = int(logp.argmax()) if temperature <= 0 else int(torch.multinomial(logp.exp().float(), 1))
+        out.append(Choice(k, f"{CHOICE_PREFIX}{commands[k]}{CHOICE_END}", prompt_ids, candidate_ids,
+                          logp.tolist()))
+    return out
+
+
+def choice_batch(turns: list[dict], advantages: torch.Tensor, loss_type: str,
+                 keep_zero_advantage: bool = True) -> dict:
+    """Choose-mode turns (`play(record_tokens=True, action_mode="choose")`) -> one update's batch: per turn
+    its (prompt, candidates, choice), its episode's advantage, and a single "token" (the choice) whose
+    loss weight follows `token_weights` as in generate mode."""
+    adv = advantages[torch.tensor([t["episode"] for t in turns], dtype=torch.long)]
+    cmask = torch.ones(len(turns), 1, dtype=torch.long)
+    batch = dict(choices=[(t["prompt_ids"], t["candidate_ids"], t["choice"]) for t in turns], completion_mask=cmask,
+                 advantages=adv, weights=token_weights(cmask, loss_type, 1))
+    if not keep_zero_advantage:
+        rows = (adv != 0).tolist()
+        batch = {k: [x for x, r in zip(v, rows) if r] if isinstance(v, list) else v[torch.tensor(rows, dtype=torch.bool)]
+                 for k, v in batch.items()}
+    return batch
+
+
 # ================================================================= 6. Stage 2: policy RL (METHOD.md §6)
 # Ordinary multi-turn GRPO on task success, started from the RWML adapter (or the base model, or WM SFT).
 # For each game, num_generations episodes from the same start; the reward is the terminal success
 # (gamma = 1), the group-normalised advantage of an episode goes to every action-generating turn of it.
 # A turn is one training sequence [prompt | the model's reply]: observations live in the prompt, so
 # environment tokens are never trained on. The world-model reward is never mixed in (the "Dark Room").
+# In choose mode a turn's one trained quantity is log pi(a|s) of its executed command (`choice_batch`).
 
 def policy_batch(turns: list[dict], advantages: torch.Tensor, pad_token_id: int, loss_type: str,
                  max_completion_length: int, keep_zero_advantage: bool = True):
@@ -756,20 +873,25 @@ def policy_update(model, tokenizer, optimizer, turns: list[dict], summaries: lis
     G = cfg.num_generations
     rewards = torch.tensor([float(s["won"]) for s in summaries])  # gamma = 1: the return is the final reward
     adv = group_advantages(rewards, G, cfg.scale_rewards)
-    ids, attn, cmask, turn_adv, weights = policy_batch(turns, adv, tokenizer.pad_token_id, cfg.loss_type,
-                                                       cfg.max_completion_length,
-                                                       keep_zero_advantage=bool(cfg.beta))
-    if ids.shape[0]:
-        stats = grpo_update(model, optimizer, dict(input_ids=ids, attention_mask=attn, completion_mask=cmask,
-                                                   advantages=turn_adv, weights=weights), cfg)
+    if turns and "candidate_ids" in turns[0]:  # --action-mode choose: log pi(a|s) of each turn's choice
+        batch = choice_batch(turns, adv, cfg.loss_type, keep_zero_advantage=bool(cfg.beta))
+    else:
+        ids, attn, cmask, turn_adv, weights = policy_batch(turns, adv, tokenizer.pad_token_id, cfg.loss_type,
+                                                           cfg.max_completion_length,
+                                                           keep_zero_advantage=bool(cfg.beta))
+        batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask, advantages=turn_adv,
+                     weights=weights)
+    cmask = batch["completion_mask"]
+    if len(batch["advantages"]):
+        stats = grpo_update(model, optimizer, batch, cfg)
     else:  # every group all-equal and no KL term: the loss is exactly 0, nothing to compute
         stats = [dict(loss=0.0, kl=0.0, clip_ratio=0.0, grad_norm=0.0, skipped=False)] * cfg.num_iterations
     steps = sum(s["steps"] for s in summaries) or 1
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if G > 1 else 0.0,
                 frac_reward_zero_std=float((rewards.view(-1, G).std(1) == 0).float().mean()),
                 invalid_action_rate=sum(s["invalid"] for s in summaries) / steps,
-                mean_steps=steps / len(summaries), num_turns=len(turns), trained_turns=int(ids.shape[0]),
-                completion_tokens=float(cmask.sum(1).float().mean()) if ids.shape[0] else 0.0, updates=stats,
+                mean_steps=steps / len(summaries), num_turns=len(turns), trained_turns=len(batch["advantages"]),
+                completion_tokens=float(cmask.sum(1).float().mean()) if len(cmask) else 0.0, updates=stats,
                 sample=turns[0]["response"] if turns else "")
 
 

@@ -61,7 +61,8 @@ from reward import BUNDLED_EMBEDDER, SimToRealReward, coin_reward, mis_targets
 
 STAGES = ("all", "collect", "filter", "wm", "wm-sft", "rft", "policy")
 INITS = ("base", "rwml", "wm-sft", "rft")
-CHOICES = dict(env=("alfworld", "tau2"), domain=envs.TAU2_DOMAINS, init=INITS, reward_control=("none", "mis", "coin"), reward_metric=("embedding", "rouge"),
+CHOICES = dict(env=("alfworld", "textworld", "tau2"), action_mode=envs.ACTION_MODES, policy=("model", "random"),
+               domain=envs.TAU2_DOMAINS, init=INITS, reward_control=("none", "mis", "coin"), reward_metric=("embedding", "rouge"),
                loss_type=("grpo", "dapo", "dr_grpo"), scale_rewards=("group", "batch", "none"),
                report_to=("none", "tensorboard"), trainer=("ours", "trl"))
 
@@ -77,7 +78,11 @@ class ModelConfig:
 @dataclass
 class AgentConfig:
     """How the model plays: in collection, in stage 2 and in `eval.py agent`."""
-    env: str = "alfworld"  # or tau2 (tool use with a simulated customer; then `domain`, and games = tasks)
+    env: str = "alfworld"  # or textworld (generated games, see world_size) or tau2 (tool use; then `domain`, games = tasks)
+    action_mode: str = "generate"  # generate: free-form ReAct replies (paper) | choose: pi(a|s) = softmax over admissible commands
+    world_size: int = 2  # textworld: rooms of a generated game (tw-make's --world-size)
+    nb_objects: int = 4  # textworld: objects of a generated game
+    quest_length: int = 2  # textworld: steps of the winning quest; a random admissible policy wins ~ (README)
     domain: str = "retail"  # tau2: airline | retail | telecom
     user_model: str | None = None  # tau2's simulated customer: any HF causal LM; None = the agent's model
     split: str | None = "train"
@@ -159,7 +164,7 @@ def check_choices(cfg) -> None:
                             + (f" (did you mean {close[0]!r}?)" if close else ""))
 
 
-MIN = dict(num_games=1, rollouts_per_game=1, max_turns=1, max_new_tokens=1, num_envs=1, num_workers=0,
+MIN = dict(world_size=1, nb_objects=1, quest_length=1, num_games=1, rollouts_per_game=1, max_turns=1, max_new_tokens=1, num_envs=1, num_workers=0,
            heldout_games=1, history_len=0, filter_samples=1, sft_epochs=1, max_steps=1, prompts_per_step=1,
            num_generations=2, max_completion_length=1, num_iterations=1, micro_batch_size=1, logits_chunk_size=1,
            lora_r=1, lora_alpha=1, games_per_step=1, eval_max_triplets=0, eval_samples=0, save_steps=1,
@@ -199,6 +204,7 @@ def check_config(cfg: Config, stage: str = "all") -> None:
         bad("num_tasks", "must be at least 1 (or left out: all tasks)")
     if cfg.epsilon_high is not None and cfg.epsilon_high < 0:
         bad("epsilon_high", "must be 0 or more (or left out: --epsilon)")
+    envs.check_action_mode(cfg.env, cfg.action_mode)
     if cfg.trainer == "trl":
         check_trl(cfg, stage)
     elif cfg.use_vllm:
@@ -462,7 +468,11 @@ def collect(cfg: Config, out: Path, load) -> Path:
                                         "explore_prob")}
     if cfg.walkthrough:
         return collect_walkthroughs(cfg, out, games)
-    if cfg.env != "alfworld":  # tau2: the model's own actions only
+    if cfg.action_mode != "generate":  # written only when set: collections made before the field stay valid
+        job["action_mode"] = cfg.action_mode
+    if cfg.env == "textworld":
+        job.update(env=cfg.env, world_size=cfg.world_size, nb_objects=cfg.nb_objects, quest_length=cfg.quest_length)
+    elif cfg.env != "alfworld":  # tau2: the model's own actions only
         del job["num_games"], job["explore_prob"]
         job.update(env=cfg.env, domain=cfg.domain, num_tasks=cfg.num_tasks, user_model=cfg.user_model)
     meta = out / "collect.json"
@@ -501,7 +511,7 @@ def collect(cfg: Config, out: Path, load) -> Path:
             rwml.play(model, tok, env, todo, history_len=cfg.history_len, temperature=cfg.temperature, top_p=cfg.top_p,
                       max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, on_turn=lambda t: write(ft, t),
                       on_episode=lambda e: write(fe, e), explore_prob=cfg.explore_prob, seed=cfg.seed + len(finished),
-                      user_model=user[0], user_tokenizer=user[1], desc="collect")
+                      user_model=user[0], user_tokenizer=user[1], desc="collect", action_mode=cfg.action_mode)
     eps, trips = read_jsonl(episodes_file), read_jsonl(transitions)
     n = max(len(trips), 1)
     own = [t for t in trips if not t.get("explored")]
@@ -997,7 +1007,7 @@ def train_rft(cfg: Config, out: Path, load):
     if not keep:
         raise UserError(f"RFT: none of the {len(summaries)} episodes succeeded, so there is nothing to fine-tune on; "
                         "play more games (--num-games, --rollouts-per-game, --max-turns) or use a stronger --model")
-    system = envs.Tau2.system if cfg.env == "tau2" else envs.Alfworld.system
+    system = dict(tau2=envs.Tau2.system, textworld=envs.TextWorld.system).get(cfg.env, envs.Alfworld.system)
     model, _, adapter = sft_adapter(cfg, model, tok, [t["prompt"] for t in keep], [t["response"] for t in keep], system,
                                     out, episodes=len(summaries), successes=len(won), turns=len(keep))
     print(f"rft: {len(won)}/{len(summaries)} episodes succeeded, SFT on their {len(keep)} turns; adapter -> {adapter}")
@@ -1006,13 +1016,14 @@ def train_rft(cfg: Config, out: Path, load):
 
 def split_games(cfg: Config) -> list:
     """The games a stage plays: `num_games` ALFWorld game files of `split`, or `num_tasks` tau2 tasks."""
-    return envs.games(cfg.env, cfg.split, cfg.num_tasks if cfg.env == "tau2" else cfg.num_games, cfg.seed, cfg.domain)
+    return envs.games(cfg.env, cfg.split, cfg.num_tasks if cfg.env == "tau2" else cfg.num_games, cfg.seed, cfg.domain,
+                      (cfg.world_size, cfg.nb_objects, cfg.quest_length))
 
 
 def play_kwargs(cfg: Config) -> dict:
     """How the agent plays (`rwml.play`'s settings) in collection-like stages."""
     return dict(history_len=cfg.history_len, temperature=cfg.temperature, top_p=cfg.top_p,
-                max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs)
+                max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, action_mode=cfg.action_mode)
 
 
 def make_env(cfg: Config, episodes: int | None = None):
@@ -1054,7 +1065,8 @@ def train_policy(cfg: Config, out: Path, load):
                 t0 = time.time()
                 with cost.stage("policy grpo"):  # rwml.policy_step: "policy rollouts", "policy update"
                     res = rwml.policy_step(model, tok, optimizer, env, step_games, policy_grpo,
-                                           history_len=cfg.history_len, num_envs=cfg.num_envs)
+                                           history_len=cfg.history_len, num_envs=cfg.num_envs,
+                                           action_mode=cfg.action_mode)
                 state["step"] += 1
                 u = res["updates"][-1]
                 log_row(metrics, writer, dict(step=state["step"], **{k: v for k, v in res.items() if k not in ("updates", "sample")},

@@ -1,0 +1,231 @@
+"""--action-mode choose (the policy is the LM's softmax over the turn's admissible commands), its stage 2, and
+TextWorld's generated games: real ALFWorld and TextWorld engines, tiny models built in code."""
+import json
+
+import pytest
+import torch
+
+import envs
+import eval as evaluate
+import rwml
+import train
+from envs import UserError
+
+TRIPLET_KEYS = {"game", "task", "task_type", "rollout", "episode", "step", "history", "action", "next_obs", "valid",
+                "format_ok", "won", "done", "response", "explored"}
+
+
+def first_turn(game=None):
+    """The agent's choose-mode prompt and admissible commands at the start of a real ALFWorld game."""
+    with envs.Alfworld(num_workers=0, max_turns=5) as env:
+        env.reset({0: dict(game=game or envs.list_games("train", 1, seed=0)[0])})
+        return env.choice_prompt(0, []), env.admissible(0), env.system
+
+
+def naive_logprob(model, prompt_ids, candidate):
+    """log p(candidate | prompt) the slow way: the model's own forward on [prompt | candidate], full logits."""
+    ids = torch.tensor([prompt_ids + candidate])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float()
+    return float(logits.log_softmax(-1).gather(-1, torch.tensor(candidate)[:, None]).sum())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_choice_probabilities_sum_to_one_and_equal_one_forward_per_candidate(lora_model, temperature):
+    model, tok = lora_model(seed=0, std=0.05)
+    model.eval()
+    prompt, commands, system = first_turn()
+    assert len(commands) > 5
+    prompt_ids, cands = rwml.choice_inputs(tok, prompt, commands, system)
+    assert tok.decode(cands[0]) == commands[0] + rwml.CHOICE_END
+    with torch.no_grad():
+        scores = rwml.candidate_scores(model, prompt_ids, cands)  # one prompt forward, all candidates on its cache
+    naive = torch.tensor([naive_logprob(model, prompt_ids, c) for c in cands])  # one forward per candidate
+    assert torch.allclose(scores, naive, atol=1e-4), (scores - naive).abs().max()
+    logp = rwml.choice_logprobs(scores, temperature)
+    assert float(logp.exp().sum()) == pytest.approx(1.0, abs=1e-5)
+    want = torch.log_softmax(naive / temperature, -1)  # log space: byte-level candidates are long, and far apart
+    assert torch.allclose(logp, want, atol=1e-3)
+    # the training path (gradients on, in micro-batches) gives the same log pi(a|s) of the choice
+    batch = dict(choices=[(prompt_ids, cands, 3), (prompt_ids, cands, 0)], completion_mask=torch.ones(2, 1),
+                 advantages=torch.zeros(2))
+    cfg = rwml.GRPOConfig(temperature=temperature)
+    trained = rwml.batch_logprobs(model, batch, cfg)
+    assert trained.shape == (2, 1) and trained.requires_grad
+    assert torch.allclose(trained.detach()[:, 0], want[[3, 0]], atol=1e-3)
+    # length-normalised scores: the mean of the same token log-probs
+    with torch.no_grad():
+        mean = rwml.candidate_scores(model, prompt_ids, cands, length_norm=True)
+    assert torch.allclose(mean, naive / torch.tensor([len(c) for c in cands]), atol=1e-5)
+
+
+def choose_turns(tiny_model, env_name="alfworld", games=None, episodes_per_game=2, max_turns=3, temperature=1.0):
+    model, tok = rwml.load_model(tiny_model)
+    games = games or envs.list_games("train", 2, seed=0)
+    turns = []
+    torch.manual_seed(0)
+    with envs.make(env_name, num_workers=0, max_turns=max_turns) as env:
+        summaries = rwml.play(model, tok, env, [dict(game=g) for g in games for _ in range(episodes_per_game)],
+                              num_envs=3, on_turn=turns.append, record_tokens=True, action_mode="choose",
+                              temperature=temperature)
+    return model, tok, turns, summaries
+
+
+def test_choose_mode_plays_only_admissible_commands_and_records_the_choice(tiny_model):
+    _, tok, turns, summaries = choose_turns(tiny_model)
+    assert len(turns) == sum(s["steps"] for s in summaries) == 12
+    assert sum(s["invalid"] for s in summaries) == 0 and sum(s["format_errors"] for s in summaries) == 0
+    for t in turns:
+        assert t["valid"] and t["format_ok"] and t["response"] == f"<action>{t['action']}</action>"
+        assert TRIPLET_KEYS <= t.keys()
+        chosen = tok.decode(t["candidate_ids"][t["choice"]])
+        assert chosen == t["action"] + rwml.CHOICE_END and t["completion_ids"] == t["candidate_ids"][t["choice"]]
+        assert t["history"][-1]["observation"][:40] in tok.decode(t["prompt_ids"])
+
+
+def scripted_choices(tok, game, pick, episode, max_turns):
+    """An episode on the real engine in which `pick(admissible, step)` chooses each command, recorded as
+    `play(record_tokens=True, action_mode="choose")` records it."""
+    turns, past = [], []
+    with envs.Alfworld(num_workers=0, max_turns=max_turns) as env:
+        obs = env.reset({0: dict(game=game)})[0]["obs"]
+        for step in range(max_turns):
+            prompt, commands = env.choice_prompt(0, past[-1:]), env.admissible(0)
+            k = commands.index(pick(commands, step))
+            prompt_ids, cands = rwml.choice_inputs(tok, prompt, commands, env.system)
+            r = env.step({0: f"<action>{commands[k]}</action>"})[0]
+            turns.append(dict(episode=episode, step=step, prompt_ids=prompt_ids, candidate_ids=cands, choice=k,
+                              response=f"<action>{commands[k]}</action>"))
+            past.append((obs, r["action"]))
+            obs = r["obs"]
+            if r["done"]:
+                break
+    return turns, dict(won=r["won"], steps=len(turns), invalid=0)
+
+
+def test_a_positive_advantage_raises_the_chosen_commands_probability(tiny_model):
+    """A group of two real episodes of one game: the expert walkthrough picked from the admissible list (won,
+    by the engine's word) and "look" every turn (lost). One stage-2 update raises log pi(a|s) of the won
+    episode's choices and lowers the lost one's: the exact choice probability, normaliser included, trains."""
+    model, tok = rwml.load_model(tiny_model)
+    torch.manual_seed(0)
+    model = rwml.add_lora(model, r=8, alpha=16)
+    game = envs.list_games("train", 1, seed=0)[0]
+    walk = json.loads(open(game).read())["walkthrough"]
+    won, s_won = scripted_choices(tok, game, lambda cs, i: walk[i], 0, len(walk))
+    lost, s_lost = scripted_choices(tok, game, lambda cs, i: "look", 1, len(walk))
+    assert s_won["won"] and not s_lost["won"]
+    turns = won + lost
+    cfg = rwml.GRPOConfig(num_generations=2, beta=0.0, micro_batch_size=4)
+
+    def chosen_logps():
+        with torch.no_grad():
+            lp = rwml.batch_logprobs(model, rwml.choice_batch(turns, torch.zeros(2), "grpo"), cfg)[:, 0]
+        return float(lp[:len(won)].mean()), float(lp[len(won):].mean())
+
+    before = chosen_logps()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    res = rwml.policy_update(model, tok, opt, turns, [s_won, s_lost], cfg)
+    after = chosen_logps()
+    assert res["reward_mean"] == 0.5 and res["trained_turns"] == len(turns) and res["completion_tokens"] == 1
+    assert after[0] > before[0] and after[1] < before[1], (before, after)
+
+
+def test_collect_in_choose_mode_writes_the_same_triplet_fields(tiny_model, tmp_path):
+    common = ["collect", "--model", tiny_model, "--num-games", "2", "--max-turns", "3", "--max-new-tokens", "6",
+              "--num-workers", "0", "--history-len", "2", "--explore-prob", "0.3"]
+    train.main(common + ["--out", str(tmp_path / "generate")])
+    train.main(common + ["--action-mode", "choose", "--out", str(tmp_path / "choose")])
+    gen, cho = ([json.loads(line) for line in (tmp_path / m / "transitions.jsonl").read_text().splitlines()]
+                for m in ("generate", "choose"))
+    assert len(gen) == len(cho) == 6
+    assert {frozenset(t) for t in gen} == {frozenset(t) for t in cho}  # the same record fields, every turn
+    assert all(t["valid"] and t["format_ok"] for t in cho)  # the choice is an admissible command
+    assert all(t["action"] == envs.parse_action(t["response"])[0] for t in cho if not t["explored"])
+    # the world-model prompt of a choose-mode triplet is built as any other's
+    assert cho[1]["action"] in rwml.wm_prompt(cho[1]) and train.triplet_problem(cho[1]) is None
+
+
+def test_choose_mode_on_tau2_is_one_line_before_any_model_loads(tmp_path):
+    for main, args in ((train.main, ["collect"]), (train.main, ["policy"]), (evaluate.main, ["agent"])):
+        with pytest.raises(UserError, match="tau2 has no such list"):
+            main(args + ["--env", "tau2", "--action-mode", "choose", "--model", str(tmp_path / "no-model"),
+                         "--out", str(tmp_path / "out.json")])
+
+
+def test_a_turn_without_admissible_commands_is_an_error_naming_the_game():
+    game = envs.list_games("train", 1, seed=0)[0]
+    with envs.Alfworld(num_workers=0, max_turns=5) as env:
+        env.reset({0: dict(game=game)})
+        env.state[0]["admissible"] = []  # as an engine that lists none would leave it
+        with pytest.raises(UserError, match=f"game {envs.game_id(game)} offers no admissible commands"):
+            env.admissible(0)
+
+
+# ----------------------------------------------------------------------------- TextWorld generated games
+
+def walkthrough(path):
+    import textworld
+
+    env = textworld.start(path, textworld.EnvInfos(policy_commands=True))
+    try:
+        return env.reset()["policy_commands"]
+    finally:
+        env.close()
+
+
+def test_textworld_games_are_generated_by_split_and_seed_and_won_by_their_walkthrough():
+    test = envs.textworld_games("test", 3, seed=0)
+    assert test == envs.textworld_games("test", 3, seed=0)  # the same draw: cached files
+    dev, train_games = envs.textworld_games("dev", 3, seed=0), envs.textworld_games("train", 3, seed=0)
+    assert not set(test) & set(dev) and not set(test) & set(train_games)  # disjoint game seeds
+    assert envs.textworld_games("test", 3, seed=1) != test
+    with envs.make("textworld", num_workers=1, max_turns=20) as env:
+        start = env.reset({0: dict(game=test[0])})[0]
+        assert start["game"] == envs.game_id(test[0]) and start["task_type"] == "textworld"
+        assert start["obs"].startswith("-= ") and "$$" not in start["obs"]  # the room, not the banner
+        assert start["task"] and env.admissible(0)
+        for command in walkthrough(test[0]):
+            assert command in env.admissible(0)
+            r = env.step({0: f"<action>{command}</action>"})[0]
+            assert r["valid"] and not r["obs"].endswith(">")
+        assert r["won"] and r["done"]
+        env.reset({0: dict(game=test[1])})
+        r = env.step({0: "<action>fly away</action>"})[0]
+        assert not r["valid"] and r["counts"]["invalid"] and not r["won"]
+
+
+def test_textworld_choose_mode_and_random_baseline_end_to_end(tiny_model, tmp_path):
+    """`eval.py agent --policy random` needs no model (the model path does not exist); choose mode plays
+    with 0 invalid actions; both on generated TextWorld test games."""
+    out = tmp_path / "random.json"
+    evaluate.main(["agent", "--env", "textworld", "--policy", "random", "--num-games", "4", "--max-turns", "10",
+                   "--seeds", "2", "--num-workers", "0", "--model", str(tmp_path / "no-model"), "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["split"] == "test" and r["num_episodes"] == 8 and r["invalid_action_rate"] == 0
+    assert 0 < r["success_rate"] <= 1  # a random admissible policy wins some 2-step quests in 10 steps
+    out = tmp_path / "choose.json"
+    evaluate.main(["agent", "--env", "textworld", "--action-mode", "choose", "--model", tiny_model, "--num-games", "2",
+                   "--max-turns", "3", "--num-workers", "0", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["num_episodes"] == 2 and r["invalid_action_rate"] == 0 and r["format_error_rate"] == 0
+
+
+def test_policy_stage_in_choose_mode_on_textworld(tiny_model, tmp_path):
+    train.main(["policy", "--env", "textworld", "--action-mode", "choose", "--model", tiny_model, "--num-games", "2",
+                "--games-per-step", "1", "--num-generations", "2", "--max-turns", "3", "--max-steps", "1",
+                "--beta", "0.1", "--num-workers", "0", "--out", str(tmp_path / "policy")])
+    rows = train.read_jsonl(tmp_path / "policy" / "metrics.jsonl")
+    assert len(rows) == 1 and rows[0]["invalid_action_rate"] == 0 and rows[0]["trained_turns"] == rows[0]["num_turns"]
+    assert (tmp_path / "policy" / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--env", "textworld", "--split", "valid_seen"], "unknown TextWorld split 'valid_seen'"),
+    (["--env", "textworld", "--quest-length", "0"], "--quest-length"),
+    (["--env", "textwrld"], "did you mean 'textworld'"),
+    (["--action-mode", "chose"], "did you mean 'choose'"),
+])
+def test_textworld_and_action_mode_errors(args, message, tmp_path):
+    with pytest.raises(UserError, match=message):
+        train.main(["collect", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "c"), *args])
