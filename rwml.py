@@ -415,8 +415,9 @@ def grpo_update(model, optimizer, batch: dict, cfg: GRPOConfig) -> list[dict]:
     """`num_iterations` optimizer steps on one batch of sampled sequences (`batch`: input_ids,
     attention_mask, completion_mask, advantages, weights; for groups sharing a prompt also prompt_ids,
     prompt_mask, group_size), in micro-batches. A non-finite loss or gradient skips that update."""
-    micro = micro_batches(to_device(batch, model.device), cfg.micro_batch_size,
-                          getattr(cfg, "micro_batch_tokens", 0))
+    # cut on the batch's own device (the cut reads its lengths), then each micro-batch to the model's
+    micro = [to_device(mb, model.device) for mb in micro_batches(batch, cfg.micro_batch_size,
+                                                                 getattr(cfg, "micro_batch_tokens", 0))]
     model.eval()
     with torch.no_grad():  # pi_old: with one update it is pi_theta, ratio 1, no forward needed
         old = [batch_logprobs(model, mb, cfg) for mb in micro] if cfg.num_iterations > 1 else None
@@ -453,6 +454,10 @@ def micro_batches(batch: dict, size: int, max_tokens: int = 0) -> list[dict]:
     prompt: groups x (prompt + G completions), else rows x (prompt + completion)), widths counted after
     each slice drops the columns that are padding in all its rows; a group that needs more goes alone.
     Activation memory follows the tokens of a forward, not its row count."""
+    if "choices" in batch:  # choose mode (`choice_batch`): a turn is a row of its own, nothing to trim
+        B = len(batch["advantages"])
+        return [{k: v[i:i + size] if isinstance(v, (torch.Tensor, list)) and len(v) == B else v
+                 for k, v in batch.items()} for i in range(0, B, max(size, 1))]
     G, B = batch.get("group_size", 1), len(batch["input_ids"])
     C = batch["completion_mask"].shape[1]
     P = batch["input_ids"].shape[1] - C

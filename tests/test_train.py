@@ -239,7 +239,9 @@ def test_every_tensor_reaching_the_loss_is_on_the_models_device(tiny_model, tran
     summaries[0]["won"] = True  # a mixed group, so that stage 2 has turns to train on
     model.to("meta")
     assert model.device.type == "meta"
-    on_device = rwml.Rollout(**{k: v.to("meta") if torch.is_tensor(v) else v for k, v in vars(roll).items()})
+    # the sampled batch stays on the CPU here (the micro-batch cut reads its lengths, which meta cannot):
+    # the update must still move every tensor of it to the model's device
+    on_device = roll
     monkeypatch.setattr(rwml, "sample", lambda *a, **k: on_device)
     monkeypatch.setattr(rwml, "rollouts", lambda *a, on_turn=None, **k: [on_turn(t) for t in turns] and summaries)
     monkeypatch.setattr(rwml, "group_logprobs", lambda model, p, pm, c, cm, **k: torch.zeros(cm.shape, device=model.device))
