@@ -146,7 +146,7 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     init: str = "base"  # what --adapter holds: base (no adapter) | rwml | wm-sft | rft; the KL reference is it, frozen
     games_per_step: int = 2  # games per policy step, drawn from the num_games train games
     # --- logging, checkpoints, output
-    eval_max_triplets: int = 64  # held-out triplets of each kind scored before and after (0 = all)
+    eval_max_triplets: int = 48  # held-out triplets of each kind scored before and after (0 = all)
     save_steps: int = 4
     log_completions_steps: int = 4
     report_to: str = "none"  # or "tensorboard"
