@@ -529,10 +529,13 @@ def collect_walkthroughs(cfg: Config, out: Path, games: list) -> Path:
     if cfg.env != "alfworld":
         raise UserError("--walkthrough needs --env alfworld (tau2 tasks have no expert walkthrough here)")
     out.mkdir(parents=True, exist_ok=True)
+    transitions, meta = out / "transitions.jsonl", out / "collect.json"
+    job = dict(walkthrough=True, split=cfg.split, seed=cfg.seed, num_games=cfg.num_games, history_len=cfg.history_len)
+    if transitions.is_file() and meta.is_file() and json.loads(meta.read_text()) == job:  # a rerun: done already
+        print(f"collect: reusing {transitions} (walkthroughs of {len(games)} {cfg.split} games)")
+        return transitions
     trips = envs.walkthrough_triplets(history_len=cfg.history_len, wrong_first=False, games=games)
-    transitions = out / "transitions.jsonl"
-    write_atomic(out / "collect.json", json.dumps(dict(walkthrough=True, split=cfg.split, seed=cfg.seed,
-                                                       num_games=cfg.num_games, history_len=cfg.history_len), indent=2))
+    write_atomic(meta, json.dumps(job, indent=2))
     write_atomic(transitions, "".join(json.dumps(t) + "\n" for t in trips))
     print(f"collect: {len(trips)} walkthrough triplets of {len(games)} {cfg.split} games -> {transitions}; "
           f"next observations by kind: {kind_mix(trips)}")
