@@ -1,69 +1,60 @@
 #!/usr/bin/env bash
 # The paper's agent comparison on a laptop (issue 22): TextWorld generated games, --action-mode choose (the
-# policy is the LM's softmax over the admissible commands, so no action is invalid), 3 seeds, five arms:
+# policy is the LM's softmax over the admissible commands, so no action is invalid), five arms,
 #   base | RWML | policy RL | RWML + policy RL | WM SFT + policy RL
-# success on held-out dev and test games (greedy), then one table ($OUT/agent_sanity.md).
-#   bash agent_sanity.sh      (or: make agent-sanity)
-# Sized for <= 90 minutes on 2 CPU cores (estimated from measured per-step costs, README; not yet run
-# whole): the world-model stage (collection, RWML, WM SFT) runs once and is shared by the seeds; the stage-2
-# runs of a seed and the evaluations go two at a time (one thread each). Rerun after an interruption:
-# finished steps are kept (collect continues, training resumes, finished evaluations are skipped).
+# greedy success on held-out dev and test games; stage 2 over independent seeds (each draws its own train
+# games and episodes), its held-out curve (dev success against step) beside the table:
+#   bash agent_sanity.sh      (or: make agent-sanity)  -> $OUT/agent_sanity.md, $OUT/agent_sanity_curve.png
+# The recipe (POLICY_* below) was chosen on the dev games; the test games were played once per frozen recipe.
+# The world-model stage (collection, filter + warm-up, RWML, WM SFT) runs once and is shared by the seeds.
+# Jobs go JOBS at a time, one thread each (jobs.sh); logs in $OUT/logs/. Reruns keep what is done.
 set -euo pipefail
 cd "$(dirname "$0")"
-export OMP_NUM_THREADS=1
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/agent_sanity}
 SEEDS=${SEEDS:-"0 1 2"}
-GAMES=${GAMES:-16}                # train games: triplets for stage 1, and the pool stage 2 draws from
-TURNS=${TURNS:-8}                 # step budget (random admissible policy: 28 % success at 10 steps, README)
-WM_STEPS=${WM_STEPS:-20}          # RWML GRPO steps (4 prompts x 4), the stage-1 recipe
-POLICY_STEPS=${POLICY_STEPS:-6}   # stage-2 steps per run: 1 game x 4 episodes each
-EVAL_GAMES=${EVAL_GAMES:-10}      # per held-out split (dev, test)
-TW=(--env textworld --action-mode choose --max-turns "$TURNS" --num-workers 0)
-mkdir -p "$OUT"
-
-# --- stage 1, shared: collect (85 % of turns drawn by command kind, as the stage-1 recipe), RWML, WM SFT
-$PY train.py collect "${TW[@]}" --num-games "$GAMES" --out "$OUT/collect"
-T=$OUT/collect/transitions.jsonl
-$PY train.py wm --transitions "$T" --max-steps "$WM_STEPS" --out "$OUT/rwml" --resume
-mkdir -p "$OUT/wm_sft" && cp -rn "$OUT/rwml/filter" "$OUT/wm_sft/"  # the same kept triplets and warm-up
-[ -f "$OUT/wm_sft/adapter/adapter_config.json" ] || $PY train.py wm-sft --transitions "$T" --max-steps "$WM_STEPS" \
-    --out "$OUT/wm_sft"
-
-evaluate() {  # evaluate DIR [ADAPTER]: greedy, one pass (seeds would replay it)
-    [ -f "$1/eval_agent.json" ] || $PY eval.py agent "${TW[@]}" ${2:+--adapter "$2"} --split dev,test \
-        --num-games "$EVAL_GAMES" --out "$1/eval_agent.json"
-}
-policy() {  # policy SEED NAME INIT [ADAPTER]
-    $PY train.py policy "${TW[@]}" --seed "$1" --init "$3" ${4:+--adapter "$4"} --num-games "$GAMES" \
-        --games-per-step 1 --num-generations 4 --max-steps "$POLICY_STEPS" --beta 0.0 --learning-rate 1e-4 \
-        --save-steps 1 --out "$OUT/seed$1/$2" --resume && evaluate "$OUT/seed$1/$2" "$OUT/seed$1/$2/adapter"
-}
+JOBS=${JOBS:-2}
+GAMES=${GAMES:-16}              # train games: stage 1's triplets, and the pool stage 2 draws from
+TURNS=${TURNS:-8}               # step budget of an episode
+WM_STEPS=${WM_STEPS:-20}        # RWML GRPO steps (4 prompts x 4), the stage-1 recipe; as many WM SFT updates
+POLICY_STEPS=${POLICY_STEPS:-4} # stage-2 steps: POLICY_GAMES games x POLICY_GEN episodes each
+POLICY_GAMES=${POLICY_GAMES:-2}
+POLICY_GEN=${POLICY_GEN:-4}
+POLICY_LR=${POLICY_LR:-1e-3}
+POLICY_T=${POLICY_T:-1.0}       # the choice softmax's temperature while sampling (evaluation is greedy)
+EVAL_EVERY=${EVAL_EVERY:-2}     # the curve: dev success every EVAL_EVERY steps (step 0: the start's evaluation)
+EVAL_GAMES=${EVAL_GAMES:-10}    # held-out games per split (dev, test)
+TW="--env textworld --action-mode choose --max-turns $TURNS --num-workers 0"
+LOGS=$OUT/logs
+source ./jobs.sh  # in_parallel
 mkdir -p "$OUT/base"
-evaluate "$OUT/base" & evaluate "$OUT/rwml" "$OUT/rwml/adapter"; wait
-for s in $SEEDS; do
-    policy "$s" policy base & policy "$s" rwml_policy rwml "$OUT/rwml/adapter"; wait
-    policy "$s" wm_sft_policy wm-sft "$OUT/wm_sft/adapter"
-done
 
-# --- the table: success (%) on dev and test, per seed, mean and spread
-$PY - "$OUT" $SEEDS <<'EOF'
-import json, statistics, sys
-from pathlib import Path
-out, seeds = Path(sys.argv[1]), sys.argv[2:]
-def rate(f, split):
-    return json.loads(f.read_text())["per_split"][split]["success_rate"] if f.is_file() else None
-arms = [("base", lambda s: out / "base"), ("RWML", lambda s: out / "rwml"), ("policy RL", lambda s: out / f"seed{s}/policy"),
-        ("RWML + policy RL", lambda s: out / f"seed{s}/rwml_policy"), ("WM SFT + policy RL", lambda s: out / f"seed{s}/wm_sft_policy")]
-lines = ["| arm | dev success (%) | test success (%) | per seed (test) |", "|---|---|---|---|"]
-for name, folder in arms:
-    cells = []
-    for split in ("dev", "test"):
-        xs = [x for s in seeds if (x := rate(folder(s) / "eval_agent.json", split)) is not None]
-        cells.append(f"{100 * statistics.fmean(xs):.1f} ± {100 * statistics.pstdev(xs):.1f}" if xs else "–")
-    per = [rate(folder(s) / "eval_agent.json", "test") for s in seeds]
-    lines.append(f"| {name} | {cells[0]} | {cells[1]} | " + " / ".join("–" if x is None else f"{100 * x:.0f}" for x in per) + " |")
-text = "\n".join(lines) + "\n"
-(out / "agent_sanity.md").write_text(text)
-print(text)
-EOF
+# --- stage 1, shared: collect (85 % of turns drawn by command kind, as the stage-1 recipe), filter + warm-up
+T=$OUT/collect/transitions.jsonl
+JOBS=1 in_parallel "collect $PY train.py collect $TW --num-games $GAMES --out $OUT/collect"
+JOBS=1 in_parallel "filter $PY train.py filter --transitions $T --filter-dir $OUT/filter --out $OUT/filter"
+wm="--transitions $T --max-steps $WM_STEPS --filter-dir $OUT/filter"
+evaluate="$PY eval.py agent $TW --num-games $EVAL_GAMES"  # greedy, one pass (seeds would replay it)
+in_parallel "rwml [ -f $OUT/rwml/adapter/adapter_config.json ] || $PY train.py wm $wm --out $OUT/rwml --resume" \
+            "wm_sft [ -f $OUT/wm_sft/adapter/adapter_config.json ] || $PY train.py wm-sft $wm --out $OUT/wm_sft" \
+            "eval_base [ -f $OUT/base/eval_agent.json ] || $evaluate --split dev,test --out $OUT/base/eval_agent.json" \
+            "eval_random [ -f $OUT/random/eval_agent.json ] || $evaluate --policy random --seeds 3 --split dev,test --out $OUT/random/eval_agent.json"
+
+# --- stage 2, per seed, and the stage-1 arms' evaluations (their dev success is step 0 of the curves); each
+#     policy run: its dev curve every EVAL_EVERY steps, then the test games
+jobs=("eval_rwml [ -f $OUT/rwml/eval_agent.json ] || $evaluate --adapter $OUT/rwml/adapter --split dev,test --out $OUT/rwml/eval_agent.json"
+      "eval_wm_sft [ -f $OUT/wm_sft/eval_agent.json ] || $evaluate --adapter $OUT/wm_sft/adapter --split dev --out $OUT/wm_sft/eval_agent.json")
+for s in $SEEDS; do
+    for arm in policy rwml_policy wm_sft_policy; do
+        case $arm in policy) init="--init base" ;; rwml_policy) init="--init rwml --adapter $OUT/rwml/adapter" ;;
+                     wm_sft_policy) init="--init wm-sft --adapter $OUT/wm_sft/adapter" ;; esac
+        d=$OUT/seed$s/$arm
+        jobs+=("${arm}$s [ -f $d/adapter/adapter_config.json ] || $PY train.py policy $TW --seed $s $init --num-games $GAMES \
+--games-per-step $POLICY_GAMES --num-generations $POLICY_GEN --max-steps $POLICY_STEPS --beta 0.0 \
+--learning-rate $POLICY_LR --temperature $POLICY_T --save-steps 1 --eval-steps $EVAL_EVERY --eval-games $EVAL_GAMES \
+--out $d --resume; [ -f $d/eval_agent.json ] || $evaluate --adapter $d/adapter --split test --out $d/eval_agent.json")
+    done
+done
+in_parallel "${jobs[@]}"
+$PY eval.py agent-table "$OUT" --seeds $SEEDS
+[ "$OUT" = runs/agent_sanity ] && cp "$OUT/agent_sanity.md" "$OUT/agent_sanity_curve.png" results/ || true

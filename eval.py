@@ -51,7 +51,7 @@ from train import (AgentConfig, ModelConfig, WorldModelConfig, check_adapter, ch
                    check_writable, make_reward, parse_config, read_jsonl, read_transitions, run_cli, wm_prompt_fits,
                    write_atomic, write_eval)
 
-COMMANDS = ("agent", "wm", "calibrate", "weights", "report", "sanity")
+COMMANDS = ("agent", "wm", "calibrate", "weights", "report", "sanity", "agent-table")
 
 
 @dataclass
@@ -94,6 +94,11 @@ class WeightsConfig:
 class ReportConfig:
     out: str = "results.md"  # the table; the plots go next to it (<out>_rewards.png, <out>_success.png)
     plots: bool = True
+
+
+@dataclass
+class AgentTableConfig:
+    out: str = "agent_sanity.md"  # the table; the curve goes next to it (<out stem>_curve.png)
 
 
 @dataclass
@@ -640,6 +645,80 @@ def sanity_report(folder: Path, split: str = "valid_unseen") -> str:
     return "\n".join(lines) + "\n"
 
 
+# ----------------------------------------------------------------------------- the agent table (agent_sanity.sh)
+
+AGENT_ARMS = (("base", "base"), ("rwml", "RWML"), ("policy", "policy RL"), ("rwml_policy", "RWML + policy RL"),
+              ("wm_sft_policy", "WM SFT + policy RL"))
+
+
+def agent_report(folder: Path, png: Path | None = None) -> str:
+    """The table of `agent_sanity.sh`, from its run folder: greedy success (%) on the dev and test games per
+    arm (stage-2 arms: mean ± sd over the seed*/ folders, each seed listed; dev = the curve's last point,
+    played as `eval.py agent` plays it), the random-admissible baseline, and the dev curve (`png`; its step
+    0 is the start's evaluation: base, RWML or WM SFT)."""
+    seeds = sorted(folder.glob("seed*/"), key=lambda d: int(d.name[4:]) if d.name[4:].isdigit() else -1)
+    if not seeds:
+        raise UserError(f"no seed*/ folders in {folder}: run agent_sanity.sh first")
+    def pct(xs: list[float]) -> str:  # one value as it is; over seeds "mean ± sd (each seed)"
+        xs = [100 * x for x in xs]
+        if len(xs) < 2:
+            return f"{xs[0]:.1f}" if xs else "–"
+        return f"{statistics.fmean(xs):.1f} ± {statistics.stdev(xs):.1f} ({' / '.join(f'{x:.0f}' for x in xs)})"
+
+    def split_rate(f: Path, split: str):
+        return json.loads(f.read_text())["per_split"][split]["success_rate"] if f.is_file() else None
+
+    def curve(d: Path, start: Path) -> list[dict]:  # step 0: the start's own dev evaluation (the same play)
+        rows = [r for r in read_jsonl(d / "metrics.jsonl") if "eval_success" in r] if (d / "metrics.jsonl").is_file() else []
+        first = split_rate(start / "eval_agent.json", "dev")
+        return ([dict(step=0, eval_success=first)] if rows and rows[0]["step"] > 0 and first is not None else []) + rows
+
+    lines = ["| arm | dev success (%) | test success (%) | episodes per split |", "|---|---|---|---|"]
+    random_f = folder / "random" / "eval_agent.json"
+    if random_f.is_file():
+        r = json.loads(random_f.read_text())["per_split"]
+        lines.append(f"| uniform random admissible ({r['dev']['num_episodes'] // r['dev']['num_games']} seeds) | "
+                     f"{100 * r['dev']['success_rate']:.1f} ± {100 * r['dev']['success_rate_std']:.1f} | "
+                     f"{100 * r['test']['success_rate']:.1f} ± {100 * r['test']['success_rate_std']:.1f} | "
+                     f"{r['test']['num_episodes']} |")
+    curves = {}
+    for key, name in AGENT_ARMS:
+        if key in ("base", "rwml"):  # one greedy evaluation: nothing to replicate
+            f = folder / key / "eval_agent.json"
+            dev, test = split_rate(f, "dev"), split_rate(f, "test")
+            n = json.loads(f.read_text())["per_split"]["test"]["num_episodes"] if f.is_file() else 0
+            lines.append(f"| {name} | {pct([dev] if dev is not None else [])} | {pct([test] if test is not None else [])} "
+                         f"| {n} |")
+            continue
+        runs = [d / key for d in seeds]
+        curves[name] = [curve(d, folder / dict(policy="base", rwml_policy="rwml", wm_sft_policy="wm_sft")[key]) for d in runs]
+        dev = [c[-1]["eval_success"] for c in curves[name] if c]
+        test = [x for d in runs if (x := split_rate(d / "eval_agent.json", "test")) is not None]
+        n = next((json.loads((d / "eval_agent.json").read_text())["per_split"]["test"]["num_episodes"]
+                  for d in runs if (d / "eval_agent.json").is_file()), 0)
+        lines.append(f"| {name} | {pct(dev)} | {pct(test)} | {n} |")
+    if png is not None and any(any(c) for c in curves.values()):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        for (name, cs), color in zip(curves.items(), ("C0", "C1", "C2")):
+            for i, c in enumerate(cs):
+                if c:
+                    ax.plot([r["step"] for r in c], [100 * r["eval_success"] for r in c], color=color, alpha=0.8,
+                            marker="o", ms=3, lw=1, ls=("-", "--", ":")[i % 3], label=f"{name}, seed {seeds[i].name[4:]}")
+        ax.set_xlabel("stage-2 step")
+        ax.set_ylabel("dev success (%), greedy")
+        ax.set_title("stage 2 on TextWorld (choose mode): held-out dev games")
+        ax.legend(fontsize=6, ncol=2)
+        fig.tight_layout()
+        fig.savefig(png, dpi=110)
+        plt.close(fig)
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
@@ -653,6 +732,16 @@ def main(argv: list[str] | None = None) -> None:
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(Path(cfg.out), text)
         print(text + f"-> {cfg.out}")
+        return
+    if command == "agent-table":
+        cfg, rest = parse_config(AgentTableConfig, argv[1:], prog="eval.py agent-table",
+                                 positional={"run": dict(help="the run folder of agent_sanity.sh (runs/agent_sanity)")})
+        out = Path(cfg.out)
+        check_writable(out, folder=False)
+        text = agent_report(Path(rest["run"]), out.with_name(out.stem + "_curve.png"))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(out, text)
+        print(text + f"-> {out} (+ {out.stem}_curve.png)")
         return
     if command == "report":
         cfg, rest = parse_config(ReportConfig, argv[1:], prog="eval.py report",

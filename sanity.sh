@@ -9,7 +9,7 @@
 # always "Nothing happens.", copy the observation), the base model, and per seed the warm-up, RWML from it and
 # the matched controls WM SFT (same triplets, order, number of updates and learning rate) and COIN (a fair
 # coin for a reward). Each seed is a replication: its own train games, collection, filter, warm-up and runs.
-# Jobs go JOBS at a time, one thread each (small matrices scale badly across threads). Logs: $OUT/logs/.
+# Jobs go JOBS at a time, one thread each (jobs.sh). Logs: $OUT/logs/.
 # Reruns keep what is done.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -25,22 +25,8 @@ JOBS=${JOBS:-2}
 FILTER_JOBS=${FILTER_JOBS:-$JOBS}
 KINDS="explore purposeful"
 H=$OUT/$SPLIT  # the held-out sets and every score on them
-mkdir -p "$OUT/logs"
-
-in_parallel() {  # in_parallel "NAME COMMAND..." ...: each command a job, JOBS at a time, one thread each
-    local threads=$(($(nproc) / JOBS)) spec pids=() names=()
-    for spec in "$@"; do
-        while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 2; done
-        OMP_NUM_THREADS=$((threads > 0 ? threads : 1)) bash -c "${spec#* }" > "$OUT/logs/${spec%% *}.log" 2>&1 &
-        pids+=($!) names+=("${spec%% *}")
-    done
-    for i in "${!pids[@]}"; do
-        wait "${pids[$i]}" || {  # stop the jobs still running: a rerun must not race them
-            for p in $(jobs -rp); do pkill -P "$p"; kill "$p"; done 2>/dev/null
-            echo "sanity.sh: ${names[$i]} failed, see $OUT/logs/${names[$i]}.log"; exit 1; }
-        echo "done: ${names[$i]}"
-    done
-}
+LOGS=$OUT/logs
+source ./jobs.sh  # in_parallel
 score() {  # score NAME SEED OUT_STEM [eval.py flags]: held-out world-model accuracy on both kinds
     local name=$1 seed=$2 stem=$3 kind; shift 3
     mkdir -p "$(dirname "$stem")"

@@ -145,6 +145,10 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     # --- stage 2: policy RL on task success; also uses the agent's fields (num_generations: episodes per game)
     init: str = "base"  # what --adapter holds: base (no adapter) | rwml | wm-sft | rft; the KL reference is it, frozen
     games_per_step: int = 2  # games per policy step, drawn from the num_games train games
+    eval_steps: int = 0  # held-out success (greedy) every this many steps and at the end: the learning curve (0 = off)
+    eval_on_start: bool = False  # and once before step 1 (TRL's eval_on_start)
+    eval_games: int = 10  # held-out games of eval_split for it
+    eval_split: str | None = None  # None = the dev split: valid_seen (ALFWorld), dev (TextWorld)
     # --- logging, checkpoints, output
     eval_max_triplets: int = 48  # held-out triplets of each kind scored before and after (0 = all)
     save_steps: int = 4
@@ -167,7 +171,8 @@ def check_choices(cfg) -> None:
 MIN = dict(world_size=1, nb_objects=1, quest_length=1, num_games=1, rollouts_per_game=1, max_turns=1, max_new_tokens=1, num_envs=1, num_workers=0,
            heldout_games=1, history_len=0, filter_samples=1, sft_epochs=1, max_steps=1, prompts_per_step=1,
            num_generations=2, max_completion_length=1, num_iterations=1, micro_batch_size=1, logits_chunk_size=1,
-           lora_r=1, lora_alpha=1, games_per_step=1, eval_max_triplets=0, eval_samples=0, save_steps=1,
+           lora_r=1, lora_alpha=1, games_per_step=1, eval_steps=0, eval_games=1, eval_max_triplets=0, eval_samples=0,
+           save_steps=1,
            log_completions_steps=1)
 UNIT = ("explore_prob", "easy_share", "easy_keep_prob", "lora_dropout")  # in [0, 1]
 
@@ -1051,6 +1056,7 @@ def train_policy(cfg: Config, out: Path, load):
     _check_at_least(cfg, max_steps=1, games_per_step=1, num_generations=2, micro_batch_size=1, num_iterations=1,
                     save_steps=1, max_new_tokens=1)
     games = split_games(cfg)
+    heldout = policy_eval_games(cfg) if cfg.eval_steps else []  # before any model loads: a bad split fails now
     with make_env(cfg, min(cfg.games_per_step, len(games)) * cfg.num_generations) as env:
         model, tok = load()  # after make_env: ALFWorld's game workers fork without the model
         torch.manual_seed(cfg.seed)
@@ -1062,6 +1068,8 @@ def train_policy(cfg: Config, out: Path, load):
         bar = tqdm(total=cfg.max_steps, initial=state["step"], desc=f"policy grpo ({cfg.init})", unit="step",
                    dynamic_ncols=True)
         with open(out / "metrics.jsonl", "a") as metrics:
+            if heldout and cfg.eval_on_start and state["step"] == 0:  # the curve's first point: the start
+                log_row(metrics, writer, dict(step=0, **heldout_success(model, tok, env, heldout, cfg, out, 0)))
             while state["step"] < cfg.max_steps:
                 # the games of a step depend only on (seed, step): a resumed run plays the same ones
                 step_games = random.Random(cfg.seed * 1000 + state["step"]).sample(games, min(cfg.games_per_step, len(games)))
@@ -1072,8 +1080,11 @@ def train_policy(cfg: Config, out: Path, load):
                                            action_mode=cfg.action_mode)
                 state["step"] += 1
                 u = res["updates"][-1]
-                log_row(metrics, writer, dict(step=state["step"], **{k: v for k, v in res.items() if k not in ("updates", "sample")},
-                                              **u, lr=cfg.learning_rate, seconds=round(time.time() - t0, 2)))
+                row = dict(step=state["step"], **{k: v for k, v in res.items() if k not in ("updates", "sample")},
+                           **u, lr=cfg.learning_rate, seconds=round(time.time() - t0, 2))
+                if heldout and (state["step"] % cfg.eval_steps == 0 or state["step"] >= cfg.max_steps):
+                    row.update(heldout_success(model, tok, env, heldout, cfg, out, state["step"]))
+                log_row(metrics, writer, row)
                 bar.update(1)
                 bar.set_postfix(success=f"{res['reward_mean']:.2f}", invalid=f"{res['invalid_action_rate']:.2f}",
                                 trained=res["trained_turns"], kl=f"{u['kl']:.4f}")
@@ -1088,13 +1099,42 @@ def train_policy(cfg: Config, out: Path, load):
     return model
 
 
+def policy_eval_games(cfg: Config) -> list:
+    """The held-out games of stage 2's learning curve: eval_games of eval_split (never the train split)."""
+    split = cfg.eval_split or dict(alfworld="valid_seen", textworld="dev").get(cfg.env)
+    if split is None:
+        raise UserError(f"--eval-steps plays held-out games, which --env {cfg.env} has no dev split of; "
+                        "use --eval-steps 0 and eval.py afterwards")
+    if split == cfg.split:
+        raise UserError(f"--eval-split {split} is the split stage 2 trains on; pick a held-out one (e.g. dev)")
+    return envs.games(cfg.env, split, cfg.eval_games, 0, cfg.domain, (cfg.world_size, cfg.nb_objects, cfg.quest_length))
+
+
+def heldout_success(model, tok, env, games: list, cfg: Config, out: Path, step: int) -> dict:
+    """Greedy held-out success of the current policy (as `eval.py agent` plays it); each episode goes to
+    <out>/eval_episodes.jsonl with its step, so that every point of the curve can be audited."""
+    model.eval()
+    with cost.stage("policy eval"):
+        played = rwml.play(model, tok, env, [dict(game=g) for g in games], history_len=cfg.history_len,
+                           temperature=0.0 if cfg.action_mode == "choose" else cfg.temperature, top_p=cfg.top_p,
+                           max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, action_mode=cfg.action_mode,
+                           desc=f"eval step {step}", seed=cfg.seed)
+    with open(out / "eval_episodes.jsonl", "a") as f:
+        for e in played:
+            f.write(json.dumps(dict(e, step=step), default=str) + "\n")
+    steps = sum(e["steps"] for e in played) or 1
+    return dict(eval_success=sum(e["won"] for e in played) / len(played), eval_mean_steps=steps / len(played),
+                eval_invalid=sum(e["invalid"] for e in played) / steps)
+
+
 def plot_rewards(metrics_file: Path, png: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_jsonl(metrics_file)
+    every = read_jsonl(metrics_file)
+    rows = [r for r in every if "reward_mean" in r]  # (a step-0 row holds only the held-out evaluation)
     if not rows:
         return
     steps = [r["step"] for r in rows]
@@ -1106,6 +1146,9 @@ def plot_rewards(metrics_file: Path, png: Path, title: str) -> None:
     ax.plot(steps, smooth, label=f"reward (mean of {k})")
     if "format_rate" in rows[0]:
         ax.plot(steps, [r["format_rate"] for r in rows], ls="--", alpha=0.6, label="has <next_state>")
+    curve = [r for r in every if "eval_success" in r]
+    if curve:
+        ax.plot([r["step"] for r in curve], [r["eval_success"] for r in curve], "o-", label="held-out success (greedy)")
     ax.set_xlabel("optimizer step")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)

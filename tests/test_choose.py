@@ -211,13 +211,26 @@ def test_textworld_choose_mode_and_random_baseline_end_to_end(tiny_model, tmp_pa
     assert r["num_episodes"] == 2 and r["invalid_action_rate"] == 0 and r["format_error_rate"] == 0
 
 
-def test_policy_stage_in_choose_mode_on_textworld(tiny_model, tmp_path):
+def test_policy_stage_in_choose_mode_on_textworld_with_its_learning_curve(tiny_model, tmp_path):
+    """Stage 2 in choose mode; --eval-steps / --eval-on-start play the dev games greedily before step 1 and after
+    every step:
+    the curve's points are in metrics.jsonl, and each of their episodes in eval_episodes.jsonl."""
     train.main(["policy", "--env", "textworld", "--action-mode", "choose", "--model", tiny_model, "--num-games", "2",
-                "--games-per-step", "1", "--num-generations", "2", "--max-turns", "3", "--max-steps", "1",
-                "--beta", "0.1", "--num-workers", "0", "--out", str(tmp_path / "policy")])
+                "--games-per-step", "1", "--num-generations", "2", "--max-turns", "3", "--max-steps", "2",
+                "--beta", "0.1", "--num-workers", "0", "--eval-steps", "1", "--eval-on-start", "--eval-games", "2",
+                "--out", str(tmp_path / "policy")])
     rows = train.read_jsonl(tmp_path / "policy" / "metrics.jsonl")
-    assert len(rows) == 1 and rows[0]["invalid_action_rate"] == 0 and rows[0]["trained_turns"] == rows[0]["num_turns"]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "reward_mean" not in rows[0]
+    assert all(r["invalid_action_rate"] == 0 and r["trained_turns"] == r["num_turns"] for r in rows[1:])
+    assert all(0 <= r["eval_success"] <= 1 and r["eval_invalid"] == 0 for r in rows)
+    episodes = train.read_jsonl(tmp_path / "policy" / "eval_episodes.jsonl")
+    dev = {envs.game_name(g) for g in envs.textworld_games("dev", 2, seed=0)}
+    assert [e["step"] for e in episodes] == [0, 0, 1, 1, 2, 2] and {e["game"] for e in episodes} == dev
+    assert rows[2]["eval_success"] == sum(e["won"] for e in episodes[4:]) / 2
     assert (tmp_path / "policy" / "adapter" / "adapter_config.json").is_file()
+    with pytest.raises(UserError, match="the split stage 2 trains on"):
+        train.main(["policy", "--env", "textworld", "--eval-steps", "1", "--eval-split", "train",
+                    "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "p2")])
 
 
 @pytest.mark.parametrize("args, message", [
