@@ -242,3 +242,35 @@ def test_policy_stage_in_choose_mode_on_textworld_with_its_learning_curve(tiny_m
 def test_textworld_and_action_mode_errors(args, message, tmp_path):
     with pytest.raises(UserError, match=message):
         train.main(["collect", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "c"), *args])
+
+
+def _agent_eval(per_split: dict) -> str:  # an `eval.py agent` result, reduced to what the table reads
+    return json.dumps(dict(per_split={sp: dict(success_rate=r, success_rate_std=sd, num_episodes=n, num_games=g)
+                                      for sp, (r, sd, n, g) in per_split.items()}))
+
+
+def test_agent_table_gives_each_arm_and_the_spread_over_seeds_and_draws_the_curve(tmp_path):
+    """agent_sanity.sh's layout -> the five-arm table: single evaluations as they are, stage-2 arms as mean ± sd
+    over seeds (dev = the curve's last point), the random baseline; the curve starts at the start's dev score."""
+    for arm, dev, test in (("base", 0.0, 0.1), ("rwml", 0.1, 0.2), ("wm_sft", 0.2, None)):
+        (tmp_path / arm).mkdir()
+        splits = dict(dev=(dev, 0.0, 10, 10), **({"test": (test, 0.0, 10, 10)} if test is not None else {}))
+        (tmp_path / arm / "eval_agent.json").write_text(_agent_eval(splits))
+    (tmp_path / "random").mkdir()
+    (tmp_path / "random" / "eval_agent.json").write_text(_agent_eval(dict(dev=(0.3, 0.05, 30, 10), test=(0.4, 0.1, 30, 10))))
+    for s, (mid, end, test) in enumerate([(0.2, 0.5, 0.4), (0.1, 0.3, 0.2), (0.3, 0.4, 0.3)]):
+        for arm in ("policy", "rwml_policy", "wm_sft_policy"):
+            d = tmp_path / f"seed{s}" / arm
+            d.mkdir(parents=True)
+            rows = [dict(step=1, reward_mean=0.1), dict(step=2, reward_mean=0.2, eval_success=mid),
+                    dict(step=4, reward_mean=0.3, eval_success=end)]
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            (d / "eval_agent.json").write_text(_agent_eval(dict(test=(test, 0.0, 10, 10))))
+    png = tmp_path / "curve.png"
+    text = evaluate.agent_report(tmp_path, png)
+    assert "| uniform random admissible (3 seeds) | 30.0 ± 5.0 | 40.0 ± 10.0 | 30 |" in text
+    assert "| base | 0.0 | 10.0 | 10 |" in text and "| RWML | 10.0 | 20.0 | 10 |" in text
+    assert "| policy RL | 40.0 ± 10.0 (50 / 30 / 40) | 30.0 ± 10.0 (40 / 20 / 30) | 10 |" in text
+    assert png.is_file() and png.stat().st_size > 1000
+    with pytest.raises(UserError, match="run agent_sanity.sh first"):
+        evaluate.agent_report(tmp_path / "base")
