@@ -59,12 +59,12 @@ import rwml
 from envs import RERUN, UserError
 from reward import BUNDLED_EMBEDDER, SimToRealReward, coin_reward, mis_targets
 
-STAGES = ("all", "collect", "filter", "wm", "wm-sft", "rft", "policy")
+STAGES = ("all", "collect", "filter", "wm", "wm-sft", "rft", "policy", "export")
 INITS = ("base", "rwml", "wm-sft", "rft")
 CHOICES = dict(env=("alfworld", "textworld", "tau2"), action_mode=envs.ACTION_MODES, policy=("model", "random"),
                domain=envs.TAU2_DOMAINS, init=INITS, reward_control=("none", "mis", "coin"), reward_metric=("embedding", "rouge"),
                loss_type=("grpo", "dapo", "dr_grpo"), scale_rewards=("group", "batch", "none"),
-               report_to=("none", "tensorboard"), trainer=("ours", "trl"))
+               report_to=("none", "tensorboard"), trainer=("ours", "trl"), format=("verl",))
 
 
 @dataclass
@@ -142,6 +142,7 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     lora_target_modules: str = "all-linear"  # or e.g. "q_proj,k_proj,v_proj,o_proj" (paper: full fine-tuning)
     trainer: str = "ours"  # ours | trl: stage wm in TRL's GRPOTrainer, also under accelerate launch (README)
     use_vllm: bool = False  # --trainer trl: generation in vLLM, colocated (TRL's use_vllm; needs vllm)
+    format: str = "verl"  # `export`: the filtered triplets as verl's GRPO parquet (reward: reward.compute_score)
     # --- stage 2: policy RL on task success; also uses the agent's fields (num_generations: episodes per game)
     init: str = "base"  # what --adapter holds: base (no adapter) | rwml | wm-sft | rft; the KL reference is it, frozen
     games_per_step: int = 2  # games per policy step, drawn from the num_games train games
@@ -621,6 +622,41 @@ def _filter_triplets(cfg: Config, triplets: list[dict], out: Path, load, reward_
     print("filter: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items()
                                  if k not in ("sft_losses", "easiness_counts")))
     return kept, warm if cfg.warmup else None
+
+
+# ----------------------------------------------------------------------------- stage: export (verl)
+
+def check_parquet() -> None:
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise UserError("train.py export --format verl writes parquet, which needs pyarrow: pip install pyarrow") from None
+
+
+def export_verl(cfg: Config, kept: list[dict], out: Path) -> Path:
+    """The kept triplets as the parquet verl's GRPO trainer reads (data.train_files): one row per triplet,
+    `prompt` the world-model chat (system, user), `reward_model.ground_truth` the real next observation, and
+    in `extra_info` what `reward.compute_score` needs to score a response as our trainer does (the reply
+    prefix, embedder, tau_d). verl cannot start the reply for the model: the prefix is put back at scoring."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    prefix = rwml.wm_prefix(cfg.wm_reasoning)
+    rows = [dict(data_source=f"rwml_{t.get('env', 'alfworld')}", ability="world_model",
+                 prompt=[dict(role="system", content=rwml.wm_system(t)),
+                         dict(role="user", content=rwml.wm_prompt(t, cfg.wm_reasoning))],
+                 reward_model=dict(style="rule", ground_truth=t["next_obs"]),
+                 extra_info=dict(index=i, game=str(t.get("game")), step=t.get("step"), assistant_prefix=prefix,
+                                 embedder=cfg.embedder, tau_d=cfg.tau_d, reward_metric=cfg.reward_metric,
+                                 reward_binary=cfg.reward_binary))
+            for i, t in enumerate(kept)]
+    out.mkdir(parents=True, exist_ok=True)
+    path, tmp = out / "train.parquet", out / "train.parquet.tmp"
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    print(f"export: {len(rows)} triplets -> {path} (verl: data.train_files={path}, "
+          f"custom_reward_function.path=reward.py, custom_reward_function.name=compute_score)")
+    return path
 
 
 # ----------------------------------------------------------------------------- stage: wm (RWML GRPO)
@@ -1347,7 +1383,9 @@ def main(argv: list[str] | None = None) -> None:
         check_writable(Path(cfg.filter_dir), "--filter-dir")
     check_adapter(cfg.adapter)
     check_context(cfg, stage)
-    trips = read_transitions(cfg.transitions, wm_prompt_fits(cfg)) if stage in ("wm-sft", "filter", "wm") else None
+    if stage == "export":
+        check_parquet()
+    trips = read_transitions(cfg.transitions, wm_prompt_fits(cfg)) if stage in ("wm-sft", "filter", "wm", "export") else None
     if os.environ.get("RANK", "0") == "0":  # under accelerate launch the main process holds it for all
         lock_out(out)
     if stage in ("wm", "policy", "all") and cfg.trainer == "ours":  # before the filter and the model load
@@ -1379,10 +1417,12 @@ def run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] |
     if stage == "wm-sft":
         train_wm_sft(cfg, trips, out, load, reward_fn)
         return
-    if stage in ("filter", "wm"):
+    if stage in ("filter", "wm", "export"):
         # under accelerate launch every process gets here: the main one filters, the others reuse its cache
         with process_state().main_process_first() if cfg.trainer == "trl" else contextlib.nullcontext():
             kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
+        if stage == "export":
+            export_verl(cfg, kept, out)
         if stage == "wm":
             with cost.stage("grpo"):
                 (train_wm_trl if cfg.trainer == "trl" else train_wm)(cfg, kept, out, load, reward_fn, start)

@@ -105,3 +105,31 @@ def test_one_target_per_completion(reward, metric):
 
 def test_lone_surrogates_are_embedded_not_raised(reward):
     assert reward([wrap(REAL[0] + "\ud800")], [REAL[0] + "\udfff"]) == [1.0]
+
+
+def test_verl_export_and_compute_score_reproduce_our_rewards(tiny_model, transitions, tmp_path, reward):
+    """`train.py export --format verl` writes verl's GRPO parquet; `reward.compute_score` (verl's custom reward
+    signature) on its rows gives exactly SimToRealReward's rewards of our completions (the real embedder)."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import rwml
+    import train
+    from reward import compute_score
+
+    out = tmp_path / "verl"
+    train.main(["export", "--format", "verl", "--model", tiny_model, "--transitions", transitions, "--no-easy-filter",
+                "--no-warmup", "--out", str(out)])
+    rows = pq.read_table(out / "train.parquet").to_pylist()
+    kept = train.read_jsonl(out / "filter" / "kept.jsonl")
+    assert len(rows) == len(kept) > 3
+    first = rows[0]
+    assert [m["role"] for m in first["prompt"]] == ["system", "user"]
+    assert first["prompt"][1]["content"] == rwml.wm_prompt(kept[0], reasoning=False)
+    assert first["reward_model"] == dict(style="rule", ground_truth=kept[0]["next_obs"])
+    # verl's responses: what our trainer's completion is after the prefix it writes for the model
+    responses = [f"{r['reward_model']['ground_truth']}</next_state>" for r in rows[:2]]
+    responses += ["Nothing happens at all.</next_state>", "no tag",
+                  f"<next_state>{rows[4]['reward_model']['ground_truth']}</next_state>"]
+    truths = [r["reward_model"]["ground_truth"] for r in rows[:5]]
+    ours = reward([rwml.wm_prefix(False) + x for x in responses], truths)
+    theirs = [compute_score(r["data_source"], x, t, r["extra_info"]) for r, x, t in zip(rows, responses, truths)]
+    assert theirs == ours and ours[:2] == [1.0, 1.0] and ours[3] == 0.0 and ours[4] == 1.0
