@@ -317,10 +317,17 @@ class Game:
         state, _, _ = self.env.step(match if match is not None else command)
         self.turn += 1
         won = bool(state["won"])
-        self.done = won or self.turn >= self.max_turns
-        self.admissible = list(state["admissible_commands"])
-        return dict(obs=state.feedback.strip(), admissible=self.admissible, won=won, done=self.done,
+        self.done = won or self.lost(state) or self.turn >= self.max_turns
+        self.admissible = list(state["admissible_commands"] or [])
+        return dict(obs=self.text(state.feedback), admissible=self.admissible, won=won, done=self.done,
                     turn=self.turn, valid=match is not None)
+
+    def lost(self, state) -> bool:
+        return False  # an ALFWorld game cannot be lost, only run out of steps
+
+    @staticmethod
+    def text(feedback: str) -> str:
+        return feedback.strip()
 
 
 # ----------------------------------------------------------------------------- worker processes
@@ -1084,17 +1091,10 @@ class TwGame(Game):
         return dict(obs=obs, task=task, admissible=self.admissible, won=False, done=False, turn=0,
                     task_type="textworld")
 
-    def step(self, command: str) -> dict:
-        if self.env is None or self.done:
-            raise RuntimeError("step() on a game that is not running; call reset() first")
-        match = {normalize(c): c for c in self.admissible}.get(normalize(command))
-        state, _, _ = self.env.step(match if match is not None else command)
-        self.turn += 1
-        won = bool(state["won"])
-        self.done = won or bool(state["lost"]) or self.turn >= self.max_turns
-        self.admissible = list(state["admissible_commands"] or [])
-        return dict(obs=_tw_text(state.feedback), admissible=self.admissible, won=won, done=self.done,
-                    turn=self.turn, valid=match is not None)
+    def lost(self, state) -> bool:
+        return bool(state["lost"])  # e.g. the quest's object eaten
+
+    text = staticmethod(_tw_text)
 
 
 class TextWorld(Alfworld):

@@ -145,9 +145,12 @@ def test_workers_exit_when_their_parent_is_killed():
                 os.kill(p, signal.SIGKILL)
 
 
-def test_ctrl_c_is_one_line_and_the_workers_exit():
+@pytest.mark.parametrize("sig, group", [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGTERM, True)])
+def test_ctrl_c_and_sigterm_are_one_line_and_the_workers_exit(sig, group):
+    """Ctrl-C in a terminal signals the whole foreground process group; `kill PID` the process alone; a
+    scheduler the whole group."""
     proc, pids = start_pool_process()
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal signals the whole foreground process group
+    (os.killpg if group else os.kill)(proc.pid, sig)
     try:
         _, err = proc.communicate(timeout=60)
     finally:

@@ -362,43 +362,6 @@ def test_a_cut_action_keeps_no_trailing_space():
             assert not ok and command and command == command.strip() and len(command) <= envs.MAX_ACTION_CHARS
 
 
-POOL_SCRIPT = """
-import sys, time
-sys.path.insert(0, {root!r})
-import envs, train
-
-def main():
-    with envs.EnvPool(2) as pool:
-        pool.reset({{0: envs.list_games("valid_seen", 1)[0]}})
-        print(*[p.pid for p in pool.procs], flush=True)
-        time.sleep(600)
-
-train.run_cli(main, "interrupted")
-"""
-
-
-@pytest.mark.parametrize("group", [False, True])
-def test_sigterm_is_one_line_as_ctrl_c_and_the_workers_exit(group):
-    import psutil
-
-    proc = subprocess.Popen([sys.executable, "-c", POOL_SCRIPT.format(root=str(ROOT))], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    pids = [int(p) for p in proc.stdout.readline().split()]
-    assert len(pids) == 2, proc.stderr.read()
-    (os.killpg if group else os.kill)(proc.pid, signal.SIGTERM)  # `kill PID`, or the whole group (a scheduler)
-    try:
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 1 and "Traceback" not in err, err
-    assert err.strip().splitlines()[-1] == "interrupted", err
-    deadline = time.monotonic() + 5
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-        assert time.monotonic() < deadline, "orphaned game workers"
-        time.sleep(0.1)
-
-
 def test_sigterm_during_training_keeps_every_logged_step(tiny_model, transitions, tmp_path):
     args = ["wm", "--model", tiny_model, "--transitions", transitions, *WM_ARGS, "--save-steps", "2",
             "--log-completions-steps", "1", "--out", str(tmp_path)]
