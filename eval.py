@@ -799,7 +799,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {sp}: success {r['success_rate']:.1%} (std {r['success_rate_std']:.1%}), invalid actions "
                   f"{r['invalid_action_rate']:.1%}, {r['num_episodes']} episodes")
     print(f"{result['split']}: success {result['success_rate']:.1%} (std {result['success_rate_std']:.1%} over "
-          f"{cfg.seeds} seeds), invalid actions {result['invalid_action_rate']:.1%}, inefficient "
+          f"{result['config']['seeds']} seeds), invalid actions {result['invalid_action_rate']:.1%}, inefficient "
           f"{result['inefficient_action_rate']:.1%}, mean steps {result['mean_steps']:.1f}, "
           f"{result['num_episodes']} episodes in {result['seconds']:.0f} s -> {out}")
 
