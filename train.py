@@ -64,7 +64,7 @@ INITS = ("base", "rwml", "wm-sft", "rft")
 CHOICES = dict(env=("alfworld", "textworld", "tau2"), action_mode=envs.ACTION_MODES, policy=("model", "random"),
                domain=envs.TAU2_DOMAINS, init=INITS, reward_control=("none", "mis", "coin"), reward_metric=("embedding", "rouge"),
                loss_type=("grpo", "dapo", "dr_grpo"), scale_rewards=("group", "batch", "none"),
-               report_to=("none", "tensorboard"), trainer=("ours", "trl"), format=("verl",))
+               report_to=("none", "tensorboard", "wandb"), trainer=("ours", "trl"), format=("verl",))
 
 
 @dataclass
@@ -154,7 +154,7 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     eval_max_triplets: int = 48  # held-out triplets of each kind scored before and after (0 = all)
     save_steps: int = 4
     log_completions_steps: int = 4
-    report_to: str = "none"  # or "tensorboard"
+    report_to: str = "none"  # or tensorboard (<out>/tensorboard) or wandb (WANDB_MODE=offline works without network)
     resume: bool = False
     out: str = "runs/rwml"
 
@@ -762,7 +762,7 @@ def check_settings(cfg: Config, out: Path) -> None:
 def start_run(cfg: Config, out: Path, model, optimizer, stage: str = "wm") -> tuple[dict, object]:
     """Resume from `out/checkpoint` (with --resume; `check_resume`) or refuse to overwrite a run; cut
     metrics.jsonl and samples.jsonl back to the checkpoint's step (the steps after it run again, and are
-    logged again); write config.json; open TensorBoard if asked. Returns (state, writer or None)."""
+    logged again); write config.json; open the tracker (--report-to). Returns (state, tracker or None)."""
     ckpt = out / "checkpoint"
     has_ckpt = check_resume(cfg, out, stage)
     state = dict(step=0, epoch=0, cursor=0, stage=stage)
@@ -775,25 +775,57 @@ def start_run(cfg: Config, out: Path, model, optimizer, stage: str = "wm") -> tu
             rows = [r for r in read_jsonl(log) if r.get("step", 0) <= state["step"]]
             write_atomic(log, "".join(json.dumps(r) + "\n" for r in rows))
     write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
-    writer = None
+    return state, open_tracker(cfg, out, stage)
+
+
+TRACKERS = dict(tensorboard="tensorboard", wandb="wandb")  # --report-to -> the package it needs
+
+
+def check_tracker(cfg: Config) -> None:
+    """The tracker's package, checked before anything loads (not after minutes of filtering)."""
+    package = TRACKERS.get(cfg.report_to)
+    if package and importlib.util.find_spec(package) is None:
+        raise UserError(f"--report-to {cfg.report_to} needs the {package} package: pip install -r "
+                        "requirements-trackers.txt (or --report-to none)")
+
+
+def open_tracker(cfg: Config, out: Path, stage: str):
+    """A TensorBoard SummaryWriter, a wandb run (a resumed run continues the same one), or None."""
     if cfg.report_to == "tensorboard":
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise UserError("--report-to tensorboard needs the tensorboard package: pip install tensorboard") from None
-        writer = SummaryWriter(str(out / "tensorboard"))
-    elif cfg.report_to != "none":
-        raise UserError(f"unknown --report-to {cfg.report_to!r}; choose none or tensorboard")
-    return state, writer
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(out / "tensorboard"))
+    if cfg.report_to == "wandb":
+        import wandb
+
+        id_file = out / "wandb_run_id"
+        if not id_file.is_file():
+            write_atomic(id_file, wandb.util.generate_id())
+        return wandb.init(project=os.environ.get("WANDB_PROJECT", "rwml"), name=out.name, dir=str(out),
+                          id=id_file.read_text().strip(), resume="allow", job_type=stage,
+                          config=dataclasses.asdict(cfg))
+    return None
 
 
 def log_row(metrics, writer, row: dict) -> None:
+    """One step's row to metrics.jsonl, and its numbers to the tracker: train/<key>, and eval/<key> for the
+    held-out evaluation's (eval_success -> eval/success), as TRL logs them."""
     metrics.write(json.dumps(row) + "\n")
     metrics.flush()
-    if writer:
-        for k, v in row.items():
-            if isinstance(v, (int, float)) and k != "step":
-                writer.add_scalar(f"train/{k}", v, row["step"])
+    if writer is None:
+        return
+    scalars = {f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}": float(v) for k, v in row.items()
+               if isinstance(v, (int, float)) and k != "step"}
+    if hasattr(writer, "add_scalar"):  # TensorBoard
+        for k, v in scalars.items():
+            writer.add_scalar(k, v, row["step"])
+    else:  # a wandb run
+        writer.log(scalars, step=row["step"])
+
+
+def close_tracker(writer) -> None:
+    if writer is not None:
+        (writer.finish if hasattr(writer, "finish") else writer.close)()
 
 
 def save_adapter(model, out: Path, name: str = "adapter") -> Path:
@@ -903,8 +935,7 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
                     state["reward_rng"] = coin.getstate()
                 save_checkpoint(out / "checkpoint", model, optimizer, state)
     bar.close()
-    if writer:
-        writer.close()
+    close_tracker(writer)
     adapter = save_adapter(model, out)
     plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")
     print(f"wm: {state['step']} steps; adapter -> {adapter}; metrics -> {out / 'metrics.jsonl'}")
@@ -1127,8 +1158,7 @@ def train_policy(cfg: Config, out: Path, load):
                 if state["step"] % cfg.save_steps == 0 or state["step"] >= cfg.max_steps:
                     save_checkpoint(out / "checkpoint", model, optimizer, state)
         bar.close()
-    if writer:
-        writer.close()
+    close_tracker(writer)
     adapter = save_adapter(model, out)
     plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", f"policy GRPO from {cfg.init}: success per step")
     print(f"policy: {state['step']} steps from {cfg.init}; adapter -> {adapter}; metrics -> {out / 'metrics.jsonl'}")
@@ -1373,6 +1403,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg, _ = parse_config(Config, argv[1:] if argv and argv[0] == stage else argv, prog=f"train.py {stage}")
     check_choices(cfg)
     check_config(cfg, stage)
+    check_tracker(cfg)
     if stage == "policy":
         check_init(cfg)
     if stage == "all":

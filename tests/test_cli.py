@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+import train
+from envs import UserError
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -65,3 +68,35 @@ def test_bad_files_one_line(tmp_path):
         lines = [l for l in r.stderr.splitlines() if l.strip() and "gemm_4bit" not in l]
         assert message in lines[-1] and lines[-1].startswith("error: "), r.stderr
         assert len([l for l in lines if "error" in l]) == 1, r.stderr
+
+
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
+def test_a_missing_tracker_package_is_one_line_before_anything_loads(tracker, tmp_path, monkeypatch):
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == tracker else find(name, *a))
+    with pytest.raises(UserError, match=f"--report-to {tracker} needs the {tracker} package: pip install -r "
+                                        "requirements-trackers.txt"):
+        train.main(["wm", "--report-to", tracker, "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "r")])
+
+
+def test_log_row_sends_train_and_eval_numbers_to_either_tracker(tmp_path):
+    """TensorBoard's add_scalar or a wandb run's log: train/<key>, eval/<key> (TRL's prefixes), no strings."""
+    calls = []
+
+    class Board:  # the two methods of SummaryWriter that log_row uses
+        def add_scalar(self, key, value, step):
+            calls.append(("tb", key, value, step))
+
+    class Run:  # the one method of a wandb run that log_row uses
+        def log(self, scalars, step):
+            calls.append(("wandb", scalars, step))
+
+    row = dict(step=3, reward_mean=0.5, eval_success=0.25, sample="text")
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        train.log_row(f, Board(), row)
+        train.log_row(f, Run(), row)
+    assert calls == [("tb", "train/reward_mean", 0.5, 3), ("tb", "eval/success", 0.25, 3),
+                     ("wandb", {"train/reward_mean": 0.5, "eval/success": 0.25}, 3)]
+    assert train.read_jsonl(tmp_path / "metrics.jsonl") == [row, row]
