@@ -18,11 +18,12 @@ GAMES=${GAMES:-16}              # train games: stage 1's triplets, and the pool 
 TURNS=${TURNS:-8}               # step budget of an episode
 WM_STEPS=${WM_STEPS:-20}        # RWML GRPO steps (4 prompts x 4), the stage-1 recipe; as many WM SFT updates
 POLICY_STEPS=${POLICY_STEPS:-4} # stage-2 steps: POLICY_GAMES games x POLICY_GEN episodes each
-POLICY_GAMES=${POLICY_GAMES:-2}
+POLICY_GAMES=${POLICY_GAMES:-1}
 POLICY_GEN=${POLICY_GEN:-4}
 POLICY_LR=${POLICY_LR:-1e-3}
 POLICY_T=${POLICY_T:-1.0}       # the choice softmax's temperature while sampling (evaluation is greedy)
-EVAL_EVERY=${EVAL_EVERY:-2}     # the curve: dev success every EVAL_EVERY steps (step 0: the start's evaluation)
+EVAL_EVERY=${EVAL_EVERY:-$POLICY_STEPS}  # the curve: dev success every EVAL_EVERY steps and at the end (step 0:
+#                                 the start's evaluation); smaller values draw more points, for ~3 min each
 EVAL_GAMES=${EVAL_GAMES:-10}    # held-out games per split (dev, test)
 TW="--env textworld --action-mode choose --max-turns $TURNS --num-workers 0"
 LOGS=$OUT/logs

@@ -723,7 +723,8 @@ def _check_at_least(cfg: Config, **bounds) -> None:
 # fields that change no trained weight: --resume takes other values of these (max_steps: to train on)
 RESUME_FREE = ("out", "resume", "report_to", "max_steps", "save_steps", "log_completions_steps", "num_workers",
                "eval_max_triplets", "eval_samples", "heldout_split", "heldout_games", "filter_dir",
-               "micro_batch_size", "logits_chunk_size", "shared_prompt_forward", "gradient_checkpointing")
+               "micro_batch_size", "logits_chunk_size", "shared_prompt_forward", "gradient_checkpointing",
+               "eval_steps", "eval_on_start", "eval_games", "eval_split")  # evaluations do not change training
 
 
 def check_resume(cfg: Config, out: Path, stage: str, resume: bool | None = None) -> bool:
