@@ -59,7 +59,15 @@ import rwml
 from envs import RERUN, UserError
 from reward import BUNDLED_EMBEDDER, SimToRealReward, coin_reward, mis_targets
 
-STAGES = ("all", "collect", "filter", "wm", "wm-sft", "rft", "policy")
+STAGES = {  # name -> its line in `train.py --help`
+    "all": "collect (train + held-out games), then wm; held-out accuracy before / after",
+    "collect": "the model plays the games; every turn -> a triplet (METHOD.md §2)",
+    "filter": "split, SFT copy, \"too easy\" subsampling; the warm-up adapter (METHOD.md §4)",
+    "wm": "RWML: world-model GRPO, sim-to-real reward; runs filter first (METHOD.md §3, §5)",
+    "wm-sft": "baseline: next-observation SFT on the same triplets (METHOD.md §7)",
+    "rft": "baseline: SFT on the model's own successful episodes (METHOD.md §7)",
+    "policy": "stage 2: multi-turn GRPO on task success, from base / RWML / WM SFT / RFT (METHOD.md §6)",
+}
 INITS = ("base", "rwml", "wm-sft", "rft")
 CHOICES = dict(env=("alfworld", "textworld", "tau2"), action_mode=envs.ACTION_MODES, policy=("model", "random"),
                domain=envs.TAU2_DOMAINS, init=INITS, reward_control=("none", "mis", "coin"), reward_metric=("embedding", "rouge"),
@@ -156,6 +164,39 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     report_to: str = "none"  # or "tensorboard"
     resume: bool = False
     out: str = "runs/rwml"
+
+
+# The fields each stage reads, for its --help (every stage accepts them all, as a config file may hold any):
+# a config class stands for its fields; a field named under no stage shows under every one.
+_REWARD = ("embedder", "tau_d", "reward_metric", "reward_binary")
+_RUN = ("save_steps", "report_to", "resume", "out")
+_LORA = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "gradient_checkpointing")
+_COLLECT = ("rollouts_per_game", "explore_prob", "walkthrough", "temperature", "top_p")
+_HELDOUT = ("heldout_split", "heldout_games", "eval_max_triplets")
+_FILTER = ("transitions", "filter_dir", "filter_seed", "easy_filter", "filter_split", "filter_samples", "easy_share",
+           "easy_keep_prob", "warmup", "sft_epochs", "sft_learning_rate", "max_completion_length", "lora_r",
+           "lora_alpha", "lora_target_modules")
+_RWML = ("reward_control", "max_steps", "prompts_per_step", "log_completions_steps")
+_POLICY = ("init", "games_per_step", "max_steps", "eval_steps", "eval_on_start", "eval_games", "eval_split")
+STAGE_FIELDS = {
+    "collect": (ModelConfig, AgentConfig, *_COLLECT, "out"),
+    "filter": (ModelConfig, *_REWARD, *_FILTER, "trainer", "out"),
+    "wm": (ModelConfig, *_REWARD, "wm_reasoning", rwml.GRPOConfig, *_FILTER, *_LORA, *_RWML, "trainer", "use_vllm", *_RUN),
+    "all": (ModelConfig, AgentConfig, WorldModelConfig, rwml.GRPOConfig, *_COLLECT, *_HELDOUT, *_FILTER, *_LORA,
+            *_RWML, *_RUN),
+    "wm-sft": (ModelConfig, *_REWARD, *_FILTER, *_LORA, "max_steps", "prompts_per_step", "learning_rate",
+               "out"),
+    "rft": (ModelConfig, AgentConfig, "rollouts_per_game", "temperature", "top_p", "sft_epochs", "sft_learning_rate", *_LORA, "out"),
+    "policy": (ModelConfig, AgentConfig, rwml.GRPOConfig, *_LORA, *_POLICY, *_RUN),
+}
+
+
+def stage_fields(stage: str) -> set[str]:
+    """The names of the fields `train.py <stage> --help` shows (STAGE_FIELDS)."""
+    def names(entries):
+        return {n for e in entries for n in ([f.name for f in dataclasses.fields(e)] if isinstance(e, type) else [e])}
+    named = set().union(*map(names, STAGE_FIELDS.values()))
+    return names(STAGE_FIELDS[stage]) | {f.name for f in dataclasses.fields(Config)} - named
 
 
 def check_choices(cfg) -> None:
@@ -269,33 +310,55 @@ def _fits(typ, value) -> bool:
 
 
 def field_comments(cls) -> dict[str, str]:
-    """The comment after each field of a config dataclass and its bases: their --help text."""
+    """The comment after each field of a config dataclass and its bases, with the comment lines right below
+    it that continue it (a `# ---` section title does not): their --help text."""
     docs = {}
     for klass in reversed(cls.__mro__):
         if dataclasses.is_dataclass(klass) and klass is not cls.__mro__[-1]:
-            for m in re.finditer(r"^    (\w+): [^\n#]*#\s*(.+)$", inspect.getsource(klass), re.M):
-                docs[m[1]] = m[2]
+            name = None  # the field whose comment the next comment line continues
+            for line in inspect.getsource(klass).splitlines():
+                if m := re.match(r"    (\w+): [^#]*(?:#\s*(.+))?$", line):
+                    name = m[1] if m[2] else None
+                    if name:
+                        docs[name] = m[2].strip()
+                elif (m := re.match(r"\s+#\s*(.*)$", line)) and name and not m[1].startswith("---"):
+                    docs[name] += " " + m[1].strip()
+                else:
+                    name = None
     return docs
 
 
-def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None):
-    """Flags from a dataclass's fields (--help: each field's comment and default); JSON file via --config; a
-    typo gets a one-line error with a hint."""
+def _or_none(typ):
+    """argparse type of an `X | None` field: `none` is None, anything else an X."""
+    def parse(text: str):
+        return None if text.lower() == "none" else typ(text)
+    parse.__name__ = typ.__name__  # argparse's "invalid int value: 'x'"
+    return parse
+
+
+def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None, shown=None,
+                 description: str | None = None):
+    """Flags from a dataclass's fields (--help: each field's comment and default; `shown`: only those fields,
+    though every field is accepted, as in a config file); JSON file via --config; a typo gets a one-line
+    error with a hint."""
     hints, docs = typing.get_type_hints(cls), field_comments(cls)
-    p = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    p = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS, allow_abbrev=False,
+                                description=description)
     for name, kw in (positional or {}).items():
         p.add_argument(name, **kw)
     p.add_argument("--config", help="JSON file with any of the fields below")
     for f in dataclasses.fields(cls):
-        typ = hints[f.name]
-        if isinstance(typ, types.UnionType):  # `str | None` -> str
-            typ = next(t for t in typing.get_args(typ) if t is not type(None))
+        typ, optional = hints[f.name], False
+        if isinstance(typ, types.UnionType):  # `str | None` -> str, and `none` on the command line
+            typ, optional = next(t for t in typing.get_args(typ) if t is not type(None)), True
         flag = "--" + f.name.replace("_", "-")
         help_text = (docs[f.name] + " " if f.name in docs else "") + f"(default {f.default})"
+        help_text = help_text.replace("%", "%%") if shown is None or f.name in shown else argparse.SUPPRESS
         if typ is bool:
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            p.add_argument(flag, dest=f.name, type=typ, metavar=typ.__name__.upper(), help=help_text)
+            p.add_argument(flag, dest=f.name, type=_or_none(typ) if optional else typ,
+                           metavar=typ.__name__.upper() + ("|none" if optional else ""), help=help_text)
     args, unknown = p.parse_known_args(argv)
     known = [f.name for f in dataclasses.fields(cls)]
     for u in unknown:
@@ -1326,15 +1389,28 @@ def before_after_line(before: dict, after: dict) -> str:
             f"{after['mean_cosine']:.3f}")
 
 
+def commands_help(prog: str, commands: dict[str, str], metavar: str, epilog: str) -> typing.NoReturn:
+    """`prog --help`: its commands, one line each; exits 0 (argparse's SystemExit)."""
+    table = f"{metavar.lower()}s:\n" + "\n".join(f"  {name:<13}{line}" for name, line in commands.items())
+    p = argparse.ArgumentParser(prog=prog, usage=f"{prog} {metavar} [flags]", description=table, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.parse_args(["--help"])
+    raise AssertionError("argparse's --help exits")
+
+
 @releases_locks
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        commands_help("train.py", STAGES, "STAGE", "without a stage: all.\n`train.py STAGE --help`: the flags "
+                      "that stage reads (each also a key of a --config JSON file)")
     stage = argv[0] if argv and not argv[0].startswith("-") else "all"
     if stage not in STAGES:
         close = difflib.get_close_matches(stage, STAGES, n=1)
         raise UserError(f"unknown stage {stage!r}; choose one of {', '.join(STAGES)}"
                         + (f" (did you mean {close[0]!r}?)" if close else ""))
-    cfg, _ = parse_config(Config, argv[1:] if argv and argv[0] == stage else argv, prog=f"train.py {stage}")
+    cfg, _ = parse_config(Config, argv[1:] if argv and argv[0] == stage else argv, prog=f"train.py {stage}",
+                          shown=stage_fields(stage), description=STAGES[stage])
     check_choices(cfg)
     check_config(cfg, stage)
     if stage == "policy":
