@@ -14,10 +14,12 @@ Read top to bottom; the order is the paper's. `METHOD.md §N` points to the proj
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 import random
 import re
+import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -31,6 +33,21 @@ import cost
 import envs
 from envs import UserError
 from reward import parse_next_state
+
+
+def _not_kernel_note(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward")
+
+
+def quiet_libraries() -> None:
+    """Drop two start-up lines that ask nothing of the user, by their message (all else still shows):
+    bitsandbytes' note that the optional `kernels` package is missing on CPUs with AVX512-BF16 (its own
+    path works), and transformers' FutureWarning about `is_gradient_checkpointing`, which peft reads."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_kernel_note)
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
+quiet_libraries()  # before bitsandbytes or peft load: both log at import or first use
 
 # =============================================================================== 1. Data (METHOD.md §2)
 # The base model plays ALFWorld's *training* games at temperature 1.0 (3 rollouts per game in the

@@ -1,4 +1,6 @@
-"""A run's start: the device, the 4-bit default, the multi-process refusal."""
+"""A run's start: the device, the 4-bit default, the multi-process refusal, the quiet libraries."""
+import logging
+import warnings
 
 import pytest
 import torch
@@ -44,3 +46,18 @@ def test_multi_process_launch_needs_trl(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "1")
     train.check_single_process(train.Config())
 
+
+def test_quiet_start_drops_the_two_notes_only(tiny_model, caplog):
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING):
+        log.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you "
+                    "already `pip install kernels` and the kernels >= 0.11.1", "No module named 'kernels'")
+        log.warning("another bitsandbytes warning")
+    assert [r.getMessage() for r in caplog.records] == ["another bitsandbytes warning"]
+    model, _ = rwml.load_model(tiny_model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        rwml.quiet_libraries()  # again: catch_warnings restores the filters it found
+        assert model.is_gradient_checkpointing is False  # transformers 5 warns on this read (peft reads it)
+        warnings.warn("something else is deprecated", FutureWarning)
+    assert [str(w.message) for w in seen] == ["something else is deprecated"]
