@@ -410,8 +410,8 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg:
         targets = [t["next_obs"] for t in triplets for _ in range(G)]
         rewards = torch.tensor(reward_fn(roll.texts, targets), dtype=torch.float)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
-    batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask,
-                 advantages=group_advantages(rewards, G, cfg.scale_rewards),
+    advantages = group_advantages(rewards, G, cfg.scale_rewards)
+    batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask, advantages=advantages,
                  weights=token_weights(cmask, cfg.loss_type, cfg.max_completion_length))
     if cfg.shared_prompt_forward:  # a group's completions share its prompt's forward, as in sampling
         P = ids.shape[1] - cmask.shape[1]
@@ -425,7 +425,9 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg:
                 nothing_share=sum(s == "Nothing happens." for s in states) / len(states),
                 format_rate=sum(parse_next_state(t) is not None for t in roll.texts) / len(roll.texts),
                 completion_tokens=float(cmask.sum(1).float().mean()), updates=stats, sample=roll.texts[0],
-                sample_target=triplets[0]["next_obs"], sample_reward=float(rewards[0]))
+                sample_target=triplets[0]["next_obs"], sample_reward=float(rewards[0]),
+                # every group whole, prompt by prompt: G completions, their rewards and advantages
+                completions=roll.texts, rewards=rewards.tolist(), advantages=advantages.tolist())
 
 
 def grpo_update(model, optimizer, batch: dict, cfg: GRPOConfig) -> list[dict]:

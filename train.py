@@ -58,7 +58,7 @@ import cost
 import envs
 import rwml
 from envs import RERUN, UserError
-from reward import BUNDLED_EMBEDDER, SimToRealReward, coin_reward, mis_targets
+from reward import BUNDLED_EMBEDDER, SimToRealReward, coin_reward, mis_targets, parse_next_state
 
 STAGES = {  # name -> its line in `train.py --help`
     "all": "collect (train + held-out games), then wm; held-out accuracy before / after",
@@ -995,12 +995,12 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
                 bar.set_postfix(reward=f"{res['reward_mean']:.2f}", fmt=f"{res['format_rate']:.2f}",
                                 loss=f"{u['loss']:.3f}", kl=f"{u['kl']:.4f}")
             if state["step"] % cfg.log_completions_steps < len(res["updates"]) or state["step"] == len(res["updates"]):
-                sample = dict(step=state["step"], action=batch[0]["action"], completion=res["sample"],
-                              target=res["sample_target"], reward=res["sample_reward"])
-                samples.write(json.dumps(sample) + "\n")
+                groups = whole_groups(cfg, batch, res)
+                samples.write(json.dumps(dict(step=state["step"], action=batch[0]["action"], completion=res["sample"],
+                                              target=res["sample_target"], reward=res["sample_reward"],
+                                              groups=groups)) + "\n")
                 samples.flush()
-                tqdm.write(f"[step {state['step']}] action: {sample['action']!r}\n  predicted: "
-                           f"{sample['completion'][-300:]!r}\n  real: {sample['target']!r}  reward {sample['reward']:.0f}")
+                tqdm.write(group_table(state["step"], groups))
             if state["step"] % cfg.save_steps < len(res["updates"]) or state["step"] >= cfg.max_steps:
                 if coin is not None:
                     state["reward_rng"] = coin.getstate()
@@ -1012,6 +1012,36 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
     plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")
     print(f"wm: {state['step']} steps; adapter -> {adapter}; metrics -> {out / 'metrics.jsonl'}")
     return model
+
+
+PROMPT_TAIL = 300  # characters of a world-model prompt that samples.jsonl keeps: the last observation and action
+
+
+def whole_groups(cfg: Config, batch: list[dict], res: dict) -> list[dict]:
+    """A GRPO step's groups for samples.jsonl, prompt by prompt: the prompt's tail, the real next
+    observation, all G completions, their rewards and advantages (all-equal rewards: no gradient)."""
+    G = cfg.num_generations
+    return [dict(prompt_tail=rwml.wm_prompt(t, cfg.wm_reasoning)[-PROMPT_TAIL:], action=t["action"],
+                 target=t["next_obs"], completions=res["completions"][i * G:(i + 1) * G],
+                 rewards=res["rewards"][i * G:(i + 1) * G],
+                 advantages=[round(a, 4) for a in res["advantages"][i * G:(i + 1) * G]])
+            for i, t in enumerate(batch)]
+
+
+def group_table(step: int, groups: list[dict], width: int = 90) -> str:
+    """The log's view of a step's groups: the first one whole (reward, advantage, prediction), then every
+    group's rewards and how many are all equal, the method's main failure mode."""
+    first = groups[0]
+    lines = [f"[step {step}] group 1 of {len(groups)}: action {first['action']!r}; real: "
+             f"{first['target'][:width]!r}", f"  {'reward':>6} {'advantage':>9}  predicted"]
+    for c, r, a in zip(first["completions"], first["rewards"], first["advantages"]):
+        shown = parse_next_state(c)
+        lines.append(f"  {r:>6.2f} {a:>+9.3f}  {(c if shown is None else shown)[:width]!r}")
+    equal = sum(len(set(g["rewards"])) == 1 for g in groups)
+    lines.append("  rewards by group: " + " ".join("[" + " ".join(f"{r:g}" for r in g["rewards"]) + "]"
+                                                  for g in groups)
+                 + f"; {equal} of {len(groups)} all equal (no gradient)")
+    return "\n".join(lines)
 
 
 def train_wm_trl(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, start: Path | None = None):

@@ -1,4 +1,5 @@
-"""What a tiny wm run leaves a user: an adapter that loads anywhere, with a model card."""
+"""What a tiny wm run leaves a user: whole GRPO groups in samples.jsonl and the log, and an adapter that
+loads anywhere, with a model card."""
 import contextlib
 import io
 import json
@@ -34,6 +35,22 @@ def run(tiny_model, transitions, tmp_path_factory):
     finally:
         sys.argv = argv
     return out, printed.getvalue()
+
+
+def test_samples_hold_whole_groups(run):
+    out, printed = run
+    (row,) = read_jsonl(out / "samples.jsonl")
+    assert row["step"] == 1 and len(row["groups"]) == 2
+    for g in row["groups"]:
+        assert len(g["completions"]) == len(g["rewards"]) == len(g["advantages"]) == 3
+        assert g["rewards"] == parity_reward(g["completions"], None)
+        mean = sum(g["rewards"]) / 3
+        assert all((a > 0) == (r > mean) for r, a in zip(g["rewards"], g["advantages"]) if r != mean)
+        assert g["action"] in g["prompt_tail"] and g["target"]
+    assert row["completion"] == row["groups"][0]["completions"][0]  # the old keys stay
+    table = printed.split("[step 1]")[1]
+    assert "reward advantage  predicted" in table and "rewards by group: [" in table
+    assert len([line for line in table.splitlines() if line.startswith("  ") and line[2:8].strip()]) >= 3
 
 
 def test_adapter_loads_from_a_copy_of_the_run_folder(run, tiny_model, tmp_path):
