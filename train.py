@@ -969,6 +969,9 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=0.0)
     state, writer = start_run(cfg, out, model, optimizer)
+    print(run_header(model, cfg, f"wm: RWML GRPO on {len(triplets)} triplets (the filter's output)"
+                     + (f"; {CONTROLS[cfg.reward_control]}" if cfg.reward_control in CONTROLS else ""),
+                     f"{cfg.prompts_per_step} prompts", start, state["step"]))
     coin = getattr(reward_fn, "rng", None)
     if coin is not None and "reward_rng" in state:
         coin.setstate(state["reward_rng"])
@@ -1044,6 +1047,22 @@ def group_table(step: int, groups: list[dict], width: int = 90) -> str:
     return "\n".join(lines)
 
 
+def run_header(model, cfg: Config, trains: str, per_step: str, start, step: int = 0) -> str:
+    """What is about to train, printed before step 1: the data, the sizes, the start adapter, beta and its
+    reference, and where the model runs."""
+    fresh = f"a fresh LoRA (r {cfg.lora_r}, alpha {cfg.lora_alpha}, {cfg.lora_target_modules})"
+    reference = "the start adapter, a frozen copy" if start else "the base model (the adapter disabled)"
+    dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
+    return "\n".join([
+        trains,
+        f"  {cfg.max_steps} steps x {per_step} x G {cfg.num_generations}, learning rate {cfg.learning_rate}"
+        + (f"; resumed at step {step}" if step else ""),
+        f"  start: {start or fresh}",
+        f"  beta {cfg.beta}, KL reference: {reference}" if cfg.beta else "  beta 0: no KL term",
+        f"  device {model.device}, {str(dtype).replace('torch.', '')}, "
+        f"4-bit {'on' if getattr(model, 'is_loaded_in_4bit', False) else 'off'}"])
+
+
 def train_wm_trl(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, start: Path | None = None):
     """RWML through TRL's GRPOTrainer (--trainer trl), in one process or in each of `accelerate launch`'s:
     the same triplets (filter output), prompts, reward, start (the warm-up adapter or a fresh LoRA) and KL
@@ -1117,6 +1136,9 @@ def train_wm_trl(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, 
         model = PeftModel.from_pretrained(model, str(start), is_trainable=True)
     else:  # a fresh LoRA, as ours (its B = 0: the reference TRL copies from it is the base model)
         model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    if state.is_main_process:
+        print(run_header(model, cfg, f"wm (trl, {n} processes): RWML GRPO on {len(triplets)} triplets",
+                         f"{cfg.prompts_per_step} prompts", start))
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok)
     trainer.train(resume_from_checkpoint=last)
     model = trainer.model
@@ -1581,7 +1603,14 @@ def _run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] 
             collect(cfg, out, load)
         return
     if stage == "policy":
-        train_policy(cfg, out, load)
+        def load_and_tell():  # the run header once the model is there (train_policy loads it)
+            model, tok = load()
+            games = f"{cfg.num_tasks} tasks" if cfg.env == "tau2" else f"{cfg.num_games} games"
+            print(run_header(model, cfg, f"policy: multi-turn GRPO on task success, {games} of {cfg.env} "
+                             f"{cfg.split}, from {cfg.init}", f"{cfg.games_per_step} games", cfg.adapter))
+            return model, tok
+
+        train_policy(cfg, out, load_and_tell)
         return
     if stage == "rft":
         train_rft(cfg, out, load)

@@ -1,5 +1,5 @@
-"""What a tiny wm run leaves a user: whole GRPO groups in samples.jsonl and the log, and an adapter that
-loads anywhere, with a model card."""
+"""What a tiny wm run leaves a user: a run header, whole GRPO groups in samples.jsonl and the log, and an
+adapter that loads anywhere, with a model card."""
 import contextlib
 import io
 import json
@@ -35,6 +35,14 @@ def run(tiny_model, transitions, tmp_path_factory):
     finally:
         sys.argv = argv
     return out, printed.getvalue()
+
+
+def test_header_says_what_trains_before_step_1(run):
+    header = run[1].split("[step 1]")[0]
+    assert "wm: RWML GRPO on " in header and " triplets (the filter's output)" in header
+    assert "1 steps x 2 prompts x G 3" in header and "start: a fresh LoRA (r 16" in header
+    assert "beta 0.1, KL reference: the base model (the adapter disabled)" in header
+    assert "device cpu, float32, 4-bit off" in header
 
 
 def test_samples_hold_whole_groups(run):
@@ -89,3 +97,14 @@ def test_bundled_base_is_named_by_its_hub_id(tiny_model, tmp_path, monkeypatch):
         "HuggingFaceTB/SmolLM2-135M-Instruct"
     rwml.load_model(tiny_model, str(saved))  # our loader takes it on the real base
 
+
+def test_policy_header_says_start_reference_and_games(tiny_model, tmp_path, monkeypatch, capsys):
+    """train_policy loads the model through run_stage's `load`, which prints the header once it is there."""
+    monkeypatch.setattr(train, "train_policy", lambda cfg, out, load: load())
+    cfg = train.Config(model=tiny_model, init="rwml", adapter="runs/wm/adapter", num_games=3, games_per_step=2,
+                       num_generations=2, max_steps=5, beta=0.05)
+    train.run_stage("policy", cfg, tmp_path, 0.0, None)
+    header = capsys.readouterr().out
+    assert "policy: multi-turn GRPO on task success, 3 games of alfworld train, from rwml" in header
+    assert "5 steps x 2 games x G 2" in header and "start: runs/wm/adapter" in header
+    assert "beta 0.05, KL reference: the start adapter, a frozen copy" in header
