@@ -48,8 +48,8 @@ import rwml
 from envs import UserError
 from reward import calibrate
 from train import (AgentConfig, ModelConfig, WorldModelConfig, check_adapter, check_choices, check_context, check_seeds,
-                   check_writable, commands_help, make_reward, parse_config, read_jsonl, read_transitions, run_cli,
-                   wm_prompt_fits, write_atomic, write_eval)
+                   check_writable, commands_help, make_reward, parse_config, read_jsonl, read_transitions,
+                   run_cli, wm_prompt_fits, write_atomic, write_eval)
 
 COMMANDS = {  # name -> its line in `eval.py --help`
     "agent": "success rate of the model (+ adapter) playing held-out games, over seeds",

@@ -44,7 +44,8 @@ def quiet_libraries() -> None:
     bitsandbytes' note that the optional `kernels` package is missing on CPUs with AVX512-BF16 (its own
     path works), and transformers' FutureWarning about `is_gradient_checkpointing`, which peft reads."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_kernel_note)
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                            category=FutureWarning)
 
 
 quiet_libraries()  # before bitsandbytes or peft load: both log at import or first use

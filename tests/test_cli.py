@@ -71,7 +71,8 @@ def test_stage_help_shows_the_fields_it_reads(capsys):
     assert "--games-per-step" in policy and "--filter-seed" not in policy and "--easy-share" not in policy
     wm = help_text(train.main, ["wm", "--help"], capsys)
     # the comment's continuation line (the old help stopped at "runs with other")
-    assert "(None = seed): runs with other seeds can then share one filter and one warm-up (default None)" in wm
+    assert "(None = seed): runs with other seeds can then share one filter and one warm-up (default None)" \
+        in wm
 
 
 def test_hidden_fields_still_parse():
@@ -85,8 +86,8 @@ def test_hidden_fields_still_parse():
 def test_none_sets_an_optional_field_to_none():
     import train
 
-    cfg, _ = train.parse_config(train.Config, ["--eval-split", "none", "--num-games", "None", "--filter-seed", "3"],
-                                prog="train.py")
+    argv = ["--eval-split", "none", "--num-games", "None", "--filter-seed", "3"]
+    cfg, _ = train.parse_config(train.Config, argv, prog="train.py")
     assert cfg.eval_split is None and cfg.num_games is None and cfg.filter_seed == 3
     with pytest.raises(SystemExit):  # anything else is still an int, or argparse's one-line error
         train.parse_config(train.Config, ["--filter-seed", "nothing"], prog="train.py")

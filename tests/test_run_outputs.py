@@ -86,8 +86,8 @@ def test_bundled_base_is_named_by_its_hub_id(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr(rwml, "MODEL_CACHE", cache)
     model, _ = rwml.load_model(tiny_model)
     model.name_or_path = str(cache / "SmolLM2-135M-Instruct")  # as from_pretrained(the cache) sets it
-    saved = train.save_adapter(rwml.add_lora(model, r=4, alpha=8), tmp_path, cfg=train.Config(), stage="wm-sft",
-                               data={"triplets": 3})
+    saved = train.save_adapter(rwml.add_lora(model, r=4, alpha=8), tmp_path, cfg=train.Config(),
+                               stage="wm-sft", data={"triplets": 3})
     assert json.loads((saved / "adapter_config.json").read_text())["base_model_name_or_path"] == \
         "HuggingFaceTB/SmolLM2-135M-Instruct"
     card = (saved / "README.md").read_text()
@@ -101,8 +101,8 @@ def test_bundled_base_is_named_by_its_hub_id(tiny_model, tmp_path, monkeypatch):
 def test_policy_header_says_start_reference_and_games(tiny_model, tmp_path, monkeypatch, capsys):
     """train_policy loads the model through run_stage's `load`, which prints the header once it is there."""
     monkeypatch.setattr(train, "train_policy", lambda cfg, out, load: load())
-    cfg = train.Config(model=tiny_model, init="rwml", adapter="runs/wm/adapter", num_games=3, games_per_step=2,
-                       num_generations=2, max_steps=5, beta=0.05)
+    cfg = train.Config(model=tiny_model, init="rwml", adapter="runs/wm/adapter", num_games=3,
+                       games_per_step=2, num_generations=2, max_steps=5, beta=0.05)
     train.run_stage("policy", cfg, tmp_path, 0.0, None)
     header = capsys.readouterr().out
     assert "policy: multi-turn GRPO on task success, 3 games of alfworld train, from rwml" in header
