@@ -108,3 +108,24 @@ def test_policy_header_says_start_reference_and_games(tiny_model, tmp_path, monk
     assert "policy: multi-turn GRPO on task success, 3 games of alfworld train, from rwml" in header
     assert "5 steps x 2 games x G 2" in header and "start: runs/wm/adapter" in header
     assert "beta 0.05, KL reference: the start adapter, a frozen copy" in header
+
+
+def test_card_of_stage_2_and_of_all_says_held_out_before_and_after(tmp_path):
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps(dict(base_model_name_or_path="org/model")))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        dict(step=0, eval_success=0.1), dict(step=1, reward_mean=0.5), dict(step=2, eval_success=0.3)]))
+    train.write_card(folder, train.Config(init="rwml", adapter="runs/wm/adapter", num_games=5, eval_games=10),
+                     "policy")
+    card = (folder / "README.md").read_text()
+    assert "# policy RL: multi-turn GRPO on task success (stage 2, METHOD.md §6), from rwml (runs/wm/adapter)" \
+        in card and "- data: train games (alfworld): 5" in card
+    assert "held-out success (greedy, 10 games) by step: 0: 0.100, 2: 0.300" in card
+    assert "base_model: org/model" in card and "Q4_1" not in card
+    train.write_card(folder, train.Config(reward_control="coin"), "all", data={train.TRIPLETS_KEPT: 7},
+                     heldout=["explore: world-model accuracy 0.100 -> 0.200 (48 triplets)"], bundled=True)
+    card = (folder / "README.md").read_text()
+    assert "# RWML: world-model GRPO" in card and "control COIN" in card and "stage `train.py all`" in card
+    assert "- explore: world-model accuracy 0.100 -> 0.200" in card and "Q4_1 GGUF" in card
+    assert "[More Information Needed]" not in card
