@@ -48,10 +48,18 @@ import rwml
 from envs import UserError
 from reward import calibrate
 from train import (AgentConfig, ModelConfig, WorldModelConfig, check_adapter, check_choices, check_context, check_seeds,
-                   check_writable, make_reward, parse_config, read_jsonl, read_transitions, run_cli, wm_prompt_fits,
-                   write_atomic, write_eval)
+                   check_writable, commands_help, make_reward, parse_config, read_jsonl, read_transitions,
+                   run_cli, wm_prompt_fits, write_atomic, write_eval)
 
-COMMANDS = ("agent", "wm", "calibrate", "weights", "report", "sanity", "agent-table")
+COMMANDS = {  # name -> its line in `eval.py --help`
+    "agent": "success rate of the model (+ adapter) playing held-out games, over seeds",
+    "wm": "world-model accuracy on held-out triplets (or of a content-free --baseline)",
+    "calibrate": "for candidate tau_d: mean reward and share of all-equal GRPO groups",
+    "weights": "the paper's weight-change measure of an adapter against its base model",
+    "report": "run folders -> one Markdown table laid out like the paper's Table 1, and plots",
+    "sanity": "the table of sanity.sh's held-out scores (runs/sanity)",
+    "agent-table": "the table and curve of agent_sanity.sh (runs/agent_sanity)",
+}
 
 
 @dataclass
@@ -721,8 +729,10 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        commands_help("eval.py", COMMANDS, "COMMAND", "`eval.py COMMAND --help`: that command's flags")
     if not argv or argv[0] not in COMMANDS:
-        raise UserError(f"usage: python eval.py {{{','.join(COMMANDS)}}} [flags]; see python eval.py agent --help")
+        raise UserError(f"usage: python eval.py {{{','.join(COMMANDS)}}} [flags]; see python eval.py --help")
     command = argv[0]
     if command == "sanity":
         cfg, rest = parse_config(SanityConfig, argv[1:], prog="eval.py sanity",

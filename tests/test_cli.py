@@ -46,13 +46,61 @@ def test_config_file_typo(tmp_path):
     assert "did you mean 'rollouts_per_game'" in r.stderr
 
 
-def test_help_lists_every_config_field():
+def help_text(main, argv, capsys) -> str:
+    """What `main(argv)` prints for --help, which must exit 0; wrapped lines joined."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_help_lists_the_stages_and_every_field_under_some_stage(capsys):
     import train
 
-    r = run("train.py", "collect", "--help")
-    assert r.returncode == 0
+    top = help_text(train.main, ["--help"], capsys)
+    assert all(f"{stage} {line}" in top for stage, line in train.STAGES.items())
+    shown = " ".join(help_text(train.main, [stage, "--help"], capsys) for stage in train.STAGES)
     for f in train.dataclasses.fields(train.Config):
-        assert "--" + f.name.replace("_", "-") in r.stdout
+        assert "--" + f.name.replace("_", "-") + " " in shown
+
+
+def test_stage_help_shows_the_fields_it_reads(capsys):
+    import train
+
+    collect = help_text(train.main, ["collect", "--help"], capsys)
+    assert "--num-games" in collect and "--explore-prob" in collect
+    assert "--filter-seed" not in collect and "--beta" not in collect and "--games-per-step" not in collect
+    policy = help_text(train.main, ["policy", "--help"], capsys)
+    assert "--games-per-step" in policy and "--filter-seed" not in policy and "--easy-share" not in policy
+    wm = help_text(train.main, ["wm", "--help"], capsys)
+    # the comment's continuation line (the old help stopped at "runs with other")
+    assert "(None = seed): runs with other seeds can then share one filter and one warm-up (default None)" \
+        in wm
+
+
+def test_hidden_fields_still_parse():
+    import train
+
+    cfg, _ = train.parse_config(train.Config, ["--beta", "0.5"], prog="train.py collect",
+                                shown=train.stage_fields("collect"))
+    assert cfg.beta == 0.5
+
+
+def test_none_sets_an_optional_field_to_none():
+    import train
+
+    argv = ["--eval-split", "none", "--num-games", "None", "--filter-seed", "3"]
+    cfg, _ = train.parse_config(train.Config, argv, prog="train.py")
+    assert cfg.eval_split is None and cfg.num_games is None and cfg.filter_seed == 3
+    with pytest.raises(SystemExit):  # anything else is still an int, or argparse's one-line error
+        train.parse_config(train.Config, ["--filter-seed", "nothing"], prog="train.py")
+
+
+def test_eval_help_lists_the_commands(capsys):
+    import eval as ev
+
+    text = help_text(ev.main, ["--help"], capsys)
+    assert all(f"{name} {line}" in text for name, line in ev.COMMANDS.items())
 
 
 def test_bad_files_one_line(tmp_path):
