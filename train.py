@@ -900,7 +900,7 @@ def close_tracker(writer) -> None:
         (writer.finish if hasattr(writer, "finish") else writer.close)()
 
 
-_RUN: dict = {}  # the stage this process runs and its config (run_stage): a model card's defaults
+_CARD_RUN: dict = {}  # the stage this process runs and its config (run_stage): a model card's defaults
 
 
 def save_adapter(model, out: Path, name: str = "adapter", **card) -> Path:
@@ -949,7 +949,7 @@ def write_card(folder: Path, cfg: Config | None = None, stage: str | None = None
     """The adapter's README.md in place of peft's empty template: what trained it (method, stage), on what
     (`data`: label -> count), with which settings, how it scored (`heldout` lines; stage 2: the held-out
     success curve of <out>/metrics.jsonl, if any) and the command that made it."""
-    cfg, stage = cfg or _RUN.get("cfg"), stage or _RUN.get("stage") or "wm"
+    cfg, stage = cfg or _CARD_RUN.get("cfg"), stage or _CARD_RUN.get("stage") or "wm"
     kind = "wm" if stage == "all" else stage
     base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
     method = METHODS.get(kind, kind)
@@ -1662,11 +1662,11 @@ def check_single_process(cfg: Config) -> None:
 
 
 def run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] | None) -> None:
-    _RUN.update(stage=stage, cfg=cfg)  # what the model cards of this stage's adapters say
+    _CARD_RUN.update(stage=stage, cfg=cfg)  # what the model cards of this stage's adapters say
     try:
         _run_stage(stage, cfg, out, t0, trips)
     finally:
-        _RUN.clear()
+        _CARD_RUN.clear()
 
 
 def _run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] | None) -> None:
