@@ -420,6 +420,9 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg:
     with cost.stage("grpo update"):
         stats = grpo_update(model, optimizer, batch, cfg)
     grouped, states = rewards.view(-1, G), [parse_next_state(t) for t in roll.texts]
+    lengths = cmask.sum(1).float()  # TRL's completions/* (clipped: cut at max_completion_length, no stop)
+    lengths_stats = {"completions/min_length": float(lengths.min()), "completions/max_length": float(lengths.max()),
+                     "completions/clipped_ratio": float((lengths >= cfg.max_completion_length).float().mean())}
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if G > 1 else 0.0,
                 frac_reward_zero_std=float((grouped.std(1) == 0).float().mean()),
                 group_rewards=grouped.mean(1).tolist(),  # per prompt: which groups carry a gradient (mixed)
@@ -428,7 +431,8 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg:
                 completion_tokens=float(cmask.sum(1).float().mean()), updates=stats, sample=roll.texts[0],
                 sample_target=triplets[0]["next_obs"], sample_reward=float(rewards[0]),
                 # every group whole, prompt by prompt: G completions, their rewards and advantages
-                completions=roll.texts, rewards=rewards.tolist(), advantages=advantages.tolist())
+                completions=roll.texts, rewards=rewards.tolist(), advantages=advantages.tolist(),
+                **lengths_stats)
 
 
 def grpo_update(model, optimizer, batch: dict, cfg: GRPOConfig) -> list[dict]:

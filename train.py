@@ -879,15 +879,38 @@ def open_tracker(cfg: Config, out: Path, stage: str):
     return None
 
 
+# our metric name -> TRL GRPOTrainer's: metrics.jsonl holds both (ours for one more release), trackers TRL's
+TRL_NAMES = dict(reward_mean="reward", lr="learning_rate", completion_tokens="completions/mean_length",
+                 clip_ratio="clip_ratio/region_mean")
+
+
+# the keys of every stage-1 GRPO row in metrics.jsonl, whichever trainer wrote it (tested for both)
+WM_METRICS = ("step", "epoch", "loss", "grad_norm", "learning_rate", "reward", "reward_std", "frac_reward_zero_std",
+              "kl", "completions/mean_length", "completions/min_length", "completions/max_length",
+              "completions/clipped_ratio", "clip_ratio/region_mean", *TRL_NAMES)
+
+
+def with_both_names(row: dict) -> dict:
+    """The row with each metric under TRL's name and ours, whichever it came with (ours or --trainer trl)."""
+    row = dict(row)
+    for ours, trl in TRL_NAMES.items():
+        if ours in row and trl not in row:
+            row[trl] = row[ours]
+        elif trl in row and ours not in row:
+            row[ours] = row[trl]
+    return row
+
+
 def log_row(metrics, writer, row: dict) -> None:
-    """One step's row to metrics.jsonl, and its numbers to the tracker: train/<key>, and eval/<key> for the
-    held-out evaluation's (eval_success -> eval/success), as TRL logs them."""
+    """One step's row to metrics.jsonl (`with_both_names`), and its numbers to the tracker under TRL's names:
+    train/<key>, and eval/<key> for the held-out evaluation's (eval_success -> eval/success)."""
+    row = with_both_names(row)
     metrics.write(json.dumps(row) + "\n")
     metrics.flush()
     if writer is None:
         return
     scalars = {f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}": float(v) for k, v in row.items()
-               if isinstance(v, (int, float)) and k != "step"}
+               if isinstance(v, (int, float)) and k != "step" and k not in TRL_NAMES}
     if hasattr(writer, "add_scalar"):  # TensorBoard
         for k, v in scalars.items():
             writer.add_scalar(k, v, row["step"])
@@ -1067,6 +1090,7 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
                 state["step"] += 1
                 log_row(metrics, writer, dict(step=state["step"], epoch=state["epoch"], **{k: res[k] for k in (
                     "reward_mean", "reward_std", "frac_reward_zero_std", "format_rate", "completion_tokens",
+                    "completions/min_length", "completions/max_length", "completions/clipped_ratio",
                     "nothing_share")}, **u, lr=cfg.learning_rate, seconds=round(seconds, 2),
                     # which targets the step's groups had and which were mixed (carried a gradient)
                     target_kinds=[envs.observation_kind(t["next_obs"]) for t in batch],
@@ -1222,7 +1246,7 @@ def train_wm_trl(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, 
     model = trainer.model
     if state.is_main_process:
         adapter = save_adapter(model, out, cfg=cfg, data={TRIPLETS_KEPT: len(triplets)})
-        rows = [dict(r, reward_mean=r["reward"]) for r in trainer.state.log_history if "reward" in r]
+        rows = [with_both_names(r) for r in trainer.state.log_history if "reward" in r]
         write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO (TRL)")
         print(f"wm (trl, {n} processes): {trainer.state.global_step} steps; adapter -> {adapter}")

@@ -42,7 +42,9 @@ def test_trl_wm_from_the_warmup_saves_an_adapter_eval_reads(tiny_model, transiti
     monkeypatch.setattr(train, "make_reward", lambda cfg: letters_reward)
     out = tmp_path / "run"
     train.main(wm_args(tiny_model, transitions, out))  # warm-up on: TRL trains the filter's SFT copy on
-    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(set(train.WM_METRICS) <= r.keys() for r in rows), set(train.WM_METRICS) - rows[0].keys()  # as ours
     assert read_jsonl(out / "samples.jsonl")[0]["completion"].startswith("<next_state>")  # our prefix
     warm = load_file(out / "filter" / "warmup_adapter" / "adapter_model.safetensors")
     trained = load_file(out / "adapter" / "adapter_model.safetensors")
