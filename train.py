@@ -157,10 +157,13 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     # --- stage 2: policy RL on task success; also uses the agent's fields (num_generations: episodes per game)
     init: str = "base"  # what --adapter holds: base (no adapter) | rwml | wm-sft | rft; the KL reference is it, frozen
     games_per_step: int = 2  # games per policy step, drawn from the num_games train games
-    eval_steps: int = 0  # held-out success (greedy) every this many steps and at the end: the learning curve (0 = off)
+    eval_steps: int = 0  # the learning curve: a held-out evaluation every this many steps and at the end (0 = off);
+    #                      policy: greedy success on eval_games games; wm / all: world-model accuracy on held-out
+    #                      triplets (all: its explore set; wm: eval_transitions)
     eval_on_start: bool = False  # and once before step 1 (TRL's eval_on_start)
-    eval_games: int = 10  # held-out games of eval_split for it
-    eval_split: str | None = None  # None = the dev split: valid_seen (ALFWorld), dev (TextWorld)
+    eval_games: int = 10  # policy: held-out games of eval_split for it
+    eval_split: str | None = None  # policy: None = the dev split, valid_seen (ALFWorld) or dev (TextWorld)
+    eval_transitions: str | None = None  # wm: held-out triplets for the curve (eval_max_triplets of them)
     # --- logging, checkpoints, output
     eval_max_triplets: int = 48  # held-out triplets of each kind scored before and after (0 = all)
     save_steps: int = 4
@@ -180,7 +183,8 @@ _HELDOUT = ("heldout_split", "heldout_games", "eval_max_triplets")
 _FILTER = ("transitions", "filter_dir", "filter_seed", "easy_filter", "filter_split", "filter_samples",
            "easy_share", "easy_keep_prob", "warmup", "sft_epochs", "sft_learning_rate", "max_completion_length",
            "lora_r", "lora_alpha", "lora_target_modules")
-_RWML = ("reward_control", "max_steps", "prompts_per_step", "log_completions_steps")
+_RWML = ("reward_control", "max_steps", "prompts_per_step", "log_completions_steps", "eval_steps", "eval_on_start",
+         "eval_transitions", "eval_max_triplets", "eval_samples")
 _POLICY = ("init", "games_per_step", "max_steps", "eval_steps", "eval_on_start", "eval_games", "eval_split")
 STAGE_FIELDS = {
     "collect": (ModelConfig, AgentConfig, *_COLLECT, "out"),
@@ -795,7 +799,8 @@ def _check_at_least(cfg: Config, **bounds) -> None:
 RESUME_FREE = ("out", "resume", "report_to", "max_steps", "save_steps", "log_completions_steps", "num_workers",
                "eval_max_triplets", "eval_samples", "heldout_split", "heldout_games", "filter_dir",
                "micro_batch_size", "logits_chunk_size", "shared_prompt_forward", "gradient_checkpointing",
-               "eval_steps", "eval_on_start", "eval_games", "eval_split")  # evaluations do not change training
+               "eval_steps", "eval_on_start", "eval_games", "eval_split", "eval_transitions")  # evaluations
+#                                                                                  do not change training
 
 
 def check_resume(cfg: Config, out: Path, stage: str, resume: bool | None = None) -> bool:
@@ -1057,9 +1062,11 @@ def reward_control(cfg: Config, triplets: list[dict], reward_fn, out: Path):
     return triplets, reward_fn
 
 
-def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, start: Path | None = None):
+def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, start: Path | None = None,
+             heldout: list[dict] | None = None):
     """RWML: GRPO of a LoRA adapter on world-model prompts, from `start` (the warm-up adapter) or a fresh
-    adapter. Returns the peft model."""
+    adapter; with eval_steps, world-model accuracy on `heldout` triplets along the way (eval/* metrics).
+    Returns the peft model."""
     _check_at_least(cfg, max_steps=1, prompts_per_step=1, num_generations=2, micro_batch_size=1, num_iterations=1,
                     save_steps=1, max_completion_length=1)
     if not triplets:
@@ -1077,8 +1084,18 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
     coin = getattr(reward_fn, "rng", None)
     if coin is not None and "reward_rng" in state:
         coin.setstate(state["reward_rng"])
+    curve = heldout if cfg.eval_steps else None
+
+    def evaluate(step: int) -> dict:  # world-model accuracy on the held-out triplets, as `all` scores them
+        with keep_rng(), cost.stage("wm eval"):
+            r = evaluate_heldout(cfg, model, tok, curve, reward_fn)
+        return dict(eval_wm_accuracy=r["wm_accuracy"], eval_mean_cosine=r["mean_cosine"],
+                    eval_beyond_template=r["per_kind"]["beyond_template"]["wm_accuracy"])
+
     bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="rwml grpo", unit="step", dynamic_ncols=True)
     with open(out / "metrics.jsonl", "a") as metrics, open(out / "samples.jsonl", "a") as samples:
+        if curve and cfg.eval_on_start and state["step"] == 0:
+            log_row(metrics, writer, dict(step=0, **evaluate(0)))
         while state["step"] < cfg.max_steps:
             batch = [triplets[i] for i in next_batch(state, len(triplets), cfg.prompts_per_step, cfg.seed)]
             t0 = time.time()
@@ -1094,7 +1111,9 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
                     "nothing_share")}, **u, lr=cfg.learning_rate, seconds=round(seconds, 2),
                     # which targets the step's groups had and which were mixed (carried a gradient)
                     target_kinds=[envs.observation_kind(t["next_obs"]) for t in batch],
-                    group_rewards=res["group_rewards"]))
+                    group_rewards=res["group_rewards"],
+                    **(evaluate(state["step"]) if curve and (state["step"] % cfg.eval_steps == 0
+                                                             or state["step"] >= cfg.max_steps) else {})))
                 if u["skipped"]:
                     tqdm.write(f"wm: step {state['step']}: non-finite loss or gradient, update skipped")
                 bar.update(1)
@@ -1409,7 +1428,7 @@ def heldout_success(model, tok, env, games: list, cfg: Config, out: Path, step: 
     """Greedy held-out success of the current policy (as `eval.py agent` plays it); each episode goes to
     <out>/eval_episodes.jsonl with its step, so that every point of the curve can be audited."""
     model.eval()
-    with cost.stage("policy eval"):
+    with keep_rng(), cost.stage("policy eval"):
         played = rwml.play(model, tok, env, [dict(game=g) for g in games], history_len=cfg.history_len,
                            temperature=0.0 if cfg.action_mode == "choose" else cfg.temperature, top_p=cfg.top_p,
                            max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, action_mode=cfg.action_mode,
@@ -1441,9 +1460,10 @@ def plot_rewards(metrics_file: Path, png: Path, title: str) -> None:
     ax.plot(steps, smooth, label=f"reward (mean of {k})")
     if "format_rate" in rows[0]:
         ax.plot(steps, [r["format_rate"] for r in rows], ls="--", alpha=0.6, label="has <next_state>")
-    curve = [r for r in every if "eval_success" in r]
-    if curve:
-        ax.plot([r["step"] for r in curve], [r["eval_success"] for r in curve], "o-", label="held-out success (greedy)")
+    for key, label in (("eval_success", "held-out success (greedy)"), ("eval_wm_accuracy", "held-out accuracy")):
+        curve = [r for r in every if key in r]
+        if curve:
+            ax.plot([r["step"] for r in curve], [r[key] for r in curve], "o-", label=label)
     ax.set_xlabel("optimizer step")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)
@@ -1595,6 +1615,32 @@ def heldout_triplets(cfg: Config, out: Path, load) -> dict[str, list[dict]]:
     return sets
 
 
+@contextlib.contextmanager
+def keep_rng():
+    """An evaluation inside training draws from its own seed and leaves the training's random state as it
+    was: a run with a learning curve trains exactly as one without."""
+    cpu, cuda = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def wm_curve_triplets(cfg: Config) -> list[dict] | None:
+    """`wm --eval-steps N`: eval_max_triplets of --eval-transitions (drawn with a fixed seed), or a clear error."""
+    if not cfg.eval_steps:
+        return None
+    if not cfg.eval_transitions:
+        raise UserError("wm --eval-steps scores held-out triplets along the way: give them with --eval-transitions "
+                        "(a transitions.jsonl of held-out games, e.g. train.py collect --split valid_seen)")
+    trips = read_transitions(cfg.eval_transitions, wm_prompt_fits(cfg))
+    if cfg.eval_max_triplets and len(trips) > cfg.eval_max_triplets:
+        trips = [trips[i] for i in sorted(random.Random(0).sample(range(len(trips)), cfg.eval_max_triplets))]
+    return trips
+
+
 def evaluate_heldout(cfg: Config, model, tok, heldout: list[dict], reward_fn) -> dict:
     torch.manual_seed(cfg.seed)  # the same sampling noise before and after
     return rwml.evaluate_wm(model, tok, heldout, reward_fn, reasoning=cfg.wm_reasoning, samples=cfg.eval_samples,
@@ -1660,6 +1706,8 @@ def main(argv: list[str] | None = None) -> None:
     if stage == "export":
         check_parquet()
     trips = read_transitions(cfg.transitions, wm_prompt_fits(cfg)) if stage in ("wm-sft", "filter", "wm", "export") else None
+    if stage == "wm" and cfg.trainer == "ours":
+        wm_curve_triplets(cfg)  # a missing or bad --eval-transitions: one line now, not after the filter
     if os.environ.get("RANK", "0") == "0":  # under accelerate launch the main process holds it for all
         lock_out(out)
     if stage in ("wm", "policy", "all") and cfg.trainer == "ours":  # before the filter and the model load
@@ -1730,8 +1778,9 @@ def _run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] 
         if stage == "export":
             export_verl(cfg, kept, out)
         if stage == "wm":
+            extra = dict(heldout=wm_curve_triplets(cfg)) if cfg.trainer == "ours" else {}
             with cost.stage("grpo"):
-                (train_wm_trl if cfg.trainer == "trl" else train_wm)(cfg, kept, out, load, reward_fn, start)
+                (train_wm_trl if cfg.trainer == "trl" else train_wm)(cfg, kept, out, load, reward_fn, start, **extra)
         return
     # all: collect on train games, collect held-out games (both kinds), filter (+ warm-up), RWML, held-out
     # accuracy before / after, beside the content-free baselines
@@ -1756,7 +1805,8 @@ def _run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] 
             model.unload()  # the bare base model again, for train_wm
     resume = cfg.resume or swap_checkpoint(out / "checkpoint")  # `all` continues where it stopped
     with cost.stage("grpo"):
-        model = train_wm(dataclasses.replace(cfg, resume=resume), kept, out, load, reward_fn, start)
+        model = train_wm(dataclasses.replace(cfg, resume=resume), kept, out, load, reward_fn, start,
+                         heldout=heldout["explore"]["triplets"])
     print(f"\n{cfg.heldout_split} (the test split: {cfg.heldout_games} games never trained on), tau_d {cfg.tau_d}, "
           f"{cfg.eval_samples or 'one greedy'} prediction(s) per triplet; before = "
           f"{'the warm-up' if start else 'the base model'}, after = RWML ({cfg.max_steps} steps)")

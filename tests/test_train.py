@@ -314,3 +314,22 @@ def test_wm_sft_control_sees_rwmls_triplets_in_rwmls_order(tiny_model, transitio
     monkeypatch.setattr(rwml, "sft", recording_sft)
     train.train_wm_sft(train.Config(**args), trips, tmp_path / "sft", lambda: rwml.load_model(tiny_model), reward)
     assert len(seen_rwml) == 6 and seen_sft == seen_rwml
+
+
+def test_eval_steps_draws_the_heldout_curve_without_changing_training(tiny_model, transitions, tmp_path):
+    """wm --eval-steps: held-out world-model accuracy at step 0 (--eval-on-start), every N steps and at the end,
+    as eval_* in metrics.jsonl; the evaluations leave the training's random state alone, so the run trains
+    exactly as one without them."""
+    common = ["wm", "--model", tiny_model, "--transitions", transitions, "--no-easy-filter", "--no-warmup",
+              "--max-steps", "3", "--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "8"]
+    train.main(common + ["--out", str(tmp_path / "plain")])
+    train.main(common + ["--eval-steps", "2", "--eval-on-start", "--eval-transitions", transitions,
+                         "--eval-max-triplets", "3", "--eval-samples", "2", "--out", str(tmp_path / "curve")])
+    plain, curve = read_jsonl(tmp_path / "plain" / "metrics.jsonl"), read_jsonl(tmp_path / "curve" / "metrics.jsonl")
+    assert [r["step"] for r in curve] == [0, 1, 2, 3] and "reward" not in curve[0]
+    assert [("eval_wm_accuracy" in r) for r in curve] == [True, False, True, True]
+    assert all(0 <= r["eval_wm_accuracy"] <= 1 for r in curve if "eval_wm_accuracy" in r)
+    drop = lambda r: {k: v for k, v in r.items() if k != "seconds" and not k.startswith("eval_")}  # noqa: E731
+    assert [drop(r) for r in curve[1:]] == [drop(r) for r in plain]
+    with pytest.raises(UserError, match="--eval-transitions"):
+        train.main(common + ["--eval-steps", "2", "--out", str(tmp_path / "none")])
