@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import random
 import statistics
 import sys
 import time
@@ -49,7 +48,7 @@ from envs import UserError
 from reward import calibrate
 from train import (AgentConfig, ModelConfig, WorldModelConfig, check_adapter, check_choices, check_context, check_seeds,
                    check_writable, commands_help, make_reward, parse_config, read_jsonl, read_transitions,
-                   run_cli, wm_prompt_fits, write_atomic, write_eval)
+                   run_cli, sample_triplets, wm_prompt_fits, write_atomic, write_eval)
 
 COMMANDS = {  # name -> its line in `eval.py --help`
     "agent": "success rate of the model (+ adapter) playing held-out games, over seeds",
@@ -82,7 +81,7 @@ class AgentEvalConfig(AgentConfig, ModelConfig):
 class WMEvalConfig(WorldModelConfig, ModelConfig):
     """The world model's fields of train.Config, on a transitions file."""
     transitions: str | None = None  # held-out transitions.jsonl (from `train.py collect --split valid_unseen`)
-    max_triplets: int = 0  # 0 = all; else a seeded sample
+    eval_max_triplets: int = 48  # held-out triplets scored, a seeded sample (0 = all); train.py's field and default
     baseline: str | None = None  # wm: score a content-free rule instead of a model: template | nothing | copy
     max_completion_length: int = rwml.GRPOConfig.max_completion_length
     temperature: float = rwml.GRPOConfig.temperature
@@ -116,7 +115,7 @@ class SanityConfig:
 
 
 EVAL_MIN = dict(seeds=1, max_turns=1, history_len=0, max_new_tokens=1, num_envs=1, num_workers=0, num_games=1,
-                num_tasks=1, max_triplets=0, max_completion_length=1, eval_samples=0, num_generations=1)
+                num_tasks=1, eval_max_triplets=0, max_completion_length=1, eval_samples=0, num_generations=1)
 
 
 def check_eval_config(cfg) -> None:
@@ -146,18 +145,12 @@ def check_eval_config(cfg) -> None:
             bad("split", "names no split; e.g. valid_seen, or valid_seen,valid_unseen")
 
 
-def _sample(trips: list[dict], n: int, seed: int) -> list[dict]:
-    if not n or n >= len(trips):
-        return trips
-    return [trips[i] for i in sorted(random.Random(seed).sample(range(len(trips)), n))]
-
-
 def wm_accuracy(cfg: WMEvalConfig) -> dict:
     """`eval.py wm`: rwml.evaluate_wm on a transitions file, the base model or base + adapter."""
     import torch
 
     # the draw is fixed (not the run's seed), as train.py's held-out set: every seed scores the same triplets
-    trips = _sample(read_transitions(cfg.transitions, wm_prompt_fits(cfg)), cfg.max_triplets, 0)
+    trips = sample_triplets(read_transitions(cfg.transitions, wm_prompt_fits(cfg)), cfg.eval_max_triplets, 0)
     reward_fn = make_reward(cfg)
     info = dict(transitions=cfg.transitions, split=collection_split(cfg.transitions), config=asdict(cfg))
     if cfg.baseline:
@@ -181,7 +174,7 @@ def calibrate_tau(cfg: WMEvalConfig) -> dict:
     """Sample num_generations world-model predictions per triplet at temperature 1, then tabulate."""
     import torch
 
-    trips = _sample(read_transitions(cfg.transitions, wm_prompt_fits(cfg)), cfg.max_triplets or 32, cfg.seed)
+    trips = sample_triplets(read_transitions(cfg.transitions, wm_prompt_fits(cfg)), cfg.eval_max_triplets or 32, cfg.seed)
     reward_fn = make_reward(cfg)
     model, tok = rwml.load_model(cfg.model, cfg.adapter)
     torch.manual_seed(cfg.seed)

@@ -32,7 +32,7 @@ score() {  # score NAME SEED OUT_STEM [eval.py flags]: held-out world-model accu
     mkdir -p "$(dirname "$stem")"
     for kind in $KINDS; do
         f=$H/heldout_$kind/transitions.jsonl
-        [ -f "${stem}_$kind.json" ] || $PY eval.py wm --transitions "$f" --max-triplets "$HELDOUT" --seed "$seed" \
+        [ -f "${stem}_$kind.json" ] || $PY eval.py wm --transitions "$f" --eval-max-triplets "$HELDOUT" --seed "$seed" \
             --out "${stem}_$kind.json" "$@"
     done
 }

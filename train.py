@@ -1609,9 +1609,7 @@ def heldout_triplets(cfg: Config, out: Path, load) -> dict[str, list[dict]]:
         trips = read_jsonl(path)
         if not trips:
             raise UserError(f"the held-out {kind} triplets ({path}) are empty; use more --heldout-games")
-        if cfg.eval_max_triplets and len(trips) > cfg.eval_max_triplets:
-            trips = [trips[i] for i in sorted(random.Random(0).sample(range(len(trips)), cfg.eval_max_triplets))]
-        sets[kind] = dict(triplets=trips, file=str(path))
+        sets[kind] = dict(triplets=sample_triplets(trips, cfg.eval_max_triplets), file=str(path))
     return sets
 
 
@@ -1635,10 +1633,15 @@ def wm_curve_triplets(cfg: Config) -> list[dict] | None:
     if not cfg.eval_transitions:
         raise UserError("wm --eval-steps scores held-out triplets along the way: give them with --eval-transitions "
                         "(a transitions.jsonl of held-out games, e.g. train.py collect --split valid_seen)")
-    trips = read_transitions(cfg.eval_transitions, wm_prompt_fits(cfg))
-    if cfg.eval_max_triplets and len(trips) > cfg.eval_max_triplets:
-        trips = [trips[i] for i in sorted(random.Random(0).sample(range(len(trips)), cfg.eval_max_triplets))]
-    return trips
+    return sample_triplets(read_transitions(cfg.eval_transitions, wm_prompt_fits(cfg)), cfg.eval_max_triplets)
+
+
+def sample_triplets(trips: list[dict], n: int, seed: int = 0) -> list[dict]:
+    """`n` of the triplets in their order, drawn with `seed` (0 or more than there are: all): every held-out
+    score of a file (train.py, eval.py wm) is on the same ones."""
+    if not n or n >= len(trips):
+        return trips
+    return [trips[i] for i in sorted(random.Random(seed).sample(range(len(trips)), n))]
 
 
 def evaluate_heldout(cfg: Config, model, tok, heldout: list[dict], reward_fn) -> dict:

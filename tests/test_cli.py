@@ -130,7 +130,8 @@ def test_a_missing_tracker_package_is_one_line_before_anything_loads(tracker, tm
 
 
 def test_log_row_sends_train_and_eval_numbers_to_either_tracker(tmp_path):
-    """TensorBoard's add_scalar or a wandb run's log: train/<key>, eval/<key> (TRL's prefixes), no strings."""
+    """TensorBoard's add_scalar or a wandb run's log: train/<key>, eval/<key> (TRL's prefixes and names), no
+    strings."""
     calls = []
 
     class Board:  # the two methods of SummaryWriter that log_row uses
@@ -145,6 +146,6 @@ def test_log_row_sends_train_and_eval_numbers_to_either_tracker(tmp_path):
     with open(tmp_path / "metrics.jsonl", "w") as f:
         train.log_row(f, Board(), row)
         train.log_row(f, Run(), row)
-    assert calls == [("tb", "train/reward_mean", 0.5, 3), ("tb", "eval/success", 0.25, 3),
-                     ("wandb", {"train/reward_mean": 0.5, "eval/success": 0.25}, 3)]
-    assert train.read_jsonl(tmp_path / "metrics.jsonl") == [row, row]
+    assert calls == [("tb", "eval/success", 0.25, 3), ("tb", "train/reward", 0.5, 3),  # TRL's name only
+                     ("wandb", {"eval/success": 0.25, "train/reward": 0.5}, 3)]
+    assert train.read_jsonl(tmp_path / "metrics.jsonl") == [dict(row, reward=0.5)] * 2  # both names in the file

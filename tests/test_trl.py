@@ -52,7 +52,7 @@ def test_trl_wm_from_the_warmup_saves_an_adapter_eval_reads(tiny_model, transiti
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), out / "adapter")
     assert any("lora_A" in n for n, _ in model.named_parameters())
     evaluate.main(["wm", "--model", tiny_model, "--adapter", str(out / "adapter"), "--transitions",
-                   transitions, "--max-triplets", "2", "--eval-samples", "1", "--max-completion-length", "4",
+                   transitions, "--eval-max-triplets", "2", "--eval-samples", "1", "--max-completion-length", "4",
                    "--out", str(tmp_path / "wm.json")])
     assert json.loads((tmp_path / "wm.json").read_text())["n"] == 2
     with pytest.raises(UserError, match="--resume"):  # TRL's checkpoint in <out>/trl is a run, as ours
