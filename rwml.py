@@ -478,10 +478,16 @@ def micro_batches(batch: dict, size: int, max_tokens: int = 0) -> list[dict]:
     prompt: groups x (prompt + G completions), else rows x (prompt + completion)), widths counted after
     each slice drops the columns that are padding in all its rows; a group that needs more goes alone.
     Activation memory follows the tokens of a forward, not its row count."""
-    if "choices" in batch:  # choose mode (`choice_batch`): a turn is a row of its own, nothing to trim
-        B = len(batch["advantages"])
-        return [{k: v[i:i + size] if isinstance(v, (torch.Tensor, list)) and len(v) == B else v
-                 for k, v in batch.items()} for i in range(0, B, max(size, 1))]
+    if "choices" in batch:  # choose mode (`choice_batch`): a turn is a row of its own, nothing to trim;
+        B = len(batch["advantages"])  # its tokens: the prompt, and every candidate on the prompt's cache
+        cost = [len(p) + sum(map(len, c)) for p, c, _ in batch["choices"]]
+        bounds, start = [], 0
+        for i in range(1, B + 1):
+            if i == B or i - start >= max(size, 1) or 0 < max_tokens < sum(cost[start:i + 1]):
+                bounds.append((start, i))
+                start = i
+        return [{k: v[i:j] if isinstance(v, (torch.Tensor, list)) and len(v) == B else v
+                 for k, v in batch.items()} for i, j in bounds]
     G, B = batch.get("group_size", 1), len(batch["input_ids"])
     C = batch["completion_mask"].shape[1]
     P = batch["input_ids"].shape[1] - C

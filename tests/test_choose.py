@@ -274,3 +274,37 @@ def test_agent_table_gives_each_arm_and_the_spread_over_seeds_and_draws_the_curv
     assert png.is_file() and png.stat().st_size > 1000
     with pytest.raises(UserError, match="run agent_sanity.sh first"):
         evaluate.agent_report(tmp_path / "base")
+
+
+def test_choose_mode_update_cut_by_a_token_budget_is_the_same_update(tiny_model):
+    """Stage 2's choose-mode turns go into micro-batches by their tokens (prompt + every candidate, as in
+    `micro_batch_tokens`), so memory follows the budget, not the number of trained turns; the update equals
+    the whole batch's at once."""
+    model, tok = rwml.load_model(tiny_model)
+    game = envs.list_games("train", 1, seed=0)[0]
+    walk = json.loads(open(game).read())["walkthrough"]
+    won, _ = scripted_choices(tok, game, lambda cs, i: walk[i], 0, len(walk))
+    lost, _ = scripted_choices(tok, game, lambda cs, i: "look", 1, len(walk))
+    batch = rwml.choice_batch(won + lost, torch.tensor([1.0, -1.0]), "grpo")
+    tokens = [len(p) + sum(map(len, c)) for p, c, _ in batch["choices"]]
+    budget = max(tokens) + 1  # about one turn a micro-batch
+    cuts = rwml.micro_batches(batch, 8, budget)
+    assert len(cuts) > len(rwml.micro_batches(batch, 8, 0)) == -(-len(tokens) // 8)
+    assert all(len(mb["choices"]) == 1 or sum(len(p) + sum(map(len, c)) for p, c, _ in mb["choices"]) <= budget
+               for mb in cuts)
+    assert [k for mb in cuts for k in mb["advantages"].tolist()] == batch["advantages"].tolist()
+    deltas = []
+    for cut in (0, budget):
+        torch.manual_seed(0)
+        m = rwml.add_lora(rwml.load_model(tiny_model)[0], r=8, alpha=16)
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.05)  # a non-zero adapter: every LoRA weight gets a gradient
+        before = {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
+        opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1.0)
+        rwml.grpo_update(m, opt, batch, rwml.GRPOConfig(micro_batch_size=8, micro_batch_tokens=cut, beta=0.0,
+                                                         max_grad_norm=1e9))
+        deltas.append({n: p.detach() - before[n] for n, p in m.named_parameters() if p.requires_grad})
+    assert any(d.abs().sum() > 0 for d in deltas[0].values())
+    for n in deltas[0]:
+        assert torch.allclose(deltas[0][n], deltas[1][n], atol=1e-6, rtol=1e-4), n
