@@ -5,7 +5,8 @@
 # greedy success on held-out dev and test games; stage 2 over independent seeds (each draws its own train
 # games and episodes), its held-out curve (dev success against step) beside the table:
 #   bash agent_sanity.sh      (or: make agent-sanity)  -> $OUT/agent_sanity.md, $OUT/agent_sanity_curve.png
-# The recipe (POLICY_* below) was chosen on the dev games; the test games were played once per frozen recipe.
+# POLICY_T and POLICY_LR were chosen on the dev games (README); POLICY_GAMES x POLICY_GEN x POLICY_STEPS is
+# sized to the time budget, not tuned. The test games are played once per frozen recipe.
 # The world-model stage (collection, filter + warm-up, RWML, WM SFT) runs once and is shared by the seeds.
 # Jobs go JOBS at a time, one thread each (jobs.sh); logs in $OUT/logs/. Reruns keep what is done.
 set -euo pipefail
