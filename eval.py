@@ -674,30 +674,31 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
         first = split_rate(start / "eval_agent.json", "dev")
         return ([dict(step=0, eval_success=first)] if rows and rows[0]["step"] > 0 and first is not None else []) + rows
 
-    lines = ["| arm | dev success (%) | test success (%) | episodes per split |", "|---|---|---|---|"]
+    def episodes(f: Path) -> int:
+        return json.loads(f.read_text())["per_split"]["test"]["num_episodes"] if f.is_file() else 0
+
+    lines = ["| arm | dev success (%) | test success (%) | test episodes | seeds |", "|---|---|---|---|---|"]
     random_f = folder / "random" / "eval_agent.json"
     if random_f.is_file():
         r = json.loads(random_f.read_text())["per_split"]
-        lines.append(f"| uniform random admissible ({r['dev']['num_episodes'] // r['dev']['num_games']} seeds) | "
-                     f"{100 * r['dev']['success_rate']:.1f} ± {100 * r['dev']['success_rate_std']:.1f} | "
-                     f"{100 * r['test']['success_rate']:.1f} ± {100 * r['test']['success_rate_std']:.1f} | "
-                     f"{r['test']['num_episodes']} |")
-    curves = {}
+        lines.append(f"| uniform random admissible | {100 * r['dev']['success_rate']:.1f} ± "
+                     f"{100 * r['dev']['success_rate_std']:.1f} | {100 * r['test']['success_rate']:.1f} ± "
+                     f"{100 * r['test']['success_rate_std']:.1f} | {episodes(random_f)} | "
+                     f"{r['test']['num_episodes'] // r['test']['num_games']} |")
+    curves, start = {}, dict(policy="base", rwml_policy="rwml", wm_sft_policy="wm_sft")
     for key, name in AGENT_ARMS:
         if key in ("base", "rwml"):  # one greedy evaluation: nothing to replicate
             f = folder / key / "eval_agent.json"
-            dev, test = split_rate(f, "dev"), split_rate(f, "test")
-            n = json.loads(f.read_text())["per_split"]["test"]["num_episodes"] if f.is_file() else 0
-            lines.append(f"| {name} | {pct([dev] if dev is not None else [])} | {pct([test] if test is not None else [])} "
-                         f"| {n} |")
+            rates = [[x] if (x := split_rate(f, sp)) is not None else [] for sp in ("dev", "test")]
+            lines.append(f"| {name} | {pct(rates[0])} | {pct(rates[1])} | {episodes(f)} | – |")
             continue
         runs = [d / key for d in seeds]
-        curves[name] = [curve(d, folder / dict(policy="base", rwml_policy="rwml", wm_sft_policy="wm_sft")[key]) for d in runs]
+        curves[name] = [curve(d, folder / start[key]) for d in runs]
         dev = [c[-1]["eval_success"] for c in curves[name] if c]
-        test = [x for d in runs if (x := split_rate(d / "eval_agent.json", "test")) is not None]
-        n = next((json.loads((d / "eval_agent.json").read_text())["per_split"]["test"]["num_episodes"]
-                  for d in runs if (d / "eval_agent.json").is_file()), 0)
-        lines.append(f"| {name} | {pct(dev)} | {pct(test)} | {n} |")
+        done = [d for d in runs if (d / "eval_agent.json").is_file()]
+        test = [split_rate(d / "eval_agent.json", "test") for d in done]
+        lines.append(f"| {name} | {pct(dev)} | {pct(test)} | {episodes(done[0] / 'eval_agent.json') if done else 0} | "
+                     f"{', '.join(d.parent.name[4:] for d in done) or '–'} |")
     if png is not None and any(any(c) for c in curves.values()):
         import matplotlib
 

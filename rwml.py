@@ -428,7 +428,7 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg:
                 group_rewards=grouped.mean(1).tolist(),  # per prompt: which groups carry a gradient (mixed)
                 nothing_share=sum(s == "Nothing happens." for s in states) / len(states),
                 format_rate=sum(parse_next_state(t) is not None for t in roll.texts) / len(roll.texts),
-                completion_tokens=float(cmask.sum(1).float().mean()), updates=stats, sample=roll.texts[0],
+                completion_tokens=float(lengths.mean()), updates=stats, sample=roll.texts[0],
                 sample_target=triplets[0]["next_obs"], sample_reward=float(rewards[0]),
                 # every group whole, prompt by prompt: G completions, their rewards and advantages
                 completions=roll.texts, rewards=rewards.tolist(), advantages=advantages.tolist(),

@@ -268,9 +268,9 @@ def test_agent_table_gives_each_arm_and_the_spread_over_seeds_and_draws_the_curv
             (d / "eval_agent.json").write_text(_agent_eval(dict(test=(test, 0.0, 10, 10))))
     png = tmp_path / "curve.png"
     text = evaluate.agent_report(tmp_path, png)
-    assert "| uniform random admissible (3 seeds) | 30.0 ± 5.0 | 40.0 ± 10.0 | 30 |" in text
-    assert "| base | 0.0 | 10.0 | 10 |" in text and "| RWML | 10.0 | 20.0 | 10 |" in text
-    assert "| policy RL | 40.0 ± 10.0 (50 / 30 / 40) | 30.0 ± 10.0 (40 / 20 / 30) | 10 |" in text
+    assert "| uniform random admissible | 30.0 ± 5.0 | 40.0 ± 10.0 | 30 | 3 |" in text
+    assert "| base | 0.0 | 10.0 | 10 | – |" in text and "| RWML | 10.0 | 20.0 | 10 | – |" in text
+    assert "| policy RL | 40.0 ± 10.0 (50 / 30 / 40) | 30.0 ± 10.0 (40 / 20 / 30) | 10 | 0, 1, 2 |" in text
     assert png.is_file() and png.stat().st_size > 1000
     with pytest.raises(UserError, match="run agent_sanity.sh first"):
         evaluate.agent_report(tmp_path / "base")
