@@ -1709,14 +1709,14 @@ def main(argv: list[str] | None = None) -> None:
     if stage == "export":
         check_parquet()
     trips = read_transitions(cfg.transitions, wm_prompt_fits(cfg)) if stage in ("wm-sft", "filter", "wm", "export") else None
-    if stage == "wm" and cfg.trainer == "ours":
-        wm_curve_triplets(cfg)  # a missing or bad --eval-transitions: one line now, not after the filter
+    # wm --eval-steps: its held-out triplets read now (a bad --eval-transitions is one line, not after the filter)
+    curve = wm_curve_triplets(cfg) if stage == "wm" and cfg.trainer == "ours" else None
     if os.environ.get("RANK", "0") == "0":  # under accelerate launch the main process holds it for all
         lock_out(out)
     if stage in ("wm", "policy", "all") and cfg.trainer == "ours":  # before the filter and the model load
         check_resume(cfg, out, "policy" if stage == "policy" else "wm", cfg.resume or stage == "all")
     with cost.run(out):  # at the end: the cost line, and out/cost.json
-        run_stage(stage, cfg, out, t0, trips)
+        run_stage(stage, cfg, out, t0, trips, curve)
 
 
 def use_4bit(cfg: ModelConfig) -> bool:
@@ -1736,15 +1736,17 @@ def check_single_process(cfg: Config) -> None:
                         "--trainer trl` shares work between processes; add --trainer trl, or run one process")
 
 
-def run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] | None) -> None:
+def run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] | None,
+              curve: list[dict] | None = None) -> None:
     _CARD_RUN.update(stage=stage, cfg=cfg)  # what the model cards of this stage's adapters say
     try:
-        _run_stage(stage, cfg, out, t0, trips)
+        _run_stage(stage, cfg, out, t0, trips, curve)
     finally:
         _CARD_RUN.clear()
 
 
-def _run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] | None) -> None:
+def _run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] | None,
+               curve: list[dict] | None = None) -> None:
     four_bit = use_4bit(cfg)
     loaded = []
 
@@ -1781,7 +1783,7 @@ def _run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] 
         if stage == "export":
             export_verl(cfg, kept, out)
         if stage == "wm":
-            extra = dict(heldout=wm_curve_triplets(cfg)) if cfg.trainer == "ours" else {}
+            extra = dict(heldout=curve) if cfg.trainer == "ours" else {}
             with cost.stage("grpo"):
                 (train_wm_trl if cfg.trainer == "trl" else train_wm)(cfg, kept, out, load, reward_fn, start, **extra)
         return
