@@ -46,8 +46,8 @@ in_parallel "rwml [ -f $OUT/rwml/adapter/adapter_config.json ] || $PY train.py w
 #     policy run: its dev curve every EVAL_EVERY steps, then the test games
 jobs=("eval_rwml [ -f $OUT/rwml/eval_agent.json ] || $evaluate --adapter $OUT/rwml/adapter --split dev,test --out $OUT/rwml/eval_agent.json"
       "eval_wm_sft [ -f $OUT/wm_sft/eval_agent.json ] || $evaluate --adapter $OUT/wm_sft/adapter --split dev --out $OUT/wm_sft/eval_agent.json")
-for s in $SEEDS; do
-    for arm in policy rwml_policy wm_sft_policy; do
+for arm in policy rwml_policy wm_sft_policy; do  # policy RL of every seed first: the claim that stage 2 learns
+    for s in $SEEDS; do
         case $arm in policy) init="--init base" ;; rwml_policy) init="--init rwml --adapter $OUT/rwml/adapter" ;;
                      wm_sft_policy) init="--init wm-sft --adapter $OUT/wm_sft/adapter" ;; esac
         d=$OUT/seed$s/$arm
