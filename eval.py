@@ -545,7 +545,8 @@ def report(cfg: ReportConfig, folders: list[str]) -> str:
 
 # ----------------------------------------------------------------------------- the sanity table (sanity.sh)
 
-SANITY_ARMS = (("warmup", "warm-up"), ("rwml", "+ RWML"), ("wm_sft", "+ WM SFT"), ("coin", "+ COIN"))
+SANITY_ARMS = (("warmup", "warm-up"), ("rwml", "+ RWML"), ("rwml_strat", "+ RWML, stratified prompts"),
+               ("wm_sft", "+ WM SFT"), ("coin", "+ COIN"))
 SANITY_BASELINES = (("template", "template rule"), ("nothing", "always \"Nothing happens.\""),
                     ("copy", "copy the observation"), ("base", "base model"))
 SANITY_COLUMNS = (("all targets", lambda r: r["wm_accuracy"]),
@@ -639,10 +640,14 @@ def sanity_report(folder: Path, split: str = "valid_unseen") -> str:
 
     from train import read_jsonl
     for d in seeds:
-        rw, coin = read_jsonl(d / "rwml" / "metrics.jsonl"), read_jsonl(d / "coin" / "metrics.jsonl")
-        zero = f"{statistics.fmean(r['frac_reward_zero_std'] for r in rw):.2f}" if rw else "–"
-        lines.append(f"| {d.name[4:]} | {quarters(rw, 'reward_mean')} | {quarters(rw, 'nothing_share')} | {zero} | "
-                     f"{mixed_nothing(rw)} | {quarters(coin, 'reward_mean')} |")
+        coin = read_jsonl(d / "coin" / "metrics.jsonl")
+        for arm, label in (("rwml", ""), ("rwml_strat", " (stratified prompts)")):
+            rw = read_jsonl(d / arm / "metrics.jsonl")
+            if arm != "rwml" and not rw:
+                continue
+            zero = f"{statistics.fmean(r['frac_reward_zero_std'] for r in rw):.2f}" if rw else "–"
+            lines.append(f"| {d.name[4:]}{label} | {quarters(rw, 'reward_mean')} | {quarters(rw, 'nothing_share')} | "
+                         f"{zero} | {mixed_nothing(rw)} | {quarters(coin, 'reward_mean') if arm == 'rwml' else '–'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -20,6 +20,7 @@ HELD_GAMES=${HELD_GAMES:-20}
 HELDOUT=${HELDOUT:-48}      # triplets of each held-out kind scored per arm (the same ones for every arm and seed)
 SEEDS=${SEEDS:-"0 1 2"}
 COIN_SEEDS=${COIN_SEEDS:-$SEEDS}  # seeds that also run the COIN control
+STRATIFY_SEEDS=${STRATIFY_SEEDS:-}  # seeds that also run RWML with --stratify-prompts (the drift fix, README)
 STEPS=${STEPS:-20}          # GRPO steps of RWML and COIN; WM SFT updates
 JOBS=${JOBS:-2}
 FILTER_JOBS=${FILTER_JOBS:-$JOBS}
@@ -59,6 +60,10 @@ for s in $SEEDS; do
     case " $COIN_SEEDS " in *" $s "*)
         train+=("coin$s [ -f $d/coin/adapter/adapter_config.json ] || $PY train.py wm $run --reward-control coin --out $d/coin --resume")
         evals+=("eval_coin${s}_$SPLIT score coin $s $H/seed$s/eval_coin --adapter $d/coin/adapter") ;;
+    esac
+    case " $STRATIFY_SEEDS " in *" $s "*)
+        train+=("rwml_strat$s [ -f $d/rwml_strat/adapter/adapter_config.json ] || $PY train.py wm $run --stratify-prompts --out $d/rwml_strat --resume")
+        evals+=("eval_rwml_strat${s}_$SPLIT score rwml_strat $s $H/seed$s/eval_rwml_strat --adapter $d/rwml_strat/adapter") ;;
     esac
     train+=("wm_sft$s [ -f $d/wm_sft/adapter/adapter_config.json ] || $PY train.py wm-sft $run --out $d/wm_sft")
     train+=("eval_warmup${s}_$SPLIT score warmup $s $H/seed$s/eval_warmup --adapter $d/filter/warmup_adapter")

@@ -146,6 +146,7 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     reward_control: str = "none"  # controls: mis = another triplet's next observation, coin = a fair coin
     max_steps: int = 24  # optimizer steps
     prompts_per_step: int = 4  # world-model prompts per step, each with num_generations completions
+    stratify_prompts: bool = False  # each step's prompts stratified by target kind (README: the drift); off = shuffled
     gradient_checkpointing: bool = False
     lora_r: int = 16
     lora_alpha: int = 32
@@ -183,7 +184,7 @@ _HELDOUT = ("heldout_split", "heldout_games", "eval_max_triplets")
 _FILTER = ("transitions", "filter_dir", "filter_seed", "easy_filter", "filter_split", "filter_samples",
            "easy_share", "easy_keep_prob", "warmup", "sft_epochs", "sft_learning_rate", "max_completion_length",
            "lora_r", "lora_alpha", "lora_target_modules")
-_RWML = ("reward_control", "max_steps", "prompts_per_step", "log_completions_steps", "eval_steps", "eval_on_start",
+_RWML = ("reward_control", "max_steps", "prompts_per_step", "stratify_prompts", "log_completions_steps", "eval_steps", "eval_on_start",
          "eval_transitions", "eval_max_triplets", "eval_samples")
 _POLICY = ("init", "games_per_step", "max_steps", "eval_steps", "eval_on_start", "eval_games", "eval_split")
 STAGE_FIELDS = {
@@ -193,8 +194,8 @@ STAGE_FIELDS = {
            "use_vllm", *_RUN),
     "all": (ModelConfig, AgentConfig, WorldModelConfig, rwml.GRPOConfig, *_COLLECT, *_HELDOUT, *_FILTER,
             *_LORA, *_RWML, *_RUN),
-    "wm-sft": (ModelConfig, *_REWARD, *_FILTER, *_LORA, "max_steps", "prompts_per_step", "learning_rate",
-               "out"),
+    "wm-sft": (ModelConfig, *_REWARD, *_FILTER, *_LORA, "max_steps", "prompts_per_step", "stratify_prompts",
+               "learning_rate", "out"),
     "rft": (ModelConfig, AgentConfig, "rollouts_per_game", "temperature", "top_p", "sft_epochs",
             "sft_learning_rate", *_LORA, "out"),
     "policy": (ModelConfig, AgentConfig, rwml.GRPOConfig, *_LORA, *_POLICY, *_RUN),
@@ -276,7 +277,7 @@ def check_config(cfg: Config, stage: str = "all") -> None:
 
 # Our GRPO loop's speed-ups, which TRL's GRPOTrainer does not have: with --trainer trl they must stay at
 # their defaults. Every other field the wm stage reads has a TRL counterpart (train_wm_trl).
-NO_TRL = ("shared_prompt_forward", "logits_chunk_size", "micro_batch_tokens")
+NO_TRL = ("shared_prompt_forward", "logits_chunk_size", "micro_batch_tokens", "stratify_prompts")
 
 
 SEED_MAX = 2**32 - 1  # numpy's bound (transformers' set_seed); torch's is 2**64 - 1
@@ -1034,18 +1035,40 @@ def start_adapter(cfg: Config, model, adapter: Path | str | None = None):
     return model
 
 
-def next_batch(state: dict, n: int, size: int, seed: int) -> list[int]:
+def next_batch(state: dict, n: int, size: int, seed: int, kinds: list[str] | None = None) -> list[int]:
     """The next `size` triplet indices of a run's data stream; advances state's epoch and cursor. An epoch's
-    order depends only on (seed, epoch), so a resumed run, and the matched WM-SFT control, see the same."""
+    order depends only on (seed, epoch), so a resumed run, and the matched WM-SFT control, see the same.
+    With `kinds` (each triplet's target kind) the order is stratified (`epoch_order`)."""
     batch = []
     while len(batch) < size:
         if state["cursor"] >= n:
             state.update(epoch=state["epoch"] + 1, cursor=0)
-        order = list(range(n))
-        random.Random(seed * 1000 + state["epoch"]).shuffle(order)
-        batch.append(order[state["cursor"]])
+        batch.append(epoch_order(n, seed, state["epoch"], kinds)[state["cursor"]])
         state["cursor"] += 1
     return batch
+
+
+def epoch_order(n: int, seed: int, epoch: int, kinds: list[str] | None = None) -> list[int]:
+    """A shuffle of range(n); with `kinds`, systematic stratification: each kind's triplets (in shuffled
+    order) are spread evenly over the epoch from a random offset, so that any window of k prompts holds
+    about k x that kind's share. Without it a few draws decide how many "Nothing happens." targets the
+    run's mixed groups get, and with them which way the share of "Nothing happens." predictions drifts."""
+    rng = random.Random(seed * 1000 + epoch)
+    order = list(range(n))
+    rng.shuffle(order)
+    if kinds is None:
+        return order
+    members: dict[str, list[int]] = {}
+    for i in order:
+        members.setdefault(kinds[i], []).append(i)
+    key = {i: (j + offset) / len(idx) for idx, offset in ((idx, rng.random()) for idx in members.values())
+           for j, i in enumerate(idx)}
+    return sorted(order, key=key.__getitem__)
+
+
+def target_kinds(cfg: Config, triplets: list[dict]) -> list[str] | None:
+    """Each triplet's target kind when the prompts are stratified by it, else None."""
+    return [envs.observation_kind(t["next_obs"]) for t in triplets] if cfg.stratify_prompts else None
 
 
 def reward_control(cfg: Config, triplets: list[dict], reward_fn, out: Path):
@@ -1085,6 +1108,7 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
     if coin is not None and "reward_rng" in state:
         coin.setstate(state["reward_rng"])
     curve = heldout if cfg.eval_steps else None
+    kinds = target_kinds(cfg, triplets)
 
     def evaluate(step: int) -> dict:  # world-model accuracy on the held-out triplets, as `all` scores them
         with keep_rng(), cost.stage("wm eval"):
@@ -1097,7 +1121,7 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
         if curve and cfg.eval_on_start and state["step"] == 0:
             log_row(metrics, writer, dict(step=0, **evaluate(0)))
         while state["step"] < cfg.max_steps:
-            batch = [triplets[i] for i in next_batch(state, len(triplets), cfg.prompts_per_step, cfg.seed)]
+            batch = [triplets[i] for i in next_batch(state, len(triplets), cfg.prompts_per_step, cfg.seed, kinds)]
             t0 = time.time()
             res = rwml.grpo_step(model, tok, optimizer, batch, reward_fn, cfg, reasoning=cfg.wm_reasoning)
             seconds = (time.time() - t0) / len(res["updates"])
@@ -1299,7 +1323,9 @@ def train_wm_sft(cfg: Config, triplets: list[dict], out: Path, load, reward_fn):
     if not kept:
         raise UserError("no training triplets left after filtering; collect more games")
     state = dict(epoch=0, cursor=0)
-    stream = [kept[i] for _ in range(cfg.max_steps) for i in next_batch(state, len(kept), cfg.prompts_per_step, cfg.seed)]
+    kinds = target_kinds(cfg, kept)
+    stream = [kept[i] for _ in range(cfg.max_steps)
+              for i in next_batch(state, len(kept), cfg.prompts_per_step, cfg.seed, kinds)]
     model, tok = load()
     model, losses, adapter = sft_adapter(cfg, model, tok, [rwml.wm_prompt(t, reasoning=False) for t in stream],
                                          [rwml.wm_answer(t) for t in stream], rwml.wm_system(stream[0]), out,

@@ -128,5 +128,15 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
     assert "| arrive | 30 | 0.500 | 0.500 | 0.500 |" in explore and "Too few to quote as a rate: take 4." in explore
     assert "| 0 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 | 0.00 of 4 | – |" in text
     assert "| 1 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 | 0.50 of 8 | – |" in text
+    assert "stratified" not in text  # an arm that did not run has no row
+    (tmp_path / "seed0" / "rwml_strat").mkdir()  # STRATIFY_SEEDS=0: RWML with --stratify-prompts beside it
+    (tmp_path / "seed0" / "rwml_strat" / "metrics.jsonl").write_text(json.dumps(dict(
+        reward_mean=0.3, frac_reward_zero_std=0.25, nothing_share=0.2, target_kinds=["nothing_happens"],
+        group_rewards=[0.5])) + "\n")
+    for kind in train.HELDOUT_KINDS:
+        (held / "seed0" / f"eval_rwml_strat_{kind}.json").write_text(json.dumps(_wm(0.6, 0.6, 0.6, kinds)))
+    text = ev.sanity_report(tmp_path)
+    assert "| + RWML, stratified prompts | 0.600 ± 0.000 (0.600)" in text
+    assert "| 0 (stratified prompts) | 0.30 -> 0.30 | 0.20 -> 0.20 | 0.25 | 1.00 of 1 | – |" in text
     with pytest.raises(UserError, match="run sanity.sh first"):
         ev.sanity_report(tmp_path / "seed0")

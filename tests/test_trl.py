@@ -64,6 +64,7 @@ def test_trl_rejects_what_it_cannot_run(tiny_model, transitions, tmp_path, monke
     TRL missing are one-line errors."""
     for extra, message in [(["--logits-chunk-size", "64"], "--logits-chunk-size 64 has no counterpart in"),
                            (["--no-shared-prompt-forward"], "--shared-prompt-forward False has no"),
+                           (["--stratify-prompts"], "--stratify-prompts True has no counterpart"),
                            (["--trainer", "ours", "--use-vllm"], "add --trainer trl"),
                            (["--trainer", "trl2"], "did you mean 'trl'")]:
         with pytest.raises(UserError, match=message):
