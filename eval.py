@@ -380,8 +380,6 @@ ID_SPLIT, OOD_SPLIT = "valid_seen", "valid_unseen"
 def read_run(folder: Path) -> dict:
     """The results found in a run folder, recognised by their keys: agent evaluations (per split), a
     world-model evaluation, a weight-change measure; and the training curve (metrics.jsonl)."""
-    from train import read_jsonl
-
     run = dict(name=folder.name, splits={}, tau2={}, wm=None, weights=None,
                curve=read_jsonl(folder / "metrics.jsonl"))
     for n, row in enumerate(run["curve"], 1):
@@ -564,10 +562,11 @@ def _spread(xs: list[float], fmt: str = ".3f") -> str:
     return f"{statistics.fmean(xs):{fmt}} ± {sd:.3f} ({' / '.join(f'{x:{fmt}}' for x in xs)})"
 
 
-def sanity_report(folder: Path, split: str = "valid_unseen") -> str:
+def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = None) -> str:
     """The tables of `sanity.sh`, from its run folder: per held-out kind, the content-free baselines, the
     base model, and per arm the mean ± sd over the independent seeds (each seed's value in brackets), the
-    paired RWML - warm-up gain, accuracy per observation kind; then the training diagnostics."""
+    paired RWML - warm-up gain, accuracy per observation kind; then the training diagnostics. `png`: the
+    GRPO arms' held-out curves (their --eval-steps rows) per seed and mean ± sd."""
     from train import HELDOUT_KINDS
 
     seeds = sorted(folder.glob("seed*"), key=lambda p: int(p.name[4:]))
@@ -638,16 +637,23 @@ def sanity_report(folder: Path, split: str = "valid_unseen") -> str:
         mixed = [k for r in rows for k, g in zip(r.get("target_kinds", []), r.get("group_rewards", [])) if 0 < g < 1]
         return f"{sum(k == 'nothing_happens' for k in mixed) / len(mixed):.2f} of {len(mixed)}" if mixed else "–"
 
-    from train import read_jsonl
     for d in seeds:
         coin = read_jsonl(d / "coin" / "metrics.jsonl")
         for arm, label in (("rwml", ""), ("rwml_strat", " (stratified prompts)")):
             rw = read_jsonl(d / arm / "metrics.jsonl")
             if arm != "rwml" and not rw:
                 continue
-            zero = f"{statistics.fmean(r['frac_reward_zero_std'] for r in rw):.2f}" if rw else "–"
+            zs = [r["frac_reward_zero_std"] for r in rw if "frac_reward_zero_std" in r]  # not the step-0 eval row
+            zero = f"{statistics.fmean(zs):.2f}" if zs else "–"
             lines.append(f"| {d.name[4:]}{label} | {quarters(rw, 'reward_mean')} | {quarters(rw, 'nothing_share')} | "
                          f"{zero} | {mixed_nothing(rw)} | {quarters(coin, 'reward_mean') if arm == 'rwml' else '–'} |")
+    if png is not None:
+        curves = {name: [[(r["step"], r["eval_wm_accuracy"]) for r in read_jsonl(d / arm / "metrics.jsonl")
+                          if "eval_wm_accuracy" in r] for d in seeds]
+                  for arm, name in SANITY_ARMS if arm in ("rwml", "rwml_strat", "coin")}
+        if plot_curves(curves, png, xlabel="GRPO step", ylabel="held-out world-model accuracy",
+                       title=f"RWML and its controls: accuracy on held-out {split} triplets during training"):
+            lines += ["", f"Held-out accuracy against step (the runs' --eval-steps rows): {png.name}"]
     return "\n".join(lines) + "\n"
 
 
@@ -704,26 +710,44 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
         test = [split_rate(d / "eval_agent.json", "test") for d in done]
         lines.append(f"| {name} | {pct(dev)} | {pct(test)} | {episodes(done[0] / 'eval_agent.json') if done else 0} | "
                      f"{', '.join(d.parent.name[4:] for d in done) or '–'} |")
-    if png is not None and any(any(c) for c in curves.values()):
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6.5, 3.8))
-        for (name, cs), color in zip(curves.items(), ("C0", "C1", "C2")):
-            for i, c in enumerate(cs):
-                if c:
-                    ax.plot([r["step"] for r in c], [100 * r["eval_success"] for r in c], color=color, alpha=0.8,
-                            marker="o", ms=3, lw=1, ls=("-", "--", ":")[i % 3], label=f"{name}, seed {seeds[i].name[4:]}")
-        ax.set_xlabel("stage-2 step")
-        ax.set_ylabel("dev success (%), greedy")
-        ax.set_title("stage 2 on TextWorld (choose mode): held-out dev games")
-        ax.legend(fontsize=6, ncol=2)
-        fig.tight_layout()
-        fig.savefig(png, dpi=110)
-        plt.close(fig)
+    if png is not None:
+        plot_curves({name: [[(r["step"], 100 * r["eval_success"]) for r in c] for c in cs] for name, cs in curves.items()},
+                    png, xlabel="stage-2 step", ylabel="dev success (%), greedy",
+                    title="stage 2 on TextWorld (choose mode): held-out dev games")
     return "\n".join(lines) + "\n"
+
+
+def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], png: Path, *, xlabel: str, ylabel: str,
+                title: str) -> bool:
+    """Held-out score against step, per arm: each seed's curve (thin) and, at the steps every seed has, their
+    mean ± sd (bold, shaded). Returns whether there was anything to draw."""
+    if not any(any(c) for cs in curves.values() for c in cs):
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for i, (name, cs) in enumerate(curves.items()):
+        cs, color = [dict(c) for c in cs if c], f"C{i}"
+        if not cs:
+            continue
+        for c in cs:
+            ax.plot(list(c), list(c.values()), color=color, alpha=0.35, lw=0.8, marker="o", ms=2)
+        steps = sorted(set.intersection(*(set(c) for c in cs)))
+        mean = [statistics.fmean(c[x] for c in cs) for x in steps]
+        sd = [statistics.stdev(c[x] for c in cs) if len(cs) > 1 else 0.0 for x in steps]
+        ax.plot(steps, mean, color=color, lw=2, marker="o", ms=4, label=f"{name} (mean ± sd of {len(cs)} seeds)")
+        ax.fill_between(steps, [m - d for m, d in zip(mean, sd)], [m + d for m, d in zip(mean, sd)], color=color,
+                        alpha=0.15, lw=0)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -737,7 +761,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg, rest = parse_config(SanityConfig, argv[1:], prog="eval.py sanity",
                                  positional={"run": dict(help="the run folder of sanity.sh (runs/sanity)")})
         check_writable(Path(cfg.out), folder=False)
-        text = sanity_report(Path(rest["run"]), cfg.split)
+        text = sanity_report(Path(rest["run"]), cfg.split, Path(cfg.out).with_name(Path(cfg.out).stem + "_curve.png"))
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(Path(cfg.out), text)
         print(text + f"-> {cfg.out}")

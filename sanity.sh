@@ -22,6 +22,8 @@ SEEDS=${SEEDS:-"0 1 2"}
 COIN_SEEDS=${COIN_SEEDS:-$SEEDS}  # seeds that also run the COIN control
 STRATIFY_SEEDS=${STRATIFY_SEEDS:-}  # seeds that also run RWML with --stratify-prompts (the drift fix, README)
 STEPS=${STEPS:-20}          # GRPO steps of RWML and COIN; WM SFT updates
+CURVE_EVERY=${CURVE_EVERY:-10}  # the GRPO arms' held-out curve: CURVE triplets of SPLIT's explore set every this
+CURVE=${CURVE:-16}              # many steps, at the start and at the end (0: no curve); training is unchanged
 JOBS=${JOBS:-2}
 FILTER_JOBS=${FILTER_JOBS:-$JOBS}
 KINDS="explore purposeful"
@@ -56,13 +58,16 @@ train=() evals=()
 for s in $SEEDS; do
     d=$OUT/seed$s
     run="--transitions $d/collect/transitions.jsonl --seed $s --max-steps $STEPS --filter-dir $d/filter"
-    train+=("rwml$s [ -f $d/rwml/adapter/adapter_config.json ] || $PY train.py wm $run --out $d/rwml --resume")
+    curve=""
+    [ "$CURVE_EVERY" -gt 0 ] && curve="--eval-steps $CURVE_EVERY --eval-on-start --eval-max-triplets $CURVE \
+--eval-transitions $H/heldout_explore/transitions.jsonl"
+    train+=("rwml$s [ -f $d/rwml/adapter/adapter_config.json ] || $PY train.py wm $run $curve --out $d/rwml --resume")
     case " $COIN_SEEDS " in *" $s "*)
-        train+=("coin$s [ -f $d/coin/adapter/adapter_config.json ] || $PY train.py wm $run --reward-control coin --out $d/coin --resume")
+        train+=("coin$s [ -f $d/coin/adapter/adapter_config.json ] || $PY train.py wm $run $curve --reward-control coin --out $d/coin --resume")
         evals+=("eval_coin${s}_$SPLIT score coin $s $H/seed$s/eval_coin --adapter $d/coin/adapter") ;;
     esac
     case " $STRATIFY_SEEDS " in *" $s "*)
-        train+=("rwml_strat$s [ -f $d/rwml_strat/adapter/adapter_config.json ] || $PY train.py wm $run --stratify-prompts --out $d/rwml_strat --resume")
+        train+=("rwml_strat$s [ -f $d/rwml_strat/adapter/adapter_config.json ] || $PY train.py wm $run $curve --stratify-prompts --out $d/rwml_strat --resume")
         evals+=("eval_rwml_strat${s}_$SPLIT score rwml_strat $s $H/seed$s/eval_rwml_strat --adapter $d/rwml_strat/adapter") ;;
     esac
     train+=("wm_sft$s [ -f $d/wm_sft/adapter/adapter_config.json ] || $PY train.py wm-sft $run --out $d/wm_sft")
@@ -72,4 +77,4 @@ done
 in_parallel "${train[@]}"
 in_parallel "${evals[@]}"
 $PY eval.py sanity "$OUT" --split "$SPLIT" --out "$OUT/sanity_$SPLIT.md"
-[ "$OUT" = runs/sanity ] && cp "$OUT/sanity_$SPLIT.md" results/ || true
+[ "$OUT" = runs/sanity ] && cp "$OUT/sanity_$SPLIT.md" "$OUT"/sanity_${SPLIT}_curve.png results/ 2>/dev/null || true

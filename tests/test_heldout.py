@@ -135,8 +135,14 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
         group_rewards=[0.5])) + "\n")
     for kind in train.HELDOUT_KINDS:
         (held / "seed0" / f"eval_rwml_strat_{kind}.json").write_text(json.dumps(_wm(0.6, 0.6, 0.6, kinds)))
-    text = ev.sanity_report(tmp_path)
+    assert not (tmp_path / "curve.png").exists()
+    for s in range(3):  # the runs' --eval-steps rows: the curve, per seed and mean ± sd
+        with open(tmp_path / f"seed{s}" / "rwml" / "metrics.jsonl", "a") as f:
+            f.write("".join(json.dumps(dict(step=k, eval_wm_accuracy=0.1 * k + s / 10)) + "\n" for k in (0, 2, 4)))
+    text = ev.sanity_report(tmp_path, png=tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 1000 and "curve.png" in text
     assert "| + RWML, stratified prompts | 0.600 ± 0.000 (0.600)" in text
+    assert "| 0 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 | 0.00 of 4 | – |" in text  # eval rows are not steps
     assert "| 0 (stratified prompts) | 0.30 -> 0.30 | 0.20 -> 0.20 | 0.25 | 1.00 of 1 | – |" in text
     with pytest.raises(UserError, match="run sanity.sh first"):
         ev.sanity_report(tmp_path / "seed0")
