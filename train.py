@@ -1250,16 +1250,27 @@ def train_wm_trl(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, 
     prompts = [rwml.chat(tok, rwml.wm_prompt(t, cfg.wm_reasoning), rwml.wm_system(t), prefix)
                for t in triplets]
     data = Dataset.from_dict(dict(prompt=prompts, targets=[t["next_obs"] for t in triplets],
-                                  action=[t["action"] for t in triplets]))
+                                  action=[t["action"] for t in triplets],
+                                  prompt_tail=[rwml.wm_prompt(t, cfg.wm_reasoning)[-PROMPT_TAIL:] for t in triplets]))
+    G = cfg.num_generations
 
-    def reward(completions, targets, action, trainer_state, **_):
+    def reward(completions, targets, action, prompt_tail, trainer_state, **_):
         texts = [prefix + (c[:c.index(stop) + len(stop)] if stop in c else c) for c in completions]
         rewards = reward_fn(texts, targets)
         step = trainer_state.global_step + 1  # the step these completions train
         if state.is_main_process and (step % cfg.log_completions_steps == 0 or step == 1):
+            # TRL's sampler puts a prompt's G completions next to each other: whole groups, as ours logs them
+            # (the main process's share of them under accelerate; advantages as TRL computes them on one process)
+            k = len(texts) // G * G
+            adv = rwml.group_advantages(torch.tensor(rewards[:k]), G, cfg.scale_rewards).tolist() if k else []
+            groups = [dict(prompt_tail=prompt_tail[i], action=action[i], target=targets[i], completions=texts[i:i + G],
+                           rewards=rewards[i:i + G], advantages=[round(a, 4) for a in adv[i:i + G]])
+                      for i in range(0, k, G)]
             with open(out / "samples.jsonl", "a") as f:
                 f.write(json.dumps(dict(step=step, action=action[0], completion=texts[0], target=targets[0],
-                                        reward=rewards[0])) + "\n")
+                                        reward=rewards[0], groups=groups)) + "\n")
+            if groups:
+                tqdm.write(group_table(step, groups))
         return rewards
 
     reward.__name__ = getattr(reward_fn, "__name__", "reward")  # TRL logs rewards/<name>/mean

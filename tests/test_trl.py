@@ -45,7 +45,13 @@ def test_trl_wm_from_the_warmup_saves_an_adapter_eval_reads(tiny_model, transiti
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(set(train.WM_METRICS) <= r.keys() for r in rows), set(train.WM_METRICS) - rows[0].keys()  # as ours
-    assert read_jsonl(out / "samples.jsonl")[0]["completion"].startswith("<next_state>")  # our prefix
+    samples = read_jsonl(out / "samples.jsonl")
+    assert samples[0]["completion"].startswith("<next_state>")  # our prefix
+    for g in samples[0]["groups"]:  # whole groups, as our trainer logs them
+        assert len(g["completions"]) == len(g["rewards"]) == len(g["advantages"]) == 2
+        assert g["rewards"] == letters_reward(g["completions"], None) and g["action"] in g["prompt_tail"]
+        assert all((a > 0) == (r > min(g["rewards"])) for r, a in zip(g["rewards"], g["advantages"]))
+    assert samples[0]["groups"] and samples[0]["completion"] == samples[0]["groups"][0]["completions"][0]
     warm = load_file(out / "filter" / "warmup_adapter" / "adapter_model.safetensors")
     trained = load_file(out / "adapter" / "adapter_model.safetensors")
     assert warm.keys() == trained.keys() and any((warm[k] != trained[k]).any() for k in warm)
