@@ -1,10 +1,13 @@
-"""ALFWorld on the real TextWorld engine (RWML paper, Sec. 4 setup): games, actions, worker processes.
+"""The environments the agent plays, behind one interface (`make`, `games`): ALFWorld (the paper's, Sec. 4),
+TextWorld's generated games (the laptop setting for stage 2) and tau2-bench (tool use).
 
-Nothing here simulates the game: every observation comes from `textworld`'s PDDL engine running the
-official ALFWorld game files, as `alfworld.agents.environment.AlfredTWEnv` does. What we add is
+Nothing here simulates a game: every ALFWorld and TextWorld observation comes from `textworld`'s engine
+running the official ALFWorld game files (as `alfworld.agents.environment.AlfredTWEnv` does) or games made
+by TextWorld's own generator; tau2's come from its official tools and grading. What we add is
   - game lists by split, sorted, with a deterministic subset by count and seed;
   - clean observations (no banner), the task sentence, our own step budget (the paper: 30);
-  - the action parser for model text, with "invalid" and "format error" counted apart;
+  - the action parser for model text, with "invalid" and "format error" counted apart, and the admissible
+    commands that choose mode picks from;
   - two caches for the engine's measured hot spots, and a pool of worker processes.
 """
 from __future__ import annotations
@@ -377,8 +380,9 @@ def _serve(conn, max_turns: int, cache: bool, parent_pid: int, parent_ends: list
 class EnvPool:
     """Games in `num_workers` processes (0 = in this process); slot s lives in worker s % num_workers.
 
-    Calls take {slot: argument} for any subset of slots and run the workers in parallel. `submit` and
-    `collect` split a call so the caller can work (e.g. generate for other episodes) meanwhile. A worker
+    Calls take {slot: argument} for any subset of slots and run the workers in parallel: `submit` sends a
+    call, `collect` gathers its answers (every caller runs them back to back; the split would let one
+    generate while the engine steps, which nothing does yet). A worker
     that dies, or sends no answer for `timeout` seconds (a hung engine), ends the call with a UserError
     that names it. Workers exit with the process that made them.
     """

@@ -93,7 +93,7 @@ class AgentConfig:
     action_mode: str = "generate"  # generate: free-form ReAct replies (paper) | choose: pi(a|s) = softmax over admissible commands
     world_size: int = 2  # textworld: rooms of a generated game (tw-make's --world-size)
     nb_objects: int = 4  # textworld: objects of a generated game
-    quest_length: int = 2  # textworld: steps of the winning quest; a random admissible policy wins ~ (README)
+    quest_length: int = 2  # textworld: steps of the winning quest (at 2 a random admissible policy wins ~25 % in 10 steps)
     domain: str = "retail"  # tau2: airline | retail | telecom
     user_model: str | None = None  # tau2's simulated customer: any HF causal LM; None = the agent's model
     split: str | None = "train"
