@@ -21,6 +21,7 @@ HELDOUT=${HELDOUT:-48}      # triplets of each held-out kind scored per arm (the
 SEEDS=${SEEDS:-"0 1 2"}
 COIN_SEEDS=${COIN_SEEDS:-$SEEDS}  # seeds that also run the COIN control
 STRATIFY_SEEDS=${STRATIFY_SEEDS:-}  # seeds that also run RWML with --stratify-prompts (the drift fix, README)
+SKIP=${SKIP:-}              # arms not scored on SPLIT (e.g. "base wm_sft coin": a quicker comparison on the dev split)
 STEPS=${STEPS:-20}          # GRPO steps of RWML and COIN; WM SFT updates
 CURVE_EVERY=${CURVE_EVERY:-10}  # the GRPO arms' held-out curve: CURVE triplets of SPLIT's explore set every this
 CURVE=${CURVE:-16}              # many steps, at the start and at the end (0: no curve); training is unchanged
@@ -32,6 +33,7 @@ LOGS=$OUT/logs
 source ./jobs.sh  # in_parallel
 score() {  # score NAME SEED OUT_STEM [eval.py flags]: held-out world-model accuracy on both kinds
     local name=$1 seed=$2 stem=$3 kind; shift 3
+    case " $SKIP " in *" $name "*) echo "$name: not scored (SKIP)"; return ;; esac
     mkdir -p "$(dirname "$stem")"
     for kind in $KINDS; do
         f=$H/heldout_$kind/transitions.jsonl
@@ -40,7 +42,7 @@ score() {  # score NAME SEED OUT_STEM [eval.py flags]: held-out world-model accu
     done
 }
 
-export PY H HELDOUT KINDS
+export PY H HELDOUT KINDS SKIP
 export -f score
 jobs=("heldout_explore_$SPLIT $PY train.py collect --seed 0 --split $SPLIT --num-games $HELD_GAMES --out $H/heldout_explore"
       "heldout_purposeful_$SPLIT $PY train.py collect --walkthrough --seed 0 --split $SPLIT --num-games $HELD_GAMES --out $H/heldout_purposeful")
