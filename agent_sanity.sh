@@ -58,5 +58,10 @@ for arm in policy rwml_policy wm_sft_policy; do  # policy RL of every seed first
     done
 done
 in_parallel "${jobs[@]}"
-$PY eval.py agent-table "$OUT" --seeds $SEEDS
-[ "$OUT" = runs/agent_sanity ] && cp "$OUT/agent_sanity.md" "$OUT/agent_sanity_curve.png" results/ || true
+$PY eval.py agent-table "$OUT" --out "$OUT/agent_sanity.md"
+if [ "$OUT" = runs/agent_sanity ]; then  # the table, the curve and each run's small files (no adapters) -> results/
+    (cd "$OUT" && find . \( -name adapter -o -name checkpoint -o -name warmup_adapter \) -prune -o -type f \( \
+        -name 'agent_sanity*' -o -name eval_agent.json -o -name eval_episodes.jsonl -o -name metrics.jsonl \
+        -o -name cost.json -o -name filter.json -o -name collect.json \) -print) |
+        while read -r f; do mkdir -p "results/agent_sanity/$(dirname "$f")"; cp "$OUT/$f" "results/agent_sanity/$f"; done
+fi
