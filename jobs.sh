@@ -11,7 +11,9 @@ in_parallel() {  # in_parallel "NAME COMMAND..." ...
     done
     for i in "${!pids[@]}"; do
         wait "${pids[$i]}" || {
-            for p in $(jobs -rp); do pkill -P "$p"; kill "$p"; done 2>/dev/null
+            # `|| true`: under the callers' set -e a pkill that matches nothing (a job bash exec'd into its one
+            # command has no children) would end the script here and leave the other jobs running
+            for p in $(jobs -rp); do pkill -P "$p" || true; kill "$p" || true; done 2>/dev/null
             echo "$(basename "$0"): ${names[$i]} failed, see $LOGS/${names[$i]}.log"; exit 1; }
         echo "done: ${names[$i]}"
     done

@@ -378,3 +378,21 @@ def test_sigterm_during_training_keeps_every_logged_step(tiny_model, transitions
     assert 3 <= logged < 50
     train.main(args + ["--max-steps", str(logged + 1), "--resume"])
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, logged + 2))
+
+
+def test_the_first_failed_job_of_a_sanity_script_stops_the_others(tmp_path):
+    """jobs.sh's in_parallel, under the scripts' `set -euo pipefail`: when a job fails, the jobs still
+    running are stopped (a rerun must not race them on the same run folder) and the failure names its log;
+    a job that bash runs by exec (one plain command, so no children) included."""
+    script, late = tmp_path / "s.sh", tmp_path / "survived"
+    script.write_text(f"""set -euo pipefail
+LOGS={tmp_path}/logs JOBS=3
+source {ROOT}/jobs.sh
+in_parallel "broken false" "shell sleep 4 && touch {late}_shell" \\
+            "exec_d {sys.executable} -c 'import time; time.sleep(4); open(\\"{late}_exec\\", \\"w\\")'"
+""")
+    t0 = time.time()
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "broken failed, see" in r.stdout and time.time() - t0 < 3.5, r
+    time.sleep(5)
+    assert not list(tmp_path.glob("survived*"))
