@@ -226,7 +226,7 @@ def test_mis_scores_each_triplet_against_another_ones_target(tiny_model, transit
 def test_stratified_prompts_give_every_step_its_share_of_each_target_kind(tiny_model, transitions, tmp_path):
     """--stratify-prompts: each epoch a permutation in which every kind's triplets are spread evenly, so a
     step of k prompts holds about k x a kind's share; off, the order is the plain seeded shuffle as before.
-    train_wm and the matched WM SFT follow it."""
+    train_wm follows it (the matched WM SFT draws its stream with the same next_batch call)."""
     kinds = ["nothing_happens"] * 20 + ["arrive"] * 50 + ["open"] * 30
     for seed in range(5):
         for epoch in range(3):
