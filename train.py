@@ -1039,11 +1039,13 @@ def next_batch(state: dict, n: int, size: int, seed: int, kinds: list[str] | Non
     """The next `size` triplet indices of a run's data stream; advances state's epoch and cursor. An epoch's
     order depends only on (seed, epoch), so a resumed run, and the matched WM-SFT control, see the same.
     With `kinds` (each triplet's target kind) the order is stratified (`epoch_order`)."""
-    batch = []
+    batch, order = [], None
     while len(batch) < size:
         if state["cursor"] >= n:
             state.update(epoch=state["epoch"] + 1, cursor=0)
-        batch.append(epoch_order(n, seed, state["epoch"], kinds)[state["cursor"]])
+            order = None
+        order = order or epoch_order(n, seed, state["epoch"], kinds)  # once per epoch, not per triplet
+        batch.append(order[state["cursor"]])
         state["cursor"] += 1
     return batch
 
