@@ -24,8 +24,9 @@ POLICY_GEN=${POLICY_GEN:-4}
 POLICY_LR=${POLICY_LR:-1e-3}
 POLICY_T=${POLICY_T:-1.0}       # the choice softmax's temperature while sampling (evaluation is greedy)
 EVAL_EVERY=${EVAL_EVERY:-$POLICY_STEPS}  # the curve: dev success every EVAL_EVERY steps and at the end (step 0:
-#                                 the start's evaluation); smaller values draw more points, for ~3 min each
-EVAL_GAMES=${EVAL_GAMES:-10}    # held-out games per split (dev, test)
+#                                 the start's evaluation); smaller values draw more points, for ~2 min each
+CURVE_GAMES=${CURVE_GAMES:-10}  # the curve's dev games (a subset of the table's when <= EVAL_GAMES)
+EVAL_GAMES=${EVAL_GAMES:-20}    # the table: held-out games per split (dev, test), every arm's final evaluation
 TW="--env textworld --action-mode choose --max-turns $TURNS --num-workers 0"
 LOGS=$OUT/logs
 source ./jobs.sh  # in_parallel
@@ -43,7 +44,7 @@ in_parallel "rwml [ -f $OUT/rwml/adapter/adapter_config.json ] || $PY train.py w
             "eval_random [ -f $OUT/random/eval_agent.json ] || $evaluate --policy random --seeds 3 --split dev,test --out $OUT/random/eval_agent.json"
 
 # --- stage 2, per seed, and the stage-1 arms' evaluations (their dev success is step 0 of the curves); each
-#     policy run: its dev curve every EVAL_EVERY steps, then the test games
+#     policy run: its dev curve every EVAL_EVERY steps, then the table's dev and test games
 jobs=("eval_rwml [ -f $OUT/rwml/eval_agent.json ] || $evaluate --adapter $OUT/rwml/adapter --split dev,test --out $OUT/rwml/eval_agent.json"
       "eval_wm_sft [ -f $OUT/wm_sft/eval_agent.json ] || $evaluate --adapter $OUT/wm_sft/adapter --split dev --out $OUT/wm_sft/eval_agent.json")
 for arm in policy rwml_policy wm_sft_policy; do  # policy RL of every seed first: the claim that stage 2 learns
@@ -53,8 +54,8 @@ for arm in policy rwml_policy wm_sft_policy; do  # policy RL of every seed first
         d=$OUT/seed$s/$arm
         jobs+=("${arm}$s [ -f $d/adapter/adapter_config.json ] || $PY train.py policy $TW --seed $s $init --num-games $GAMES \
 --games-per-step $POLICY_GAMES --num-generations $POLICY_GEN --max-steps $POLICY_STEPS --beta 0.0 \
---learning-rate $POLICY_LR --temperature $POLICY_T --save-steps 1 --eval-steps $EVAL_EVERY --eval-games $EVAL_GAMES \
---out $d --resume; [ -f $d/eval_agent.json ] || $evaluate --adapter $d/adapter --split test --out $d/eval_agent.json")
+--learning-rate $POLICY_LR --temperature $POLICY_T --save-steps 1 --eval-steps $EVAL_EVERY --eval-games $CURVE_GAMES \
+--out $d --resume; [ -f $d/eval_agent.json ] || $evaluate --adapter $d/adapter --split dev,test --out $d/eval_agent.json")
     done
 done
 in_parallel "${jobs[@]}"

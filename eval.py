@@ -665,9 +665,10 @@ AGENT_ARMS = (("base", "base"), ("rwml", "RWML"), ("policy", "policy RL"), ("rwm
 
 def agent_report(folder: Path, png: Path | None = None) -> str:
     """The table of `agent_sanity.sh`, from its run folder: greedy success (%) on the dev and test games per
-    arm (stage-2 arms: mean ± sd over the seed*/ folders, each seed listed; dev = the curve's last point,
-    played as `eval.py agent` plays it), the random-admissible baseline, and the dev curve (`png`; its step
-    0 is the start's evaluation: base, RWML or WM SFT)."""
+    arm, and on both splits pooled (stage-2 arms: mean ± sd over the seed*/ folders, each seed listed), the
+    random-admissible baseline, and the dev curve (`png`; its step 0 is the start's evaluation: base, RWML
+    or WM SFT, on the curve's games). A stage-2 arm's dev score is its final `eval.py agent` evaluation when
+    that played the dev games, else the curve's last point."""
     seeds = sorted(folder.glob("seed*/"), key=lambda d: int(d.name[4:]) if d.name[4:].isdigit() else -1)
     if not seeds:
         raise UserError(f"no seed*/ folders in {folder}: run agent_sanity.sh first")
@@ -677,38 +678,58 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
             return f"{xs[0]:.1f}" if xs else "–"
         return f"{statistics.fmean(xs):.1f} ± {statistics.stdev(xs):.1f} ({' / '.join(f'{x:.0f}' for x in xs)})"
 
-    def split_rate(f: Path, split: str):
-        return json.loads(f.read_text())["per_split"][split]["success_rate"] if f.is_file() else None
+    def per_split(f: Path) -> dict:
+        return json.loads(f.read_text())["per_split"] if f.is_file() else {}
 
-    def curve(d: Path, start: Path) -> list[dict]:  # step 0: the start's own dev evaluation (the same play)
+    def split_rate(f: Path, split: str):
+        return per_split(f).get(split, {}).get("success_rate")
+
+    def pooled(f: Path):  # success over every dev and test episode together
+        r = per_split(f)
+        if not ("dev" in r and "test" in r):
+            return None
+        n = r["dev"]["num_episodes"] + r["test"]["num_episodes"]
+        return sum(r[sp]["success_rate"] * r[sp]["num_episodes"] for sp in ("dev", "test")) / n
+
+    def curve(d: Path, start: Path) -> list[dict]:  # step 0: the start's own dev evaluation, on the curve's games
         rows = [r for r in read_jsonl(d / "metrics.jsonl") if "eval_success" in r] if (d / "metrics.jsonl").is_file() else []
         first = split_rate(start / "eval_agent.json", "dev")
+        games = {e["game"] for e in read_jsonl(d / "eval_episodes.jsonl")} if (d / "eval_episodes.jsonl").is_file() else set()
+        played = [e for e in json.loads((start / "eval_agent.json").read_text()).get("episodes", [])
+                  if e.get("split") == "dev" and e["game"] in games] if first is not None else []
+        if played:  # the start played more dev games than the curve does: score it on the curve's
+            first = statistics.fmean(float(e["won"]) for e in played)
         return ([dict(step=0, eval_success=first)] if rows and rows[0]["step"] > 0 and first is not None else []) + rows
 
     def episodes(f: Path) -> int:
-        return json.loads(f.read_text())["per_split"]["test"]["num_episodes"] if f.is_file() else 0
+        return per_split(f).get("test", {}).get("num_episodes", 0)
 
-    lines = ["| arm | dev success (%) | test success (%) | test episodes | seeds |", "|---|---|---|---|---|"]
+    lines = ["| arm | dev success (%) | test success (%) | dev + test (%) | test episodes | seeds |",
+             "|---|---|---|---|---|---|"]
     random_f = folder / "random" / "eval_agent.json"
     if random_f.is_file():
-        r = json.loads(random_f.read_text())["per_split"]
+        r = per_split(random_f)
         lines.append(f"| uniform random admissible | {100 * r['dev']['success_rate']:.1f} ± "
                      f"{100 * r['dev']['success_rate_std']:.1f} | {100 * r['test']['success_rate']:.1f} ± "
-                     f"{100 * r['test']['success_rate_std']:.1f} | {episodes(random_f)} | "
-                     f"{r['test']['num_episodes'] // r['test']['num_games']} |")
+                     f"{100 * r['test']['success_rate_std']:.1f} | {100 * pooled(random_f):.1f} | "
+                     f"{episodes(random_f)} | {r['test']['num_episodes'] // r['test']['num_games']} |")
     curves, start = {}, dict(policy="base", rwml_policy="rwml", wm_sft_policy="wm_sft")
     for key, name in AGENT_ARMS:
         if key in ("base", "rwml"):  # one greedy evaluation: nothing to replicate
             f = folder / key / "eval_agent.json"
-            rates = [[x] if (x := split_rate(f, sp)) is not None else [] for sp in ("dev", "test")]
-            lines.append(f"| {name} | {pct(rates[0])} | {pct(rates[1])} | {episodes(f)} | – |")
+            rates = [[x] if (x := fn(f)) is not None else [] for fn in
+                     (lambda f: split_rate(f, "dev"), lambda f: split_rate(f, "test"), pooled)]
+            lines.append(f"| {name} | {pct(rates[0])} | {pct(rates[1])} | {pct(rates[2])} | {episodes(f)} | – |")
             continue
         runs = [d / key for d in seeds]
         curves[name] = [curve(d, folder / start[key]) for d in runs]
-        dev = [c[-1]["eval_success"] for c in curves[name] if c]
         done = [d for d in runs if (d / "eval_agent.json").is_file()]
+        final_dev = [split_rate(d / "eval_agent.json", "dev") for d in done]
+        dev = (final_dev if done and None not in final_dev else [c[-1]["eval_success"] for c in curves[name] if c])
         test = [split_rate(d / "eval_agent.json", "test") for d in done]
-        lines.append(f"| {name} | {pct(dev)} | {pct(test)} | {episodes(done[0] / 'eval_agent.json') if done else 0} | "
+        both = [x for d in done if (x := pooled(d / "eval_agent.json")) is not None]
+        lines.append(f"| {name} | {pct(dev)} | {pct(test)} | {pct(both)} | "
+                     f"{episodes(done[0] / 'eval_agent.json') if done else 0} | "
                      f"{', '.join(d.parent.name[4:] for d in done) or '–'} |")
     if png is not None:
         plot_curves({name: [[(r["step"], 100 * r["eval_success"]) for r in c] for c in cs] for name, cs in curves.items()},
