@@ -30,12 +30,13 @@ data: setup
 train: data
 	$(PY) train.py $(ARGS)
 
-# TRL for the tests of `--trainer trl` and for bench/grpo_vs_trl.py; training with our trainer does not need it
+# TRL for the tests of `--trainer trl` and for bench/; ruff for the lint check; training needs neither
 $(VENV)/.installed-trl: $(VENV)/.installed bench/requirements.txt
 	$(PY) -m pip install -q --no-deps -r bench/requirements.txt
 	touch $@
 
 test: data $(VENV)/.installed-trl
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests $(ARGS)
 
 # RWML learning, measured: 3 seeds, warm-up vs warm-up + RWML vs the matched WM-SFT and COIN controls

@@ -59,7 +59,8 @@ def _workers_bytes() -> int:
 
 def _cuda():
     torch = sys.modules.get("torch")  # never imports torch itself
-    return torch.cuda if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    ok = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.cuda if ok else None
 
 
 class Tracker:
@@ -118,7 +119,8 @@ class Tracker:
         workers = _workers_bytes()
         out = dict(seconds=round(time.time() - self.t0, 1), peak_rss_gb=gb(_hwm_bytes()),
                    workers_peak_rss_gb=gb(workers) if workers > self.workers0 else None,
-                   stage_peaks="exact or sampled" if self.proc else "running maximum", pid=os.getpid(), stages={})
+                   stage_peaks="exact or sampled" if self.proc else "running maximum", pid=os.getpid(),
+                   stages={})
         if _cuda() or self.cuda_peak:
             out["cuda_max_allocated_gb"] = gb(self.cuda_peak)
         for name, s in self.stages.items():

@@ -618,7 +618,7 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
                 rs = [base[c]] if c in base else arms[c]
                 vals.append(f"{statistics.fmean(r['per_observation_kind'][k]['wm_accuracy'] for r in rs):.3f}")
             lines.append(f"| {k} | {n} | " + " | ".join(vals) + " |")
-        lines += ([f"", f"Too few to quote as a rate: {', '.join(few)}."] if few else []) + [""]
+        lines += (["", f"Too few to quote as a rate: {', '.join(few)}."] if few else []) + [""]
     lines += ["### training", "", "Mean per step, first quarter -> last quarter of the steps: the reward, the share of "
               "predictions that are \"Nothing happens.\"; the share of groups whose rewards are all equal (no gradient), "
               "and of the mixed groups (those that carry the gradient), the share whose target is \"Nothing happens.\".",

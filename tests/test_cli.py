@@ -33,9 +33,9 @@ def test_bad_input_one_line(args, env, message):
     r = run(*args, env=env)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
-    lines = [l for l in r.stderr.splitlines() if l.strip() and "gemm_4bit" not in l]
+    lines = [x for x in r.stderr.splitlines() if x.strip() and "gemm_4bit" not in x]
     assert message in lines[-1], r.stderr
-    assert len([l for l in lines if "error" in l]) == 1, r.stderr
+    assert len([x for x in lines if "error" in x]) == 1, r.stderr
 
 
 def test_config_file_typo(tmp_path):
@@ -113,9 +113,9 @@ def test_bad_files_one_line(tmp_path):
                                 (["eval.py", "agent", "--adapter"], "adapter", "not a readable peft")]:
         r = run(*args, str(tmp_path / file))
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-        lines = [l for l in r.stderr.splitlines() if l.strip() and "gemm_4bit" not in l]
+        lines = [x for x in r.stderr.splitlines() if x.strip() and "gemm_4bit" not in x]
         assert message in lines[-1] and lines[-1].startswith("error: "), r.stderr
-        assert len([l for l in lines if "error" in l]) == 1, r.stderr
+        assert len([x for x in lines if "error" in x]) == 1, r.stderr
 
 
 @pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])

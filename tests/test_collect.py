@@ -15,8 +15,8 @@ def collect(tiny_model, out, *extra):
     train.main(["collect", "--model", tiny_model, "--num-games", "2", "--rollouts-per-game", "2",
                 "--max-turns", "3", "--max-new-tokens", "8", "--num-envs", "3", "--num-workers", "2",
                 "--history-len", "2", "--out", str(out), *extra])
-    return [json.loads(l) for l in (out / "transitions.jsonl").read_text().splitlines()], \
-        [json.loads(l) for l in (out / "episodes.jsonl").read_text().splitlines()]
+    return [json.loads(x) for x in (out / "transitions.jsonl").read_text().splitlines()], \
+        [json.loads(x) for x in (out / "episodes.jsonl").read_text().splitlines()]
 
 
 def test_collect_writes_every_turn_as_a_triplet(tiny_model, tmp_path):

@@ -246,8 +246,6 @@ def test_clip_ratio_counts_only_tokens_where_the_clip_acts():
 def test_micro_batches_accumulate_to_the_big_batch_update(lora_model, loss_type):
     """Gradient accumulation over micro-batches gives the same update as one forward of the whole batch,
     for every loss_type (the weights are those of the whole batch, not of each micro-batch)."""
-    import train
-
     deltas = []
     for micro in (6, 2, 1):
         model, tok = lora_model(seed=0, std=0.05)
@@ -260,7 +258,7 @@ def test_micro_batches_accumulate_to_the_big_batch_update(lora_model, loss_type)
                      weights=rwml.token_weights(cmask, loss_type, 16))
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-        cfg = train.Config(micro_batch_size=micro, beta=0.0, max_grad_norm=1e9, loss_type=loss_type)
+        cfg = rwml.GRPOConfig(micro_batch_size=micro, beta=0.0, max_grad_norm=1e9, loss_type=loss_type)
         rwml.grpo_update(model, opt, batch, cfg)
         deltas.append({n: p.detach() - before[n] for n, p in model.named_parameters() if p.requires_grad})
     for other in deltas[1:]:

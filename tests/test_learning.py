@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import rwml
-import train
 from bench.random_models import build
 
 
@@ -30,7 +29,7 @@ def test_grpo_raises_the_reward_it_is_given(steerable_model):
     torch.manual_seed(0)
     model = rwml.add_lora(model, r=8, alpha=16, target_modules="all-linear")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
-    cfg = train.Config(num_generations=8, max_completion_length=4, micro_batch_size=16, beta=0.0)
+    cfg = rwml.GRPOConfig(num_generations=8, max_completion_length=4, micro_batch_size=16, beta=0.0)
     trips = [dict(task="open the box", history=[{"observation": f"You see box {i}."}], action=f"open box {i}",
                   next_obs=f"The box {i} is open.") for i in range(4)]
     rewards = []

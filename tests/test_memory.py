@@ -63,7 +63,7 @@ def test_grpo_token_budget_makes_the_same_update(lora_model, shared):
         counts.append(len(rwml.micro_batches(batch, 6, budget)))
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-        cfg = train.Config(micro_batch_size=6, micro_batch_tokens=budget, beta=0.1, max_grad_norm=1e9)
+        cfg = rwml.GRPOConfig(micro_batch_size=6, micro_batch_tokens=budget, beta=0.1, max_grad_norm=1e9)
         rwml.grpo_update(model, opt, batch, cfg)
         deltas.append({n: p.detach() - before[n] for n, p in model.named_parameters() if p.requires_grad})
     assert counts[0] == 1 and counts[1] == 3 if shared else counts[1] == 6

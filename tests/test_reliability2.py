@@ -4,14 +4,12 @@ import fcntl
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 import envs
 import eval as evaluate
