@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -46,9 +46,9 @@ import envs
 import rwml
 from envs import UserError
 from reward import calibrate
-from train import (AgentConfig, ModelConfig, WorldModelConfig, check_adapter, check_choices, check_context, check_seeds,
+from train import (AgentConfig, ModelConfig, WorldModelConfig, check_adapter, check_at_least, check_choices, check_context, check_seeds,
                    check_writable, commands_help, make_reward, parse_config, read_jsonl, read_transitions,
-                   run_cli, sample_triplets, wm_prompt_fits, write_atomic, write_eval)
+                   run_cli, sample_triplets, wm_prompt_fits, write_atomic, write_eval, write_jsonl)
 
 COMMANDS = {  # name -> its line in `eval.py --help`
     "agent": "success rate of the model (+ adapter) playing held-out games, over seeds",
@@ -125,12 +125,7 @@ def check_eval_config(cfg) -> None:
 
     check_choices(cfg)
     check_seeds(cfg)
-    for f in fields(cfg):
-        v = getattr(cfg, f.name)
-        if isinstance(v, float) and not math.isfinite(v):
-            bad(f.name, "must be a finite number")
-        if f.name in EVAL_MIN and v is not None and v < EVAL_MIN[f.name]:
-            bad(f.name, f"must be at least {EVAL_MIN[f.name]}")
+    check_at_least(cfg, EVAL_MIN)
     if getattr(cfg, "temperature", 0) < 0:
         bad("temperature", "must be 0 or more (0 = greedy)")
     if not 0 < getattr(cfg, "top_p", 1) <= 1:
@@ -247,7 +242,7 @@ def episode_log(cfg: AgentEvalConfig, done: dict):
     path = episodes_file(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [dict(job={k: getattr(cfg, k) for k in EPISODE_JOB})] + list(done.values())
-    write_atomic(path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
+    write_jsonl(path, rows, default=str)
     with open(path, "a") as f:
         def write(summary):
             f.write(json.dumps(summary, default=str) + "\n")

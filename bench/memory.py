@@ -10,6 +10,7 @@ the filter's warm-up (`envs.walkthrough_triplets`, history 1, no reasoning), los
   ours   rwml.sft: micro-batches of at most SFT_MAX_TOKENS padded tokens with gradient accumulation, the
          vocabulary projection on answer tokens only, in checkpointed chunks
   trl    TRL's SFTTrainer, prompt-completion data, completion_only_loss, the same batch, LoRA and learning rate
+         (fp32: bf16=False; TRL's own gradient checkpointing on)
 GRPO job: one update of `--sequences` random sequences of `--length` tokens (`--completion` of them sampled):
   naive  one forward with full logits, as above; ours: rwml.grpo_update (micro_batch_size, micro_batch_tokens)
 Same model, LoRA (r 16, all-linear: train.py's default), AdamW. Each arm runs in a fresh process, so that
@@ -131,7 +132,9 @@ def trl_sft_step(model, tok, prompts: list[str], completions: list[str], lr: flo
     from trl import SFTConfig, SFTTrainer
 
     tmp = tempfile.mkdtemp()
-    args = SFTConfig(output_dir=tmp, max_steps=1, per_device_train_batch_size=len(prompts),
+    # bf16 off: SFTConfig turns bf16 mixed precision on by default, which on a CPU without bf16 units is slow
+    # and is not the fp32 arithmetic of the other arms; gradient checkpointing stays on, TRL's default
+    args = SFTConfig(output_dir=tmp, max_steps=1, bf16=False, per_device_train_batch_size=len(prompts),
                      gradient_accumulation_steps=1, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
                      weight_decay=0.0, max_grad_norm=1.0, completion_only_loss=True, max_length=None,
                      report_to="none", save_strategy="no", logging_steps=1, use_cpu=not torch.cuda.is_available(),
