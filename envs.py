@@ -39,6 +39,16 @@ class UserError(Exception):
     ("error: ...") and exit with status 1 (train.run_cli)."""
 
 
+def closest(value: str, options) -> str | None:
+    """The option a typo most likely meant, or None: the hint of every "unknown ..." error."""
+    close = difflib.get_close_matches(str(value), list(options), n=1)
+    return close[0] if close else None
+
+
+def did_you_mean(value: str, options) -> str:
+    return f" (did you mean {c!r}?)" if (c := closest(value, options)) else ""
+
+
 # ----------------------------------------------------------------------------- games on disk
 
 def data_root() -> Path:
@@ -532,9 +542,8 @@ TAU2_DOMAINS = ("airline", "retail", "telecom")
 def tau2_domain(domain: str):
     """The official domain module (get_environment, get_tasks); one-line errors for the usual mistakes."""
     if domain not in TAU2_DOMAINS:
-        close = difflib.get_close_matches(domain, TAU2_DOMAINS, n=1)
         raise UserError(f"unknown tau2 domain {domain!r}; choose one of {', '.join(TAU2_DOMAINS)}"
-                        + (f" (did you mean {close[0]!r}?)" if close else ""))
+                        + did_you_mean(domain, TAU2_DOMAINS))
     try:
         import importlib
 

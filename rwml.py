@@ -943,7 +943,7 @@ def checkpoint_generation_config_off(model):
     suppress_tokens); a blank one in its place while we generate leaves nothing to fill."""
     from transformers import GenerationConfig
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = bare_model(model)
     saved, base.generation_config = base.generation_config, GenerationConfig()
     try:
         yield
@@ -985,9 +985,9 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
         gen["tokenizer"] = tokenizer
     with checkpoint_generation_config_off(model):
         if n > 1 and ids.shape[1] > 1 and fast_paths(model).shared_prompt:
-            position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+            position_ids = position_ids_from(attn)
             # the decoder alone: only its cache is needed, never the prompt's vocabulary-sized logits
-            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            base = bare_model(model)
             gen["cache"] = base.get_decoder()(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
                                               position_ids=position_ids[:, :-1], use_cache=True).cache
             gen["cache"].batch_repeat_interleave(n)
@@ -1157,6 +1157,16 @@ def fix_4bit_cpu_gradients(model) -> int:
 
 # ================================================= Plumbing: GRPO's micro-batches, update and log-prob engine
 
+def bare_model(model):
+    """The transformers model under a peft wrapper (the model itself when there is none)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions of left-padded rows: each row's text starts at 0 (padding sits at 0 too, masked)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def optimizer_step(model, optimizer, max_grad_norm: float, parts: list[dict] | None) -> dict:
     """Clip and step after the micro-batches' backward passes (`parts`: their losses and statistics; None
     when a loss was not finite); the statistics of the update, token-weighted over micro-batches."""
@@ -1275,8 +1285,8 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 def _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each row's text starts at 0
+    base = bare_model(model)
+    position_ids = position_ids_from(attention_mask)
     hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                 position_ids=position_ids).last_hidden_state
     C = completion_mask.shape[1]
@@ -1288,7 +1298,7 @@ def plain_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    completion_mask: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
     """`completion_logprobs` the plain way: the model's own forward, with whatever its architecture does to
     its logits, and vocabulary-sized logits for every completion token at once (memory: B x C x vocab)."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    position_ids = position_ids_from(attention_mask)
     C = completion_mask.shape[1]
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=C + 1).logits[:, :-1]
@@ -1334,9 +1344,9 @@ def group_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
 
 def _shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
                             chunk_size):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = bare_model(model)
     decoder, n = base.get_decoder(), completion_ids.shape[0] // prompt_ids.shape[0]
-    position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    position_ids = position_ids_from(prompt_mask)
     out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True)
     cache = out.cache
     cache.batch_repeat_interleave(n)
@@ -1366,7 +1376,7 @@ def fast_paths(model) -> FastPaths:
     not, or have a cache whose repeat gives other numbers: such a shortcut gives way to the plain path, said
     once in the log. (Gemma 2's soft-capping is reproduced, and Gemma 3's sliding-window cache repeats
     correctly: tests/test_architectures.py.)"""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = bare_model(model)
     if base not in _FAST_PATHS:
         _FAST_PATHS[base] = _probe_fast_paths(model, base)
     return _FAST_PATHS[base]

@@ -32,7 +32,6 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import difflib
 import errno
 import fcntl
 import functools
@@ -1060,9 +1059,8 @@ def check_choices(cfg) -> None:
     for name, options in CHOICES.items():
         value = getattr(cfg, name, None)
         if value is not None and value not in options:
-            close = difflib.get_close_matches(str(value), options, n=1)
             raise UserError(f"unknown --{name.replace('_', '-')} {value!r}; choose one of {', '.join(options)}"
-                            + (f" (did you mean {close[0]!r}?)" if close else ""))
+                            + envs.did_you_mean(value, options))
 
 
 MIN = dict(world_size=1, nb_objects=1, quest_length=1, num_games=1, rollouts_per_game=1, max_turns=1, max_new_tokens=1, num_envs=1, num_workers=0,
@@ -1241,8 +1239,8 @@ def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None
     args, unknown = p.parse_known_args(argv)
     known = [f.name for f in dataclasses.fields(cls)]
     for u in unknown:
-        close = difflib.get_close_matches(u.split("=")[0].lstrip("-").replace("-", "_"), known, n=1)
-        hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else f"; see {prog} --help"
+        close = envs.closest(u.split("=")[0].lstrip("-").replace("-", "_"), known)
+        hint = f"; did you mean --{close.replace('_', '-')}?" if close else f"; see {prog} --help"
         raise UserError(f"unknown argument {u!r}{hint}")
     values = {}
     if getattr(args, "config", None):
@@ -1256,8 +1254,8 @@ def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None
         values = {k.replace("-", "_"): v for k, v in values.items()}
         for k, v in values.items():
             if k not in known:
-                close = difflib.get_close_matches(k, known, n=1)
-                raise UserError(f"unknown key {k!r} in {args.config}" + (f"; did you mean {close[0]!r}?" if close else ""))
+                close = envs.closest(k, known)
+                raise UserError(f"unknown key {k!r} in {args.config}" + (f"; did you mean {close!r}?" if close else ""))
             if not _fits(hints[k], v):
                 want = str(hints[k]).replace("NoneType", "null").replace("None", "null")
                 want = want.replace("<class '", "").replace("'>", "")
@@ -1832,9 +1830,8 @@ def main(argv: list[str] | None = None) -> None:
                       "flags that stage reads (each also a key of a --config JSON file)")
     stage = argv[0] if argv and not argv[0].startswith("-") else "all"
     if stage not in STAGES:
-        close = difflib.get_close_matches(stage, STAGES, n=1)
         raise UserError(f"unknown stage {stage!r}; choose one of {', '.join(STAGES)}"
-                        + (f" (did you mean {close[0]!r}?)" if close else ""))
+                        + envs.did_you_mean(stage, STAGES))
     cfg, _ = parse_config(Config, argv[1:] if argv and argv[0] == stage else argv, prog=f"train.py {stage}",
                           shown=stage_fields(stage), description=STAGES[stage])
     check_choices(cfg)
