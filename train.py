@@ -118,7 +118,7 @@ class AgentConfig:
 class WorldModelConfig:
     """The world model's answer and its reward: 1 iff 1 - cos(E(prediction), E(real)) < tau_d."""
     embedder: str = BUNDLED_EMBEDDER  # any sentence-transformers model id or folder
-    tau_d: float = 0.1  # chosen on the embedding geometry of real observations (README)
+    tau_d: float = 0.1  # passes paraphrases, fails a wrong object or event (tests/test_reward.py)
     reward_metric: str = "embedding"  # or "rouge" (ablation)
     reward_binary: bool = True  # False = the continuous-cosine ablation
     wm_reasoning: bool = False  # <think> then <next_state> (paper: True); False = the reply starts at <next_state>

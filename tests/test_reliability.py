@@ -1,4 +1,4 @@
-"""Issue #14: what a hostile but fair user does to a run -- hostile model output, kill -9, dead or hung
+"""What a hostile but fair user does to a run -- hostile model output, kill -9, dead or hung
 game workers, Ctrl-C, bad files, full disks -- and what must survive it."""
 import contextlib
 import json

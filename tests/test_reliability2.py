@@ -1,4 +1,4 @@
-"""Issue #24: files that are present but damaged, run folders that are reused or shared, resumes with other
+"""Files that are present but damaged, run folders that are reused or shared, resumes with other
 settings, bad data and values -- each one line (a UserError), nothing lost."""
 import fcntl
 import json
