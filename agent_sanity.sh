@@ -23,10 +23,9 @@ POLICY_GAMES=${POLICY_GAMES:-2}
 POLICY_GEN=${POLICY_GEN:-4}
 POLICY_LR=${POLICY_LR:-1e-3}
 POLICY_T=${POLICY_T:-1.0}       # the choice softmax's temperature while sampling (evaluation is greedy)
-EVAL_EVERY=${EVAL_EVERY:-$POLICY_STEPS}  # the curve: dev success every EVAL_EVERY steps and at the end (step 0:
-#                                 the start's evaluation); smaller values draw more points, for ~2 min each
-CURVE_GAMES=${CURVE_GAMES:-10}  # the curve's dev games (a subset of the table's when <= EVAL_GAMES)
-EVAL_GAMES=${EVAL_GAMES:-20}    # the table: held-out games per split (dev, test), every arm's final evaluation
+EVAL_GAMES=${EVAL_GAMES:-20}    # held-out games per split (dev, test): every arm's final evaluation, the table
+EVAL_EVERY=${EVAL_EVERY:-0}     # the dev curve is the start's and the end's evaluations (step 0, POLICY_STEPS);
+CURVE_GAMES=${CURVE_GAMES:-$EVAL_GAMES}  # EVAL_EVERY > 0 adds points in between, on CURVE_GAMES dev games
 TW="--env textworld --action-mode choose --max-turns $TURNS --num-workers 0"
 LOGS=$OUT/logs
 source ./jobs.sh  # in_parallel
@@ -44,7 +43,7 @@ in_parallel "rwml [ -f $OUT/rwml/adapter/adapter_config.json ] || $PY train.py w
             "eval_random [ -f $OUT/random/eval_agent.json ] || $evaluate --policy random --seeds 3 --split dev,test --out $OUT/random/eval_agent.json"
 
 # --- stage 2, per seed, and the stage-1 arms' evaluations (their dev success is step 0 of the curves); each
-#     policy run: its dev curve every EVAL_EVERY steps, then the table's dev and test games
+#     policy run, then its dev and test games (the curve's last point, the table)
 jobs=("eval_rwml [ -f $OUT/rwml/eval_agent.json ] || $evaluate --adapter $OUT/rwml/adapter --split dev,test --out $OUT/rwml/eval_agent.json"
       "eval_wm_sft [ -f $OUT/wm_sft/eval_agent.json ] || $evaluate --adapter $OUT/wm_sft/adapter --split dev --out $OUT/wm_sft/eval_agent.json")
 for arm in policy rwml_policy wm_sft_policy; do  # policy RL of every seed first: the claim that stage 2 learns

@@ -661,9 +661,9 @@ AGENT_ARMS = (("base", "base"), ("rwml", "RWML"), ("policy", "policy RL"), ("rwm
 def agent_report(folder: Path, png: Path | None = None) -> str:
     """The table of `agent_sanity.sh`, from its run folder: greedy success (%) on the dev and test games per
     arm, and on both splits pooled (stage-2 arms: mean ± sd over the seed*/ folders, each seed listed), the
-    random-admissible baseline, and the dev curve (`png`; its step 0 is the start's evaluation: base, RWML
-    or WM SFT, on the curve's games). A stage-2 arm's dev score is its final `eval.py agent` evaluation when
-    that played the dev games, else the curve's last point."""
+    random-admissible baseline, and the dev curve (`png`; step 0 is the start's evaluation: base, RWML or
+    WM SFT). A stage-2 arm's dev score is its final `eval.py agent` evaluation when that played the dev
+    games, else the curve's last point."""
     seeds = sorted(folder.glob("seed*/"), key=lambda d: int(d.name[4:]) if d.name[4:].isdigit() else -1)
     if not seeds:
         raise UserError(f"no seed*/ folders in {folder}: run agent_sanity.sh first")
@@ -686,15 +686,17 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
         n = r["dev"]["num_episodes"] + r["test"]["num_episodes"]
         return sum(r[sp]["success_rate"] * r[sp]["num_episodes"] for sp in ("dev", "test")) / n
 
-    def curve(d: Path, start: Path) -> list[dict]:  # step 0: the start's own dev evaluation, on the curve's games
-        rows = [r for r in read_jsonl(d / "metrics.jsonl") if "eval_success" in r] if (d / "metrics.jsonl").is_file() else []
+    def curve(d: Path, start: Path) -> list[dict]:
+        """Dev success against step: step 0 the start's evaluation, the last step the run's final one (both on
+        the table's games), any --eval-steps rows of the run in between (on its --eval-games)."""
+        rows = read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
+        last = max((r["step"] for r in rows if "step" in r), default=None)
+        final = split_rate(d / "eval_agent.json", "dev")
+        between = [r for r in rows if "eval_success" in r and (final is None or r["step"] < last)]
+        points = between + ([dict(step=last, eval_success=final)] if final is not None and last else [])
         first = split_rate(start / "eval_agent.json", "dev")
-        games = {e["game"] for e in read_jsonl(d / "eval_episodes.jsonl")} if (d / "eval_episodes.jsonl").is_file() else set()
-        played = [e for e in json.loads((start / "eval_agent.json").read_text()).get("episodes", [])
-                  if e.get("split") == "dev" and e["game"] in games] if first is not None else []
-        if played:  # the start played more dev games than the curve does: score it on the curve's
-            first = statistics.fmean(float(e["won"]) for e in played)
-        return ([dict(step=0, eval_success=first)] if rows and rows[0]["step"] > 0 and first is not None else []) + rows
+        return ([dict(step=0, eval_success=first)] if points and points[0]["step"] > 0 and first is not None
+                else []) + points
 
     def episodes(f: Path) -> int:
         return per_split(f).get("test", {}).get("num_episodes", 0)

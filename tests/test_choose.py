@@ -252,7 +252,7 @@ def _agent_eval(per_split: dict) -> str:  # an `eval.py agent` result, reduced t
 def test_agent_table_gives_each_arm_and_the_spread_over_seeds_and_draws_the_curve(tmp_path, monkeypatch):
     """agent_sanity.sh's layout -> the five-arm table: single evaluations as they are, stage-2 arms as mean ± sd
     over seeds (dev = the final evaluation's, else the curve's last point), both splits pooled, the random
-    baseline; the curve starts at the start's dev score on the curve's own games."""
+    baseline; the curve runs from the start's dev score to the final evaluation's."""
     for arm, dev, test in (("base", 0.0, 0.1), ("rwml", 0.1, 0.2), ("wm_sft", 0.2, None)):
         (tmp_path / arm).mkdir()
         splits = dict(dev=(dev, 0.0, 10, 10), **({"test": (test, 0.0, 10, 10)} if test is not None else {}))
@@ -273,23 +273,18 @@ def test_agent_table_gives_each_arm_and_the_spread_over_seeds_and_draws_the_curv
     assert "| base | 0.0 | 10.0 | 5.0 | 10 | – |" in text and "| RWML | 10.0 | 20.0 | 15.0 | 10 | – |" in text
     assert "| policy RL | 40.0 ± 10.0 (50 / 30 / 40) | 30.0 ± 10.0 (40 / 20 / 30) | – | 10 | 0, 1, 2 |" in text
     assert png.is_file() and png.stat().st_size > 1000
-    # the final evaluation played the dev games too (20 of them): the table takes it, pooled with the test games;
-    # the curve's step 0 is the start's score on the 2 games the curve played (1 of 2 won), not on its 20
-    won = dict(seed_a=True, seed_b=False)
-    (tmp_path / "base" / "eval_agent.json").write_text(json.dumps(dict(
-        per_split=dict(dev=dict(success_rate=0.05, num_episodes=20), test=dict(success_rate=0.1, num_episodes=20)),
-        episodes=[dict(game=g, split="dev", won=w) for g, w in won.items()]
-        + [dict(game=f"other{i}", split="dev", won=False) for i in range(18)])))
-    for s, d in enumerate(tmp_path.glob("seed*/policy")):
+    # the final evaluation played the dev games too (20 of them): the table takes it, pooled with the test games,
+    # and it is the curve's last point (the run's step-4 row on its own --eval-games gives way to it)
+    (tmp_path / "base" / "eval_agent.json").write_text(_agent_eval(dict(dev=(0.05, 0.0, 20, 20), test=(0.1, 0.0, 20, 20))))
+    for d in tmp_path.glob("seed*/policy"):
         (d / "eval_agent.json").write_text(_agent_eval(dict(dev=(0.25, 0.0, 20, 20), test=(0.5, 0.0, 20, 20))))
-        (d / "eval_episodes.jsonl").write_text("".join(json.dumps(dict(game=g, won=False, step=4)) + "\n" for g in won))
     drawn = {}
     monkeypatch.setattr(evaluate, "plot_curves", lambda curves, png, **kw: drawn.update(curves))
     text = evaluate.agent_report(tmp_path, png)
-    assert [c[0] for c in drawn["policy RL"]] == [(0, 50.0)] * 3 and drawn["RWML + policy RL"][0][0] == (0, 10.0)
+    assert sorted(drawn["policy RL"]) == [[(0, 5.0), (2, 100 * m), (4, 25.0)] for m in (0.1, 0.2, 0.3)]
+    assert drawn["RWML + policy RL"][0] == [(0, 10.0), (2, 100 * 0.2), (4, 100 * 0.5)]  # no final dev: the rows
     assert "| policy RL | 25.0 ± 0.0 (25 / 25 / 25) | 50.0 ± 0.0 (50 / 50 / 50) | 37.5 ± 0.0 (38 / 38 / 38) | 20 |" in text
     assert "| base | 5.0 | 10.0 | 7.5 | 20 | – |" in text
-    assert png.is_file() and png.stat().st_size > 1000
     with pytest.raises(UserError, match="run agent_sanity.sh first"):
         evaluate.agent_report(tmp_path / "base")
 
