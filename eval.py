@@ -714,15 +714,13 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
     for key, name in AGENT_ARMS:
         if key in ("base", "rwml"):  # one greedy evaluation: nothing to replicate
             f = folder / key / "eval_agent.json"
-            rates = [[x] if (x := fn(f)) is not None else [] for fn in
-                     (lambda f: split_rate(f, "dev"), lambda f: split_rate(f, "test"), pooled)]
-            lines.append(f"| {name} | {pct(rates[0])} | {pct(rates[1])} | {pct(rates[2])} | {episodes(f)} | – |")
+            cells = [pct([] if x is None else [x]) for x in (split_rate(f, "dev"), split_rate(f, "test"), pooled(f))]
+            lines.append(f"| {name} | {' | '.join(cells)} | {episodes(f)} | – |")
             continue
         runs = [d / key for d in seeds]
         curves[name] = [curve(d, folder / start[key]) for d in runs]
+        dev = [c[-1]["eval_success"] for c in curves[name] if c]  # the final evaluation's, where it played dev
         done = [d for d in runs if (d / "eval_agent.json").is_file()]
-        final_dev = [split_rate(d / "eval_agent.json", "dev") for d in done]
-        dev = (final_dev if done and None not in final_dev else [c[-1]["eval_success"] for c in curves[name] if c])
         test = [split_rate(d / "eval_agent.json", "test") for d in done]
         both = [x for d in done if (x := pooled(d / "eval_agent.json")) is not None]
         lines.append(f"| {name} | {pct(dev)} | {pct(test)} | {pct(both)} | "
