@@ -504,13 +504,16 @@ class EnvPool:
 
 
 def walkthrough_triplets(split: str = "train", num_games: int | None = 3, history_len: int = 2, seed: int = 0,
-                         wrong_first: bool = True, games: list[str] | None = None) -> list[dict]:
+                         wrong_first: bool = True, games: list[str] | None = None, cache: bool = True) -> list[dict]:
     """Real triplets without a model: the expert walkthroughs of real games on the real engine, in the
     format `train.py collect` writes. `wrong_first`: a wrong command first, so that "Nothing happens." is
     there too (tests, benchmarks); without it, the "purposeful" held-out triplets: what an agent pursuing
-    its task sees (object lists, take / move / heat / cool / clean), unlike the exploration policy's."""
+    its task sees (object lists, take / move / heat / cool / clean), unlike the exploration policy's.
+    `cache`: the engine caches, as EnvPool's workers use them (20 valid_unseen games: 31 s, not 76 s; the
+    same triplets)."""
     import json
 
+    use_engine_cache(cache)
     out, game = [], Game(max_turns=100)
     for path in games if games is not None else list_games(split, num_games, seed):
         s = game.reset(path)

@@ -1061,7 +1061,7 @@ def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0,
     if getattr(model, "is_loaded_in_4bit", False):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
     elif gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(use_reentrant=False))
         model.enable_input_require_grads()
     try:
         return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
@@ -1330,9 +1330,12 @@ def group_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
     the LoRA weights through it) is repeated n times, and only the completion tokens run n times. Same
     numbers as the plain path on [prompt | completion] rows (tested), for about (P + nC) / n(P + C) of the
     decoder work and activation memory: world-model prompts are hundreds of tokens, completions tens.
-    Where either shortcut is off for the model (`fast_paths`): `completion_logprobs` on whole rows."""
+    Where either shortcut is off for the model (`fast_paths`), or gradient checkpointing drops the cache
+    (transformers does, in a training forward): `completion_logprobs` on whole rows."""
     fast = fast_paths(model)
-    if not (fast.head and fast.shared_prompt):
+    checkpointing = (model.training and torch.is_grad_enabled()
+                     and bare_model(model).is_activation_checkpointing)
+    if not (fast.head and fast.shared_prompt) or checkpointing:
         n = completion_ids.shape[0] // prompt_ids.shape[0]
         ids = torch.cat([prompt_ids.repeat_interleave(n, 0), completion_ids], 1)
         mask = torch.cat([prompt_mask.repeat_interleave(n, 0), completion_mask], 1)

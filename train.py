@@ -370,7 +370,7 @@ def start_adapter(cfg: Config, model, adapter: Path | str | None = None):
     model.load_adapter(str(adapter), adapter_name="ref", is_trainable=False)
     model.set_adapter("default")  # trainable; "ref" stays frozen
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(use_reentrant=False))
         model.enable_input_require_grads()
     return model
 

@@ -148,6 +148,33 @@ def test_shared_prompt_forward_matches_naive_logprobs_and_gradients(tiny):
     assert all(g_a[n].abs().sum() > 0 for n in g_a if "lora_A" in n and "k_proj" in n)  # k, v: through the cache
 
 
+def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients(tiny_model):
+    """--gradient-checkpointing: transformers drops the key/value cache in a checkpointed training forward,
+    so group_logprobs takes whole rows there; log-probs and LoRA gradients equal the cached path's."""
+    results = []
+    for checkpointing in (False, True):
+        model, tok = rwml.load_model(tiny_model)
+        torch.manual_seed(0)
+        model = rwml.add_lora(model, r=4, alpha=8, gradient_checkpointing=checkpointing)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.02)
+        assert model.get_base_model().is_activation_checkpointing is checkpointing
+        roll = rollout(model, tok)
+        ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
+        P = ids.shape[1] - cmask.shape[1]
+        model.train()
+        lp = rwml.group_logprobs(model, ids[::2, :P], attn[::2, :P], ids[:, P:], cmask, chunk_size=5)
+        rwml.grpo_loss(lp, lp.detach(), None, torch.tensor([1.0, -1.0, 0.5, -0.5]),
+                       rwml.token_weights(cmask, "grpo", 12)).backward()
+        results.append((lp.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (lp_a, g_a), (lp_b, g_b) = results
+    assert torch.allclose(lp_a, lp_b, atol=1e-5)
+    for n in g_a:
+        assert torch.allclose(g_a[n], g_b[n], atol=1e-6, rtol=1e-4), n
+
+
 def test_kl_is_zero_against_itself_and_positive_against_another_policy(tiny_model, lora_model, tmp_path):
     """The k3 KL of a policy against itself is exactly 0, and > 0 against a different one: with an adapter
     that is not the identity, the warm-up-style reference (a frozen copy, "ref") gives 0 and the bare base
