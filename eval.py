@@ -539,7 +539,8 @@ def report(cfg: ReportConfig, folders: list[str]) -> str:
 # ----------------------------------------------------------------------------- the sanity table (sanity.sh)
 
 SANITY_ARMS = (("warmup", "warm-up"), ("rwml", "+ RWML"), ("rwml_strat", "+ RWML, stratified prompts"),
-               ("wm_sft", "+ WM SFT"), ("coin", "+ COIN"))
+               ("rwml_kl", "+ RWML, KL_BETA"), ("wm_sft", "+ WM SFT"), ("coin", "+ COIN"))
+RWML_VARIANTS = (("rwml", ""), ("rwml_strat", " (stratified prompts)"), ("rwml_kl", " (KL_BETA)"))
 SANITY_BASELINES = (("template", "template rule"), ("nothing", "always \"Nothing happens.\""),
                     ("copy", "copy the observation"), ("base", "base model"))
 SANITY_COLUMNS = (("all targets", lambda r: r["wm_accuracy"]),
@@ -568,6 +569,10 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
     if not seeds:
         raise UserError(f"no seed*/ folders in {folder}: run sanity.sh first")
     held = folder / split  # the held-out sets of this split and every score on them
+    kl = next((json.loads(f.read_text()).get("beta") for f in folder.glob("seed*/rwml_kl/config.json")), None)
+
+    def label(name: str) -> str:  # sanity.sh KL_BETA: the beta its runs trained with
+        return name.replace("KL_BETA", f"beta {kl}")
 
     def read(path: Path):
         return json.loads(path.read_text()) if path.is_file() else None
@@ -592,7 +597,7 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
                 lines.append(f"| {name} | " + " | ".join(f"{get(base[b]):.3f}" for _, get in SANITY_COLUMNS) + " |")
         for a, name in SANITY_ARMS:
             if arms[a]:
-                lines.append(f"| {name} | " + " | ".join(_spread([get(r) for r in arms[a]]) for _, get in SANITY_COLUMNS)
+                lines.append(f"| {label(name)} | " + " | ".join(_spread([get(r) for r in arms[a]]) for _, get in SANITY_COLUMNS)
                              + " |")
         pairs = [(r, w) for d in seeds if (r := read(held / d.name / f"eval_rwml_{kind}.json"))
                  and (w := read(held / d.name / f"eval_warmup_{kind}.json"))]
@@ -601,7 +606,7 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
                 _spread([get(r) - get(w) for r, w in pairs], "+.3f") for _, get in SANITY_COLUMNS) + " |")
         kinds = sorted(first["per_observation_kind"], key=lambda k: -first["per_observation_kind"][k]["n"])
         few = [f"{k} {first['per_observation_kind'][k]['n']}" for k in kinds if first["per_observation_kind"][k]["n"] < MIN_RATE_N]
-        cols = [(b, n) for b, n in SANITY_BASELINES[:1] if base[b]] + [(a, n) for a, n in SANITY_ARMS if arms[a]]
+        cols = [(b, n) for b, n in SANITY_BASELINES[:1] if base[b]] + [(a, label(n)) for a, n in SANITY_ARMS if arms[a]]
         lines += ["", f"By observation kind (kinds with at least {MIN_RATE_N} triplets; mean over seeds):", "",
                   "| kind | n | " + " | ".join(n for _, n in cols) + " |", "|---|---|" + "---|" * len(cols)]
         for k in kinds:
@@ -634,18 +639,18 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
 
     for d in seeds:
         coin = read_jsonl(d / "coin" / "metrics.jsonl")
-        for arm, label in (("rwml", ""), ("rwml_strat", " (stratified prompts)")):
+        for arm, variant in RWML_VARIANTS:
             rw = read_jsonl(d / arm / "metrics.jsonl")
             if arm != "rwml" and not rw:
                 continue
             zs = [r["frac_reward_zero_std"] for r in rw if "frac_reward_zero_std" in r]  # not the step-0 eval row
             zero = f"{statistics.fmean(zs):.2f}" if zs else "–"
-            lines.append(f"| {d.name[4:]}{label} | {quarters(rw, 'reward_mean')} | {quarters(rw, 'nothing_share')} | "
+            lines.append(f"| {d.name[4:]}{label(variant)} | {quarters(rw, 'reward_mean')} | {quarters(rw, 'nothing_share')} | "
                          f"{zero} | {mixed_nothing(rw)} | {quarters(coin, 'reward_mean') if arm == 'rwml' else '–'} |")
     if png is not None:
-        curves = {name: [[(r["step"], r["eval_wm_accuracy"]) for r in read_jsonl(d / arm / "metrics.jsonl")
-                          if "eval_wm_accuracy" in r] for d in seeds]
-                  for arm, name in SANITY_ARMS if arm in ("rwml", "rwml_strat", "coin")}
+        curves = {label(name): [[(r["step"], r["eval_wm_accuracy"]) for r in read_jsonl(d / arm / "metrics.jsonl")
+                                 if "eval_wm_accuracy" in r] for d in seeds]
+                  for arm, name in SANITY_ARMS if arm in ("rwml", "rwml_strat", "rwml_kl", "coin")}
         if plot_curves(curves, png, xlabel="GRPO step", ylabel="held-out world-model accuracy",
                        title=f"RWML and its controls: accuracy on held-out {split} triplets during training"):
             lines += ["", f"Held-out accuracy against step (the runs' --eval-steps rows): {png.name}"]

@@ -20,7 +20,9 @@ HELD_GAMES=${HELD_GAMES:-20}
 HELDOUT=${HELDOUT:-48}      # triplets of each held-out kind scored per arm (the same ones for every arm and seed)
 SEEDS=${SEEDS:-"0 1 2"}
 COIN_SEEDS=${COIN_SEEDS:-$SEEDS}  # seeds that also run the COIN control
-STRATIFY_SEEDS=${STRATIFY_SEEDS:-}  # seeds that also run RWML with --stratify-prompts (the drift fix, README)
+STRATIFY_SEEDS=${STRATIFY_SEEDS:-}  # seeds that also run RWML with --stratify-prompts (a drift fix tried, README)
+KL_SEEDS=${KL_SEEDS:-}      # seeds that also run RWML with --beta $KL_BETA (a drift fix tried, README)
+KL_BETA=${KL_BETA:-1.0}
 SKIP=${SKIP:-}              # arms not scored on SPLIT (e.g. "base wm_sft coin": a quicker comparison on the dev split)
 STEPS=${STEPS:-20}          # GRPO steps of RWML and COIN; WM SFT updates
 CURVE_EVERY=${CURVE_EVERY:-10}  # the GRPO arms' held-out curve: CURVE triplets of SPLIT's explore set every this
@@ -71,6 +73,10 @@ for s in $SEEDS; do
     case " $STRATIFY_SEEDS " in *" $s "*)
         train+=("rwml_strat$s [ -f $d/rwml_strat/adapter/adapter_config.json ] || $PY train.py wm $run $curve --stratify-prompts --out $d/rwml_strat --resume")
         evals+=("eval_rwml_strat${s}_$SPLIT score rwml_strat $s $H/seed$s/eval_rwml_strat --adapter $d/rwml_strat/adapter") ;;
+    esac
+    case " $KL_SEEDS " in *" $s "*)
+        train+=("rwml_kl$s [ -f $d/rwml_kl/adapter/adapter_config.json ] || $PY train.py wm $run $curve --beta $KL_BETA --out $d/rwml_kl --resume")
+        evals+=("eval_rwml_kl${s}_$SPLIT score rwml_kl $s $H/seed$s/eval_rwml_kl --adapter $d/rwml_kl/adapter") ;;
     esac
     train+=("wm_sft$s [ -f $d/wm_sft/adapter/adapter_config.json ] || $PY train.py wm-sft $run --out $d/wm_sft")
     train+=("eval_warmup${s}_$SPLIT score warmup $s $H/seed$s/eval_warmup --adapter $d/filter/warmup_adapter")

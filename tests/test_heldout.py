@@ -144,5 +144,16 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
     assert "| + RWML, stratified prompts | 0.600 ± 0.000 (0.600)" in text
     assert "| 0 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 | 0.00 of 4 | – |" in text  # eval rows are not steps
     assert "| 0 (stratified prompts) | 0.30 -> 0.30 | 0.20 -> 0.20 | 0.25 | 1.00 of 1 | – |" in text
+    assert "KL_BETA" not in text and "beta" not in text
+    kl = tmp_path / "seed1" / "rwml_kl"  # KL_SEEDS=1 KL_BETA=1.0: RWML with a stronger KL anchor beside it
+    kl.mkdir()
+    (kl / "config.json").write_text(json.dumps(dict(beta=1.0)))
+    (kl / "metrics.jsonl").write_text(json.dumps(dict(reward_mean=0.2, frac_reward_zero_std=0.5, nothing_share=0.1,
+                                                      target_kinds=["arrive"], group_rewards=[0.5])) + "\n")
+    for kind in train.HELDOUT_KINDS:
+        (held / "seed1" / f"eval_rwml_kl_{kind}.json").write_text(json.dumps(_wm(0.45, 0.45, 0.45, kinds)))
+    text = ev.sanity_report(tmp_path)
+    assert "| + RWML, beta 1.0 | 0.450 ± 0.000 (0.450)" in text
+    assert "| 1 (beta 1.0) | 0.20 -> 0.20 | 0.10 -> 0.10 | 0.50 | 0.00 of 1 | – |" in text
     with pytest.raises(UserError, match="run sanity.sh first"):
         ev.sanity_report(tmp_path / "seed0")
