@@ -14,6 +14,9 @@ goes down: stage figures are then "peak so far" (`stage_peaks` says which). Game
 counted apart (`workers_peak_rss_gb`: the largest worker that has ended, getrusage RUSAGE_CHILDREN), as
 `/usr/bin/time -v` counts the largest process of a tree. On CUDA also torch.cuda.max_memory_allocated,
 whose peak is reset at each boundary.
+
+Importing this module also tunes glibc's allocator (`tune_allocator`), and every stage boundary hands the
+heap's free pages back (`_trim`): without that, freed activations stay in RSS (results/README).
 """
 from __future__ import annotations
 

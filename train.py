@@ -155,7 +155,7 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     max_steps: int = 24  # optimizer steps
     prompts_per_step: int = 4  # world-model prompts per step, each with num_generations completions
     stratify_prompts: bool = False  # each step's prompts stratified by target kind (README: the drift); off = shuffled
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more time; GRPO then runs whole rows (results/README)
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
