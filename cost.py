@@ -87,7 +87,7 @@ def tune_allocator() -> None:
 
 def _trim() -> None:
     """Give the heap's free pages back to the OS at a stage boundary, so that one stage's leftovers are not
-    counted in (or added to) the next one's peak."""
+    counted in (or added to) the next one's peak. RWML_TRIM=0: off (results/README's table)."""
     if _LIBC is not None and os.environ.get("RWML_TRIM", "1") == "1":
         _LIBC.malloc_trim(0)
 
@@ -120,6 +120,7 @@ class Tracker:
 
     def _segment(self) -> None:
         """Close the memory segment since the last boundary: its peak goes to every open stage."""
+        _trim()
         hwm, cuda = _hwm_bytes(), _cuda()
         sampled, self.sampled = self.sampled, 0
         # a new record in this segment is its exact peak; else the highest sample (or the record so far)
@@ -134,7 +135,6 @@ class Tracker:
 
     @contextmanager
     def stage(self, name: str):
-        _trim()
         self._segment()
         s = self.stages.setdefault(name, dict(seconds=0.0, peak=0, cuda_peak=0, calls=0, workers=None))
         t, w = time.time(), _workers_bytes()
@@ -142,7 +142,6 @@ class Tracker:
         try:
             yield
         finally:
-            _trim()
             self._segment()
             del self.open[next(i for i, o in enumerate(self.open) if o is s)]  # by identity
             s["seconds"] += time.time() - t

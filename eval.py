@@ -538,9 +538,9 @@ def report(cfg: ReportConfig, folders: list[str]) -> str:
 
 # ----------------------------------------------------------------------------- the sanity table (sanity.sh)
 
-SANITY_ARMS = (("warmup", "warm-up"), ("rwml", "+ RWML"), ("rwml_strat", "+ RWML, stratified prompts"),
-               ("rwml_kl", "+ RWML, KL_BETA"), ("wm_sft", "+ WM SFT"), ("coin", "+ COIN"))
-RWML_VARIANTS = (("rwml", ""), ("rwml_strat", " (stratified prompts)"), ("rwml_kl", " (KL_BETA)"))
+RWML_VARIANTS = (("rwml_strat", "stratified prompts"), ("rwml_kl", "KL_BETA"))  # sanity.sh STRATIFY_SEEDS, KL_SEEDS
+SANITY_ARMS = (("warmup", "warm-up"), ("rwml", "+ RWML"), *((a, f"+ RWML, {v}") for a, v in RWML_VARIANTS),
+               ("wm_sft", "+ WM SFT"), ("coin", "+ COIN"))
 SANITY_BASELINES = (("template", "template rule"), ("nothing", "always \"Nothing happens.\""),
                     ("copy", "copy the observation"), ("base", "base model"))
 SANITY_COLUMNS = (("all targets", lambda r: r["wm_accuracy"]),
@@ -639,7 +639,7 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
 
     for d in seeds:
         coin = read_jsonl(d / "coin" / "metrics.jsonl")
-        for arm, variant in RWML_VARIANTS:
+        for arm, variant in (("rwml", ""), *((a, f" ({v})") for a, v in RWML_VARIANTS)):
             rw = read_jsonl(d / arm / "metrics.jsonl")
             if arm != "rwml" and not rw:
                 continue
@@ -650,7 +650,7 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
     if png is not None:
         curves = {label(name): [[(r["step"], r["eval_wm_accuracy"]) for r in read_jsonl(d / arm / "metrics.jsonl")
                                  if "eval_wm_accuracy" in r] for d in seeds]
-                  for arm, name in SANITY_ARMS if arm in ("rwml", "rwml_strat", "rwml_kl", "coin")}
+                  for arm, name in SANITY_ARMS if arm.startswith("rwml") or arm == "coin"}
         if plot_curves(curves, png, xlabel="GRPO step", ylabel="held-out world-model accuracy",
                        title=f"RWML and its controls: accuracy on held-out {split} triplets during training"):
             lines += ["", f"Held-out accuracy against step (the runs' --eval-steps rows): {png.name}"]

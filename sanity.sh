@@ -70,14 +70,14 @@ for s in $SEEDS; do
         train+=("coin$s [ -f $d/coin/adapter/adapter_config.json ] || $PY train.py wm $run $curve --reward-control coin --out $d/coin --resume")
         evals+=("eval_coin${s}_$SPLIT score coin $s $H/seed$s/eval_coin --adapter $d/coin/adapter") ;;
     esac
-    case " $STRATIFY_SEEDS " in *" $s "*)
-        train+=("rwml_strat$s [ -f $d/rwml_strat/adapter/adapter_config.json ] || $PY train.py wm $run $curve --stratify-prompts --out $d/rwml_strat --resume")
-        evals+=("eval_rwml_strat${s}_$SPLIT score rwml_strat $s $H/seed$s/eval_rwml_strat --adapter $d/rwml_strat/adapter") ;;
-    esac
-    case " $KL_SEEDS " in *" $s "*)
-        train+=("rwml_kl$s [ -f $d/rwml_kl/adapter/adapter_config.json ] || $PY train.py wm $run $curve --beta $KL_BETA --out $d/rwml_kl --resume")
-        evals+=("eval_rwml_kl${s}_$SPLIT score rwml_kl $s $H/seed$s/eval_rwml_kl --adapter $d/rwml_kl/adapter") ;;
-    esac
+    for v in "strat|$STRATIFY_SEEDS|--stratify-prompts" "kl|$KL_SEEDS|--beta $KL_BETA"; do  # RWML variants
+        IFS='|' read -r name on flags <<< "$v"
+        case " $on " in *" $s "*)
+            a=rwml_$name
+            train+=("$a$s [ -f $d/$a/adapter/adapter_config.json ] || $PY train.py wm $run $curve $flags --out $d/$a --resume")
+            evals+=("eval_$a${s}_$SPLIT score $a $s $H/seed$s/eval_$a --adapter $d/$a/adapter") ;;
+        esac
+    done
     train+=("wm_sft$s [ -f $d/wm_sft/adapter/adapter_config.json ] || $PY train.py wm-sft $run --out $d/wm_sft")
     train+=("eval_warmup${s}_$SPLIT score warmup $s $H/seed$s/eval_warmup --adapter $d/filter/warmup_adapter")
     for arm in rwml wm_sft; do evals+=("eval_$arm${s}_$SPLIT score $arm $s $H/seed$s/eval_$arm --adapter $d/$arm/adapter"); done

@@ -34,6 +34,15 @@ def test_tau_d_separates_a_wrong_object_or_event_from_a_paraphrase(reward):
     assert all(0.1 < 1 - s < 0.3 for s in reward.similarity(wrong, real))
 
 
+def test_a_missing_full_stop_fails_a_short_target(reward):
+    """A known false negative (README, the drift): on a two-word target the full stop alone moves MiniLM's
+    cosine to ~0.86, so "Nothing happens" without it earns 0 at tau_d 0.1; with it, or in another case, 1."""
+    target = "Nothing happens."
+    assert reward([wrap("Nothing happens"), wrap("Nothing happens."), wrap("nothing happens.")], [target] * 3) \
+        == [0.0, 1.0, 1.0]
+    assert 0.8 < reward.similarity(["Nothing happens"], [target])[0] < 0.9
+
+
 @pytest.mark.parametrize("completion", [
     "", "no tags at all: You arrive at desk 1.", "<next_state></next_state>", "<next_state>   </next_state>",
     "<next_state>You arrive at desk 1. On the desk 1", None, 42, "<think>You arrive at desk 1.</think>",
