@@ -538,9 +538,7 @@ def report(cfg: ReportConfig, folders: list[str]) -> str:
 
 # ----------------------------------------------------------------------------- the sanity table (sanity.sh)
 
-RWML_VARIANTS = (("rwml_strat", "stratified prompts"), ("rwml_kl", "KL_BETA"))  # sanity.sh STRATIFY_SEEDS, KL_SEEDS
-SANITY_ARMS = (("warmup", "warm-up"), ("rwml", "+ RWML"), *((a, f"+ RWML, {v}") for a, v in RWML_VARIANTS),
-               ("wm_sft", "+ WM SFT"), ("coin", "+ COIN"))
+SANITY_ARMS = (("warmup", "warm-up"), ("rwml", "+ RWML"), ("wm_sft", "+ WM SFT"), ("coin", "+ COIN"))
 SANITY_BASELINES = (("template", "template rule"), ("nothing", "always \"Nothing happens.\""),
                     ("copy", "copy the observation"), ("base", "base model"))
 SANITY_COLUMNS = (("all targets", lambda r: r["wm_accuracy"]),
@@ -558,10 +556,89 @@ def _spread(xs: list[float], fmt: str = ".3f") -> str:
     return f"{statistics.fmean(xs):{fmt}} ± {sd:.3f} ({' / '.join(f'{x:{fmt}}' for x in xs)})"
 
 
+def variant_arms(seeds: list[Path]) -> list[tuple[str, str]]:
+    """sanity.sh's VARIANTS: RWML runs with other flags (seed*/rwml_<name>), each labelled by the flags in
+    which its config differs from the same seed's RWML run."""
+    from train import RESUME_FREE
+
+    def flag(key: str, value) -> str:
+        name = key.replace("_", "-")
+        if isinstance(value, bool):
+            return f"--{name}" if value else f"--no-{name}"
+        return f"--{name} {'none' if value is None else value}"
+
+    arms = []
+    for name in sorted({d.name for s in seeds for d in s.glob("rwml_*") if d.is_dir()}):
+        label = name[len("rwml_"):]
+        for s in seeds:
+            mine, rwml_cfg = s / name / "config.json", s / "rwml" / "config.json"
+            if mine.is_file() and rwml_cfg.is_file():
+                a, b = json.loads(mine.read_text()), json.loads(rwml_cfg.read_text())
+                label = " ".join(flag(k, v) for k, v in a.items() if k not in RESUME_FREE and b.get(k) != v) or label
+                break
+        arms.append((name, f"+ RWML, {label}"))
+    return arms
+
+
+def nothing_rates(rows: list[dict], G: int) -> tuple[float | None, float | None, float, float]:
+    """From a GRPO run's metrics rows: the share of "Nothing happens." predictions on "Nothing happens."
+    targets and on the other targets, and the advantage those predictions got, summed over the run, in
+    groups whose target is "Nothing happens." (> 0: pushed up) and in the others (< 0: pushed down)."""
+    on = {True: [0.0, 0], False: [0.0, 0]}
+    push = {True: 0.0, False: 0.0}
+    for r in rows:
+        for k, n, a in zip(r.get("target_kinds", []), r.get("group_nothing", []), r.get("group_nothing_advantage", [])):
+            nh = k == "nothing_happens"
+            on[nh][0] += n
+            on[nh][1] += G
+            push[nh] += a
+    rate = {nh: (x / n if n else None) for nh, (x, n) in on.items()}
+    return rate[True], rate[False], push[True], push[False]
+
+
+def filter_rows(seeds: list[Path]) -> list[str]:
+    """The easy filter against the target mix, per seed: how many triplets, and how many of them have a
+    "Nothing happens." target, in the collection, the warm-up's split, the RWML split and what the filter kept;
+    the warm-up's mean easiness of those targets and of the rest."""
+    lines = []
+    for d in seeds:
+        meta, rows = d / "filter" / "filter.json", read_jsonl(d / "filter" / "easiness.jsonl") \
+            if (d / "filter" / "easiness.jsonl").is_file() else []
+        if not rows or not meta.is_file():
+            continue
+        info = json.loads(meta.read_text())
+        nh = [envs.observation_kind(r["next_obs"]) == "nothing_happens" for r in rows]
+        n_all, n_split = info["num_triplets"], info["num_filter_split"]
+        coll = d / "collect" / "transitions.jsonl"
+        nh_all = sum(envs.observation_kind(t["next_obs"]) == "nothing_happens" for t in read_jsonl(coll)) \
+            if coll.is_file() else None
+
+        def share(k: int | None, n: int) -> str:
+            return "–" if k is None else f"{k} of {n} ({k / max(n, 1):.0%})"
+
+        def mean(xs):
+            return f"{statistics.fmean(xs):.2f}" if xs else "–"
+
+        kept = [h for h, r in zip(nh, rows) if r["kept"]]
+        lines.append(f"| {d.name[4:]} | {share(nh_all, n_all)} | "
+                     f"{share(None if nh_all is None else nh_all - sum(nh), n_split)} | {share(sum(nh), len(nh))} | "
+                     f"{share(sum(kept), len(kept))} | {mean([r['easiness'] for h, r in zip(nh, rows) if h])} | "
+                     f"{mean([r['easiness'] for h, r in zip(nh, rows) if not h])} | {info.get('tau_easy')} |")
+    if not lines:
+        return []
+    return ["### the easy filter and the target mix", "",
+            "Per seed: triplets with a \"Nothing happens.\" target in the collection, in the warm-up's split (its SFT "
+            "data), in the RWML split and among the triplets the easy filter kept; the warm-up's easiness (its mean "
+            "reward over K predictions) of those targets and of the others; tau_easy.", "",
+            "| seed | collected | warm-up split | RWML split | kept | easiness, \"Nothing happens.\" | easiness, other "
+            "| tau_easy |", "|---|---|---|---|---|---|---|---|", *lines, ""]
+
+
 def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = None) -> str:
     """The tables of `sanity.sh`, from its run folder: per held-out kind, the content-free baselines, the
     base model, and per arm the mean ± sd over the independent seeds (each seed's value in brackets), the
-    paired RWML - warm-up gain, accuracy per observation kind; then the training diagnostics. `png`: the
+    paired RWML - warm-up gain, accuracy per observation kind; then the training diagnostics: the easy
+    filter's target mix and the "Nothing happens." predictions step by step (the drift, README). `png`: the
     GRPO arms' held-out curves (their --eval-steps rows) per seed and mean ± sd."""
     from train import HELDOUT_KINDS
 
@@ -569,10 +646,8 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
     if not seeds:
         raise UserError(f"no seed*/ folders in {folder}: run sanity.sh first")
     held = folder / split  # the held-out sets of this split and every score on them
-    kl = next((json.loads(f.read_text()).get("beta") for f in folder.glob("seed*/rwml_kl/config.json")), None)
-
-    def label(name: str) -> str:  # sanity.sh KL_BETA: the beta its runs trained with
-        return name.replace("KL_BETA", f"beta {kl}")
+    variants = variant_arms(seeds)
+    all_arms = (*SANITY_ARMS[:2], *variants, *SANITY_ARMS[2:])
 
     def read(path: Path):
         return json.loads(path.read_text()) if path.is_file() else None
@@ -580,7 +655,7 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
     lines = []
     for kind in HELDOUT_KINDS:
         base = {b: read(held / "baselines" / f"{b}_{kind}.json") for b, _ in SANITY_BASELINES}
-        arms = {a: [r for d in seeds if (r := read(held / d.name / f"eval_{a}_{kind}.json"))] for a, _ in SANITY_ARMS}
+        arms = {a: [r for d in seeds if (r := read(held / d.name / f"eval_{a}_{kind}.json"))] for a, _ in all_arms}
         first = next((r for r in [*base.values(), *(x for v in arms.values() for x in v)] if r), None)
         if first is None:
             continue
@@ -595,18 +670,19 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
         for b, name in SANITY_BASELINES:
             if base[b]:
                 lines.append(f"| {name} | " + " | ".join(f"{get(base[b]):.3f}" for _, get in SANITY_COLUMNS) + " |")
-        for a, name in SANITY_ARMS:
+        for a, name in all_arms:
             if arms[a]:
-                lines.append(f"| {label(name)} | " + " | ".join(_spread([get(r) for r in arms[a]]) for _, get in SANITY_COLUMNS)
+                lines.append(f"| {name} | " + " | ".join(_spread([get(r) for r in arms[a]]) for _, get in SANITY_COLUMNS)
                              + " |")
-        pairs = [(r, w) for d in seeds if (r := read(held / d.name / f"eval_rwml_{kind}.json"))
-                 and (w := read(held / d.name / f"eval_warmup_{kind}.json"))]
-        if pairs:
-            lines.append("| **RWML − warm-up** (paired) | " + " | ".join(
-                _spread([get(r) - get(w) for r, w in pairs], "+.3f") for _, get in SANITY_COLUMNS) + " |")
+        for a, name in (("rwml", "RWML"), *((v, n.replace("+ RWML", "RWML")) for v, n in variants)):
+            pairs = [(r, w) for d in seeds if (r := read(held / d.name / f"eval_{a}_{kind}.json"))
+                     and (w := read(held / d.name / f"eval_warmup_{kind}.json"))]
+            if pairs:
+                lines.append(f"| **{name} − warm-up** (paired) | " + " | ".join(
+                    _spread([get(r) - get(w) for r, w in pairs], "+.3f") for _, get in SANITY_COLUMNS) + " |")
         kinds = sorted(first["per_observation_kind"], key=lambda k: -first["per_observation_kind"][k]["n"])
         few = [f"{k} {first['per_observation_kind'][k]['n']}" for k in kinds if first["per_observation_kind"][k]["n"] < MIN_RATE_N]
-        cols = [(b, n) for b, n in SANITY_BASELINES[:1] if base[b]] + [(a, label(n)) for a, n in SANITY_ARMS if arms[a]]
+        cols = [(b, n) for b, n in SANITY_BASELINES[:1] if base[b]] + [(a, n) for a, n in all_arms if arms[a]]
         lines += ["", f"By observation kind (kinds with at least {MIN_RATE_N} triplets; mean over seeds):", "",
                   "| kind | n | " + " | ".join(n for _, n in cols) + " |", "|---|---|" + "---|" * len(cols)]
         for k in kinds:
@@ -619,38 +695,61 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
                 vals.append(f"{statistics.fmean(r['per_observation_kind'][k]['wm_accuracy'] for r in rs):.3f}")
             lines.append(f"| {k} | {n} | " + " | ".join(vals) + " |")
         lines += (["", f"Too few to quote as a rate: {', '.join(few)}."] if few else []) + [""]
-    lines += ["### training", "", "Mean per step, first quarter -> last quarter of the steps: the reward, the share of "
-              "predictions that are \"Nothing happens.\"; the share of groups whose rewards are all equal (no gradient), "
-              "and of the mixed groups (those that carry the gradient), the share whose target is \"Nothing happens.\".",
-              "", "| seed | RWML reward | predicted \"Nothing happens.\" | all-equal groups | mixed groups with a "
-              "\"Nothing happens.\" target | COIN reward |", "|---|---|---|---|---|---|"]
+    lines += filter_rows(seeds)
+    lines += ["### training", "", "Mean per step, first quarter -> last quarter of the steps: the reward; the share of "
+              "predictions that are \"Nothing happens.\", over all targets, over the \"Nothing happens.\" targets and over "
+              "the others; then over the whole run: the share of groups whose rewards are all equal (no gradient), of the "
+              "mixed groups (those that carry the gradient) the share whose target is \"Nothing happens.\", and the "
+              "advantage summed over the \"Nothing happens.\" predictions in \"Nothing happens.\"-target groups (which "
+              "push it up) and in the other groups (which push it down).", "",
+              "| seed | RWML reward | predicted \"Nothing happens.\" | on its targets | on other targets | all-equal "
+              "groups | mixed groups with a \"Nothing happens.\" target | advantage to it: its targets / others | COIN "
+              "reward |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def quarter_rows(rows):
+        q = max(1, len(rows) // 4)
+        return rows[:q], rows[-q:]
 
     def quarters(rows, key):
         rows = [r for r in rows if key in r]
         if not rows:
             return "–"
-        q = max(1, len(rows) // 4)
-        head, tail = (statistics.fmean(r[key] for r in part) for part in (rows[:q], rows[-q:]))
+        head, tail = (statistics.fmean(r[key] for r in part) for part in quarter_rows(rows))
         return f"{head:.2f} -> {tail:.2f}"
 
     def mixed_nothing(rows):
         mixed = [k for r in rows for k, g in zip(r.get("target_kinds", []), r.get("group_rewards", [])) if 0 < g < 1]
         return f"{sum(k == 'nothing_happens' for k in mixed) / len(mixed):.2f} of {len(mixed)}" if mixed else "–"
 
+    def drift(rows, G):  # "Nothing happens." predictions on its targets and on the others, first -> last quarter
+        rows = [r for r in rows if "group_nothing" in r]
+        if not rows:
+            return "–", "–", "–"
+        (h_on, h_off, *_), (t_on, t_off, *_) = (nothing_rates(part, G) for part in quarter_rows(rows))
+        _, _, up, down = nothing_rates(rows, G)
+
+        def fmt(a, b):
+            return f"{'–' if a is None else f'{a:.2f}'} -> {'–' if b is None else f'{b:.2f}'}"
+        return fmt(h_on, t_on), fmt(h_off, t_off), f"{up:+.1f} / {down:+.1f}"
+
     for d in seeds:
         coin = read_jsonl(d / "coin" / "metrics.jsonl")
-        for arm, variant in (("rwml", ""), *((a, f" ({v})") for a, v in RWML_VARIANTS)):
+        for arm, name in (("rwml", "+ RWML"), *variants):
             rw = read_jsonl(d / arm / "metrics.jsonl")
             if arm != "rwml" and not rw:
                 continue
+            G = (read(d / arm / "config.json") or {}).get("num_generations", 4)
             zs = [r["frac_reward_zero_std"] for r in rw if "frac_reward_zero_std" in r]  # not the step-0 eval row
             zero = f"{statistics.fmean(zs):.2f}" if zs else "–"
-            lines.append(f"| {d.name[4:]}{label(variant)} | {quarters(rw, 'reward_mean')} | {quarters(rw, 'nothing_share')} | "
-                         f"{zero} | {mixed_nothing(rw)} | {quarters(coin, 'reward_mean') if arm == 'rwml' else '–'} |")
+            label = "" if arm == "rwml" else f" ({name[len('+ RWML, '):]})"
+            on, off, push = drift(rw, G)
+            lines.append(f"| {d.name[4:]}{label} | {quarters(rw, 'reward_mean')} | {quarters(rw, 'nothing_share')} | "
+                         f"{on} | {off} | {zero} | {mixed_nothing(rw)} | {push} | "
+                         f"{quarters(coin, 'reward_mean') if arm == 'rwml' else '–'} |")
     if png is not None:
-        curves = {label(name): [[(r["step"], r["eval_wm_accuracy"]) for r in read_jsonl(d / arm / "metrics.jsonl")
-                                 if "eval_wm_accuracy" in r] for d in seeds]
-                  for arm, name in SANITY_ARMS if arm.startswith("rwml") or arm == "coin"}
+        curves = {name: [[(r["step"], r["eval_wm_accuracy"]) for r in read_jsonl(d / arm / "metrics.jsonl")
+                          if "eval_wm_accuracy" in r] for d in seeds]
+                  for arm, name in all_arms if arm.startswith("rwml") or arm == "coin"}
         if plot_curves(curves, png, xlabel="GRPO step", ylabel="held-out world-model accuracy",
                        title=f"RWML and its controls: accuracy on held-out {split} triplets during training"):
             lines += ["", f"Held-out accuracy against step (the runs' --eval-steps rows): {png.name}"]

@@ -60,6 +60,7 @@ quiet_libraries()  # before bitsandbytes or peft load: both log at import or fir
 # The base model plays ALFWorld's *training* games at temperature 1.0 (3 rollouts per game in the
 # paper). Failures and invalid actions are kept: a world model must also learn "Nothing happens.".
 # Each turn t gives (history s_<=t = last H (obs, action) pairs + current obs, action a_t, next obs s_t+1).
+NOTHING = "Nothing happens."  # the game's answer to an action that does nothing (invalid, free text)
 
 class Triplet(TypedDict, total=False):
     """One turn of play, the method's unit of data (`play`'s `on_turn`; a line of transitions.jsonl): the
@@ -466,13 +467,22 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, c
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if G > 1 else 0.0,
                 frac_reward_zero_std=float((grouped.std(1) == 0).float().mean()),
                 group_rewards=grouped.mean(1).tolist(),  # per prompt: which groups carry a gradient (mixed)
-                nothing_share=sum(s == "Nothing happens." for s in states) / len(states),
+                nothing_share=sum(s == NOTHING for s in states) / len(states),
+                **nothing_by_group(states, advantages, G),
                 format_rate=sum(parse_next_state(t) is not None for t in roll.texts) / len(roll.texts),
                 completion_tokens=float(lengths.mean()), updates=stats, sample=roll.texts[0],
                 sample_target=triplets[0]["next_obs"], sample_reward=float(rewards[0]),
                 # every group whole, prompt by prompt: G completions, their rewards and advantages
                 completions=roll.texts, rewards=rewards.tolist(), advantages=advantages.tolist(),
                 **lengths_stats)
+
+
+def nothing_by_group(states: list[str | None], advantages: torch.Tensor, G: int) -> dict:
+    """Per prompt, its "Nothing happens." predictions and the advantage they got (> 0: pushed up): which
+    groups move the share of that answer, the small model's most common drift (README)."""
+    nothing = torch.tensor([s == NOTHING for s in states], dtype=torch.float).view(-1, G)
+    return dict(group_nothing=nothing.sum(1).tolist(),
+                group_nothing_advantage=(nothing * advantages.view(-1, G)).sum(1).tolist())
 
 
 def grpo_update(model, optimizer, batch: dict, cfg: GRPOConfig) -> list[dict]:

@@ -19,16 +19,20 @@ SPLIT=${SPLIT:-valid_unseen}
 HELD_GAMES=${HELD_GAMES:-20}
 HELDOUT=${HELDOUT:-48}      # triplets of each held-out kind scored per arm (the same ones for every arm and seed)
 SEEDS=${SEEDS:-"0 1 2"}
-COIN_SEEDS=${COIN_SEEDS:-$SEEDS}  # seeds that also run the COIN control
-STRATIFY_SEEDS=${STRATIFY_SEEDS:-}  # seeds that also run RWML with --stratify-prompts (a drift fix tried, README)
-KL_SEEDS=${KL_SEEDS:-}      # seeds that also run RWML with --beta $KL_BETA (a drift fix tried, README)
-KL_BETA=${KL_BETA:-1.0}
-SKIP=${SKIP:-}              # arms not scored on SPLIT (e.g. "base wm_sft coin": a quicker comparison on the dev split)
+COIN_SEEDS=${COIN_SEEDS:-$SEEDS}  # seeds that also run the COIN control (none when SKIP names coin)
+VARIANTS=${VARIANTS:-}      # RWML with other flags beside it, "name=flags;name=flags" (e.g. "kl=--beta 1.0"): each
+#                             trains into seed*/rwml_<name> from the same warm-up and is scored as another arm;
+#                             {d} in the flags is the seed's folder (a variant that changes the filter needs its
+#                             own: "nofilter=--no-easy-filter --filter-dir {d}/filter_nofilter")
+VARIANT_SEEDS=${VARIANT_SEEDS:-$SEEDS}  # the seeds that run the VARIANTS
+SKIP=${SKIP:-}              # arms neither trained nor scored (e.g. "base wm_sft coin": a quicker comparison on the
+#                             dev split; a later run without SKIP trains and scores them)
 STEPS=${STEPS:-20}          # GRPO steps of RWML and COIN; WM SFT updates
 CURVE_EVERY=${CURVE_EVERY:-10}  # the GRPO arms' held-out curve: CURVE triplets of SPLIT's explore set every this
 CURVE=${CURVE:-16}              # many steps, at the start and at the end (0: no curve); training is unchanged
 JOBS=${JOBS:-2}
 FILTER_JOBS=${FILTER_JOBS:-$JOBS}
+case " $SKIP " in *" coin "*) COIN_SEEDS="" ;; esac
 KINDS="explore purposeful"
 H=$OUT/$SPLIT  # the held-out sets and every score on them
 LOGS=$OUT/logs
@@ -70,15 +74,19 @@ for s in $SEEDS; do
         train+=("coin$s [ -f $d/coin/adapter/adapter_config.json ] || $PY train.py wm $run $curve --reward-control coin --out $d/coin --resume")
         evals+=("eval_coin${s}_$SPLIT score coin $s $H/seed$s/eval_coin --adapter $d/coin/adapter") ;;
     esac
-    for v in "strat|$STRATIFY_SEEDS|--stratify-prompts" "kl|$KL_SEEDS|--beta $KL_BETA"; do  # RWML variants
-        IFS='|' read -r name on flags <<< "$v"
-        case " $on " in *" $s "*)
-            a=rwml_$name
+    case " $VARIANT_SEEDS " in *" $s "*)
+        IFS=';' read -ra variants <<< "$VARIANTS"
+        for v in "${variants[@]}"; do
+            [ -n "${v// }" ] || continue
+            a=rwml_${v%%=*} flags=${v#*=}
+            flags=${flags//\{d\}/$d}
             train+=("$a$s [ -f $d/$a/adapter/adapter_config.json ] || $PY train.py wm $run $curve $flags --out $d/$a --resume")
-            evals+=("eval_$a${s}_$SPLIT score $a $s $H/seed$s/eval_$a --adapter $d/$a/adapter") ;;
-        esac
-    done
-    train+=("wm_sft$s [ -f $d/wm_sft/adapter/adapter_config.json ] || $PY train.py wm-sft $run --out $d/wm_sft")
+            evals+=("eval_$a${s}_$SPLIT score $a $s $H/seed$s/eval_$a --adapter $d/$a/adapter")
+        done ;;
+    esac
+    case " $SKIP " in *" wm_sft "*) ;; *)
+        train+=("wm_sft$s [ -f $d/wm_sft/adapter/adapter_config.json ] || $PY train.py wm-sft $run --out $d/wm_sft") ;;
+    esac
     train+=("eval_warmup${s}_$SPLIT score warmup $s $H/seed$s/eval_warmup --adapter $d/filter/warmup_adapter")
     for arm in rwml wm_sft; do evals+=("eval_$arm${s}_$SPLIT score $arm $s $H/seed$s/eval_$arm --adapter $d/$arm/adapter"); done
 done

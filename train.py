@@ -477,7 +477,8 @@ def train_wm(cfg: Config, triplets: list[dict], out: Path, load, reward_fn, star
                     "nothing_share")}, **u, lr=cfg.learning_rate, seconds=round(seconds, 2),
                     # which targets the step's groups had and which were mixed (carried a gradient)
                     target_kinds=[envs.observation_kind(t["next_obs"]) for t in batch],
-                    group_rewards=res["group_rewards"],
+                    group_rewards=res["group_rewards"], group_nothing=res["group_nothing"],
+                    group_nothing_advantage=[round(a, 4) for a in res["group_nothing_advantage"]],
                     **(evaluate(state["step"]) if curve and (state["step"] % cfg.eval_steps == 0
                                                              or state["step"] >= cfg.max_steps) else {})))
                 if u["skipped"]:

@@ -20,6 +20,17 @@ def test_group_advantages_by_hand():
     assert torch.equal(rwml.group_advantages(r, 4, "none"), torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
 
 
+def test_nothing_by_group_counts_the_answer_and_the_advantage_it_got():
+    """The drift diagnostic: per group, how many predictions are exactly "Nothing happens." and the advantage
+    summed over them (a wrong one in a group with right answers is pushed down; unparseable ones count not)."""
+    states = ["Nothing happens.", "You arrive at desk 1.", None, "Nothing happens",  # group 1: target an arrival
+              "Nothing happens.", "Nothing happens.", "You open the drawer 1.", "Nothing happens."]
+    adv = torch.tensor([-1.0, 1.0, -0.5, 0.5, 0.25, 0.25, -0.75, 0.25])
+    out = rwml.nothing_by_group(states, adv, 4)
+    assert out["group_nothing"] == [1.0, 3.0]
+    assert out["group_nothing_advantage"] == pytest.approx([-1.0, 0.75])
+
+
 # ------------------------------------------------------------------ loss for each loss_type
 
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])

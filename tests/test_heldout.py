@@ -113,8 +113,12 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
     for s, (w, r) in enumerate([(0.40, 0.50), (0.30, 0.25), (0.35, 0.45)]):
         d = tmp_path / f"seed{s}"
         (d / "rwml").mkdir(parents=True)
+        (d / "rwml" / "config.json").write_text(json.dumps(dict(beta=0.1, stratify_prompts=False, out="x",
+                                                                num_generations=4)))
+        # per step: 1 of the arrival group's 4 predictions and 2 of the "Nothing happens." group's say it
         rows = [dict(reward_mean=x, frac_reward_zero_std=0.5, nothing_share=x, target_kinds=["arrive", "nothing_happens"],
-                     group_rewards=[0.5, 0.25 if s else 1.0]) for x in (0.1, 0.2, 0.3, 0.4)]
+                     group_rewards=[0.5, 0.25 if s else 1.0], group_nothing=[1, 2] if x < 0.25 else [0, 3],
+                     group_nothing_advantage=[-0.5, 1.0]) for x in (0.1, 0.2, 0.3, 0.4)]
         (d / "rwml" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
         (held / d.name).mkdir()
         for kind in train.HELDOUT_KINDS:
@@ -126,11 +130,14 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
     assert "| warm-up | 0.350 ± 0.050 (0.400 / 0.300 / 0.350)" in explore
     assert "| **RWML − warm-up** (paired) | +0.050 ± 0.087 (+0.100 / -0.050 / +0.100)" in explore
     assert "| arrive | 30 | 0.500 | 0.500 | 0.500 |" in explore and "Too few to quote as a rate: take 4." in explore
-    assert "| 0 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 | 0.00 of 4 | – |" in text
-    assert "| 1 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 | 0.50 of 8 | – |" in text
-    assert "stratified" not in text  # an arm that did not run has no row
-    (tmp_path / "seed0" / "rwml_strat").mkdir()  # STRATIFY_SEEDS=0: RWML with --stratify-prompts beside it
-    (tmp_path / "seed0" / "rwml_strat" / "metrics.jsonl").write_text(json.dumps(dict(
+    # the drift columns: on its targets 2/4 -> 3/4, on the others 1/4 -> 0/4; advantage +4 (up) / -2 (down)
+    assert "| 0 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 -> 0.75 | 0.25 -> 0.00 | 0.50 | 0.00 of 4 | +4.0 / -2.0 | – |" in text
+    assert "| 1 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 -> 0.75 | 0.25 -> 0.00 | 0.50 | 0.50 of 8 | +4.0 / -2.0 | – |" in text
+    assert "RWML, --" not in text and "easy filter" not in text  # an arm or a table with no runs has no row
+    strat = tmp_path / "seed0" / "rwml_strat"  # VARIANTS="strat=--stratify-prompts" VARIANT_SEEDS=0
+    strat.mkdir()
+    (strat / "config.json").write_text(json.dumps(dict(beta=0.1, stratify_prompts=True, out="y", num_generations=4)))
+    (strat / "metrics.jsonl").write_text(json.dumps(dict(
         reward_mean=0.3, frac_reward_zero_std=0.25, nothing_share=0.2, target_kinds=["nothing_happens"],
         group_rewards=[0.5])) + "\n")
     for kind in train.HELDOUT_KINDS:
@@ -141,19 +148,29 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
             f.write("".join(json.dumps(dict(step=k, eval_wm_accuracy=0.1 * k + s / 10)) + "\n" for k in (0, 2, 4)))
     text = ev.sanity_report(tmp_path, png=tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 1000 and "curve.png" in text
-    assert "| + RWML, stratified prompts | 0.600 ± 0.000 (0.600)" in text
-    assert "| 0 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 | 0.00 of 4 | – |" in text  # eval rows are not steps
-    assert "| 0 (stratified prompts) | 0.30 -> 0.30 | 0.20 -> 0.20 | 0.25 | 1.00 of 1 | – |" in text
-    assert "KL_BETA" not in text and "beta" not in text
-    kl = tmp_path / "seed1" / "rwml_kl"  # KL_SEEDS=1 KL_BETA=1.0: RWML with a stronger KL anchor beside it
+    assert "| + RWML, --stratify-prompts | 0.600 ± 0.000 (0.600)" in text  # labelled by the flags that differ
+    assert "| **RWML, --stratify-prompts − warm-up** (paired) | +0.200 ± 0.000 (+0.200)" in text
+    assert "| 0 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 -> 0.75 | 0.25 -> 0.00 | 0.50 | 0.00 of 4 |" in text  # eval rows are not steps
+    assert "| 0 (--stratify-prompts) | 0.30 -> 0.30 | 0.20 -> 0.20 | – | – | 0.25 | 1.00 of 1 | – | – |" in text
+    kl = tmp_path / "seed1" / "rwml_kl"  # VARIANTS="kl=--beta 1.0" VARIANT_SEEDS=1
     kl.mkdir()
-    (kl / "config.json").write_text(json.dumps(dict(beta=1.0)))
+    (kl / "config.json").write_text(json.dumps(dict(beta=1.0, stratify_prompts=False, out="z")))
     (kl / "metrics.jsonl").write_text(json.dumps(dict(reward_mean=0.2, frac_reward_zero_std=0.5, nothing_share=0.1,
                                                       target_kinds=["arrive"], group_rewards=[0.5])) + "\n")
     for kind in train.HELDOUT_KINDS:
         (held / "seed1" / f"eval_rwml_kl_{kind}.json").write_text(json.dumps(_wm(0.45, 0.45, 0.45, kinds)))
+    f = tmp_path / "seed0" / "filter"  # the easy filter's target mix: 2 of 5 collected, 1 of 3 in the RWML split
+    f.mkdir()
+    (f / "filter.json").write_text(json.dumps(dict(num_triplets=5, num_filter_split=2, tau_easy=0.5)))
+    (f / "easiness.jsonl").write_text("".join(json.dumps(dict(next_obs=o, easiness=e, kept=k)) + "\n" for o, e, k in (
+        ("Nothing happens.", 1.0, False), ("You arrive at shelf 1.", 0.25, True), ("You close the drawer 1.", 0.75, True))))
+    (tmp_path / "seed0" / "collect").mkdir()
+    (tmp_path / "seed0" / "collect" / "transitions.jsonl").write_text("".join(
+        json.dumps(dict(next_obs=o)) + "\n" for o in ("Nothing happens.", "Nothing happens.", "You arrive at shelf 1.",
+                                                      "You close the drawer 1.", "You arrive at desk 1.")))
     text = ev.sanity_report(tmp_path)
-    assert "| + RWML, beta 1.0 | 0.450 ± 0.000 (0.450)" in text
-    assert "| 1 (beta 1.0) | 0.20 -> 0.20 | 0.10 -> 0.10 | 0.50 | 0.00 of 1 | – |" in text
+    assert "| + RWML, --beta 1.0 | 0.450 ± 0.000 (0.450)" in text
+    assert "| 1 (--beta 1.0) | 0.20 -> 0.20 | 0.10 -> 0.10 | – | – | 0.50 | 0.00 of 1 | – | – |" in text
+    assert "| 0 | 2 of 5 (40%) | 1 of 2 (50%) | 1 of 3 (33%) | 0 of 2 (0%) | 1.00 | 0.50 | 0.5 |" in text
     with pytest.raises(UserError, match="run sanity.sh first"):
         ev.sanity_report(tmp_path / "seed0")
