@@ -211,6 +211,16 @@ def template_prediction(action: str) -> str:
     return "Nothing happens."
 
 
+def unseen_objects(triplet: dict) -> list[str]:
+    """The objects the target lists ("..., you see a mug 1, and a knife 2.") that the world-model prompt
+    (task, history, current observation, action) never names: what no model can read from its input, only
+    guess. A beyond-template target is nearly always such a list (README)."""
+    listed = re.findall(r"\ban? ([a-z]+ \d+)", str(triplet["next_obs"]).lower().partition("you see ")[2])
+    seen = " ".join([str(triplet.get("task", "")), str(triplet.get("action", ""))]
+                    + [f"{h.get('observation', '')} {h.get('action', '')}" for h in triplet.get("history", [])]).lower()
+    return [o for o in listed if not re.search(rf"\b{re.escape(o)}\b", seen)]
+
+
 def baseline_prediction(name: str, triplet: dict) -> str:
     """A content-free baseline's predicted next observation: `template` (`template_prediction`), `nothing`
     (always "Nothing happens."), `copy` (the current observation)."""

@@ -542,6 +542,7 @@ SANITY_ARMS = (("warmup", "warm-up"), ("rwml", "+ RWML"), ("wm_sft", "+ WM SFT")
 SANITY_BASELINES = (("template", "template rule"), ("nothing", "always \"Nothing happens.\""),
                     ("copy", "copy the observation"), ("base", "base model"))
 SANITY_COLUMNS = (("all targets", lambda r: r["wm_accuracy"]),
+                  ("the template rule's targets", lambda r: r["per_kind"].get("within_template", {}).get("wm_accuracy")),
                   ("not \"Nothing happens.\"", lambda r: r["per_kind"]["change"]["wm_accuracy"]),
                   ("beyond the template rule", lambda r: r["per_kind"]["beyond_template"]["wm_accuracy"]),
                   ("mean cosine", lambda r: r["mean_cosine"]))
@@ -550,6 +551,7 @@ MIN_RATE_N = 10  # a kind with fewer held-out triplets is listed, not quoted as 
 
 def _spread(xs: list[float], fmt: str = ".3f") -> str:
     """"mean ± sd (a / b / c)" over seeds (sample sd)."""
+    xs = [x for x in xs if x is not None]  # None: a value older result files do not have
     if not xs:
         return "–"
     sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
@@ -661,15 +663,18 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
             continue
         cfg = first.get("config", {})
         beyond_n = first["per_kind"]["beyond_template"]["n"]
+        unseen_n = first["per_kind"].get("beyond_template_unseen", {}).get("n")
         lines += [f"### {kind} triplets: {first['n']} of `{first.get('split') or '?'}` (`{first.get('transitions')}`), "
-                  f"{beyond_n} beyond the template rule", "",
+                  f"{beyond_n} beyond the template rule"
+                  + (f" ({unseen_n} of them list objects the prompt never names)" if unseen_n is not None else ""), "",
                   f"{cfg.get('eval_samples', 0) or 1} predictions per triplet sampled at T {cfg.get('temperature', 0)} "
                   f"(the rules: one), reward 1 iff 1 - cos < tau_d {cfg.get('tau_d')}; the share of predictions with "
                   f"reward 1. Arms: mean ± sd over {len(seeds)} independent seeds (each seed's value in brackets).", "",
                   "| | " + " | ".join(c for c, _ in SANITY_COLUMNS) + " |", "|---|" + "---|" * len(SANITY_COLUMNS)]
         for b, name in SANITY_BASELINES:
             if base[b]:
-                lines.append(f"| {name} | " + " | ".join(f"{get(base[b]):.3f}" for _, get in SANITY_COLUMNS) + " |")
+                lines.append(f"| {name} | " + " | ".join(_spread([get(base[b])]).split(" ±")[0] for _, get in SANITY_COLUMNS)
+                             + " |")
         for a, name in all_arms:
             if arms[a]:
                 lines.append(f"| {name} | " + " | ".join(_spread([get(r) for r in arms[a]]) for _, get in SANITY_COLUMNS)
@@ -679,7 +684,8 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
                      and (w := read(held / d.name / f"eval_warmup_{kind}.json"))]
             if pairs:
                 lines.append(f"| **{name} − warm-up** (paired) | " + " | ".join(
-                    _spread([get(r) - get(w) for r, w in pairs], "+.3f") for _, get in SANITY_COLUMNS) + " |")
+                    _spread([get(r) - get(w) for r, w in pairs if None not in (get(r), get(w))], "+.3f")
+                    for _, get in SANITY_COLUMNS) + " |")
         kinds = sorted(first["per_observation_kind"], key=lambda k: -first["per_observation_kind"][k]["n"])
         few = [f"{k} {first['per_observation_kind'][k]['n']}" for k in kinds if first["per_observation_kind"][k]["n"] < MIN_RATE_N]
         cols = [(b, n) for b, n in SANITY_BASELINES[:1] if base[b]] + [(a, n) for a, n in all_arms if arms[a]]

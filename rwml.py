@@ -740,9 +740,10 @@ def score_wm(triplets: list[Triplet], completions: list[str], reward_fn, k: int 
     sims = reward_fn.similarity(states, targets)
     rule = reward_fn([f"<next_state>{envs.template_prediction(t['action'])}</next_state>" for t in triplets],
                      [t["next_obs"] for t in triplets])
+    unseen = [bool(envs.unseen_objects(t)) for t in triplets]  # lists what the prompt never showed
     rows = [dict(reward=r, cosine=s, exact=bool(p) and envs.normalize(p) == envs.normalize(t),
-                 parsed=p is not None, kind=envs.observation_kind(t), beyond=rule[i // k] == 0)
-            for i, (r, s, p, t) in enumerate(zip(rewards, sims, states, targets))]
+                 parsed=p is not None, kind=envs.observation_kind(t), beyond=rule[i // k] == 0,
+                 unseen=unseen[i // k]) for i, (r, s, p, t) in enumerate(zip(rewards, sims, states, targets))]
 
     def summary(rs):
         n = max(len(rs), 1)
@@ -754,14 +755,17 @@ def score_wm(triplets: list[Triplet], completions: list[str], reward_fn, k: int 
     out = summary(rows)
     out["per_kind"] = dict(change=summary([r for r in rows if r["kind"] != "nothing_happens"]),
                            nothing_happens=summary([r for r in rows if r["kind"] == "nothing_happens"]),
-                           beyond_template=summary([r for r in rows if r["beyond"]]))
+                           beyond_template=summary([r for r in rows if r["beyond"]]),
+                           # of those, the targets that list an object the prompt never names: only a guess
+                           beyond_template_unseen=summary([r for r in rows if r["beyond"] and r["unseen"]]),
+                           within_template=summary([r for r in rows if not r["beyond"]]))
     out["per_observation_kind"] = {kind: summary([r for r in rows if r["kind"] == kind])
                                    for kind in sorted({r["kind"] for r in rows})}
     out["examples"] = [dict(action=t["action"], target=t["next_obs"], prediction=p)
                        for t, p in zip(triplets[:8], completions[::k])]
     out["triplets"] = [dict(game=t.get("game"), rollout=t.get("rollout"), step=t.get("step"),
                             action=t["action"], target=t["next_obs"], kind=rows[i * k]["kind"],
-                            template_hit=not rows[i * k]["beyond"],
+                            template_hit=not rows[i * k]["beyond"], unseen_objects=unseen[i],
                             predictions=states[i * k:(i + 1) * k], rewards=rewards[i * k:(i + 1) * k],
                             cosines=[round(c, 4) for c in sims[i * k:(i + 1) * k]])
                        for i, t in enumerate(triplets)]

@@ -51,6 +51,16 @@ def test_template_rule_writes_the_games_sentences():
         assert t(free) == "Nothing happens."
 
 
+def test_unseen_objects_are_those_the_prompt_never_names():
+    t = dict(task="put a mug in the fridge", action="go to countertop 1",
+             history=[dict(observation="You arrive at sinkbasin 1. On the sinkbasin 1, you see a knife 2.",
+                           action="take knife 2 from sinkbasin 1"), dict(observation="You pick up the knife 2.")],
+             next_obs="You arrive at countertop 1. On the countertop 1, you see a knife 21, a mug 1, and a knife 2.")
+    assert envs.unseen_objects(t) == ["knife 21", "mug 1"]  # "knife 2" was named; "knife 21" is another object
+    assert envs.unseen_objects(dict(t, next_obs="You arrive at countertop 1. On the countertop 1, you see nothing.")) == []
+    assert envs.unseen_objects(dict(t, next_obs="Nothing happens.")) == []
+
+
 def test_template_rule_scores_what_it_should_on_a_fixed_set(purposeful, reward_fn):
     """On real walkthroughs, every event the action spells out is hit (take, move, heat, cool, clean, use); an
     arrival or an opening is hit only when there is nothing to list; "Nothing happens." is never predicted."""
@@ -66,6 +76,11 @@ def test_template_rule_scores_what_it_should_on_a_fixed_set(purposeful, reward_f
         if row["kind"] == "arrive" and "you see a" in trip["next_obs"]:
             assert not exact
     assert r["per_kind"]["beyond_template"]["wm_accuracy"] == 0.0  # by definition
+    assert r["per_kind"]["within_template"]["wm_accuracy"] == 1.0
+    # what the rule misses is, almost always, a list of objects the prompt never named: content to guess
+    unseen, beyond = r["per_kind"]["beyond_template_unseen"]["n"], r["per_kind"]["beyond_template"]["n"]
+    assert 0 < unseen <= beyond and unseen >= 0.7 * beyond
+    assert all(row["unseen_objects"] == bool(envs.unseen_objects(t)) for row, t in zip(rows, purposeful))
     assert 0.3 < r["wm_accuracy"] < 1.0  # object lists are beyond it
     assert rwml.baseline_wm("nothing", purposeful, reward_fn)["wm_accuracy"] == 0.0  # no walkthrough step fails
     copy = rwml.baseline_wm("copy", purposeful, reward_fn)
@@ -100,7 +115,8 @@ def test_walkthrough_collection_needs_no_model(tmp_path, capsys):
 def _wm(acc, change, beyond, kinds):
     return dict(wm_accuracy=acc, mean_cosine=0.8, n=40, split="valid_unseen", transitions="h.jsonl",
                 config=dict(eval_samples=4, temperature=1.0, tau_d=0.1),
-                per_kind=dict(change=dict(wm_accuracy=change), beyond_template=dict(wm_accuracy=beyond, n=12)),
+                per_kind=dict(change=dict(wm_accuracy=change), beyond_template=dict(wm_accuracy=beyond, n=12),
+                              beyond_template_unseen=dict(n=10), within_template=dict(wm_accuracy=1.0 - beyond)),
                 per_observation_kind={k: dict(wm_accuracy=v, n=n) for k, (v, n) in kinds.items()})
 
 
@@ -126,9 +142,10 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
             (held / d.name / f"eval_rwml_{kind}.json").write_text(json.dumps(_wm(r, r, r, kinds)))
     text = ev.sanity_report(tmp_path)
     explore = text.split("### purposeful")[0]
-    assert "| template rule | 0.850 | 0.800 | 0.000 | 0.800 |" in explore
+    assert "| template rule | 0.850 | 1.000 | 0.800 | 0.000 | 0.800 |" in explore
+    assert "12 beyond the template rule (10 of them list objects the prompt never names)" in explore
     assert "| warm-up | 0.350 ± 0.050 (0.400 / 0.300 / 0.350)" in explore
-    assert "| **RWML − warm-up** (paired) | +0.050 ± 0.087 (+0.100 / -0.050 / +0.100)" in explore
+    assert "| **RWML − warm-up** (paired) | +0.050 ± 0.087 (+0.100 / -0.050 / +0.100) | -0.050 ± 0.087" in explore
     assert "| arrive | 30 | 0.500 | 0.500 | 0.500 |" in explore and "Too few to quote as a rate: take 4." in explore
     # the drift columns: on its targets 2/4 -> 3/4, on the others 1/4 -> 0/4; advantage +4 (up) / -2 (down)
     assert "| 0 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 -> 0.75 | 0.25 -> 0.00 | 0.50 | 0.00 of 4 | +4.0 / -2.0 | – |" in text
