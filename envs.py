@@ -145,7 +145,7 @@ def is_inefficient(command: str) -> bool:
     return command.split(" ", 1)[0] in INEFFICIENT if command else False
 
 
-# ----------------------------------------------------------------------------- exploration and observation kinds
+# ---------------------------------------------------------------------- exploration and observation kinds
 
 def explore_command(admissible: list[str], rng: random.Random) -> str:
     """An admissible command drawn by kind first (go to, open, close, take, move, use, heat, cool, clean,
@@ -164,8 +164,8 @@ def explore_command(admissible: list[str], rng: random.Random) -> str:
 _OBS_KINDS = (("nothing_happens", "nothing happens."), ("arrive", "you arrive at"), ("take", "you pick up"),
               ("move", "you move"), ("open", "you open"), ("close", "you close"), ("heat", "you heat"),
               ("cool", "you cool"), ("clean", "you clean"), ("slice", "you slice"), ("toggle", "you turn"),
-              ("inventory", "you are carrying"), ("inventory", "you are not carrying"), ("look", "you are facing"),
-              ("look", "you are in the middle of a room"))
+              ("inventory", "you are carrying"), ("inventory", "you are not carrying"),
+              ("look", "you are facing"), ("look", "you are in the middle of a room"))
 
 
 def observation_kind(obs: str) -> str:
@@ -217,7 +217,8 @@ def unseen_objects(triplet: dict) -> list[str]:
     guess. A beyond-template target is nearly always such a list (README)."""
     listed = re.findall(r"\ban? ([a-z]+ \d+)", str(triplet["next_obs"]).lower().partition("you see ")[2])
     seen = " ".join([str(triplet.get("task", "")), str(triplet.get("action", ""))]
-                    + [f"{h.get('observation', '')} {h.get('action', '')}" for h in triplet.get("history", [])]).lower()
+                    + [f"{h.get('observation', '')} {h.get('action', '')}"
+                       for h in triplet.get("history", [])]).lower()
     return [o for o in listed if not re.search(rf"\b{re.escape(o)}\b", seen)]
 
 
@@ -259,7 +260,8 @@ def use_engine_cache(enabled: bool = True) -> None:
     import textworld.envs.pddl.textgen as textgen
 
     if not _ORIGINALS:
-        _ORIGINALS.update(parse=textgen._parse_and_convert, query=textworld.logic.Rule.__dict__["parse_conjunctive_query"],
+        _ORIGINALS.update(parse=textgen._parse_and_convert,
+                          query=textworld.logic.Rule.__dict__["parse_conjunctive_query"],
                           pddl2sas=fast_downward.pddl2sas)
     if not enabled:
         textgen._parse_and_convert = _ORIGINALS["parse"]
@@ -421,7 +423,8 @@ class EnvPool:
             for _ in range(num_workers):
                 parent, child = ctx.Pipe()
                 ends = self.conns + [parent]  # the parent's ends so far, which the fork copies
-                p = ctx.Process(target=_serve, args=(child, max_turns, cache, os.getpid(), ends, self.game_cls),
+                p = ctx.Process(target=_serve,
+                                args=(child, max_turns, cache, os.getpid(), ends, self.game_cls),
                                 daemon=True)
                 p.start()
                 child.close()  # only the worker holds its end: when the worker dies, reading here gives EOF
@@ -514,7 +517,8 @@ class EnvPool:
 
 
 def walkthrough_triplets(split: str = "train", num_games: int | None = 3, history_len: int = 2, seed: int = 0,
-                         wrong_first: bool = True, games: list[str] | None = None, cache: bool = True) -> list[dict]:
+                         wrong_first: bool = True, games: list[str] | None = None,
+                         cache: bool = True) -> list[dict]:
     """Real triplets without a model: the expert walkthroughs of real games on the real engine, in the
     format `train.py collect` writes. `wrong_first`: a wrong command first, so that "Nothing happens." is
     there too (tests, benchmarks); without it, the "purposeful" held-out triplets: what an agent pursuing
@@ -565,7 +569,8 @@ def tau2_domain(domain: str):
         logger.remove()  # tau2 logs every tool call at DEBUG level
         return importlib.import_module(f"tau2.domains.{domain}.environment")
     except ImportError as e:
-        raise UserError(f"tau2-bench is not installed ({e}); pip install --no-deps -r requirements.txt") from None
+        raise UserError(f"tau2-bench is not installed ({e}); "
+                        "pip install --no-deps -r requirements.txt") from None
 
 
 def tau2_tasks(domain: str, split: str = "test", num_tasks: int | None = None, seed: int = 0) -> list:
@@ -580,7 +585,8 @@ def tau2_tasks(domain: str, split: str = "test", num_tasks: int | None = None, s
         if num_tasks < 1:
             raise UserError(f"--num-tasks must be at least 1, got {num_tasks}")
         if num_tasks > len(tasks):  # as list_games: never fewer than asked, silently
-            raise UserError(f"tau2 {domain} split {split} has {len(tasks)} tasks, asked for --num-tasks {num_tasks}")
+            raise UserError(f"tau2 {domain} split {split} has {len(tasks)} tasks, "
+                            f"asked for --num-tasks {num_tasks}")
         keep = sorted(random.Random(seed).sample(range(len(tasks)), num_tasks))
         tasks = [tasks[i] for i in keep]
     return tasks
@@ -608,7 +614,8 @@ def parse_tau2_action(text) -> dict:
         return dict(kind="tool", name=call["name"], arguments=call.get("arguments", {}), well_formed=one)
     if replies:
         content = replies[0][2]
-        nested = list(_literal("<reply>").finditer(content))  # "<reply><reply>hi</reply>": one block, badly nested
+        # "<reply><reply>hi</reply>": one block, badly nested
+        nested = list(_literal("<reply>").finditer(content))
         if nested:
             content = content[nested[-1].end():]
         return dict(kind="reply", content=content.strip(), well_formed=one and not nested)
@@ -695,7 +702,8 @@ class Tau2Episode:
             raise UserError(f"tau2 task {self.task.id} is graded by an LLM judge (NL_ASSERTION); not offline")
         out, reward = dict(basis=sorted(b.value for b in basis)), 1.0
         if basis & {RewardType.DB, RewardType.ENV_ASSERTION}:
-            r = EnvironmentEvaluator.calculate_reward(tau2_domain(self.domain).get_environment, self.task, self.messages)
+            r = EnvironmentEvaluator.calculate_reward(tau2_domain(self.domain).get_environment, self.task,
+                                                      self.messages)
             out["db"], reward = r.reward, reward * r.reward
         if RewardType.ACTION in basis:
             r = ActionEvaluator.calculate_reward(task=self.task, full_trajectory=self.messages)
@@ -719,15 +727,19 @@ def pass_hat_k(trials: list[tuple[int, int]], k: int) -> float:
 # ============================================================================ the agent's view: one interface
 # `rwml.play` drives either environment through the same calls, for many episodes at once (slots):
 #   env.reset({slot: episode}, customer) -> {slot: {"obs", "game", "task", "task_type"}}
-#   env.prompt(slot, recent)             -> the agent's prompt (`recent`: its last H (observation, action) pairs)
+#   env.prompt(slot, recent)             -> the agent's prompt (`recent`: its last H (observation, action)
+#                                           pairs)
 #   env.explore(slot, rng)               -> a reply written without the model (if `can_explore`: ALFWorld)
-#   env.step({slot: reply}, customer)    -> {slot: {"action", "obs", "valid", "format_ok", "won", "done", "counts"}}
-#   env.finish(slot)                     -> what the finished episode's summary adds (tau2: the official grading)
+#   env.step({slot: reply}, customer)    -> {slot: {"action", "obs", "valid", "format_ok", "won", "done",
+#                                                   "counts"}}
+#   env.finish(slot)                     -> what the finished episode's summary adds (tau2: the official
+#                                           grading)
 # plus `system` (the agent's system prompt), `stop` (where a reply ends), `counters` (the summary's counts)
 # and `turn_fields` (what each triplet carries besides the common fields). `customer(chats) -> texts` writes
 # the tau2 customer's messages in one batch (rwml.simulated_customer); ALFWorld needs none.
 
-AGENT_PREFIX = "<think>"  # the start of every agent reply, written for the model: small models keep the format
+# the start of every agent reply, written for the model: small models keep the format
+AGENT_PREFIX = "<think>"
 
 
 def make(env: str = "alfworld", *, domain: str = "retail", num_workers: int = 2, max_turns: int = 30,
@@ -792,12 +804,14 @@ class Alfworld:
         lines = [f"Your task is to: {s['task']}", f"You have taken {turn} of at most {self.max_turns} steps."]
         if recent:
             lines.append(f"Your last {len(recent)} observations and the actions you took after them:")
-            lines += [f"[Observation {turn - len(recent) + i + 1}] {o}\n[Action {turn - len(recent) + i + 1}] {a}"
+            lines += [f"[Observation {turn - len(recent) + i + 1}] {o}\n"
+                      f"[Action {turn - len(recent) + i + 1}] {a}"
                       for i, (o, a) in enumerate(recent)]
         lines += [f"[Current observation] {s['obs']}", "Admissible actions: " + ", ".join(s["admissible"]),
-                  "Reply in this exact format: first think briefly inside <think> </think>, then give exactly "
-                  "one admissible action inside <action> </action>, for example:",
-                  "<think>I need a mug; mugs are often on countertops.</think><action>go to countertop 1</action>"]
+                  "Reply in this exact format: first think briefly inside <think> </think>, then give "
+                  "exactly one admissible action inside <action> </action>, for example:",
+                  "<think>I need a mug; mugs are often on countertops.</think>"
+                  "<action>go to countertop 1</action>"]
         return "\n".join(lines)
 
     def explore(self, slot: int, rng: random.Random) -> str:
@@ -828,11 +842,13 @@ class Alfworld:
         out = self.pool.step({slot: command for slot, (command, _) in parsed.items()})
         results = {}
         for slot, r in out.items():
-            self.state[slot] = dict(self.state[slot], obs=r["obs"], admissible=r["admissible"], turn=r["turn"])
+            self.state[slot] = dict(self.state[slot], obs=r["obs"], admissible=r["admissible"],
+                                    turn=r["turn"])
             command, ok = parsed[slot]
             results[slot] = dict(action=command, obs=r["obs"], valid=r["valid"], format_ok=ok, won=r["won"],
-                                 done=r["done"], counts=dict(invalid=not (r["valid"] and ok), format_errors=not ok,
-                                                             inefficient=r["valid"] and is_inefficient(command)))
+                                 done=r["done"],
+                                 counts=dict(invalid=not (r["valid"] and ok), format_errors=not ok,
+                                             inefficient=r["valid"] and is_inefficient(command)))
         return results
 
     def finish(self, slot: int) -> dict:
@@ -872,7 +888,8 @@ def tau2_tools_text(env, user: bool = False) -> str:
     for name, tool in sorted((env.user_tools if user else env.tools).get_tools().items()):
         props = tool.params.model_json_schema().get("properties", {})
         args = ", ".join(f"{a}: {p.get('type', 'object')}" for a, p in props.items())
-        lines.append(f"- {name}({args}): {(tool.short_desc or '').splitlines()[0] if tool.short_desc else ''}")
+        lines.append(f"- {name}({args}): "
+                     f"{(tool.short_desc or '').splitlines()[0] if tool.short_desc else ''}")
     return "\n".join(lines)
 
 
@@ -899,21 +916,23 @@ class Tau2:
         self.domain, self.max_turns, self.state = domain, max_turns, {}
         self.turn_fields = dict(env="tau2", domain=domain)
         # tau2's user simulator guidelines, by whether the customer has tools (telecom's phone)
-        self.guidelines = {phone: (DATA_DIR / "tau2" / "user_simulator" / f"simulation_guidelines{end}.md").read_text()
+        self.guidelines = {phone: (DATA_DIR / "tau2" / "user_simulator"
+                                   / f"simulation_guidelines{end}.md").read_text()
                            for phone, end in ((False, ""), (True, "_tools"))}
 
     def reset(self, episodes: dict[int, dict], customer=None) -> dict[int, dict]:
         for slot, ep in episodes.items():
             game = Tau2Episode(self.domain, ep["game"])
             game.say("assistant", TAU2_GREETING)
-            self.state[slot] = dict(task=ep["game"], game=game, transcript=[("agent", TAU2_GREETING)], steps=0,
-                                    phone=game.env.user_tools is not None, counts={})
+            self.state[slot] = dict(task=ep["game"], game=game, transcript=[("agent", TAU2_GREETING)],
+                                    steps=0, phone=game.env.user_tools is not None, counts={})
         opening = self.customer_turns(list(episodes), customer)  # the customers open, in one batch
         task = f"help the customer as a {self.domain} customer service agent, following the policy"
         for slot, text in opening.items():
             self.state[slot]["game"].say("user", text)
             self.state[slot]["transcript"].append(("customer", text))
-        return {slot: dict(obs=opening[slot], game=self.state[slot]["task"].id, task=task, task_type=self.domain)
+        return {slot: dict(obs=opening[slot], game=self.state[slot]["task"].id, task=task,
+                           task_type=self.domain)
                 for slot in episodes}
 
     def prompt(self, slot: int, recent=None) -> str:
@@ -921,10 +940,12 @@ class Tau2:
         game = self.state[slot]["game"]
         lines = ["<policy>", game.env.get_policy().strip(), "</policy>", "Tools:", tau2_tools_text(game.env),
                  "The conversation so far:"]
-        lines += [f"[{who}] {text}" for who, text in self.state[slot]["transcript"] if who not in TAU2_CUSTOMER_ONLY]
-        lines += ["Reply in this exact format: first think briefly inside <think> </think>, then either call one "
-                  "tool, for example <tool_call>{\"name\": \"get_user_details\", \"arguments\": {\"user_id\": "
-                  "\"sara_doe_496\"}}</tool_call>, or write to the customer inside <reply> </reply>."]
+        lines += [f"[{who}] {text}" for who, text in self.state[slot]["transcript"]
+                  if who not in TAU2_CUSTOMER_ONLY]
+        lines += ["Reply in this exact format: first think briefly inside <think> </think>, then either call "
+                  "one tool, for example <tool_call>{\"name\": \"get_user_details\", \"arguments\": "
+                  "{\"user_id\": \"sara_doe_496\"}}</tool_call>, or write to the customer inside "
+                  "<reply> </reply>."]
         return "\n".join(lines)
 
     def step(self, replies: dict[int, str], customer=None) -> dict[int, dict]:
@@ -933,16 +954,18 @@ class Tau2:
             e, a = self.state[slot], parse_tau2_action(reply)
             counts = dict(format_errors=not a["well_formed"], tool_calls=a["kind"] == "tool")
             if a["kind"] == "tool":
-                response, valid = e["game"].tool(a["name"], a["arguments"]) if a["name"] else (BAD_CALL, False)
+                response, valid = (e["game"].tool(a["name"], a["arguments"]) if a["name"]
+                                   else (BAD_CALL, False))
                 counts["invalid"] = not valid
-                e["transcript"] += [("agent tool call", tau2_action_text(a)[len("tool call "):]), ("tool", response)]
+                e["transcript"] += [("agent tool call", tau2_action_text(a)[len("tool call "):]),
+                                    ("tool", response)]
             else:
                 response, valid = None, True
                 e["game"].say("assistant", a["content"] or "(empty)")
                 e["transcript"].append(("agent", a["content"]))
                 to_customer.append(slot)
-            results[slot] = dict(action=tau2_action_text(a), obs=response, valid=valid, format_ok=a["well_formed"],
-                                 won=False, counts=counts)
+            results[slot] = dict(action=tau2_action_text(a), obs=response, valid=valid,
+                                 format_ok=a["well_formed"], won=False, counts=counts)
         for slot, text in self.customer_turns(to_customer, customer).items():
             self.state[slot]["game"].say("user", text)
             self.state[slot]["transcript"].append(("customer", text))
@@ -982,7 +1005,8 @@ class Tau2:
                     counts["user_invalid"] = counts.get("user_invalid", 0) + 1
                     said[slot] = "(no answer)"
                     continue
-                response, valid = e["game"].tool(a["name"], a["arguments"], "user") if a["name"] else (BAD_CALL, False)
+                response, valid = (e["game"].tool(a["name"], a["arguments"], "user") if a["name"]
+                                   else (BAD_CALL, False))
                 counts["user_invalid"] = counts.get("user_invalid", 0) + (not valid)
                 call = json.dumps(dict(name=a["name"], arguments=a["arguments"])) if a["name"] else a["raw"]
                 e["transcript"] += [("customer tool call", call), ("phone", response)]
@@ -992,11 +1016,14 @@ class Tau2:
 
     def customer_chat(self, slot: int) -> list[dict]:
         """The customer's side as chat messages: tau2's guidelines and the task's scenario as the system
-        prompt (telecom: and the phone's tools), the agent as "user", the customer's own calls in Qwen's markup."""
+        prompt (telecom: and the phone's tools), the agent as "user", the customer's own calls in Qwen's
+        markup."""
         e = self.state[slot]
-        system = self.guidelines[e["phone"]] + "\n\n<scenario>\n" + str(e["task"].user_scenario) + "\n</scenario>"
+        system = (self.guidelines[e["phone"]] + "\n\n<scenario>\n" + str(e["task"].user_scenario)
+                  + "\n</scenario>")
         if e["phone"]:
-            system += f"\n\nTools on your phone:\n{tau2_tools_text(e['game'].env, user=True)}\n{TAU2_USER_FORMAT}"
+            system += (f"\n\nTools on your phone:\n{tau2_tools_text(e['game'].env, user=True)}\n"
+                       f"{TAU2_USER_FORMAT}")
         roles = {"agent": "user", "phone": "user", "customer": "assistant", "customer tool call": "assistant"}
         msgs = [{"role": "system", "content": system}]
         for who, text in e["transcript"]:
@@ -1032,12 +1059,15 @@ def textworld_root() -> Path:
     return Path(os.environ.get("RWML_CACHE", "~/.cache/rwml")).expanduser() / "textworld"
 
 
-def textworld_game_path(split: str, game_seed: int, world_size: int, nb_objects: int, quest_length: int) -> Path:
+def textworld_game_path(split: str, game_seed: int, world_size: int, nb_objects: int,
+                        quest_length: int) -> Path:
     """<cache>/textworld/w2-n4-q2-test/seed-2000017/game.z8: `game_id` gives `w2-n4-q2-test/seed-2000017`."""
-    return textworld_root() / f"w{world_size}-n{nb_objects}-q{quest_length}-{split}" / f"seed-{game_seed}" / "game.z8"
+    return (textworld_root() / f"w{world_size}-n{nb_objects}-q{quest_length}-{split}" / f"seed-{game_seed}"
+            / "game.z8")
 
 
-def make_textworld_game(path: Path, game_seed: int, world_size: int, nb_objects: int, quest_length: int) -> None:
+def make_textworld_game(path: Path, game_seed: int, world_size: int, nb_objects: int,
+                        quest_length: int) -> None:
     """One game with textworld's generator (what `tw-make custom` does), written to a temporary folder and
     renamed into place: a game folder that exists is complete, also when two processes make it at once."""
     import shutil
@@ -1056,15 +1086,16 @@ def make_textworld_game(path: Path, game_seed: int, world_size: int, nb_objects:
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"TextWorld cannot generate a game with --world-size {world_size} --nb-objects "
                         f"{nb_objects} --quest-length {quest_length} ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}); try a shorter quest or more objects") from None
+                        f"{str(e).splitlines()[0] if str(e) else ''}); "
+                        "try a shorter quest or more objects") from None
     try:
         tmp.rename(path.parent)
     except OSError:  # another process made it first
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def textworld_games(split: str, num_games: int | None, seed: int = 0, world_size: int = 2, nb_objects: int = 4,
-                    quest_length: int = 2) -> list[str]:
+def textworld_games(split: str, num_games: int | None, seed: int = 0, world_size: int = 2,
+                    nb_objects: int = 4, quest_length: int = 2) -> list[str]:
     """`num_games` game files of a split (train / dev / test: disjoint game seeds), drawn with `seed`, as
     `list_games` draws ALFWorld's; generated on first use (~2.5 s a game) and kept in the cache."""
     if split not in TW_SPLITS:
@@ -1073,7 +1104,8 @@ def textworld_games(split: str, num_games: int | None, seed: int = 0, world_size
         raise UserError("TextWorld games are generated: give their number, e.g. --num-games 20")
     if num_games < 1:
         raise UserError(f"the number of games must be at least 1, got {num_games}")
-    for name, v, lo in (("world_size", world_size, 1), ("nb_objects", nb_objects, 1), ("quest_length", quest_length, 1)):
+    for name, v, lo in (("world_size", world_size, 1), ("nb_objects", nb_objects, 1),
+                        ("quest_length", quest_length, 1)):
         if v < lo:
             raise UserError(f"--{name.replace('_', '-')} must be at least {lo}, got {v}")
     seeds = sorted(TW_SPLITS[split] + i for i in random.Random(seed).sample(range(TW_POOL), num_games))
@@ -1131,4 +1163,5 @@ class TextWorld(Alfworld):
     turn_fields, example_action = {"env": "textworld"}, "take key from table"
 
     def __init__(self, num_workers: int = 2, max_turns: int = 30):
-        self.pool, self.max_turns, self.state = EnvPool(num_workers, max_turns, game_cls=TwGame), max_turns, {}
+        self.pool, self.max_turns, self.state = (EnvPool(num_workers, max_turns, game_cls=TwGame),
+                                                 max_turns, {})

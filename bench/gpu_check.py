@@ -1,11 +1,13 @@
 """GPU smoke check: every CUDA path of the project once, on random models built from a config (no download).
 
     python bench/gpu_check.py                      # on CUDA: Qwen2.5-0.5B- and 1.5B-shaped models, 4-bit NF4
-    python bench/gpu_check.py --device cpu --shapes tiny-llama   # the same checks on the CPU (the tests run it)
-    python bench/gpu_check.py --shapes tiny-qwen3,tiny-gemma2,tiny-gemma3   # other architectures (random_models)
+    python bench/gpu_check.py --device cpu --shapes tiny-llama   # the same checks on the CPU (the tests
+                                                                 # run it)
+    python bench/gpu_check.py --shapes tiny-qwen3,tiny-gemma2,tiny-gemma3   # other architectures
+                                                                            # (random_models)
 
-Per shape: 4-bit NF4 load, LoRA on all linear layers, both fast paths of the log-probs taken (`rwml.fast_paths`:
-in bf16 too), shared-prefill sampling against plain generate, one
+Per shape: 4-bit NF4 load, LoRA on all linear layers, both fast paths of the log-probs taken
+(`rwml.fast_paths`: in bf16 too), shared-prefill sampling against plain generate, one
 stage-1 GRPO step (world-model prompts, KL against the adapter-disabled base), the adapter saved, then a
 stage-2 update started from it (KL against its frozen copy "ref"), the adapter reloaded the peft way, and
 peak GPU memory. Prints one line per check and ends with "gpu-check: all passed" or the failures;
@@ -32,8 +34,9 @@ import train  # noqa: E402
 from bench.random_models import build  # noqa: E402
 
 TRIPLETS = [  # ALFWorld-shaped world-model triplets (no game files needed on the GPU machine)
-    dict(task="put a clean mug in the coffeemachine", action="go to countertop 1", next_obs="You arrive at countertop 1. "
-         "On the countertop 1, you see a mug 1.", history=[{"observation": "You are in the middle of a room."}]),
+    dict(task="put a clean mug in the coffeemachine", action="go to countertop 1",
+         next_obs="You arrive at countertop 1. On the countertop 1, you see a mug 1.",
+         history=[{"observation": "You are in the middle of a room."}]),
     dict(task="put a clean mug in the coffeemachine", action="take mug 1 from countertop 1",
          next_obs="You pick up the mug 1 from the countertop 1.",
          history=[{"observation": "You arrive at countertop 1. On the countertop 1, you see a mug 1."}]),
@@ -61,20 +64,24 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
         torch.cuda.reset_peak_memory_stats()
     model, tok = rwml.load_model(str(folder), device=device, load_in_4bit=four_bit)
     n4 = sum(type(m).__name__ == "Linear4bit" for m in model.modules())
-    check("load" + (" in 4-bit NF4" if four_bit else ""), not four_bit or n4 > 0, f"{n4} Linear4bit layers, {model.device}")
-    cfg = train.Config(model=str(folder), num_generations=4, max_completion_length=24, micro_batch_size=8, beta=0.01,
-                       lora_target_modules="all-linear", learning_rate=1e-4, max_new_tokens=16)
+    check("load" + (" in 4-bit NF4" if four_bit else ""), not four_bit or n4 > 0,
+          f"{n4} Linear4bit layers, {model.device}")
+    cfg = train.Config(model=str(folder), num_generations=4, max_completion_length=24, micro_batch_size=8,
+                       beta=0.01, lora_target_modules="all-linear", learning_rate=1e-4, max_new_tokens=16)
     torch.manual_seed(0)
     model = train.start_adapter(cfg, model)
     check("LoRA on all linear layers", any(p.requires_grad for p in model.parameters()))
     fast = rwml.fast_paths(model)  # bf16 / 4-bit may round the fast paths away from the model's own logits
     check("fast paths (chunked projection, shared prompt cache)", fast.head and fast.shared_prompt, str(fast))
 
-    texts = [rwml.chat(tok, rwml.wm_prompt(t, False), rwml.WM_SYSTEM, rwml.wm_prefix(False)) for t in TRIPLETS]
+    texts = [rwml.chat(tok, rwml.wm_prompt(t, False), rwml.WM_SYSTEM, rwml.wm_prefix(False))
+             for t in TRIPLETS]
     shared = rwml.sample(model, tok, texts, n=3, max_new_tokens=12, temperature=0.0).input_ids
-    batch = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    cfg_plain = rwml.sampling_config(model, tok, temperature=0.0, top_p=1.0, max_new_tokens=12)  # before the
-    with rwml.checkpoint_generation_config_off(model):  # checkpoint's generation_config (its end-of-turn ids) is off
+    batch = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True,
+                add_special_tokens=False).to(device)
+    # before the checkpoint's generation_config (its end-of-turn ids) is off
+    cfg_plain = rwml.sampling_config(model, tok, temperature=0.0, top_p=1.0, max_new_tokens=12)
+    with rwml.checkpoint_generation_config_off(model):
         plain = model.generate(**batch, generation_config=cfg_plain)
     agree = (shared == plain).float().mean().item() if shared.shape == plain.shape else 0.0
     # bf16 / 4-bit kernels may round a cached and an uncached forward apart: report agreement, require most
@@ -86,15 +93,16 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
     res = rwml.grpo_step(model, tok, opt, TRIPLETS, parity_reward, cfg, reasoning=False)
     u = res["updates"][0]
     moved = any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
-    check("stage-1 GRPO step", not u["skipped"] and moved, f"reward {res['reward_mean']:.2f}, loss {u['loss']:.4f}, "
-          f"kl {u['kl']:.5f}, grad norm {u['grad_norm']:.3f}")
+    check("stage-1 GRPO step", not u["skipped"] and moved, f"reward {res['reward_mean']:.2f}, "
+          f"loss {u['loss']:.4f}, kl {u['kl']:.5f}, grad norm {u['grad_norm']:.3f}")
     adapter = train.save_adapter(model, work / shape, "adapter")
 
     base = model.unload()  # the bare base again; stage 2 starts from the saved adapter, "ref" its frozen copy
     model = train.start_adapter(cfg, base, adapter)
     prompt_ids = [tok(rwml.chat(tok, "Your task is to: put a mug in the sink", envs.Alfworld.system,
                             envs.AGENT_PREFIX))["input_ids"]]
-    turns = [dict(episode=e, prompt_ids=prompt_ids[0], completion_ids=tok(f"go.</think><action>{a}</action>")["input_ids"],
+    turns = [dict(episode=e, prompt_ids=prompt_ids[0],
+                  completion_ids=tok(f"go.</think><action>{a}</action>")["input_ids"],
                   response=a) for e, a in enumerate(["go to sinkbasin 1", "look"])]
     summaries = [dict(won=True, steps=1, invalid=0), dict(won=False, steps=1, invalid=0)]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate)
@@ -114,9 +122,11 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
     with torch.no_grad():
         got = reloaded(**probe).logits.float()
     err = (got - want).abs().max().item()
-    check("adapter saved and reloaded with PeftModel.from_pretrained", err < 1e-2, f"max logit difference {err:.2e}")
+    check("adapter saved and reloaded with PeftModel.from_pretrained", err < 1e-2,
+          f"max logit difference {err:.2e}")
     if cuda:
-        log(f"  peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB ({torch.cuda.get_device_name()})")
+        log(f"  peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB "
+            f"({torch.cuda.get_device_name()})")
     log(f"  {shape}: {time.time() - t0:.0f} s")
     del model, reloaded, fresh, base
     if cuda:
@@ -137,7 +147,8 @@ def main(argv=None) -> int:
         print(line, flush=True)
         lines.append(line)
 
-    log(f"gpu-check on {args.device}: torch {torch.__version__}, CUDA {torch.version.cuda}, shapes {args.shapes}")
+    log(f"gpu-check on {args.device}: torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"shapes {args.shapes}")
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes.split(","):

@@ -1,7 +1,9 @@
 """Ours vs TRL's GRPOTrainer on the same RWML world-model GRPO job, side by side, in one run.
 
-    pip install --no-deps -r bench/requirements.txt     # TRL and its data packages; the core does not need them
-    python bench/grpo_vs_trl.py                                       # --repeats 3 --steps 3 --model ... --out FILE
+    pip install --no-deps -r bench/requirements.txt     # TRL and its data packages; the core does not
+                                                        # need them
+    python bench/grpo_vs_trl.py                                       # --repeats 3 --steps 3 --model ...
+                                                                      # --out FILE
 
 The job: real world-model prompts (history + action -> next observation; ALFWorld expert walkthroughs
 stepped on the real engine), the same model, LoRA (r, alpha, q/k/v/o), num_generations, prompts per
@@ -79,15 +81,17 @@ def run_ours(cfg: BenchConfig) -> dict:
     model, tok = rwml.load_model(cfg.model, load_in_4bit=cfg.load_in_4bit)
     torch.manual_seed(cfg.seed)
     model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, 0.0, ",".join(TARGETS))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate, weight_decay=0.0)
-    tcfg = rwml.GRPOConfig(num_generations=cfg.num_generations, beta=cfg.beta, learning_rate=cfg.learning_rate,
-                           max_completion_length=cfg.max_completion_length, micro_batch_size=cfg.micro_batch_size,
-                           loss_type="grpo", temperature=1.0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
+                            weight_decay=0.0)
+    tcfg = rwml.GRPOConfig(num_generations=cfg.num_generations, beta=cfg.beta,
+                           learning_rate=cfg.learning_rate, max_completion_length=cfg.max_completion_length,
+                           micro_batch_size=cfg.micro_batch_size, loss_type="grpo", temperature=1.0)
     completions = tokens = 0
     t0 = time.perf_counter()
     for step in range(cfg.steps):
         batch = trips[step * cfg.prompts_per_step:(step + 1) * cfg.prompts_per_step]
-        res = rwml.grpo_step(model, tok, opt, batch, reward, tcfg, reasoning=True)  # TRL's prompts: <think> too
+        # TRL's prompts: <think> too
+        res = rwml.grpo_step(model, tok, opt, batch, reward, tcfg, reasoning=True)
         n = len(batch) * cfg.num_generations
         completions, tokens = completions + n, tokens + res["completion_tokens"] * n
     return dict(seconds=time.perf_counter() - t0, completions=completions, tokens=tokens)
@@ -109,34 +113,42 @@ def run_trl(cfg: BenchConfig) -> dict:
     extra = {}
     if cfg.load_in_4bit:
         extra = dict(quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                            bnb_4bit_compute_dtype=torch.bfloat16 if cuda else torch.float32,
+                                                            bnb_4bit_compute_dtype=(torch.bfloat16 if cuda
+                                                                                    else torch.float32),
                                                             bnb_4bit_use_double_quant=True))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if cuda else torch.float32, **extra)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if cuda else torch.float32,
+                                                 **extra)
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     # the very prompts ours samples from: chat template + the "<think>" the reply starts with
-    data = Dataset.from_list([dict(prompt=rwml.chat(tok, rwml.wm_prompt(t), rwml.wm_system(t), rwml.WM_PREFIX),
+    data = Dataset.from_list([dict(prompt=rwml.chat(tok, rwml.wm_prompt(t), rwml.wm_system(t),
+                                                    rwml.WM_PREFIX),
                                    targets=t["next_obs"]) for t in trips])
     accumulation = cfg.prompts_per_step * cfg.num_generations // cfg.micro_batch_size
     with tempfile.TemporaryDirectory() as tmp:
-        args = GRPOConfig(output_dir=tmp, use_cpu=not cuda, bf16=cuda, per_device_train_batch_size=cfg.micro_batch_size,
+        args = GRPOConfig(output_dir=tmp, use_cpu=not cuda, bf16=cuda,
+                          per_device_train_batch_size=cfg.micro_batch_size,
                           gradient_accumulation_steps=accumulation, num_generations=cfg.num_generations,
-                          max_completion_length=cfg.max_completion_length, temperature=1.0, top_k=0, top_p=1.0,
-                          beta=cfg.beta, epsilon=0.2, loss_type="grpo", scale_rewards="group", num_iterations=1,
-                          learning_rate=cfg.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
-                          weight_decay=0.0, max_grad_norm=1.0, max_steps=cfg.steps, gradient_checkpointing=False,
-                          shuffle_dataset=False, logging_steps=1, report_to="none", save_strategy="no",
-                          seed=cfg.seed, dataloader_num_workers=0, disable_tqdm=True)
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
-                              peft_config=LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                                                     target_modules=TARGETS, task_type="CAUSAL_LM"))
+                          max_completion_length=cfg.max_completion_length, temperature=1.0, top_k=0,
+                          top_p=1.0, beta=cfg.beta, epsilon=0.2, loss_type="grpo", scale_rewards="group",
+                          num_iterations=1, learning_rate=cfg.learning_rate, lr_scheduler_type="constant",
+                          warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, max_steps=cfg.steps,
+                          gradient_checkpointing=False, shuffle_dataset=False, logging_steps=1,
+                          report_to="none", save_strategy="no", seed=cfg.seed, dataloader_num_workers=0,
+                          disable_tqdm=True)
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                              processing_class=tok,
+                              peft_config=LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                                                     lora_dropout=0.0, target_modules=TARGETS,
+                                                     task_type="CAUSAL_LM"))
         t0 = time.perf_counter()
         trainer.train()
         seconds = time.perf_counter() - t0
     logs = [r for r in trainer.state.log_history if "completions/mean_length" in r]
     n = cfg.prompts_per_step * cfg.num_generations
-    return dict(seconds=seconds, completions=n * cfg.steps, tokens=sum(r["completions/mean_length"] * n for r in logs))
+    return dict(seconds=seconds, completions=n * cfg.steps,
+                tokens=sum(r["completions/mean_length"] * n for r in logs))
 
 
 def one_run(arm: str, cfg: BenchConfig) -> dict:
@@ -151,8 +163,9 @@ def machine() -> str:
 
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    cpu = (next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), "unknown CPU")
+           if Path("/proc/cpuinfo").exists() else "unknown CPU")
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
     return f"{cpu}, {os.cpu_count()} cores{gpu}, torch {torch.__version__}"
 
@@ -162,9 +175,11 @@ def table(runs: list[dict], cfg: BenchConfig) -> str:
             ("peak_rss_gb", "peak RSS (GB)", "{:.2f}")]
     if any("peak_gpu_gb" in r for r in runs):
         keys.append(("peak_gpu_gb", "peak GPU (GB)", "{:.2f}"))
-    med = {arm: {k: statistics.median(r[k] for r in runs if r["arm"] == arm) for k, _, _ in keys} for arm in ARMS}
+    med = {arm: {k: statistics.median(r[k] for r in runs if r["arm"] == arm) for k, _, _ in keys}
+           for arm in ARMS}
     lines = [f"# python bench/grpo_vs_trl.py --repeats {cfg.repeats} --steps {cfg.steps} (model {cfg.model}, "
-             f"{cfg.prompts_per_step} prompts x {cfg.num_generations} completions per step, max {cfg.max_completion_length} "
+             f"{cfg.prompts_per_step} prompts x {cfg.num_generations} completions per step, "
+             f"max {cfg.max_completion_length} "
              f"tokens, micro-batch {cfg.micro_batch_size}, beta {cfg.beta}, LoRA r={cfg.lora_r} on q/k/v/o"
              + (", 4-bit NF4" if cfg.load_in_4bit else "") + ")", f"# machine: {machine()}",
              "| arm | " + " | ".join(f"{name} min / median / max" for _, name, _ in keys) + " |",
@@ -174,13 +189,15 @@ def table(runs: list[dict], cfg: BenchConfig) -> str:
         for k, _, fmt in keys:
             xs = [r[k] for r in runs if r["arm"] == arm]
             cells.append(" / ".join(fmt.format(x) for x in (min(xs), statistics.median(xs), max(xs))))
-        lines.append(f"| {'ours (rwml.grpo_step)' if arm == 'ours' else 'TRL GRPOTrainer'} | " + " | ".join(cells) + " |")
-    lines.append("| **ours / TRL** (medians) | " + " | ".join(f"**{med['ours'][k] / med['trl'][k]:.2f}x**" for k, _, _ in keys) + " |")
+        lines.append(f"| {'ours (rwml.grpo_step)' if arm == 'ours' else 'TRL GRPOTrainer'} | "
+                     + " | ".join(cells) + " |")
+    lines.append("| **ours / TRL** (medians) | "
+                 + " | ".join(f"**{med['ours'][k] / med['trl'][k]:.2f}x**" for k, _, _ in keys) + " |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from train import parse_config
+    from plumbing import parse_config
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--run"]:  # a child process: one arm, one JSON line on stdout
@@ -214,6 +231,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from train import run_cli
+    from plumbing import run_cli
 
     run_cli(main)

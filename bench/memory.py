@@ -1,4 +1,5 @@
-"""Peak RAM and speed of one training update, side by side: the warm-up SFT step and the GRPO step, ours vs the
+"""Peak RAM and speed of one training update, side by side: the warm-up SFT step and the GRPO step, \
+ours vs the
 naive full-logits path (and, for SFT, TRL's SFTTrainer), on the same job.
 
     OMP_NUM_THREADS=1 python bench/memory.py [--model bundled:SmolLM2-135M-Instruct] [--job sft|grpo|both]
@@ -9,8 +10,8 @@ the filter's warm-up (`envs.walkthrough_triplets`, history 1, no reasoning), los
          log_softmax, masked mean: what a plain SFT loop does
   ours   rwml.sft: micro-batches of at most SFT_MAX_TOKENS padded tokens with gradient accumulation, the
          vocabulary projection on answer tokens only, in checkpointed chunks
-  trl    TRL's SFTTrainer, prompt-completion data, completion_only_loss, the same batch, LoRA and learning rate
-         (fp32: bf16=False; TRL's own gradient checkpointing on)
+  trl    TRL's SFTTrainer, prompt-completion data, completion_only_loss, the same batch, LoRA and learning
+         rate (fp32: bf16=False; TRL's own gradient checkpointing on)
 GRPO job: one update of `--sequences` random sequences of `--length` tokens (`--completion` of them sampled):
   naive  one forward with full logits, as above; ours: rwml.grpo_update (micro_batch_size, micro_batch_tokens)
 Same model, LoRA (r 16, all-linear: train.py's default), AdamW. Each arm runs in a fresh process, so that
@@ -57,7 +58,8 @@ def sft_job(tok, n: int = 8, history_len: int = 1):
     trips = sorted(trips, key=lambda t: -len(rwml.wm_prompt(t, reasoning=False)))[:n]
     system, prefix = rwml.wm_system(trips[0]), rwml.wm_prefix(False)
     return ([rwml.wm_prompt(t, reasoning=False) for t in trips], [rwml.wm_answer(t) for t in trips],
-            [rwml.chat(tok, rwml.wm_prompt(t, reasoning=False), system, prefix) for t in trips], system, prefix)
+            [rwml.chat(tok, rwml.wm_prompt(t, reasoning=False), system, prefix) for t in trips],
+            system, prefix)
 
 
 def one_step(job: str, arm: str, model_name: str, a) -> dict:
@@ -72,7 +74,8 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     if job == "sft":
         prompts, answers, texts, system, prefix = sft_job(tok)
-        rows = [(tok(t, add_special_tokens=False)["input_ids"], tok(x + tok.eos_token, add_special_tokens=False)["input_ids"])
+        rows = [(tok(t, add_special_tokens=False)["input_ids"],
+                 tok(x + tok.eos_token, add_special_tokens=False)["input_ids"])
                 for t, x in zip(texts, answers)]
         tokens = sum(len(p) + len(c) for p, c in rows)
         if arm == "ours":
@@ -98,11 +101,12 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
     else:
         ids = torch.randint(100, len(tok) - 100, (a.sequences, a.length))
         cmask = torch.ones(a.sequences, a.completion, dtype=torch.long)
-        batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), completion_mask=cmask,
-                     advantages=torch.linspace(-1, 2, a.sequences),  # not symmetric: the loss is not 0
-                     weights=rwml.token_weights(cmask, "grpo", a.completion))
+        batch = rwml.Batch(input_ids=ids, attention_mask=torch.ones_like(ids), completion_mask=cmask,
+                           advantages=torch.linspace(-1, 2, a.sequences),  # not symmetric: the loss is not 0
+                           weights=rwml.token_weights(cmask, "grpo", a.completion))
         tokens = ids.numel()
-        cfg = rwml.GRPOConfig(micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens, beta=0.0)
+        cfg = rwml.GRPOConfig(micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens,
+                              beta=0.0)
         opt = torch.optim.AdamW(params, lr=1e-5)
         if arm == "ours":
             def step():
@@ -111,9 +115,9 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
             def step():
                 model.train()
                 C = a.completion
-                logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits
+                logits = model(input_ids=ids, attention_mask=batch.attention_mask).logits
                 logp = logits[:, -C - 1:-1].float().log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1)
-                loss = rwml.grpo_loss(logp, logp.detach(), None, batch["advantages"], batch["weights"])
+                loss = rwml.grpo_loss(logp, logp.detach(), None, batch.advantages, batch.weights)
                 loss.backward()
                 opt.step()
                 return loss.item()
@@ -135,10 +139,10 @@ def trl_sft_step(model, tok, prompts: list[str], completions: list[str], lr: flo
     # bf16 off: SFTConfig turns bf16 mixed precision on by default, which on a CPU without bf16 units is slow
     # and is not the fp32 arithmetic of the other arms; gradient checkpointing stays on, TRL's default
     args = SFTConfig(output_dir=tmp, max_steps=1, bf16=False, per_device_train_batch_size=len(prompts),
-                     gradient_accumulation_steps=1, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
-                     weight_decay=0.0, max_grad_norm=1.0, completion_only_loss=True, max_length=None,
-                     report_to="none", save_strategy="no", logging_steps=1, use_cpu=not torch.cuda.is_available(),
-                     dataloader_num_workers=0, seed=0)
+                     gradient_accumulation_steps=1, learning_rate=lr, lr_scheduler_type="constant",
+                     warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, completion_only_loss=True,
+                     max_length=None, report_to="none", save_strategy="no", logging_steps=1,
+                     use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, seed=0)
     trainer = SFTTrainer(model=model, args=args, processing_class=tok,
                          train_dataset=Dataset.from_dict(dict(prompt=prompts, completion=completions)))
 
@@ -158,7 +162,8 @@ def main() -> None:
     p.add_argument("--model", default="bundled:SmolLM2-135M-Instruct")
     p.add_argument("--job", choices=("sft", "grpo", "both"), default="both")
     p.add_argument("--lr", type=float, default=5e-4, help="SFT learning rate (train.py's sft_learning_rate)")
-    p.add_argument("--max-tokens", type=int, default=rwml.SFT_MAX_TOKENS, help="ours: SFT tokens per micro-batch")
+    p.add_argument("--max-tokens", type=int, default=rwml.SFT_MAX_TOKENS,
+                   help="ours: SFT tokens per micro-batch")
     p.add_argument("--sequences", type=int, default=16, help="GRPO: completions in the update")
     p.add_argument("--length", type=int, default=400, help="GRPO: tokens per sequence (prompt + completion)")
     p.add_argument("--completion", type=int, default=64, help="GRPO: completion tokens per sequence")
@@ -174,12 +179,14 @@ def main() -> None:
     for job in (("sft", "grpo") if a.job == "both" else (a.job,)):
         rows = {}
         for arm in ARMS[job]:
-            r = subprocess.run([sys.executable, __file__, "--arm", f"{job}:{arm}", *argv], capture_output=True, text=True)
+            r = subprocess.run([sys.executable, __file__, "--arm", f"{job}:{arm}", *argv],
+                               capture_output=True, text=True)
             if r.returncode:
                 sys.exit(f"error: the {job} {arm} arm failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
             rows[arm] = row = json.loads(r.stdout.strip().splitlines()[-1])
             print(f"{job:>4} {arm:>5}: peak RSS {row['peak_rss_gb']:.2f} GB (+{row['added_gb']:.2f} GB), "
-                  f"{row['seconds']:.1f} s, {row['tokens_per_s']:.0f} tokens/s, loss {row['loss']:.6f}", flush=True)
+                  f"{row['seconds']:.1f} s, {row['tokens_per_s']:.0f} tokens/s, "
+                  f"loss {row['loss']:.6f}", flush=True)
         ours = rows["ours"]
         for other in (o for o in ARMS[job] if o != "ours"):
             o = rows[other]
@@ -187,7 +194,8 @@ def main() -> None:
                   f"added {ours['added_gb'] / max(o['added_gb'], 1e-9):.2f}, "
                   f"tokens/s {ours['tokens_per_s'] / o['tokens_per_s']:.2f}, "
                   f"same loss {abs(ours['loss'] - o['loss']) < 1e-4 * max(1.0, abs(o['loss']))}", flush=True)
-    print(f"\n{a.model}, LoRA r 16 all-linear, {ours['threads']} thread(s); SFT: 8 longest real world-model prompts, "
+    print(f"\n{a.model}, LoRA r 16 all-linear, {ours['threads']} thread(s); "
+          "SFT: 8 longest real world-model prompts, "
           f"ours in micro-batches of <= {a.max_tokens} tokens; GRPO: {a.sequences} x {a.length} tokens "
           f"({a.completion} completion), micro-batch {a.micro_batch_size} / {a.micro_batch_tokens} tokens")
 

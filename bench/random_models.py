@@ -10,28 +10,32 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['cont
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 LLAMA3 = ("{{ bos_token }}{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
-          "{{ '<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023<|eot_id|>' }}"
-          "{% endif %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + "
-          "'<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023"
+          "<|eot_id|>' }}"
+          "{% endif %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] "
+          "| trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
           "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
-QWEN25 = ("{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. "
-          "You are a helpful assistant.<|im_end|>\\n' }}{% endif %}" + CHATML)
+QWEN25 = ("{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are Qwen, "
+          "created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}{% endif %}" + CHATML)
 # Qwen3's: earlier replies lose their thinking, and enable_thinking=false makes the generation prompt close an
 # empty <think></think> block itself (the real template's lines, shortened)
-QWEN3 = ("{% for m in messages %}{% set content = m['content'] %}{% if m['role'] == 'assistant' and '</think>' in "
-         "content %}{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+QWEN3 = ("{% for m in messages %}{% set content = m['content'] %}{% if m['role'] == 'assistant' and "
+         "'</think>' in content %}{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
          "{{ '<|im_start|>' + m['role'] + '\\n' + content + '<|im_end|>\\n' }}{% endfor %}"
          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and "
          "enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}")
-GEMMA2 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-          "{% endif %}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+GEMMA2 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+          "{{ raise_exception('System role not supported') }}{% endif %}{% for m in messages %}"
+          "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
           "{{ '<start_of_turn>' + role + '\\n' + m['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
-GEMMA3 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\\n\\n' %}"
-          "{% set loop_messages = messages[1:] %}{% else %}{% set first = '' %}{% set loop_messages = messages %}"
-          "{% endif %}{% for m in loop_messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+GEMMA3 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+          "{% set first = messages[0]['content'] + '\\n\\n' %}{% set loop_messages = messages[1:] %}"
+          "{% else %}{% set first = '' %}{% set loop_messages = messages %}{% endif %}"
+          "{% for m in loop_messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
           "{{ '<start_of_turn>' + role + '\\n' + (first if loop.first else '') + m['content'] | trim + "
-          "'<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+          "'<end_of_turn>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
 
 # family -> its template and special tokens: eos, pad (None: load_model pads with eos), bos, the other control
 # tokens, plain added tokens (Qwen3's <think> is one, not special: decoding keeps it), and every end-of-turn
@@ -51,12 +55,14 @@ FAMILIES = {
                    "<end_of_turn>"], stops=["<eos>", "<end_of_turn>"]),
 }
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2,
             max_position_embeddings=32768)  # byte-level tokens: a tau2 prompt (~10 KB) is ~10k of them
 ARCH = dict(TINY, initializer_range=0.1)  # weights large enough that a completion depends on its prompt
 # name -> (transformers config class, its arguments, chat family); the Qwen2.5 shapes are those of the real
-# checkpoints. The other tiny-* shapes are one per architecture the tests cover; Gemma 2's soft-caps are far below
-# the real 30 / 50 and Gemma's sliding window is 16 tokens, so that a tiny model's logits and prompts reach them.
+# checkpoints. The other tiny-* shapes are one per architecture the tests cover; Gemma 2's soft-caps are far
+# below the real 30 / 50 and Gemma's sliding window is 16 tokens, so that a tiny model's logits and prompts
+# reach them.
 SHAPES = {
     "tiny-llama": ("LlamaConfig", TINY, "chatml"),
     "tiny-llama3": ("LlamaConfig", dict(ARCH, rope_theta=5e5), "llama3"),
@@ -71,11 +77,13 @@ SHAPES = {
                                              layer_types=["sliding_attention", "full_attention"]), "gemma3"),
     "qwen2.5-0.5b": ("Qwen2Config", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                                         tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768),
+                                         tie_word_embeddings=True, rope_theta=1e6,
+                                         max_position_embeddings=32768),
                      "qwen2.5"),
     "qwen2.5-1.5b": ("Qwen2Config", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                                         tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768),
+                                         tie_word_embeddings=True, rope_theta=1e6,
+                                         max_position_embeddings=32768),
                      "qwen2.5"),
 }
 
@@ -114,8 +122,8 @@ def build(folder: Path, shape: str = "tiny-llama", dtype=None, seed: int = 0, **
     config_cls, kwargs, family = SHAPES[shape]
     tok = byte_tokenizer(kwargs.get("vocab_size"), family)
     kwargs = dict(kwargs, vocab_size=kwargs.get("vocab_size", len(tok)), **overrides)
-    config = getattr(transformers, config_cls)(**kwargs, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                               bos_token_id=tok.bos_token_id)
+    config = getattr(transformers, config_cls)(**kwargs, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

@@ -4,8 +4,8 @@
     python bench/size_table.py --prompt-tokens 1024  # longer prompts (history_len 2, tau2)
 
 Arithmetic from the models' published shapes, no download: 4-bit NF4 base weights (embeddings and an untied
-LM head stay bf16), LoRA r16 on all linear layers trained in fp32 with AdamW, the sampling key/value cache of a
-whole step (prompts_per_step x num_generations sequences), and the training micro-batch with gradient
+LM head stay bf16), LoRA r16 on all linear layers trained in fp32 with AdamW, the sampling key/value cache of
+a whole step (prompts_per_step x num_generations sequences), and the training micro-batch with gradient
 checkpointing. A measured run (make gpu-check, or a real run's peak) replaces these numbers where one exists.
 """
 from __future__ import annotations
@@ -53,7 +53,8 @@ def step_memory(shape, *, prompt: int, completion: int, sequences: int, micro: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/gpu_24gb.json")
-    ap.add_argument("--prompt-tokens", type=int, default=512, help="world-model prompt length (history_len 1)")
+    ap.add_argument("--prompt-tokens", type=int, default=512,
+                    help="world-model prompt length (history_len 1)")
     args = ap.parse_args()
     cfg = json.loads((Path(__file__).resolve().parent.parent / args.config).read_text())
     sizes = dict(prompt=args.prompt_tokens, completion=cfg["max_completion_length"],
@@ -62,8 +63,8 @@ def main() -> None:
     print(f"# computed, not measured: {args.config}, prompt {args.prompt_tokens} tokens, "
           f"{sizes['sequences']} sequences of <= {sizes['completion']} new tokens per step, micro-batch "
           f"{sizes['micro']}, LoRA r{sizes['rank']} all-linear, 4-bit NF4, gradient checkpointing")
-    print("| model | parameters | 4-bit weights | LoRA + AdamW | sampling KV cache | activations | total (GB) | "
-          "fits 24 GB |")
+    print("| model | parameters | 4-bit weights | LoRA + AdamW | sampling KV cache | activations | "
+          "total (GB) | fits 24 GB |")
     print("|---|---|---|---|---|---|---|---|")
     for name, shape in SHAPES.items():
         m = step_memory(shape, **sizes)

@@ -60,7 +60,8 @@ FEATURES = {  # what makes each architecture itself, checked on the loaded model
     "qwen2": lambda m, c: m.model.layers[0].self_attn.k_proj.bias.abs().sum() > 0,
     "qwen3": lambda m, c: hasattr(m.model.layers[0].self_attn, "q_norm"),
     "gemma2": lambda m, c: c.final_logit_softcapping and c.attn_logit_softcapping and c.sliding_window == 16,
-    "gemma3": lambda m, c: c.layer_types == ["sliding_attention", "full_attention"] and c.sliding_window == 16,
+    "gemma3": lambda m, c: (c.layer_types == ["sliding_attention", "full_attention"]
+                            and c.sliding_window == 16),
 }
 
 
@@ -100,7 +101,8 @@ def test_shared_prefill_sampling_equals_plain_generate(arch, temperature):
     texts = [rwml.chat(tok, p, rwml.WM_SYSTEM, rwml.WM_PREFIX) for p in PROMPTS[:2]]
     torch.manual_seed(0)
     shared = rwml.sample(model, tok, texts, n=3, max_new_tokens=10, temperature=temperature).input_ids
-    batch = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True,
+                add_special_tokens=False)
     assert batch["attention_mask"].sum(1).min() > 16 and (batch["attention_mask"] == 0).any()
     cfg = rwml.sampling_config(model, tok, temperature=temperature, top_p=1.0, max_new_tokens=10)
     torch.manual_seed(0)
@@ -112,6 +114,39 @@ def test_shared_prefill_sampling_equals_plain_generate(arch, temperature):
         assert len({tuple(r) for r in plain[:, P:].tolist()}) > 1
 
 
+def test_a_growing_cache_decodes_as_the_plain_one(arch):
+    """`rwml.growing_cache` (keys and values written into buffers in place) gives the logits of transformers'
+    own cache, step by step, also when its room runs out (headroom 2: a new buffer every other step), and
+    single-prompt sampling (its own cache) is plain generate's token for token."""
+    name, folder = arch
+    model, tok = rwml.load_model(folder, device="cpu")
+    batch = tok([rwml.chat(tok, p, rwml.WM_SYSTEM, rwml.WM_PREFIX) for p in PROMPTS[:2]], return_tensors="pt",
+                padding=True, add_special_tokens=False)
+    steps = []
+    for grow in (False, True):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        if grow:
+            rwml.growing_cache(cache, 2)
+        ids, attn, logits = batch["input_ids"], batch["attention_mask"], []
+        with torch.no_grad():
+            for _ in range(6):
+                out = model(input_ids=ids, attention_mask=attn, cache=cache, use_cache=True)
+                logits.append(out.logits[:, -1])
+                ids, attn = out.logits[:, -1:].argmax(-1), torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+        steps.append(torch.stack(logits))
+    assert torch.allclose(steps[0], steps[1], atol=1e-5)
+    torch.manual_seed(0)
+    ours = rwml.sample(model, tok, [tok.decode(r[m.bool()]) for r, m in zip(batch["input_ids"],
+                                                                            batch["attention_mask"])],
+                       max_new_tokens=8, temperature=1.0).input_ids
+    cfg = rwml.sampling_config(model, tok, temperature=1.0, top_p=1.0, max_new_tokens=8)
+    torch.manual_seed(0)
+    with rwml.checkpoint_generation_config_off(model):
+        assert torch.equal(ours, model.generate(**batch, generation_config=cfg))
+
+
 @pytest.mark.parametrize("four_bit", [False, True], ids=["fp32", "nf4"])
 def test_chunked_and_shared_prompt_logprobs_and_gradients_equal_the_naive_path(arch, four_bit):
     name, folder = arch
@@ -119,8 +154,8 @@ def test_chunked_and_shared_prompt_logprobs_and_gradients_equal_the_naive_path(a
         pytest.importorskip("bitsandbytes")
     model, tok = load(folder, four_bit)
     torch.manual_seed(1)
-    roll = rwml.sample_chat(model, tok, PROMPTS, system=rwml.WM_SYSTEM, prefix=rwml.WM_PREFIX, stop=rwml.WM_STOP,
-                            n=3, max_new_tokens=10)
+    roll = rwml.sample_chat(model, tok, PROMPTS, system=rwml.WM_SYSTEM, prefix=rwml.WM_PREFIX,
+                            stop=rwml.WM_STOP, n=3, max_new_tokens=10)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     P = ids.shape[1] - cmask.shape[1]
     adv, w = torch.linspace(-1, 1, ids.shape[0]), rwml.token_weights(cmask, "grpo", 10)
@@ -149,11 +184,12 @@ class OneTurnGame:
     counters, turn_fields = ("invalid",), {}
 
     def reset(self, episodes, customer=None):
-        return {s: dict(obs="You are in the middle of a room.", game=str(ep["game"]), task="put a mug in the sink",
-                        task_type="pick") for s, ep in episodes.items()}
+        return {s: dict(obs="You are in the middle of a room.", game=str(ep["game"]),
+                        task="put a mug in the sink", task_type="pick") for s, ep in episodes.items()}
 
     def prompt(self, slot, recent):
-        return "Your task is to: put a mug in the sink\n[Current observation] You are in the middle of a room."
+        return ("Your task is to: put a mug in the sink\n"
+                "[Current observation] You are in the middle of a room.")
 
     def step(self, replies, customer=None):
         return {s: dict(action=envs.parse_action(r)[0], obs="Nothing happens.", valid=True, format_ok=True,
@@ -226,7 +262,8 @@ def test_a_projection_that_misses_the_architectures_logits_falls_back_to_the_pla
     P = ids.shape[1] - cmask.shape[1]
     assert rwml.fast_paths(model) == rwml.FastPaths(head=False, shared_prompt=True)
     with torch.no_grad():
-        bug = rwml._decoder_logprobs(model, ids, attn, cmask, 1.0, 512) - naive_logprobs(model, ids, attn, cmask)
+        bug = (rwml._decoder_logprobs(model, ids, attn, cmask, 1.0, 512)
+               - naive_logprobs(model, ids, attn, cmask))
     assert bug.abs().max() > 0.1
     got = []
     for fn in (lambda: naive_logprobs(model, ids, attn, cmask),
@@ -240,7 +277,8 @@ def test_a_projection_that_misses_the_architectures_logits_falls_back_to_the_pla
     for lp, grads in others:
         assert torch.allclose(lp, want, atol=1e-5)
         assert all(torch.allclose(grads[n], want_grads[n], atol=1e-6, rtol=1e-4) for n in grads)
-    assert rwml.fast_paths(load(gemma2)[0]).head is False  # another copy of the model: checked, not said again
+    # another copy of the model: checked, not said again
+    assert rwml.fast_paths(load(gemma2)[0]).head is False
     out = capsys.readouterr().out
     assert out.count("rwml: Gemma2ForCausalLM: log-probs from its own full logits") == 1, out
 
@@ -268,8 +306,9 @@ def test_a_cache_that_does_not_repeat_falls_back_to_whole_rows(gemma2, monkeypat
 
 # ------------------------------------------------------------------ chat templates and our own markup
 
-QWEN3_FORCED = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-                "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}")
+QWEN3_FORCED = ("{% for m in messages %}"
+                "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}")
 
 
 def test_our_thinking_prefix_and_the_templates_thinking_markup_do_not_collide(tmp_path):

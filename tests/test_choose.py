@@ -7,12 +7,13 @@ import torch
 
 import envs
 import eval as evaluate
+import plumbing
 import rwml
 import train
 from envs import UserError
 
-TRIPLET_KEYS = {"game", "task", "task_type", "rollout", "episode", "step", "history", "action", "next_obs", "valid",
-                "format_ok", "won", "done", "response", "explored"}
+TRIPLET_KEYS = {"game", "task", "task_type", "rollout", "episode", "step", "history", "action", "next_obs",
+                "valid", "format_ok", "won", "done", "response", "explored"}
 
 
 def first_turn(game=None):
@@ -23,7 +24,8 @@ def first_turn(game=None):
 
 
 def naive_logprob(model, prompt_ids, candidate):
-    """log p(candidate | prompt) the slow way: the model's own forward on [prompt | candidate], full logits."""
+    """log p(candidate | prompt) the slow way: the model's own forward on [prompt | candidate], full
+    logits."""
     ids = torch.tensor([prompt_ids + candidate])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float()
@@ -39,16 +41,18 @@ def test_choice_probabilities_sum_to_one_and_equal_one_forward_per_candidate(lor
     prompt_ids, cands = rwml.choice_inputs(tok, prompt, commands, system)
     assert tok.decode(cands[0]) == commands[0] + rwml.CHOICE_END
     with torch.no_grad():
-        scores = rwml.candidate_scores(model, prompt_ids, cands)  # one prompt forward, all candidates on its cache
+        # one prompt forward, all candidates on its cache
+        scores = rwml.candidate_scores(model, prompt_ids, cands)
     naive = torch.tensor([naive_logprob(model, prompt_ids, c) for c in cands])  # one forward per candidate
     assert torch.allclose(scores, naive, atol=1e-4), (scores - naive).abs().max()
     logp = rwml.choice_logprobs(scores, temperature)
     assert float(logp.exp().sum()) == pytest.approx(1.0, abs=1e-5)
-    want = torch.log_softmax(naive / temperature, -1)  # log space: byte-level candidates are long, and far apart
+    # log space: byte-level candidates are long, and far apart
+    want = torch.log_softmax(naive / temperature, -1)
     assert torch.allclose(logp, want, atol=1e-3)
     # the training path (gradients on, in micro-batches) gives the same log pi(a|s) of the choice
-    batch = dict(choices=[(prompt_ids, cands, 3), (prompt_ids, cands, 0)], completion_mask=torch.ones(2, 1),
-                 advantages=torch.zeros(2))
+    batch = rwml.Batch(choices=[(prompt_ids, cands, 3), (prompt_ids, cands, 0)],
+                       completion_mask=torch.ones(2, 1), advantages=torch.zeros(2), weights=torch.ones(2, 1))
     cfg = rwml.GRPOConfig(temperature=temperature)
     trained = rwml.batch_logprobs(model, batch, cfg)
     assert trained.shape == (2, 1) and trained.requires_grad
@@ -59,13 +63,15 @@ def test_choice_probabilities_sum_to_one_and_equal_one_forward_per_candidate(lor
     assert torch.allclose(mean, naive / torch.tensor([len(c) for c in cands]), atol=1e-5)
 
 
-def choose_turns(tiny_model, env_name="alfworld", games=None, episodes_per_game=2, max_turns=3, temperature=1.0):
+def choose_turns(tiny_model, env_name="alfworld", games=None, episodes_per_game=2, max_turns=3,
+                 temperature=1.0):
     model, tok = rwml.load_model(tiny_model)
     games = games or envs.list_games("train", 2, seed=0)
     turns = []
     torch.manual_seed(0)
     with envs.make(env_name, num_workers=0, max_turns=max_turns) as env:
-        summaries = rwml.play(model, tok, env, [dict(game=g) for g in games for _ in range(episodes_per_game)],
+        summaries = rwml.play(model, tok, env,
+                              [dict(game=g) for g in games for _ in range(episodes_per_game)],
                               num_envs=3, on_turn=turns.append, record_tokens=True, action_mode="choose",
                               temperature=temperature)
     return model, tok, turns, summaries
@@ -79,7 +85,8 @@ def test_choose_mode_plays_only_admissible_commands_and_records_the_choice(tiny_
         assert t["valid"] and t["format_ok"] and t["response"] == f"<action>{t['action']}</action>"
         assert TRIPLET_KEYS <= t.keys()
         chosen = tok.decode(t["candidate_ids"][t["choice"]])
-        assert chosen == t["action"] + rwml.CHOICE_END and t["completion_ids"] == t["candidate_ids"][t["choice"]]
+        assert (chosen == t["action"] + rwml.CHOICE_END
+                and t["completion_ids"] == t["candidate_ids"][t["choice"]])
         assert t["history"][-1]["observation"][:40] in tok.decode(t["prompt_ids"])
 
 
@@ -94,8 +101,8 @@ def scripted_choices(tok, game, pick, episode, max_turns):
             k = commands.index(pick(commands, step))
             prompt_ids, cands = rwml.choice_inputs(tok, prompt, commands, env.system)
             r = env.step({0: f"<action>{commands[k]}</action>"})[0]
-            turns.append(dict(episode=episode, step=step, prompt_ids=prompt_ids, candidate_ids=cands, choice=k,
-                              response=f"<action>{commands[k]}</action>"))
+            turns.append(dict(episode=episode, step=step, prompt_ids=prompt_ids, candidate_ids=cands,
+                              choice=k, response=f"<action>{commands[k]}</action>"))
             past.append((obs, r["action"]))
             obs = r["obs"]
             if r["done"]:
@@ -132,8 +139,8 @@ def test_a_positive_advantage_raises_the_chosen_commands_probability(tiny_model)
 
 
 def test_collect_in_choose_mode_writes_the_same_triplet_fields(tiny_model, tmp_path):
-    common = ["collect", "--model", tiny_model, "--num-games", "2", "--max-turns", "3", "--max-new-tokens", "6",
-              "--num-workers", "0", "--history-len", "2", "--explore-prob", "0.3"]
+    common = ["collect", "--model", tiny_model, "--num-games", "2", "--max-turns", "3",
+              "--max-new-tokens", "6", "--num-workers", "0", "--history-len", "2", "--explore-prob", "0.3"]
     train.main(common + ["--out", str(tmp_path / "generate")])
     train.main(common + ["--action-mode", "choose", "--out", str(tmp_path / "choose")])
     gen, cho = ([json.loads(line) for line in (tmp_path / m / "transitions.jsonl").read_text().splitlines()]
@@ -143,7 +150,7 @@ def test_collect_in_choose_mode_writes_the_same_triplet_fields(tiny_model, tmp_p
     assert all(t["valid"] and t["format_ok"] for t in cho)  # the choice is an admissible command
     assert all(t["action"] == envs.parse_action(t["response"])[0] for t in cho if not t["explored"])
     # the world-model prompt of a choose-mode triplet is built as any other's
-    assert cho[1]["action"] in rwml.wm_prompt(cho[1]) and train.triplet_problem(cho[1]) is None
+    assert cho[1]["action"] in rwml.wm_prompt(cho[1]) and plumbing.triplet_problem(cho[1]) is None
 
 
 def test_choose_mode_on_tau2_is_one_line_before_any_model_loads(tmp_path):
@@ -199,26 +206,27 @@ def test_textworld_choose_mode_and_random_baseline_end_to_end(tiny_model, tmp_pa
     """`eval.py agent --policy random` needs no model (the model path does not exist); choose mode plays
     with 0 invalid actions; both on generated TextWorld test games."""
     out = tmp_path / "random.json"
-    evaluate.main(["agent", "--env", "textworld", "--policy", "random", "--num-games", "4", "--max-turns", "10",
-                   "--seeds", "2", "--num-workers", "0", "--model", str(tmp_path / "no-model"), "--out", str(out)])
+    evaluate.main(["agent", "--env", "textworld", "--policy", "random", "--num-games", "4",
+                   "--max-turns", "10", "--seeds", "2", "--num-workers", "0",
+                   "--model", str(tmp_path / "no-model"), "--out", str(out)])
     r = json.loads(out.read_text())
     assert r["split"] == "test" and r["num_episodes"] == 8 and r["invalid_action_rate"] == 0
     assert 0 < r["success_rate"] <= 1  # a random admissible policy wins some 2-step quests in 10 steps
     out = tmp_path / "choose.json"
-    evaluate.main(["agent", "--env", "textworld", "--action-mode", "choose", "--model", tiny_model, "--num-games", "2",
-                   "--max-turns", "3", "--num-workers", "0", "--out", str(out)])
+    evaluate.main(["agent", "--env", "textworld", "--action-mode", "choose", "--model", tiny_model,
+                   "--num-games", "2", "--max-turns", "3", "--num-workers", "0", "--out", str(out)])
     r = json.loads(out.read_text())
     assert r["num_episodes"] == 2 and r["invalid_action_rate"] == 0 and r["format_error_rate"] == 0
 
 
 def test_policy_stage_in_choose_mode_on_textworld_with_its_learning_curve(tiny_model, tmp_path):
-    """Stage 2 in choose mode; --eval-steps / --eval-on-start play the dev games greedily before step 1 and after
-    every step:
+    """Stage 2 in choose mode; --eval-steps / --eval-on-start play the dev games greedily before step 1 and
+    after every step:
     the curve's points are in metrics.jsonl, and each of their episodes in eval_episodes.jsonl."""
-    train.main(["policy", "--env", "textworld", "--action-mode", "choose", "--model", tiny_model, "--num-games", "2",
-                "--games-per-step", "1", "--num-generations", "2", "--max-turns", "3", "--max-steps", "2",
-                "--beta", "0.1", "--num-workers", "0", "--eval-steps", "1", "--eval-on-start", "--eval-games", "2",
-                "--out", str(tmp_path / "policy")])
+    train.main(["policy", "--env", "textworld", "--action-mode", "choose", "--model", tiny_model,
+                "--num-games", "2", "--games-per-step", "1", "--num-generations", "2", "--max-turns", "3",
+                "--max-steps", "2", "--beta", "0.1", "--num-workers", "0", "--eval-steps", "1",
+                "--eval-on-start", "--eval-games", "2", "--out", str(tmp_path / "policy")])
     rows = train.read_jsonl(tmp_path / "policy" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2] and "reward_mean" not in rows[0]
     assert all(r["invalid_action_rate"] == 0 and r["trained_turns"] == r["num_turns"] for r in rows[1:])
@@ -245,20 +253,22 @@ def test_textworld_and_action_mode_errors(args, message, tmp_path):
 
 
 def _agent_eval(per_split: dict) -> str:  # an `eval.py agent` result, reduced to what the table reads
-    return json.dumps(dict(per_split={sp: dict(success_rate=r, success_rate_std=sd, num_episodes=n, num_games=g)
+    return json.dumps(dict(per_split={sp: dict(success_rate=r, success_rate_std=sd, num_episodes=n,
+                                               num_games=g)
                                       for sp, (r, sd, n, g) in per_split.items()}))
 
 
 def test_agent_table_gives_each_arm_and_the_spread_over_seeds_and_draws_the_curve(tmp_path, monkeypatch):
-    """agent_sanity.sh's layout -> the five-arm table: single evaluations as they are, stage-2 arms as mean ± sd
-    over seeds (dev = the final evaluation's, else the curve's last point), both splits pooled, the random
-    baseline; the curve runs from the start's dev score to the final evaluation's."""
+    """agent_sanity.sh's layout -> the five-arm table: single evaluations as they are, stage-2 arms as mean
+    ± sd over seeds (dev = the final evaluation's, else the curve's last point), both splits pooled, the
+    random baseline; the curve runs from the start's dev score to the final evaluation's."""
     for arm, dev, test in (("base", 0.0, 0.1), ("rwml", 0.1, 0.2), ("wm_sft", 0.2, None)):
         (tmp_path / arm).mkdir()
         splits = dict(dev=(dev, 0.0, 10, 10), **({"test": (test, 0.0, 10, 10)} if test is not None else {}))
         (tmp_path / arm / "eval_agent.json").write_text(_agent_eval(splits))
     (tmp_path / "random").mkdir()
-    (tmp_path / "random" / "eval_agent.json").write_text(_agent_eval(dict(dev=(0.3, 0.05, 30, 10), test=(0.4, 0.1, 30, 10))))
+    (tmp_path / "random" / "eval_agent.json").write_text(_agent_eval(dict(dev=(0.3, 0.05, 30, 10),
+                                                                          test=(0.4, 0.1, 30, 10))))
     for s, (mid, end, test) in enumerate([(0.2, 0.5, 0.4), (0.1, 0.3, 0.2), (0.3, 0.4, 0.3)]):
         for arm in ("policy", "rwml_policy", "wm_sft_policy"):
             d = tmp_path / f"seed{s}" / arm
@@ -271,19 +281,24 @@ def test_agent_table_gives_each_arm_and_the_spread_over_seeds_and_draws_the_curv
     text = evaluate.agent_report(tmp_path, png)
     assert "| uniform random admissible | 30.0 ± 5.0 | 40.0 ± 10.0 | 35.0 | 30 | 3 |" in text
     assert "| base | 0.0 | 10.0 | 5.0 | 10 | – |" in text and "| RWML | 10.0 | 20.0 | 15.0 | 10 | – |" in text
-    assert "| policy RL | 40.0 ± 10.0 (50 / 30 / 40) | 30.0 ± 10.0 (40 / 20 / 30) | – | 10 | 0, 1, 2 |" in text
+    assert ("| policy RL | 40.0 ± 10.0 (50 / 30 / 40) | 30.0 ± 10.0 (40 / 20 / 30) | "
+            "– | 10 | 0, 1, 2 |") in text
     assert png.is_file() and png.stat().st_size > 1000
-    # the final evaluation played the dev games too (20 of them): the table takes it, pooled with the test games,
-    # and it is the curve's last point (the run's step-4 row on its own --eval-games gives way to it)
-    (tmp_path / "base" / "eval_agent.json").write_text(_agent_eval(dict(dev=(0.05, 0.0, 20, 20), test=(0.1, 0.0, 20, 20))))
+    # the final evaluation played the dev games too (20 of them): the table takes it, pooled with the test
+    # games, and it is the curve's last point (the run's step-4 row on its own --eval-games gives way to it)
+    (tmp_path / "base" / "eval_agent.json").write_text(_agent_eval(dict(dev=(0.05, 0.0, 20, 20),
+                                                                        test=(0.1, 0.0, 20, 20))))
     for d in tmp_path.glob("seed*/policy"):
-        (d / "eval_agent.json").write_text(_agent_eval(dict(dev=(0.25, 0.0, 20, 20), test=(0.5, 0.0, 20, 20))))
+        (d / "eval_agent.json").write_text(_agent_eval(dict(dev=(0.25, 0.0, 20, 20),
+                                                            test=(0.5, 0.0, 20, 20))))
     drawn = {}
     monkeypatch.setattr(evaluate, "plot_curves", lambda curves, png, **kw: drawn.update(curves))
     text = evaluate.agent_report(tmp_path, png)
     assert sorted(drawn["policy RL"]) == [[(0, 5.0), (2, 100 * m), (4, 25.0)] for m in (0.1, 0.2, 0.3)]
-    assert drawn["RWML + policy RL"][0] == [(0, 10.0), (2, 100 * 0.2), (4, 100 * 0.5)]  # no final dev: the rows
-    assert "| policy RL | 25.0 ± 0.0 (25 / 25 / 25) | 50.0 ± 0.0 (50 / 50 / 50) | 37.5 ± 0.0 (38 / 38 / 38) | 20 |" in text
+    # no final dev: the rows
+    assert drawn["RWML + policy RL"][0] == [(0, 10.0), (2, 100 * 0.2), (4, 100 * 0.5)]
+    assert ("| policy RL | 25.0 ± 0.0 (25 / 25 / 25) | 50.0 ± 0.0 (50 / 50 / 50) | "
+            "37.5 ± 0.0 (38 / 38 / 38) | 20 |") in text
     assert "| base | 5.0 | 10.0 | 7.5 | 20 | – |" in text
     with pytest.raises(UserError, match="run agent_sanity.sh first"):
         evaluate.agent_report(tmp_path / "base")
@@ -299,13 +314,14 @@ def test_choose_mode_update_cut_by_a_token_budget_is_the_same_update(tiny_model)
     won, _ = scripted_choices(tok, game, lambda cs, i: walk[i], 0, len(walk))
     lost, _ = scripted_choices(tok, game, lambda cs, i: "look", 1, len(walk))
     batch = rwml.choice_batch(won + lost, torch.tensor([1.0, -1.0]), "grpo")
-    tokens = [len(p) + sum(map(len, c)) for p, c, _ in batch["choices"]]
+    tokens = [len(p) + sum(map(len, c)) for p, c, _ in batch.choices]
     budget = max(tokens) + 1  # about one turn a micro-batch
     cuts = rwml.micro_batches(batch, 8, budget)
     assert len(cuts) > len(rwml.micro_batches(batch, 8, 0)) == -(-len(tokens) // 8)
-    assert all(len(mb["choices"]) == 1 or sum(len(p) + sum(map(len, c)) for p, c, _ in mb["choices"]) <= budget
+    assert all(len(mb.choices) == 1
+               or sum(len(p) + sum(map(len, c)) for p, c, _ in mb.choices) <= budget
                for mb in cuts)
-    assert [k for mb in cuts for k in mb["advantages"].tolist()] == batch["advantages"].tolist()
+    assert [k for mb in cuts for k in mb.advantages.tolist()] == batch.advantages.tolist()
     deltas = []
     for cut in (0, budget):
         torch.manual_seed(0)

@@ -19,7 +19,8 @@ def run(*args, env=None):
 
 @pytest.mark.parametrize("args, env, message", [
     (["eval.py", "agent", "--num-games", "1"], {"ALFWORLD_DATA": "/nonexistent"}, "ALFWorld data not found"),
-    (["train.py", "collect", "--num-games", "1"], {"ALFWORLD_DATA": "/nonexistent"}, "ALFWorld data not found"),
+    (["train.py", "collect", "--num-games", "1"], {"ALFWORLD_DATA": "/nonexistent"},
+     "ALFWorld data not found"),
     (["eval.py", "agent", "--split", "valid_sen"], None, "unknown split 'valid_sen'"),
     (["eval.py", "agent", "--num-games", "1", "--model", "./no/such/model"], None, "model path not found"),
     (["train.py", "collect", "--num-games", "-3"], None, "at least 1"),
@@ -123,10 +124,12 @@ def test_a_missing_tracker_package_is_one_line_before_anything_loads(tracker, tm
     import importlib.util
 
     find = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == tracker else find(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == tracker else find(name, *a))
     with pytest.raises(UserError, match=f"--report-to {tracker} needs the {tracker} package: pip install -r "
                                         "requirements-trackers.txt"):
-        train.main(["wm", "--report-to", tracker, "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "r")])
+        train.main(["wm", "--report-to", tracker, "--model", str(tmp_path / "no-model"),
+                    "--out", str(tmp_path / "r")])
 
 
 def test_log_row_sends_train_and_eval_numbers_to_either_tracker(tmp_path):
@@ -148,4 +151,5 @@ def test_log_row_sends_train_and_eval_numbers_to_either_tracker(tmp_path):
         train.log_row(f, Run(), row)
     assert calls == [("tb", "eval/success", 0.25, 3), ("tb", "train/reward", 0.5, 3),  # TRL's name only
                      ("wandb", {"eval/success": 0.25, "train/reward": 0.5}, 3)]
-    assert train.read_jsonl(tmp_path / "metrics.jsonl") == [dict(row, reward=0.5)] * 2  # both names in the file
+    # both names in the file
+    assert train.read_jsonl(tmp_path / "metrics.jsonl") == [dict(row, reward=0.5)] * 2

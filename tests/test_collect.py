@@ -29,7 +29,8 @@ def test_collect_writes_every_turn_as_a_triplet(tiny_model, tmp_path):
         assert isinstance(t["next_obs"], str) and t["next_obs"]
         hist = t["history"]
         assert len(hist) == min(t["step"], 2) + 1  # H = 2 previous pairs, then the current observation
-        assert set(hist[-1]) == {"observation"} and all(set(h) == {"observation", "action"} for h in hist[:-1])
+        assert (set(hist[-1]) == {"observation"}
+                and all(set(h) == {"observation", "action"} for h in hist[:-1]))
         if not t["valid"]:
             assert t["next_obs"] == "Nothing happens."
     # consecutive turns chain: what the game answered is the next turn's current observation
@@ -50,11 +51,13 @@ def test_interrupted_collection_continues(tiny_model, tmp_path):
     last = (eps[-1]["game"], eps[-1]["rollout"])
     cut = [t for t in trips if (t["game"], t["rollout"]) != last] + \
         [t for t in trips if (t["game"], t["rollout"]) == last][:1]
-    (tmp_path / "transitions.jsonl").write_text("".join(json.dumps(t) + "\n" for t in cut) + '{"game": "half a li')
+    (tmp_path / "transitions.jsonl").write_text("".join(json.dumps(t) + "\n" for t in cut)
+                                                + '{"game": "half a li')
     (tmp_path / "episodes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in eps[:-1]))
     trips2, eps2 = collect(tiny_model, tmp_path)
     assert len(eps2) == 4 and len(trips2) == 12
-    assert [t for t in trips2 if (t["game"], t["rollout"]) != last] == [t for t in cut if (t["game"], t["rollout"]) != last]
+    assert ([t for t in trips2 if (t["game"], t["rollout"]) != last]
+            == [t for t in cut if (t["game"], t["rollout"]) != last])
     assert [t["step"] for t in trips2 if (t["game"], t["rollout"]) == last] == [0, 1, 2]
     trips3, _ = collect(tiny_model, tmp_path)  # nothing left to do: nothing changes
     assert trips3 == trips2
@@ -68,11 +71,12 @@ def test_collection_refuses_to_mix_settings(tiny_model, tmp_path):
 
 def test_eval_agent_writes_the_documented_json(tiny_model, tmp_path):
     out = tmp_path / "results.json"
-    evaluate.main(["agent", "--model", tiny_model, "--split", "valid_unseen", "--num-games", "2", "--seeds", "2",
-                   "--max-turns", "2", "--max-new-tokens", "8", "--num-workers", "0", "--out", str(out)])
+    evaluate.main(["agent", "--model", tiny_model, "--split", "valid_unseen", "--num-games", "2",
+                   "--seeds", "2", "--max-turns", "2", "--max-new-tokens", "8", "--num-workers", "0",
+                   "--out", str(out)])
     r = json.loads(out.read_text())
-    for key in ("success_rate", "invalid_action_rate", "inefficient_action_rate", "mean_steps", "num_episodes",
-                "per_task_type", "success_rate_std", "per_seed"):
+    for key in ("success_rate", "invalid_action_rate", "inefficient_action_rate", "mean_steps",
+                "num_episodes", "per_task_type", "success_rate_std", "per_seed"):
         assert key in r
     assert r["num_episodes"] == 4 and len(r["per_seed"]) == 2 and r["mean_steps"] == 2.0
     assert 0 <= r["invalid_action_rate"] <= 1 and r["success_rate"] == 0.0
@@ -82,8 +86,9 @@ def test_eval_agent_writes_the_documented_json(tiny_model, tmp_path):
 
 def test_eval_agent_plays_both_splits_in_one_run(tiny_model, tmp_path):
     out = tmp_path / "both.json"
-    evaluate.main(["agent", "--model", tiny_model, "--split", "valid_seen,valid_unseen", "--num-games", "2", "--seeds",
-                   "2", "--max-turns", "2", "--max-new-tokens", "6", "--num-workers", "0", "--out", str(out)])
+    evaluate.main(["agent", "--model", tiny_model, "--split", "valid_seen,valid_unseen", "--num-games", "2",
+                   "--seeds", "2", "--max-turns", "2", "--max-new-tokens", "6", "--num-workers", "0",
+                   "--out", str(out)])
     r = json.loads(out.read_text())
     assert set(r["per_split"]) == {"valid_seen", "valid_unseen"} and r["num_episodes"] == 8
     for split, s in r["per_split"].items():

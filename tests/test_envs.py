@@ -115,8 +115,9 @@ def test_explore_command_draws_the_kind_first():
     import collections
     import random
 
-    admissible = [f"go to cabinet {i}" for i in range(1, 30)] + ["take mug 1 from countertop 1", "open drawer 1",
-                                                                  "examine countertop 1", "look", "inventory"]
+    admissible = [f"go to cabinet {i}" for i in range(1, 30)] + ["take mug 1 from countertop 1",
+                                                                 "open drawer 1", "examine countertop 1",
+                                                                 "look", "inventory"]
     rng = random.Random(0)
     kinds = collections.Counter(envs.explore_command(admissible, rng).split()[0] for _ in range(3000))
     assert set(kinds) == {"go", "take", "open"} and all(900 < v < 1100 for v in kinds.values())

@@ -1,4 +1,5 @@
-"""The GPU smoke check's own paths, run on the CPU at a tiny shape (the GPU machine runs it at real shapes)."""
+"""The GPU smoke check's own paths, run on the CPU at a tiny shape (the GPU machine runs it at real
+shapes)."""
 from bench import gpu_check
 
 

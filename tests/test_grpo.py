@@ -22,8 +22,10 @@ def test_group_advantages_by_hand():
 
 def test_nothing_by_group_counts_the_answer_and_the_advantage_it_got():
     """The drift diagnostic: per group, how many predictions are exactly "Nothing happens." and the advantage
-    summed over them (a wrong one in a group with right answers is pushed down; unparseable ones count not)."""
-    states = ["Nothing happens.", "You arrive at desk 1.", None, "Nothing happens",  # group 1: target an arrival
+    summed over them (a wrong one in a group with right answers is pushed down; unparseable ones count
+    not)."""
+    # group 1: target an arrival
+    states = ["Nothing happens.", "You arrive at desk 1.", None, "Nothing happens",
               "Nothing happens.", "Nothing happens.", "You open the drawer 1.", "Nothing happens."]
     adv = torch.tensor([-1.0, 1.0, -0.5, 0.5, 0.25, 0.25, -0.75, 0.25])
     out = rwml.nothing_by_group(states, adv, 4)
@@ -58,12 +60,14 @@ def test_clipping_by_hand():
     zero = torch.zeros(1, 1)
     # A > 0, ratio 1.5: clipped to 1.2 -> -1.2 A ; with epsilon_high 0.28 -> -1.28 A
     assert rwml.grpo_loss(up, zero, None, torch.tensor([2.0]), w).item() == pytest.approx(-2.4)
-    assert rwml.grpo_loss(up, zero, None, torch.tensor([2.0]), w, epsilon_high=0.28).item() == pytest.approx(-2.56)
+    assert (rwml.grpo_loss(up, zero, None, torch.tensor([2.0]), w, epsilon_high=0.28).item()
+            == pytest.approx(-2.56))
     # A < 0, ratio 1.5: the unclipped term is the smaller one -> -1.5 A
     assert rwml.grpo_loss(up, zero, None, torch.tensor([-2.0]), w).item() == pytest.approx(3.0)
     # A < 0, ratio 0.5: clipped to 0.8 -> -0.8 A
     loss = rwml.grpo_loss(down, zero, None, torch.tensor([-2.0]), w)
-    assert loss.item() == pytest.approx(1.6) and rwml.loss_stats(down, zero, None, torch.tensor([-2.0]), w)["clip_ratio"] == 1.0
+    assert (loss.item() == pytest.approx(1.6)
+            and rwml.loss_stats(down, zero, None, torch.tensor([-2.0]), w)["clip_ratio"] == 1.0)
 
 
 def test_k3_kl_by_hand():
@@ -113,13 +117,15 @@ def test_chunked_logprobs_and_gradients_match_naive(tiny):
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     grads = []
-    for fn in (lambda: rwml.completion_logprobs(model, ids, attn, cmask, chunk_size=5), lambda: naive_logprobs(model, ids, attn, cmask)):
+    for fn in (lambda: rwml.completion_logprobs(model, ids, attn, cmask, chunk_size=5),
+               lambda: naive_logprobs(model, ids, attn, cmask)):
         model.zero_grad()
         lp = fn()
         w = rwml.token_weights(cmask, "grpo", 12)
         loss = rwml.grpo_loss(lp, lp.detach(), None, adv, w)
         loss.backward()
-        grads.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+        grads.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                    if p.requires_grad}))
     (lp_a, g_a), (lp_b, g_b) = grads
     assert torch.allclose(lp_a, lp_b, atol=1e-5)
     assert (lp_a[cmask.bool()] < 0).all() and (lp_a[~cmask.bool()] == 0).all()
@@ -137,26 +143,30 @@ def test_shared_prompt_forward_matches_naive_logprobs_and_gradients(tiny):
             if "lora_B" in n:
                 p.normal_(0, 0.02)
     torch.manual_seed(1)
-    roll = rwml.sample_chat(model, tok, ["go to desk 1", "open the drawer 2 please", "look"], system=rwml.WM_SYSTEM,
-                            prefix=rwml.WM_PREFIX, stop=rwml.WM_STOP, n=3, max_new_tokens=10)
+    roll = rwml.sample_chat(model, tok, ["go to desk 1", "open the drawer 2 please", "look"],
+                            system=rwml.WM_SYSTEM, prefix=rwml.WM_PREFIX, stop=rwml.WM_STOP, n=3,
+                            max_new_tokens=10)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     P = ids.shape[1] - cmask.shape[1]
     assert (attn[:, :P] == 0).any()  # prompts of different lengths: left padding is exercised
     adv = torch.linspace(-1, 1, ids.shape[0])
     w = rwml.token_weights(cmask, "grpo", 10)
     grads = []
-    for fn in (lambda: rwml.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask, chunk_size=7),
+    for fn in (lambda: rwml.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask,
+                                           chunk_size=7),
                lambda: naive_logprobs(model, ids, attn, cmask)):
         model.zero_grad()
         lp = fn()
         loss = rwml.grpo_loss(lp, lp.detach(), None, adv, w)
         loss.backward()
-        grads.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+        grads.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                    if p.requires_grad}))
     (lp_a, g_a), (lp_b, g_b) = grads
     assert torch.allclose(lp_a, lp_b, atol=1e-5)
     for n in g_a:
         assert torch.allclose(g_a[n], g_b[n], atol=1e-6, rtol=1e-4), n
-    assert all(g_a[n].abs().sum() > 0 for n in g_a if "lora_A" in n and "k_proj" in n)  # k, v: through the cache
+    # k, v: through the cache
+    assert all(g_a[n].abs().sum() > 0 for n in g_a if "lora_A" in n and "k_proj" in n)
 
 
 def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients(tiny_model):
@@ -197,9 +207,9 @@ def test_kl_is_zero_against_itself_and_positive_against_another_policy(tiny_mode
     base, tok = rwml.load_model(tiny_model)
     model = train.start_adapter(train.Config(), base, tmp_path / "start")
     roll = rollout(model, tok)
-    batch = dict(input_ids=roll.input_ids, attention_mask=roll.attention_mask,
-                 completion_mask=roll.completion_mask, advantages=torch.zeros(4),
-                 weights=rwml.token_weights(roll.completion_mask, "grpo", 12))
+    batch = rwml.Batch(input_ids=roll.input_ids, attention_mask=roll.attention_mask,
+                       completion_mask=roll.completion_mask, advantages=torch.zeros(4),
+                       weights=rwml.token_weights(roll.completion_mask, "grpo", 12))
     cfg = train.Config(beta=0.1, micro_batch_size=4)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     assert rwml.grpo_update(model, opt, batch, cfg)[0]["kl"] == 0.0  # reference = the frozen start adapter
@@ -208,7 +218,7 @@ def test_kl_is_zero_against_itself_and_positive_against_another_policy(tiny_mode
         logp = rwml.completion_logprobs(model, *args)
         with model.disable_adapter():
             bare = rwml.completion_logprobs(model, *args)
-    stats = rwml.loss_stats(logp, logp, bare, torch.zeros(4), batch["weights"])
+    stats = rwml.loss_stats(logp, logp, bare, torch.zeros(4), batch.weights)
     assert stats["kl"] > 1e-3  # the bare base model is another policy
 
 
@@ -235,7 +245,8 @@ def test_easy_filter_is_the_papers_threshold_rule_with_ties():
     assert rwml.easy_threshold([0.5] * 100, 0.3) == 0.5  # all tied: all easy, not 30 picked at random
     assert rwml.easy_threshold([0.0] * 90 + [1.0] * 10, 0.3) == 1.0  # only the 10 with easiness > 0
     assert rwml.easy_threshold([0.0] * 100, 0.3) is None  # nobody is easy when every sample failed
-    assert rwml.easy_threshold([0.25, 0.75, 0.75, 0.25], 0.75) == 0.25  # equally close (50 %, 100 %): the smaller
+    # equally close (50 %, 100 %): the smaller
+    assert rwml.easy_threshold([0.25, 0.75, 0.75, 0.25], 0.75) == 0.25
 
 
 def test_easy_filter_drops_most_of_a_dominant_easy_target():
@@ -255,23 +266,27 @@ def test_split_is_ninety_ten_and_disjoint():
 
 def test_shared_prefill_gives_the_same_tokens_as_plain_generate(tiny_model):
     model, tok = rwml.load_model(tiny_model)
-    texts = [rwml.chat(tok, "go to desk 1"), rwml.chat(tok, "a much longer prompt: open the drawer 2, then look")]
+    texts = [rwml.chat(tok, "go to desk 1"),
+             rwml.chat(tok, "a much longer prompt: open the drawer 2, then look")]
     plain = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    repeated = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True, add_special_tokens=False)
+    repeated = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True,
+                   add_special_tokens=False)
     ref = model.generate(**repeated, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
     shared = rwml.sample(model, tok, texts, n=3, max_new_tokens=10, temperature=0.0).input_ids
     assert torch.equal(shared, ref)
     torch.manual_seed(0)  # sampling: n different continuations per prompt, prompts kept in place
     out = rwml.sample(model, tok, texts, n=3, max_new_tokens=10, temperature=1.0).input_ids
-    assert out.shape[0] == 6 and torch.equal(out[:, :plain["input_ids"].shape[1]], plain["input_ids"].repeat_interleave(3, 0))
+    assert out.shape[0] == 6 and torch.equal(out[:, :plain["input_ids"].shape[1]],
+                                             plain["input_ids"].repeat_interleave(3, 0))
     assert len({tuple(r) for r in out[:3, -10:].tolist()}) > 1
 
 
-# ------------------------------------------------------------------ clip ratio, micro-batches, sampling distribution
+# ------------------------------------------------------- clip ratio, micro-batches, sampling distribution
 
 def test_clip_ratio_counts_only_tokens_where_the_clip_acts():
     """TRL's definition: a token counts when the clipped term wins the min, i.e. the ratio left the trust
-    region in the direction the advantage pushes. Ratio 1.5 with A < 0 is outside [0.8, 1.2] but not clipped."""
+    region in the direction the advantage pushes. Ratio 1.5 with A < 0 is outside [0.8, 1.2] but not
+    clipped."""
     w = rwml.token_weights(torch.ones(1, 1), "grpo", 1)
     up, down, zero = torch.log(torch.tensor([[1.5]])), torch.log(torch.tensor([[0.5]])), torch.zeros(1, 1)
     assert rwml.loss_stats(up, zero, None, torch.tensor([-1.0]), w)["clip_ratio"] == 0.0
@@ -287,13 +302,15 @@ def test_micro_batches_accumulate_to_the_big_batch_update(lora_model, loss_type)
     deltas = []
     for micro in (6, 2, 1):
         model, tok = lora_model(seed=0, std=0.05)
-        prompts = [tok(rwml.chat(tok, p))["input_ids"] for p in ("go to desk 1", "open the drawer 2 please", "look")]
-        completions = [tok(c)["input_ids"] for c in ("You arrive", "Nothing happens.", "You", "You open it", "ok", "x")]
+        prompts = [tok(rwml.chat(tok, p))["input_ids"]
+                   for p in ("go to desk 1", "open the drawer 2 please", "look")]
+        completions = [tok(c)["input_ids"]
+                       for c in ("You arrive", "Nothing happens.", "You", "You open it", "ok", "x")]
         ids, attn, cmask = rwml.pack([p for p in prompts for _ in range(2)], completions, tok.pad_token_id)
         assert len(set(cmask.sum(1).tolist())) > 1  # completions of different lengths: the weights matter
-        batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask,
-                     advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
-                     weights=rwml.token_weights(cmask, loss_type, 16))
+        batch = rwml.Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask,
+                           advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
+                           weights=rwml.token_weights(cmask, loss_type, 16))
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
         cfg = rwml.GRPOConfig(micro_batch_size=micro, beta=0.0, max_grad_norm=1e9, loss_type=loss_type)
@@ -307,7 +324,8 @@ def test_micro_batches_accumulate_to_the_big_batch_update(lora_model, loss_type)
 
 @pytest.fixture(scope="module")
 def penalised_model(tmp_path_factory, tiny_model):
-    """The tiny model with a generation_config that a real checkpoint could ship: repetition penalty and top-k."""
+    """The tiny model with a generation_config that a real checkpoint could ship: repetition penalty and
+    top-k."""
     import shutil
 
     from transformers import GenerationConfig
@@ -339,11 +357,14 @@ def test_sampler_log_probs_equal_the_trained_log_probs(penalised_model, temperat
     """The distribution the sampler draws from (its processed scores) is softmax(logits / T), exactly the
     one `completion_logprobs(temperature=T)` trains on, for T != 1 too."""
     model, tok = rwml.load_model(penalised_model)
-    batch = tok([rwml.chat(tok, "go to desk 1")] * 2, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = tok([rwml.chat(tok, "go to desk 1")] * 2, return_tensors="pt", padding=True,
+                add_special_tokens=False)
     torch.manual_seed(0)
     with rwml.checkpoint_generation_config_off(model):
-        out = model.generate(**batch, generation_config=rwml.sampling_config(model, tok, temperature=temperature,
-                             top_p=1.0, max_new_tokens=8), output_scores=True, return_dict_in_generate=True)
+        out = model.generate(**batch,
+                             generation_config=rwml.sampling_config(model, tok, temperature=temperature,
+                                                                    top_p=1.0, max_new_tokens=8),
+                             output_scores=True, return_dict_in_generate=True)
     P = batch["input_ids"].shape[1]
     completion = out.sequences[:, P:]
     cmask = rwml.completion_mask_from(completion, rwml.stop_token_ids(model, tok), tok.pad_token_id)
@@ -361,7 +382,8 @@ def test_a_stop_string_ends_the_mask_and_padding_is_never_trained(tiny_model):
     model, tok = rwml.load_model(tiny_model)
     assert tok.pad_token_id == tok.eos_token_id
     torch.manual_seed(0)
-    roll = rwml.sample(model, tok, [rwml.chat(tok, "go to desk 1")] * 8, max_new_tokens=40, temperature=1.0, stop="e")
+    roll = rwml.sample(model, tok, [rwml.chat(tok, "go to desk 1")] * 8, max_new_tokens=40, temperature=1.0,
+                       stop="e")
     stopped = [j for j, t in enumerate(roll.texts) if t.endswith("e")]
     assert stopped, "no row sampled an 'e' in 40 bytes"
     for j in stopped:

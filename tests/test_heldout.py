@@ -54,10 +54,14 @@ def test_template_rule_writes_the_games_sentences():
 def test_unseen_objects_are_those_the_prompt_never_names():
     t = dict(task="put a mug in the fridge", action="go to countertop 1",
              history=[dict(observation="You arrive at sinkbasin 1. On the sinkbasin 1, you see a knife 2.",
-                           action="take knife 2 from sinkbasin 1"), dict(observation="You pick up the knife 2.")],
-             next_obs="You arrive at countertop 1. On the countertop 1, you see a knife 21, a mug 1, and a knife 2.")
-    assert envs.unseen_objects(t) == ["knife 21", "mug 1"]  # "knife 2" was named; "knife 21" is another object
-    assert envs.unseen_objects(dict(t, next_obs="You arrive at countertop 1. On the countertop 1, you see nothing.")) == []
+                           action="take knife 2 from sinkbasin 1"),
+                      dict(observation="You pick up the knife 2.")],
+             next_obs="You arrive at countertop 1. On the countertop 1, you see a knife 21, a mug 1, "
+                      "and a knife 2.")
+    # "knife 2" was named; "knife 21" is another object
+    assert envs.unseen_objects(t) == ["knife 21", "mug 1"]
+    assert envs.unseen_objects(dict(t, next_obs="You arrive at countertop 1. "
+                                                "On the countertop 1, you see nothing.")) == []
     assert envs.unseen_objects(dict(t, next_obs="Nothing happens.")) == []
 
 
@@ -82,7 +86,8 @@ def test_template_rule_scores_what_it_should_on_a_fixed_set(purposeful, reward_f
     assert 0 < unseen <= beyond and unseen >= 0.7 * beyond
     assert all(row["unseen_objects"] == bool(envs.unseen_objects(t)) for row, t in zip(rows, purposeful))
     assert 0.3 < r["wm_accuracy"] < 1.0  # object lists are beyond it
-    assert rwml.baseline_wm("nothing", purposeful, reward_fn)["wm_accuracy"] == 0.0  # no walkthrough step fails
+    # no walkthrough step fails
+    assert rwml.baseline_wm("nothing", purposeful, reward_fn)["wm_accuracy"] == 0.0
     copy = rwml.baseline_wm("copy", purposeful, reward_fn)
     assert copy["triplets"][1]["predictions"] == [purposeful[1]["history"][-1]["observation"]]
 
@@ -90,22 +95,25 @@ def test_template_rule_scores_what_it_should_on_a_fixed_set(purposeful, reward_f
 def test_every_wm_evaluation_writes_its_triplets(tmp_path, transitions, capsys):
     """eval.py wm: the summary names the file and split it scored; beside it, one row per triplet with its
     predictions, rewards and cosines, which reproduce the summary."""
-    ev.main(["wm", "--transitions", transitions, "--baseline", "template", "--out", str(tmp_path / "rule.json")])
+    ev.main(["wm", "--transitions", transitions, "--baseline", "template",
+             "--out", str(tmp_path / "rule.json")])
     summary = json.loads((tmp_path / "rule.json").read_text())
     rows = [json.loads(x) for x in (tmp_path / "rule.triplets.jsonl").read_text().splitlines()]
     assert summary["triplets_file"] == "rule.triplets.jsonl" and "triplets" not in summary
     assert len(rows) == summary["n"] == len(train.read_jsonl(train.Path(transitions)))
     assert sum(r["rewards"][0] for r in rows) / len(rows) == pytest.approx(summary["wm_accuracy"])
-    assert set(rows[0]) >= {"game", "step", "action", "target", "kind", "template_hit", "predictions", "rewards", "cosines"}
+    assert set(rows[0]) >= {"game", "step", "action", "target", "kind", "template_hit", "predictions",
+                            "rewards", "cosines"}
     assert f"{transitions} (split unknown), template:" in capsys.readouterr().out
     with pytest.raises(UserError, match="unknown --baseline 'oracle'"):
-        ev.main(["wm", "--transitions", transitions, "--baseline", "oracle", "--out", str(tmp_path / "x.json")])
+        ev.main(["wm", "--transitions", transitions, "--baseline", "oracle",
+                 "--out", str(tmp_path / "x.json")])
 
 
 def test_walkthrough_collection_needs_no_model(tmp_path, capsys):
     out = tmp_path / "purposeful"
-    train.main(["collect", "--walkthrough", "--split", "valid_unseen", "--num-games", "2", "--model", "/nonexistent",
-                "--out", str(out)])
+    train.main(["collect", "--walkthrough", "--split", "valid_unseen", "--num-games", "2",
+                "--model", "/nonexistent", "--out", str(out)])
     trips = train.read_jsonl(out / "transitions.jsonl")
     assert trips and all(t["valid"] for t in trips) and trips[-1]["won"]
     assert json.loads((out / "collect.json").read_text())["split"] == "valid_unseen"
@@ -116,7 +124,8 @@ def _wm(acc, change, beyond, kinds):
     return dict(wm_accuracy=acc, mean_cosine=0.8, n=40, split="valid_unseen", transitions="h.jsonl",
                 config=dict(eval_samples=4, temperature=1.0, tau_d=0.1),
                 per_kind=dict(change=dict(wm_accuracy=change), beyond_template=dict(wm_accuracy=beyond, n=12),
-                              beyond_template_unseen=dict(n=10), within_template=dict(wm_accuracy=1.0 - beyond)),
+                              beyond_template_unseen=dict(n=10),
+                              within_template=dict(wm_accuracy=1.0 - beyond)),
                 per_observation_kind={k: dict(wm_accuracy=v, n=n) for k, (v, n) in kinds.items()})
 
 
@@ -132,7 +141,8 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
         (d / "rwml" / "config.json").write_text(json.dumps(dict(beta=0.1, stratify_prompts=False, out="x",
                                                                 num_generations=4)))
         # per step: 1 of the arrival group's 4 predictions and 2 of the "Nothing happens." group's say it
-        rows = [dict(reward_mean=x, frac_reward_zero_std=0.5, nothing_share=x, target_kinds=["arrive", "nothing_happens"],
+        rows = [dict(reward_mean=x, frac_reward_zero_std=0.5, nothing_share=x,
+                     target_kinds=["arrive", "nothing_happens"],
                      group_rewards=[0.5, 0.25 if s else 1.0], group_nothing=[1, 2] if x < 0.25 else [0, 3],
                      group_nothing_advantage=[-0.5, 1.0]) for x in (0.1, 0.2, 0.3, 0.4)]
         (d / "rwml" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
@@ -145,15 +155,20 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
     assert "| template rule | 0.850 | 1.000 | 0.800 | 0.000 | 0.800 |" in explore
     assert "12 beyond the template rule (10 of them list objects the prompt never names)" in explore
     assert "| warm-up | 0.350 ± 0.050 (0.400 / 0.300 / 0.350)" in explore
-    assert "| **RWML − warm-up** (paired) | +0.050 ± 0.087 (+0.100 / -0.050 / +0.100) | -0.050 ± 0.087" in explore
-    assert "| arrive | 30 | 0.500 | 0.500 | 0.500 |" in explore and "Too few to quote as a rate: take 4." in explore
+    assert ("| **RWML − warm-up** (paired) | +0.050 ± 0.087 (+0.100 / -0.050 / +0.100) | "
+            "-0.050 ± 0.087") in explore
+    assert ("| arrive | 30 | 0.500 | 0.500 | 0.500 |" in explore
+            and "Too few to quote as a rate: take 4." in explore)
     # the drift columns: on its targets 2/4 -> 3/4, on the others 1/4 -> 0/4; advantage +4 (up) / -2 (down)
-    assert "| 0 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 -> 0.75 | 0.25 -> 0.00 | 0.50 | 0.00 of 4 | +4.0 / -2.0 | – |" in text
-    assert "| 1 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 -> 0.75 | 0.25 -> 0.00 | 0.50 | 0.50 of 8 | +4.0 / -2.0 | – |" in text
+    assert ("| 0 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 -> 0.75 | 0.25 -> 0.00 | 0.50 | 0.00 of 4 | "
+            "+4.0 / -2.0 | – |") in text
+    assert ("| 1 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 -> 0.75 | 0.25 -> 0.00 | 0.50 | 0.50 of 8 | "
+            "+4.0 / -2.0 | – |") in text
     assert "RWML, --" not in text and "easy filter" not in text  # an arm or a table with no runs has no row
     strat = tmp_path / "seed0" / "rwml_strat"  # VARIANTS="strat=--stratify-prompts" VARIANT_SEEDS=0
     strat.mkdir()
-    (strat / "config.json").write_text(json.dumps(dict(beta=0.1, stratify_prompts=True, out="y", num_generations=4)))
+    (strat / "config.json").write_text(json.dumps(dict(beta=0.1, stratify_prompts=True, out="y",
+                                                       num_generations=4)))
     (strat / "metrics.jsonl").write_text(json.dumps(dict(
         reward_mean=0.3, frac_reward_zero_std=0.25, nothing_share=0.2, target_kinds=["nothing_happens"],
         group_rewards=[0.5])) + "\n")
@@ -162,29 +177,37 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
     assert not (tmp_path / "curve.png").exists()
     for s in range(3):  # the runs' --eval-steps rows: the curve, per seed and mean ± sd
         with open(tmp_path / f"seed{s}" / "rwml" / "metrics.jsonl", "a") as f:
-            f.write("".join(json.dumps(dict(step=k, eval_wm_accuracy=0.1 * k + s / 10)) + "\n" for k in (0, 2, 4)))
+            f.write("".join(json.dumps(dict(step=k, eval_wm_accuracy=0.1 * k + s / 10)) + "\n"
+                            for k in (0, 2, 4)))
     text = ev.sanity_report(tmp_path, png=tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 1000 and "curve.png" in text
     assert "| + RWML, --stratify-prompts | 0.600 ± 0.000 (0.600)" in text  # labelled by the flags that differ
     assert "| **RWML, --stratify-prompts − warm-up** (paired) | +0.200 ± 0.000 (+0.200)" in text
-    assert "| 0 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 -> 0.75 | 0.25 -> 0.00 | 0.50 | 0.00 of 4 |" in text  # eval rows are not steps
-    assert "| 0 (--stratify-prompts) | 0.30 -> 0.30 | 0.20 -> 0.20 | – | – | 0.25 | 1.00 of 1 | – | – |" in text
+    # eval rows are not steps
+    assert "| 0 | 0.10 -> 0.40 | 0.10 -> 0.40 | 0.50 -> 0.75 | 0.25 -> 0.00 | 0.50 | 0.00 of 4 |" in text
+    assert ("| 0 (--stratify-prompts) | 0.30 -> 0.30 | 0.20 -> 0.20 | – | – | 0.25 | 1.00 of 1 | "
+            "– | – |") in text
     kl = tmp_path / "seed1" / "rwml_kl"  # VARIANTS="kl=--beta 1.0" VARIANT_SEEDS=1
     kl.mkdir()
     (kl / "config.json").write_text(json.dumps(dict(beta=1.0, stratify_prompts=False, out="z")))
-    (kl / "metrics.jsonl").write_text(json.dumps(dict(reward_mean=0.2, frac_reward_zero_std=0.5, nothing_share=0.1,
-                                                      target_kinds=["arrive"], group_rewards=[0.5])) + "\n")
+    (kl / "metrics.jsonl").write_text(json.dumps(dict(reward_mean=0.2, frac_reward_zero_std=0.5,
+                                                      nothing_share=0.1, target_kinds=["arrive"],
+                                                      group_rewards=[0.5])) + "\n")
     for kind in train.HELDOUT_KINDS:
         (held / "seed1" / f"eval_rwml_kl_{kind}.json").write_text(json.dumps(_wm(0.45, 0.45, 0.45, kinds)))
-    f = tmp_path / "seed0" / "filter"  # the easy filter's target mix: 2 of 5 collected, 1 of 3 in the RWML split
+    # the easy filter's target mix: 2 of 5 collected, 1 of 3 in the RWML split
+    f = tmp_path / "seed0" / "filter"
     f.mkdir()
     (f / "filter.json").write_text(json.dumps(dict(num_triplets=5, num_filter_split=2, tau_easy=0.5)))
-    (f / "easiness.jsonl").write_text("".join(json.dumps(dict(next_obs=o, easiness=e, kept=k)) + "\n" for o, e, k in (
-        ("Nothing happens.", 1.0, False), ("You arrive at shelf 1.", 0.25, True), ("You close the drawer 1.", 0.75, True))))
+    (f / "easiness.jsonl").write_text("".join(
+        json.dumps(dict(next_obs=o, easiness=e, kept=k)) + "\n" for o, e, k in (
+            ("Nothing happens.", 1.0, False), ("You arrive at shelf 1.", 0.25, True),
+            ("You close the drawer 1.", 0.75, True))))
     (tmp_path / "seed0" / "collect").mkdir()
     (tmp_path / "seed0" / "collect" / "transitions.jsonl").write_text("".join(
-        json.dumps(dict(next_obs=o)) + "\n" for o in ("Nothing happens.", "Nothing happens.", "You arrive at shelf 1.",
-                                                      "You close the drawer 1.", "You arrive at desk 1.")))
+        json.dumps(dict(next_obs=o)) + "\n" for o in ("Nothing happens.", "Nothing happens.",
+                                                      "You arrive at shelf 1.", "You close the drawer 1.",
+                                                      "You arrive at desk 1.")))
     text = ev.sanity_report(tmp_path)
     assert "| + RWML, --beta 1.0 | 0.450 ± 0.000 (0.450)" in text
     assert "| 1 (--beta 1.0) | 0.20 -> 0.20 | 0.10 -> 0.10 | – | – | 0.50 | 0.00 of 1 | – | – |" in text

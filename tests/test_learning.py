@@ -13,7 +13,8 @@ def starts_with_a_letter(completions, targets=None, **kw):
     <next_state> the reply starts with) is one of "abc...z". A random byte-level model does so ~10 % of
     the time; nothing but the reward tells it to."""
     prefix = rwml.wm_prefix(False)
-    return [float(c[len(prefix):][:1] in string.ascii_lowercase and len(c) > len(prefix)) for c in completions]
+    return [float(c[len(prefix):][:1] in string.ascii_lowercase and len(c) > len(prefix))
+            for c in completions]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,8 @@ def test_grpo_raises_the_reward_it_is_given(steerable_model):
                   next_obs=f"The box {i} is open.") for i in range(4)]
     rewards = []
     for step in range(25):
-        res = rwml.grpo_step(model, tok, opt, trips[step % 2 * 2:][:2], starts_with_a_letter, cfg, reasoning=False)
+        res = rwml.grpo_step(model, tok, opt, trips[step % 2 * 2:][:2], starts_with_a_letter, cfg,
+                             reasoning=False)
         rewards.append(res["reward_mean"])
     start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert start < 0.3 and end > 0.7, rewards  # from ~10 % to most samples

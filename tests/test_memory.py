@@ -1,5 +1,6 @@
 """Memory: SFT in token-sized micro-batches makes the whole batch's update; one SFT and one GRPO update of a
 fixed shape stay within a stated bound; every run's cost line and cost.json."""
+import dataclasses
 import json
 import math
 
@@ -33,8 +34,9 @@ def test_sft_micro_batches_make_the_whole_batchs_update(lora_model, transitions)
     runs = []
     for budget in (10 ** 9, 1, 3000):  # the whole batch at once, one row at a time, a few rows at a time
         model, tok = lora_model(seed=0)
-        losses = rwml.sft(model, tok, prompts, answers, system=rwml.wm_system(trip), prefix=rwml.wm_prefix(False),
-                          epochs=2, lr=1e-2, batch_size=4, seed=3, max_tokens=budget)
+        losses = rwml.sft(model, tok, prompts, answers, system=rwml.wm_system(trip),
+                          prefix=rwml.wm_prefix(False), epochs=2, lr=1e-2, batch_size=4, seed=3,
+                          max_tokens=budget)
         runs.append((losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}))
     (loss0, weights0), others = runs[0], runs[1:]
     assert loss0[1] < loss0[0]  # it learns: the comparison is not between two no-ops
@@ -51,15 +53,18 @@ def test_grpo_token_budget_makes_the_same_update(lora_model, shared):
     deltas, counts = [], []
     for budget in (0, 1, 170):
         model, tok = lora_model(seed=0, std=0.05)
-        prompts = [tok(rwml.chat(tok, p))["input_ids"] for p in ("go to desk 1", "open the drawer 2 please", "look")]
-        completions = [tok(c)["input_ids"] for c in ("You arrive", "Nothing happens.", "You", "You open it", "ok", "x")]
+        prompts = [tok(rwml.chat(tok, p))["input_ids"]
+                   for p in ("go to desk 1", "open the drawer 2 please", "look")]
+        completions = [tok(c)["input_ids"]
+                       for c in ("You arrive", "Nothing happens.", "You", "You open it", "ok", "x")]
         ids, attn, cmask = rwml.pack([p for p in prompts for _ in range(2)], completions, tok.pad_token_id)
-        batch = dict(input_ids=ids, attention_mask=attn, completion_mask=cmask,
-                     advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
-                     weights=rwml.token_weights(cmask, "grpo", 16))
+        batch = rwml.Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask,
+                           advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
+                           weights=rwml.token_weights(cmask, "grpo", 16))
         if shared:
             P = ids.shape[1] - cmask.shape[1]
-            batch.update(prompt_ids=ids[::2, :P], prompt_mask=attn[::2, :P], group_size=2)
+            batch = dataclasses.replace(batch, prompt_ids=ids[::2, :P], prompt_mask=attn[::2, :P],
+                                        group_size=2)
         counts.append(len(rwml.micro_batches(batch, 6, budget)))
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
@@ -101,12 +106,13 @@ def test_each_stage_has_its_own_peak_and_the_run_the_highest():
 
 def test_every_run_ends_with_a_cost_line_and_cost_json(tiny_model, transitions, tmp_path, capsys):
     train.main(["wm", "--model", tiny_model, "--transitions", transitions, "--no-easy-filter", "--no-warmup",
-                "--max-steps", "1", "--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "4",
-                "--out", str(tmp_path)])
+                "--max-steps", "1", "--prompts-per-step", "2", "--num-generations", "2",
+                "--max-completion-length", "4", "--out", str(tmp_path)])
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("cost: ")]
     data = json.loads((tmp_path / "cost.json").read_text())
     assert len(line) == 1 and " | filter " in line[0] and " | grpo " in line[0]
-    assert list(data["stages"]) == ["filter", "grpo", "grpo sampling", "grpo update"]  # the last two inside grpo
+    # the last two inside grpo
+    assert list(data["stages"]) == ["filter", "grpo", "grpo sampling", "grpo update"]
     assert data["stages"]["grpo sampling"]["seconds"] + data["stages"]["grpo update"]["seconds"] \
         <= data["stages"]["grpo"]["seconds"]
     assert 0 < data["stages"]["grpo"]["peak_rss_gb"] <= data["peak_rss_gb"] and data["seconds"] > 0

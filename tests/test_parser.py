@@ -10,8 +10,9 @@ def test_well_formed_reply_is_normalised():
 
 
 @pytest.mark.parametrize("text", [
-    "", None, "   \n\t ", "go to desk 1", "<think>only thinking</think>", "<action></action>", "<action>   </action>",
-    "<action>go to desk 1", "go to desk 1</action>", "<ACTION>a</action><action>b</action>",
+    "", None, "   \n\t ", "go to desk 1", "<think>only thinking</think>", "<action></action>",
+    "<action>   </action>", "<action>go to desk 1", "go to desk 1</action>",
+    "<ACTION>a</action><action>b</action>",
 ])
 def test_malformed_replies_are_format_errors(text):
     command, ok = parse_action(text)
@@ -44,8 +45,9 @@ def test_huge_reply_is_bounded_and_fast():
     assert len(command) <= MAX_ACTION_CHARS and ok is False
 
 
-@pytest.mark.parametrize("text", ["\udcff\ud800<action>look\x00</action>", "<action>\u202egо to dеsk 1</action>",
-                                  b"<action>look</action>", "\x00" * 100, "<action>🙂 take 🙂</action>"])
+@pytest.mark.parametrize("text", ["\udcff\ud800<action>look\x00</action>",
+                                  "<action>\u202egо to dеsk 1</action>", b"<action>look</action>",
+                                  "\x00" * 100, "<action>🙂 take 🙂</action>"])
 def test_non_utf8_ish_text_never_raises(text):
     command, ok = parse_action(text)
     assert isinstance(command, str)

@@ -10,7 +10,7 @@ import rwml
 import train
 from envs import UserError
 from reward import coin_reward, mis_targets
-from train import read_jsonl
+from plumbing import read_jsonl
 
 
 def record_turns(tiny_model, num_games=2, episodes_per_game=2, max_turns=3):
@@ -19,7 +19,8 @@ def record_turns(tiny_model, num_games=2, episodes_per_game=2, max_turns=3):
     turns = []
     torch.manual_seed(0)
     with envs.make("alfworld", num_workers=0, max_turns=max_turns) as env:
-        summaries = rwml.play(model, tok, env, [dict(game=g) for g in games for _ in range(episodes_per_game)],
+        summaries = rwml.play(model, tok, env,
+                              [dict(game=g) for g in games for _ in range(episodes_per_game)],
                               max_new_tokens=6, num_envs=3, on_turn=turns.append,
                               record_tokens=True)
     return tok, turns, summaries
@@ -38,14 +39,16 @@ def test_every_turn_gets_its_episodes_advantage_and_environment_tokens_are_maske
         assert ids[j, -C:][cmask[j].bool()].tolist() == t["completion_ids"]
         assert ids[j, :-C][attn[j, :-C].bool()].tolist() == t["prompt_ids"]
         assert t["history"][-1]["observation"][:40] in tok.decode(t["prompt_ids"])
-        assert tok.decode(t["completion_ids"], skip_special_tokens=True) == t["response"][len(envs.AGENT_PREFIX):]
+        assert (tok.decode(t["completion_ids"], skip_special_tokens=True)
+                == t["response"][len(envs.AGENT_PREFIX):])
     # later turns' prompts hold the observations that earlier turns caused: those are never trained on
     later = [t for t in turns if t["step"] > 0]
     assert later and all(t["history"][-2]["action"] in tok.decode(t["prompt_ids"]) for t in later)
     assert torch.allclose(weights.sum(), torch.tensor(1.0))  # grpo: per-turn mean, then mean over turns
 
     # beta = 0: turns of zero-advantage episodes are dropped, the others keep the full batch's weights
-    ids2, attn2, cmask2, adv2, w2 = rwml.policy_batch(turns, adv, tok.pad_token_id, "grpo", 6, keep_zero_advantage=False)
+    ids2, attn2, cmask2, adv2, w2 = rwml.policy_batch(turns, adv, tok.pad_token_id, "grpo", 6,
+                                                      keep_zero_advantage=False)
     kept = [j for j, t in enumerate(turns) if adv[t["episode"]] != 0]
     assert ids2.shape[0] == len(kept) and torch.equal(adv2, turn_adv[kept])
     assert torch.allclose(w2.sum(1), weights[kept].sum(1))
@@ -78,7 +81,8 @@ def scripted_episode(tok, game: str, commands: list[str], episode: int, max_turn
             reply = f"I will {command}.</think><action>{command}</action>"
             r = env.step({0: envs.AGENT_PREFIX + reply})[0]
             turns.append(dict(episode=episode, step=step, prompt=prompt, response=envs.AGENT_PREFIX + reply,
-                              prompt_ids=tok(rwml.chat(tok, prompt, env.system, envs.AGENT_PREFIX))["input_ids"],
+                              prompt_ids=tok(rwml.chat(tok, prompt, env.system,
+                                                       envs.AGENT_PREFIX))["input_ids"],
                               completion_ids=tok(reply)["input_ids"]))
             past.append((obs, r["action"]))
             obs = r["obs"]
@@ -100,7 +104,8 @@ def test_policy_update_raises_the_won_episodes_replies_and_lowers_the_lost_ones(
     lost, s_lost = scripted_episode(tok, game, ["fly away"] * len(walk), 1, len(walk))
     assert s_won["won"] and not s_lost["won"]
     turns = won + lost
-    ids, attn, cmask = rwml.pack([t["prompt_ids"] for t in turns], [t["completion_ids"] for t in turns], tok.pad_token_id)
+    ids, attn, cmask = rwml.pack([t["prompt_ids"] for t in turns], [t["completion_ids"] for t in turns],
+                                 tok.pad_token_id)
 
     def episode_logps():
         with torch.no_grad():
@@ -112,7 +117,8 @@ def test_policy_update_raises_the_won_episodes_replies_and_lowers_the_lost_ones(
     cfg = rwml.GRPOConfig(num_generations=2, beta=0.0, micro_batch_size=4, max_completion_length=32)
     res = rwml.policy_update(model, tok, opt, turns, [s_won, s_lost], cfg)
     after = episode_logps()
-    assert res["reward_mean"] == 0.5 and res["frac_reward_zero_std"] == 0 and res["trained_turns"] == len(turns)
+    assert (res["reward_mean"] == 0.5 and res["frac_reward_zero_std"] == 0
+            and res["trained_turns"] == len(turns))
     assert after[0] > before[0] and after[1] < before[1], (before, after)
 
 
@@ -131,16 +137,15 @@ def adapter_with_weights(tiny_model, folder):
 
 def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
     adapter = adapter_with_weights(tiny_model, tmp_path / "rwml_adapter")
-    cfg = train.Config(model=tiny_model, init="rwml", adapter=adapter, beta=0.5, temperature=1.0, micro_batch_size=4,
-                       num_iterations=1)
+    cfg = train.Config(model=tiny_model, init="rwml", adapter=adapter, beta=0.5, temperature=1.0,
+                       micro_batch_size=4, num_iterations=1)
     model, tok = rwml.load_model(tiny_model)
     model = train.start_adapter(cfg, model, adapter)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable and all(".default." in n for n, p in model.named_parameters() if p.requires_grad)
-    roll = rwml.sample_chat(model, tok, ["go to desk 1", "open drawer 2"], system=rwml.WM_SYSTEM, prefix=rwml.WM_PREFIX,
-                            stop=rwml.WM_STOP, n=2, max_new_tokens=6)
+    roll = rwml.sample_chat(model, tok, ["go to desk 1", "open drawer 2"], system=rwml.WM_SYSTEM,
+                            prefix=rwml.WM_PREFIX, stop=rwml.WM_STOP, n=2, max_new_tokens=6)
     args = roll.input_ids, roll.attention_mask, roll.completion_mask
-    batch = dict(input_ids=args[0], attention_mask=args[1], completion_mask=args[2])
     with torch.no_grad():
         policy = rwml.completion_logprobs(model, *args)
         with rwml.reference_policy(model):
@@ -150,14 +155,16 @@ def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
     assert torch.allclose(policy, ref)  # the reference is the starting adapter ...
     assert not torch.allclose(policy, bare, atol=1e-3)  # ... not the bare base model
     opt = torch.optim.AdamW(trainable, lr=5e-2)
-    batch.update(advantages=torch.tensor([1.0, -1.0, 1.0, -1.0]),
-                 weights=rwml.token_weights(roll.completion_mask, "grpo", 6))
+    batch = rwml.Batch(input_ids=args[0], attention_mask=args[1], completion_mask=args[2],
+                       advantages=torch.tensor([1.0, -1.0, 1.0, -1.0]),
+                       weights=rwml.token_weights(roll.completion_mask, "grpo", 6))
     first = rwml.grpo_update(model, opt, batch, cfg)
     assert first[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # starts at its reference
     second = rwml.grpo_update(model, opt, batch, cfg)
     assert second[0]["kl"] > 0  # the policy moved away from it ...
     with torch.no_grad(), rwml.reference_policy(model):
-        assert torch.allclose(rwml.completion_logprobs(model, *args), ref)  # ... and the reference did not move
+        # ... and the reference did not move
+        assert torch.allclose(rwml.completion_logprobs(model, *args), ref)
     assert all(".default." in n for n, p in model.named_parameters() if p.requires_grad)
     train.save_checkpoint(tmp_path / "ckpt", model, opt, dict(step=2))
     assert not (tmp_path / "ckpt" / "ref").exists()  # only the trained adapter is saved
@@ -167,9 +174,11 @@ def test_policy_stage_end_to_end_from_an_adapter_with_resume(tiny_model, transit
     train.main(["wm-sft", "--model", tiny_model, "--transitions", transitions, "--sft-epochs", "1",
                 "--out", str(tmp_path / "wm_sft")])
     assert (tmp_path / "wm_sft" / "adapter" / "adapter_config.json").is_file()
-    args = ["policy", "--model", tiny_model, "--init", "wm-sft", "--adapter", str(tmp_path / "wm_sft" / "adapter"),
+    args = ["policy", "--model", tiny_model, "--init", "wm-sft",
+            "--adapter", str(tmp_path / "wm_sft" / "adapter"),
             "--num-games", "3", "--games-per-step", "1", "--num-generations", "2", "--max-turns", "2",
-            "--max-new-tokens", "6", "--save-steps", "1", "--num-workers", "0", "--out", str(tmp_path / "policy")]
+            "--max-new-tokens", "6", "--save-steps", "1", "--num-workers", "0",
+            "--out", str(tmp_path / "policy")]
     train.main(args + ["--max-steps", "1"])
     with pytest.raises(UserError, match="--resume"):
         train.main(args + ["--max-steps", "2"])
@@ -197,7 +206,8 @@ def test_mis_moves_every_target_to_another_text_where_it_can():
         assert sorted(new) == sorted(targets) and unchanged == 0.0
         assert all(a != b for a, b in zip(new, targets))
     assert mis_targets(targets, 4)[0] != mis_targets(targets, 5)[0]  # random, not one fixed pairing
-    # 90 % "Nothing happens.": at most 20 triplets can change text (10 others <-> 10 of the 90); all of them do
+    # 90 % "Nothing happens.": at most 20 triplets can change text (10 others <-> 10 of the 90);
+    # all of them do
     targets = ["Nothing happens."] * 90 + [f"You open the drawer {i}." for i in range(10)]
     new, unchanged = mis_targets(targets, 0)
     assert sorted(new) == sorted(targets) and unchanged == pytest.approx(0.8)

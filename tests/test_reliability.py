@@ -17,10 +17,11 @@ import pytest
 import torch
 
 import envs
+import plumbing
 import rwml
 import train
 from reward import parse_next_state
-from train import read_jsonl
+from plumbing import read_jsonl
 
 # ----------------------------------------------------------------------------- the parsers, fuzzed
 
@@ -145,7 +146,8 @@ def test_workers_exit_when_their_parent_is_killed():
                 os.kill(p, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("sig, group", [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGTERM, True)])
+@pytest.mark.parametrize("sig, group",
+                         [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGTERM, True)])
 def test_ctrl_c_and_sigterm_are_one_line_and_the_workers_exit(sig, group):
     """Ctrl-C in a terminal signals the whole foreground process group; `kill PID` the process alone; a
     scheduler the whole group."""
@@ -277,7 +279,7 @@ def test_a_save_stopped_at_any_point_loses_no_checkpoint(tiny_model, tmp_path):
         train.save_checkpoint(path, model, opt, dict(step=step))
 
     def load(path):  # the step, checked against the weights: both from one save
-        step = train.load_checkpoint(path, model, opt)["step"]
+        step = plumbing.load_checkpoint(path, model, opt)["step"]
         assert all(torch.all(p == step) for p in lora)
         return step
 
@@ -410,7 +412,8 @@ WM = ["train.py", "wm", "--no-easy-filter", "--no-warmup"]
     (AGENT + ["--max-turns", "0"], "--max-turns 0: must be at least 1"),
     (AGENT + ["--num-envs", "0"], "--num-envs 0: must be at least 1"),
     (AGENT + ["--env", "tau2", "--domain", "telcom"], "did you mean 'telecom'"),
-    (["train.py", "policy", "--env", "tau2", "--domain", "telcom", "--split", "test"], "did you mean 'telecom'"),
+    (["train.py", "policy", "--env", "tau2", "--domain", "telcom", "--split", "test"],
+     "did you mean 'telecom'"),
     (["eval.py", "weights", "--adapter", "{bad}/no_such_adapter"], "no peft adapter at"),
 ])
 def test_bad_input_is_one_line_before_anything_slow(argv, message, bad, transitions, nothing_slow,

@@ -13,10 +13,11 @@ import pytest
 
 import envs
 import eval as evaluate
+import plumbing
 import rwml
 import train
 from reward import SimToRealReward
-from train import read_jsonl
+from plumbing import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,7 +39,7 @@ def one_line(e) -> str:
     return message
 
 
-# ----------------------------------------------------------------------------- damaged adapters and checkpoints
+# --------------------------------------------------------------------------- damaged adapters and checkpoints
 
 def damage(path: Path, how: str) -> None:
     data = path.read_bytes()
@@ -54,7 +55,8 @@ def adapter(tiny_model, tmp_path_factory):
 
 @pytest.mark.parametrize("how", ["garbage", "truncated"])
 @pytest.mark.parametrize("command", ["policy", "eval"])
-def test_a_damaged_adapter_is_one_line_naming_the_file(how, command, adapter, tiny_model, tmp_path, nothing_slow):
+def test_a_damaged_adapter_is_one_line_naming_the_file(how, command, adapter, tiny_model, tmp_path,
+                                                       nothing_slow):
     bad = tmp_path / "adapter"
     shutil.copytree(adapter, bad)
     damage(bad / "adapter_model.safetensors", how)
@@ -106,7 +108,8 @@ def test_resume_falls_back_to_the_last_whole_checkpoint(wm_run, tmp_path):
     out, argv = copy_run(wm_run, tmp_path)
     shutil.copytree(out / "checkpoint", out / "checkpoint.tmp")
     damage(out / "checkpoint.tmp" / "trainer_state.pt", "garbage")
-    assert train.swap_checkpoint(out / "checkpoint") and train.checkpoint_problem(out / "checkpoint") is None
+    assert plumbing.swap_checkpoint(out / "checkpoint")
+    assert plumbing.checkpoint_problem(out / "checkpoint") is None
     assert not (out / "checkpoint.tmp").exists()
     shutil.copytree(out / "checkpoint", out / "checkpoint.old")
     damage(out / "checkpoint" / "adapter_model.safetensors", "truncated")
@@ -122,7 +125,8 @@ def test_a_damaged_warmup_adapter_is_made_again_not_reused(tiny_model, transitio
     damage(warm / "adapter_model.safetensors", "truncated")
     capsys.readouterr()
     _, warm = train.filter_triplets(cfg, trips, tmp_path, load, None)
-    assert "reusing" not in capsys.readouterr().out and train.file_problem(warm / "adapter_model.safetensors") is None
+    assert ("reusing" not in capsys.readouterr().out
+            and train.file_problem(warm / "adapter_model.safetensors") is None)
 
 
 # ----------------------------------------------------------------------------- --resume: the same run
@@ -132,8 +136,8 @@ def test_a_damaged_warmup_adapter_is_made_again_not_reused(tiny_model, transitio
     (["--transitions", "{other}", "--learning-rate", "0.5"], "--learning-rate 0.0001 -> 0.5, "
                                                               "--transitions '{transitions}' -> '{other}'"),
 ])
-def test_resume_with_other_training_settings_is_refused_in_one_line(extra, diff, wm_run, transitions, tmp_path,
-                                                                   nothing_slow):
+def test_resume_with_other_training_settings_is_refused_in_one_line(extra, diff, wm_run, transitions,
+                                                                    tmp_path, nothing_slow):
     out, argv = copy_run(wm_run, tmp_path)
     other = tmp_path / "other.jsonl"
     shutil.copy(transitions, other)
@@ -185,12 +189,14 @@ train.main(["collect", "--model", {model!r}, "--num-games", "1", "--num-workers"
 def test_a_second_run_on_one_out_is_one_line_and_the_lock_dies_with_the_first(tiny_model, tmp_path,
                                                                                 nothing_slow):
     out = tmp_path / "collect"
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER.format(root=str(ROOT), model=tiny_model, out=str(out))],
+    proc = subprocess.Popen([sys.executable, "-c",
+                             HOLDER.format(root=str(ROOT), model=tiny_model, out=str(out))],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not ((out / ".lock").is_file() and (out / ".lock").read_text() == str(proc.pid)):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                proc.stderr.read() if proc.poll() else ""
             time.sleep(0.05)
         with pytest.raises(envs.UserError) as e:
             train.main(["collect", "--model", tiny_model, "--num-games", "1", "--out", str(out)])
@@ -226,7 +232,8 @@ def test_a_prompt_longer_than_the_context_is_refused_before_the_model_loads(argv
     with pytest.raises(envs.UserError) as e:
         main(argv[1:] + ["--model", tiny_model, "--transitions", str(long_prompt), "--out", out])
     message = one_line(e)
-    assert message.startswith(f"{long_prompt}, line 3: its world-model prompt (") and "context of 32768" in message
+    assert (message.startswith(f"{long_prompt}, line 3: its world-model prompt (")
+            and "context of 32768" in message)
 
 
 def test_a_prompt_longer_than_the_context_stops_generation_and_sft_at_once(tiny_model):
@@ -234,9 +241,11 @@ def test_a_prompt_longer_than_the_context_stops_generation_and_sft_at_once(tiny_
     model.config.max_position_embeddings = 64  # a long observation, against a small context
     with pytest.raises(envs.UserError) as e:
         rwml.sample_chat(model, tok, ["You see a mug 1. " * 4], max_new_tokens=16)
-    assert one_line(e).startswith("a prompt of ") and "exceed the model's context of 64 tokens" in str(e.value)
+    assert (one_line(e).startswith("a prompt of ")
+            and "exceed the model's context of 64 tokens" in str(e.value))
     model = rwml.add_lora(model, r=2, alpha=4)
-    with pytest.raises(envs.UserError, match="an SFT prompt and answer of .* exceed the model's context of 64"):
+    with pytest.raises(envs.UserError,
+                       match="an SFT prompt and answer of .* exceed the model's context of 64"):
         rwml.sft(model, tok, ["You see a mug 1. " * 4], ["Nothing happens."], epochs=1)
 
 
@@ -266,14 +275,16 @@ def test_a_utf8_bom_is_accepted(transitions, tmp_path):
 # ----------------------------------------------------------------------------- eval.py report
 
 def agent_result(**kw):
-    return dict(dict(success_rate=0.5, split="valid_seen", num_episodes=4, mean_steps=3.0, invalid_action_rate=0.1),
+    return dict(dict(success_rate=0.5, split="valid_seen", num_episodes=4, mean_steps=3.0,
+                     invalid_action_rate=0.1),
                 **kw)
 
 
 @pytest.mark.parametrize("name, content, message", [
-    ("results.json", agent_result(num_episodes=None), "results.json: num_episodes is missing or not a number, "
-                                                      "so it is no result of `eval.py agent`"),
-    ("results.json", agent_result(success_rate_std="big"), "results.json: success_rate_std is missing or not"),
+    ("results.json", agent_result(num_episodes=None),
+     "results.json: num_episodes is missing or not a number, so it is no result of `eval.py agent`"),
+    ("results.json", agent_result(success_rate_std="big"),
+     "results.json: success_rate_std is missing or not"),
     ("tau2.json", dict(env="tau2", average_reward=0.5, domain="retail"), "tau2.json: num_tasks is missing"),
     ("wm.json", dict(wm_accuracy="high", per_kind={}), "wm.json: wm_accuracy is missing or not a number"),
     ("broken.json", '{"success_rate": 0.', "broken.json does not read as JSON ("),
@@ -295,19 +306,23 @@ def test_report_errors_name_the_file(name, content, message, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["train.py", "collect", "--seed", "1180591620717411303424"],
      "--seed 1180591620717411303424: must be between 0 and 4294967295"),
-    (["train.py", "wm", "--transitions", "{transitions}", "--filter-seed", "-1"], "--filter-seed -1: must be between 0"),
-    (["eval.py", "agent", "--seed", "1180591620717411303424"], "--seed 1180591620717411303424: must be between 0"),
+    (["train.py", "wm", "--transitions", "{transitions}", "--filter-seed", "-1"],
+     "--filter-seed -1: must be between 0"),
+    (["eval.py", "agent", "--seed", "1180591620717411303424"],
+     "--seed 1180591620717411303424: must be between 0"),
     (["train.py", "collect", "--model", "{model}", "--max-new-tokens", "100000"],
      "--max-new-tokens 100000: at least {model}'s whole context of 32768 tokens"),
-    (["train.py", "wm", "--transitions", "{transitions}", "--model", "{model}", "--max-completion-length", "32768"],
+    (["train.py", "wm", "--transitions", "{transitions}", "--model", "{model}",
+      "--max-completion-length", "32768"],
      "--max-completion-length 32768: at least {model}'s whole context of 32768 tokens"),
-    (["eval.py", "agent", "--model", "{model}", "--max-new-tokens", "100000"], "--max-new-tokens 100000: at least"),
+    (["eval.py", "agent", "--model", "{model}", "--max-new-tokens", "100000"],
+     "--max-new-tokens 100000: at least"),
     (["train.py", "collect", "--env", "tau2", "--num-tasks", "100000"],
      "tau2 retail split train has 74 tasks, asked for --num-tasks 100000"),
     (["eval.py", "agent", "--env", "tau2", "--num-tasks", "100000"], "tau2 retail split test has 40 tasks"),
 ])
-def test_bad_values_are_one_line_before_anything_slow(argv, message, tiny_model, transitions, tmp_path, nothing_slow,
-                                                      monkeypatch):
+def test_bad_values_are_one_line_before_anything_slow(argv, message, tiny_model, transitions, tmp_path,
+                                                      nothing_slow, monkeypatch):
     monkeypatch.chdir(tmp_path)
     fill = dict(model=tiny_model, transitions=transitions)
     argv, message = [a.format(**fill) for a in argv], message.format(**fill)
@@ -331,8 +346,8 @@ def test_no_more_game_workers_than_games(tiny_model, tmp_path, monkeypatch):
         train.main(["collect", "--model", tiny_model, "--num-games", "1", "--num-workers", "24",
                     "--out", str(tmp_path / "c")])
     with pytest.raises(Started):
-        evaluate.main(["agent", "--model", tiny_model, "--num-games", "2", "--seeds", "1", "--num-workers", "24",
-                       "--out", str(tmp_path / "r.json")])
+        evaluate.main(["agent", "--model", tiny_model, "--num-games", "2", "--seeds", "1",
+                       "--num-workers", "24", "--out", str(tmp_path / "r.json")])
     assert started == [1, 2]
 
 
@@ -366,7 +381,8 @@ def test_sigterm_during_training_keeps_every_logged_step(tiny_model, transitions
     proc = subprocess.Popen([sys.executable, "train.py", *args, "--max-steps", "50"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600  # model, embedder and filter first, on a busy machine
-    while len(read_jsonl(tmp_path / "metrics.jsonl")) < 3 and proc.poll() is None and time.monotonic() < deadline:
+    while (len(read_jsonl(tmp_path / "metrics.jsonl")) < 3 and proc.poll() is None
+           and time.monotonic() < deadline):
         time.sleep(0.05)
     proc.terminate()
     _, err = proc.communicate(timeout=120)

@@ -9,10 +9,14 @@ from envs import UserError
 
 
 def test_weight_change_by_hand():
-    q, mlp, emb = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight", "model.embed_tokens.weight"
-    before = {q: torch.tensor([1.0, 1.0, 0.0, 2.0]), mlp: torch.tensor([[1.0, -1.0], [0.5, 0.0]]), emb: torch.ones(6)}
-    after = {q: torch.tensor([1.0005, 1.002, 0.0, -2.0]),  # 5e-4 relative: unchanged; 2e-3: changed; 0 -> 0; sign flip
-             mlp: torch.tensor([[1.0, -1.0], [0.5, 1e-9]]),  # 0 -> 1e-9 is a change relative to max(|w|, |w'|)
+    q, mlp, emb = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight",
+                   "model.embed_tokens.weight")
+    before = {q: torch.tensor([1.0, 1.0, 0.0, 2.0]), mlp: torch.tensor([[1.0, -1.0], [0.5, 0.0]]),
+              emb: torch.ones(6)}
+    after = {q: torch.tensor([1.0005, 1.002, 0.0, -2.0]),  # 5e-4 relative: unchanged; 2e-3: changed; 0 -> 0;
+                                                           # sign flip
+             mlp: torch.tensor([[1.0, -1.0], [0.5, 1e-9]]),  # 0 -> 1e-9 is a change relative to
+                                                             # max(|w|, |w'|)
              emb: torch.ones(6)}
     r = ev.weight_change(before, after, rel=1e-3)
     assert (r["changed"], r["total"]) == (3, 14) and r["changed_share"] == pytest.approx(3 / 14)
@@ -35,17 +39,19 @@ def test_weights_command_counts_only_the_adapters_modules(tiny_model, tmp_path):
             if "lora_B" in n and "layers.1." in n:
                 p.fill_(0.1)  # only layer 1 moves
     model.save_pretrained(tmp_path / "adapter")
-    ev.main(["weights", "--model", tiny_model, "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "w.json")])
+    ev.main(["weights", "--model", tiny_model, "--adapter", str(tmp_path / "adapter"),
+             "--out", str(tmp_path / "w.json")])
     r = json.loads((tmp_path / "w.json").read_text())
     assert r["per_layer"]["0"]["changed"] == 0 and r["per_layer"]["1"]["changed"] > 0
     # q and v of layer 1 (half of all q and v parameters) move; nothing else does
     assert r["per_module"]["q"]["changed_share"] > 0.45 and r["per_module"]["v"]["changed_share"] > 0.45
-    assert r["per_module"]["k"]["changed"] == r["per_module"]["o"]["changed"] == r["per_module"]["mlp"]["changed"] == 0
+    assert (r["per_module"]["k"]["changed"] == r["per_module"]["o"]["changed"]
+            == r["per_module"]["mlp"]["changed"] == 0)
 
 
 def agent_json(split_rates: dict, seeds_std: float = 0.05) -> dict:
-    per_split = {sp: dict(success_rate=s, success_rate_std=seeds_std, invalid_action_rate=inv, mean_steps=10.0,
-                          num_episodes=n) for sp, (s, inv, n) in split_rates.items()}
+    per_split = {sp: dict(success_rate=s, success_rate_std=seeds_std, invalid_action_rate=inv,
+                          mean_steps=10.0, num_episodes=n) for sp, (s, inv, n) in split_rates.items()}
     return dict(split=",".join(split_rates), success_rate=0.0, per_split=per_split)
 
 
@@ -56,11 +62,14 @@ def test_report_table_from_fixture_jsons(tmp_path):
     (base / "eval_agent.json").write_text(json.dumps(agent_json({"valid_seen": (0.10, 0.60, 20),
                                                                   "valid_unseen": (0.05, 0.80, 10)})))
     (rwml_run / "eval_agent.json").write_text(json.dumps(agent_json({"valid_seen": (0.40, 0.30, 20),
-                                                                      "valid_unseen": (0.25, 0.40, 20)}, 0.0)))
+                                                                      "valid_unseen": (0.25, 0.40, 20)},
+                                                                    0.0)))
     (rwml_run / "eval_wm.json").write_text(json.dumps(dict(wm_accuracy=0.375, per_kind={}, n=8)))
-    (rwml_run / "weights.json").write_text(json.dumps(dict(changed_share=0.0123, per_module={}, per_layer={})))
+    (rwml_run / "weights.json").write_text(json.dumps(dict(changed_share=0.0123, per_module={},
+                                                           per_layer={})))
     (rwml_run / "config.json").write_text(json.dumps(dict(model="x")))  # not a result: ignored
-    (rwml_run / "metrics.jsonl").write_text("".join(json.dumps(dict(step=i, reward_mean=i / 4)) + "\n" for i in range(1, 5)))
+    (rwml_run / "metrics.jsonl").write_text("".join(json.dumps(dict(step=i, reward_mean=i / 4)) + "\n"
+                                                    for i in range(1, 5)))
     out = tmp_path / "report" / "results.md"
     ev.main(["report", str(base), str(rwml_run), str(empty), "--out", str(out)])
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]

@@ -5,7 +5,8 @@ from reward import SimToRealReward, calibrate, parse_next_state, rouge_l
 
 REAL = ["You arrive at desk 1. On the desk 1, you see a pen 1 and a book 2.",
         "You pick up the mug 1 from the countertop 1."]
-PARAPHRASE = ["You reach desk 1. On it you see a pen 1 and a book 2.", "You take the mug 1 from the countertop 1."]
+PARAPHRASE = ["You reach desk 1. On it you see a pen 1 and a book 2.",
+              "You take the mug 1 from the countertop 1."]
 UNRELATED = ["You open the fridge 1. The fridge 1 is open. In it, you see a tomato 1.", "Nothing happens."]
 
 
@@ -38,8 +39,8 @@ def test_a_missing_full_stop_fails_a_short_target(reward):
     """A known false negative (README, the drift): on a two-word target the full stop alone moves MiniLM's
     cosine to ~0.86, so "Nothing happens" without it earns 0 at tau_d 0.1; with it, or in another case, 1."""
     target = "Nothing happens."
-    assert reward([wrap("Nothing happens"), wrap("Nothing happens."), wrap("nothing happens.")], [target] * 3) \
-        == [0.0, 1.0, 1.0]
+    assert reward([wrap("Nothing happens"), wrap("Nothing happens."), wrap("nothing happens.")],
+                  [target] * 3) == [0.0, 1.0, 1.0]
     assert 0.8 < reward.similarity(["Nothing happens"], [target])[0] < 0.9
 
 
@@ -53,7 +54,8 @@ def test_parse_failures_earn_zero(reward, completion):
 
 def test_parse_takes_the_last_block_and_folds_spaces():
     assert parse_next_state("<next_state>a</next_state> <next_state> b \n c </next_state>") == "b c"
-    assert parse_next_state([{"role": "assistant", "content": "<next_state>x</next_state>"}]) == "x"  # TRL chat format
+    # TRL chat format
+    assert parse_next_state([{"role": "assistant", "content": "<next_state>x</next_state>"}]) == "x"
 
 
 def test_continuous_and_rouge_options():
@@ -117,16 +119,17 @@ def test_lone_surrogates_are_embedded_not_raised(reward):
 
 
 def test_verl_export_and_compute_score_reproduce_our_rewards(tiny_model, transitions, tmp_path, reward):
-    """`train.py export --format verl` writes verl's GRPO parquet; `reward.compute_score` (verl's custom reward
-    signature) on its rows gives exactly SimToRealReward's rewards of our completions (the real embedder)."""
+    """`train.py export --format verl` writes verl's GRPO parquet; `reward.compute_score` (verl's custom
+    reward signature) on its rows gives exactly SimToRealReward's rewards of our completions (the real
+    embedder)."""
     pq = pytest.importorskip("pyarrow.parquet")
     import rwml
     import train
     from reward import compute_score
 
     out = tmp_path / "verl"
-    train.main(["export", "--format", "verl", "--model", tiny_model, "--transitions", transitions, "--no-easy-filter",
-                "--no-warmup", "--out", str(out)])
+    train.main(["export", "--format", "verl", "--model", tiny_model, "--transitions", transitions,
+                "--no-easy-filter", "--no-warmup", "--out", str(out)])
     rows = pq.read_table(out / "train.parquet").to_pylist()
     kept = train.read_jsonl(out / "filter" / "kept.jsonl")
     assert len(rows) == len(kept) > 3
@@ -140,5 +143,6 @@ def test_verl_export_and_compute_score_reproduce_our_rewards(tiny_model, transit
                   f"<next_state>{rows[4]['reward_model']['ground_truth']}</next_state>"]
     truths = [r["reward_model"]["ground_truth"] for r in rows[:5]]
     ours = reward([rwml.wm_prefix(False) + x for x in responses], truths)
-    theirs = [compute_score(r["data_source"], x, t, r["extra_info"]) for r, x, t in zip(rows, responses, truths)]
+    theirs = [compute_score(r["data_source"], x, t, r["extra_info"])
+              for r, x, t in zip(rows, responses, truths)]
     assert theirs == ours and ours[:2] == [1.0, 1.0] and ours[3] == 0.0 and ours[4] == 1.0

@@ -10,7 +10,7 @@ import pytest
 
 import rwml
 import train
-from train import read_jsonl
+from plumbing import read_jsonl
 
 ARGV = ["wm", "--no-easy-filter", "--no-warmup", "--max-steps", "1", "--prompts-per-step", "2",
         "--num-generations", "3", "--max-completion-length", "6", "--micro-batch-size", "6",
@@ -119,8 +119,8 @@ def test_card_of_stage_2_and_of_all_says_held_out_before_and_after(tmp_path):
     train.write_card(folder, train.Config(init="rwml", adapter="runs/wm/adapter", num_games=5, eval_games=10),
                      "policy")
     card = (folder / "README.md").read_text()
-    assert "# policy RL: multi-turn GRPO on task success (stage 2, METHOD.md §6), from rwml (runs/wm/adapter)" \
-        in card and "- data: train games (alfworld): 5" in card
+    assert ("# policy RL: multi-turn GRPO on task success (stage 2, METHOD.md §6), "
+            "from rwml (runs/wm/adapter)" in card and "- data: train games (alfworld): 5" in card)
     assert "held-out success (greedy, 10 games) by step: 0: 0.100, 2: 0.300" in card
     assert "base_model: org/model" in card and "Q4_1" not in card
     train.write_card(folder, train.Config(reward_control="coin"), "all", data={train.TRIPLETS_KEPT: 7},

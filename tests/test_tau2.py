@@ -39,7 +39,8 @@ def test_a_perfect_agent_gets_reward_one_from_the_official_grading(domain):
 
 def test_missing_the_last_action_or_the_step_budget_gets_reward_zero():
     task = next(t for t in envs.tau2_tasks("retail", "test") if len(t.evaluation_criteria.actions or []) >= 2
-                and t.evaluation_criteria.actions[-1].name.startswith(("exchange", "return", "cancel", "modify")))
+                and t.evaluation_criteria.actions[-1].name.startswith(("exchange", "return", "cancel",
+                                                                       "modify")))
     assert play_expected("retail", task, skip_last_write=True).grade()["reward"] == 0.0
     assert play_expected("retail", task).grade(finished=False)["reward"] == 0.0
 
@@ -80,7 +81,8 @@ def scripted_pair(monkeypatch, tasks, drop_user_action=None, customer_first=()):
     def fake_sample(model, tokenizer, texts, **kw):
         for text in texts:
             seen["agent" if envs.TAU2_AGENT_SYSTEM in text else "customer"].append(text)
-        return SimpleNamespace(texts=[script.pop(0) if envs.TAU2_AGENT_SYSTEM in t else customer(t) for t in texts])
+        return SimpleNamespace(texts=[script.pop(0) if envs.TAU2_AGENT_SYSTEM in t else customer(t)
+                                      for t in texts])
 
     monkeypatch.setattr(rwml, "sample", fake_sample)
     return seen
@@ -169,14 +171,15 @@ def test_invalid_tool_calls_are_answered_not_raised():
 
 
 @pytest.mark.parametrize("text, expect", [
-    ('<think>look it up</think><tool_call>{"name": "get_user_details", "arguments": {"user_id": "u1"}}</tool_call>',
+    ('<think>look it up</think>'
+     '<tool_call>{"name": "get_user_details", "arguments": {"user_id": "u1"}}</tool_call>',
      dict(kind="tool", name="get_user_details", arguments={"user_id": "u1"}, well_formed=True)),
     ('<tool_call>{"name": get_user_details}</tool_call>', dict(kind="tool", name="", well_formed=False)),
     ('<tool_call>["a", "b"]</tool_call>', dict(kind="tool", name="", well_formed=False)),
     ('<think>ok</think><reply>Could you give me your zip code?</reply>',
      dict(kind="reply", content="Could you give me your zip code?", well_formed=True)),
-    ("<think>ok</think>Sure, what is your zip code?", dict(kind="reply", content="Sure, what is your zip code?",
-                                                            well_formed=False)),
+    ("<think>ok</think>Sure, what is your zip code?",
+     dict(kind="reply", content="Sure, what is your zip code?", well_formed=False)),
     ('<reply>a</reply><tool_call>{"name": "x", "arguments": {}}</tool_call>', dict(kind="reply", content="a",
                                                                                    well_formed=False)),
 ])
@@ -226,7 +229,8 @@ def test_conversations_become_triplets_in_the_alfworld_format(tiny_model):
         assert t["history"][-1]["observation"] and isinstance(t["next_obs"], str)
         assert t["completion_ids"] and t["prompt_ids"]
     first, second = [t for t in turns if t["episode"] == 0]
-    assert second["history"][-2] == {"observation": first["history"][-1]["observation"], "action": first["action"]}
+    assert second["history"][-2] == {"observation": first["history"][-1]["observation"],
+                                     "action": first["action"]}
     assert second["history"][-1]["observation"] == first["next_obs"]
     assert "The agent's task" in rwml.wm_prompt(turns[0]) and "tool's response" in rwml.wm_system(turns[0])
 
@@ -238,18 +242,19 @@ def test_tau2_cli_eval_collect_and_rwml_run(tiny_model, tmp_path):
     import train
 
     out = tmp_path / "tau2.json"
-    evaluate.main(["agent", "--env", "tau2", "--domain", "retail", "--model", tiny_model, "--num-tasks", "2", "--seeds",
-                   "2", "--max-turns", "2", "--max-new-tokens", "6", "--out", str(out)])
+    evaluate.main(["agent", "--env", "tau2", "--domain", "retail", "--model", tiny_model, "--num-tasks", "2",
+                   "--seeds", "2", "--max-turns", "2", "--max-new-tokens", "6", "--out", str(out)])
     r = json.loads(out.read_text())
     assert r["num_episodes"] == 4 and r["num_tasks"] == 2 and set(r["pass_hat_k"]) == {"1", "2"}
     assert r["average_reward"] == 0.0 and 0 <= r["invalid_tool_call_rate"] <= 1 and r["mean_steps"] == 2
     train.main(["collect", "--env", "tau2", "--domain", "retail", "--model", tiny_model, "--num-tasks", "2",
-                "--rollouts-per-game", "1", "--max-turns", "2", "--max-new-tokens", "6", "--out", str(tmp_path / "c")])
+                "--rollouts-per-game", "1", "--max-turns", "2", "--max-new-tokens", "6",
+                "--out", str(tmp_path / "c")])
     trips = train.read_transitions(str(tmp_path / "c" / "transitions.jsonl"))
     assert len(trips) == 4 and all(t["env"] == "tau2" for t in trips)
-    train.main(["wm", "--model", tiny_model, "--transitions", str(tmp_path / "c" / "transitions.jsonl"), "--no-easy-filter",
-                "--max-steps", "1", "--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "4",
-                "--out", str(tmp_path / "wm")])
+    train.main(["wm", "--model", tiny_model, "--transitions", str(tmp_path / "c" / "transitions.jsonl"),
+                "--no-easy-filter", "--max-steps", "1", "--prompts-per-step", "2", "--num-generations", "2",
+                "--max-completion-length", "4", "--out", str(tmp_path / "wm")])
     assert len(train.read_jsonl(tmp_path / "wm" / "metrics.jsonl")) == 1
 
 
@@ -264,7 +269,8 @@ def test_telecom_cli_eval_collect_and_rwml_run(tiny_model, tmp_path):
 
     out = tmp_path / "telecom.json"
     evaluate.main(["agent", "--env", "tau2", "--domain", "telecom", "--model", tiny_model, "--num-tasks", "2",
-                   "--seeds", "1", "--max-turns", "2", "--max-new-tokens", "6", "--num-envs", "1", "--out", str(out)])
+                   "--seeds", "1", "--max-turns", "2", "--max-new-tokens", "6", "--num-envs", "1",
+                   "--out", str(out)])
     r = json.loads(out.read_text())
     assert r["domain"] == "telecom" and r["num_episodes"] == 2 and r["average_reward"] == 0.0
     assert {"user_tool_calls", "user_invalid_tool_call_rate", "invalid_tool_call_rate", "format_error_rate",
@@ -302,7 +308,8 @@ def test_report_shows_the_tau2_average_over_the_three_domains(tmp_path):
     out = tmp_path / "results.md"
     evaluate.main(["report", str(full), str(partial), "--out", str(out), "--no-plots"])
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
-    assert rows[0] == "| arm | tau2 retail | telecom | airline | AVG | invalid tool calls (%) | conversations |"
+    assert rows[0] == ("| arm | tau2 retail | telecom | airline | AVG | invalid tool calls (%) | "
+                       "conversations |")
     # AVG = (0.40 * 40 + 0.30 * 40 + 0.20 * 20) / 100; invalid = (10 + 10 + 0) / 200 calls
     assert rows[1] == "| rwml | 40.0 ± 10.0 | 30.0 ± 10.0 | 20.0 ± 10.0 | 32.0 | 10.0 | 300 |"
     assert rows[2] == "| base | 25.0 ± 10.0 | – | – | – | 50.0 | 120 |"
@@ -327,8 +334,8 @@ def test_the_simulated_customer_is_the_base_model_while_the_agent_trains(tiny_mo
                     if "lora_B" in n:
                         p.normal_(0, 1.0)
         turns = []
-        play_tau2(model, tok, "retail", [task], max_turns=1, max_new_tokens=4, user_max_new_tokens=8, temperature=0.0,
-                  on_turn=turns.append)
+        play_tau2(model, tok, "retail", [task], max_turns=1, max_new_tokens=4, user_max_new_tokens=8,
+                  temperature=0.0, on_turn=turns.append)
         openings.append((turns[0]["history"][-1]["observation"], turns[0]["response"]))
     assert openings[0][0] == openings[1][0]  # the same customer
     assert openings[0][1] != openings[1][1]  # a different agent

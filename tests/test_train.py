@@ -6,17 +6,18 @@ import pytest
 import torch
 
 import envs
+import plumbing
 import rwml
 import train
 from envs import UserError
-from train import read_jsonl
+from plumbing import read_jsonl
 
 
 def wm(tiny_model, transitions, out, max_steps, *extra):
-    train.main(["wm", "--model", tiny_model, "--transitions", transitions, "--no-easy-filter", "--no-warmup", "--max-steps",
-                str(max_steps), "--save-steps", "1", "--prompts-per-step", "2", "--num-generations", "2",
-                "--max-completion-length", "8", "--micro-batch-size", "2", "--learning-rate", "1e-2",
-                "--out", str(out), *extra])
+    train.main(["wm", "--model", tiny_model, "--transitions", transitions, "--no-easy-filter", "--no-warmup",
+                "--max-steps", str(max_steps), "--save-steps", "1", "--prompts-per-step", "2",
+                "--num-generations", "2", "--max-completion-length", "8", "--micro-batch-size", "2",
+                "--learning-rate", "1e-2", "--out", str(out), *extra])
 
 
 def parity_reward(completions, targets):
@@ -26,9 +27,11 @@ def parity_reward(completions, targets):
 
 
 def wm_direct(tiny_model, transitions, out, max_steps, resume=False):
-    cfg = train.Config(model=tiny_model, max_steps=max_steps, save_steps=1, prompts_per_step=2, num_generations=2,
-                       max_completion_length=8, micro_batch_size=2, learning_rate=1e-2, beta=0.1, resume=resume)
-    train.train_wm(cfg, train.read_transitions(transitions), out, lambda: rwml.load_model(tiny_model), parity_reward)
+    cfg = train.Config(model=tiny_model, max_steps=max_steps, save_steps=1, prompts_per_step=2,
+                       num_generations=2, max_completion_length=8, micro_batch_size=2, learning_rate=1e-2,
+                       beta=0.1, resume=resume)
+    train.train_wm(cfg, train.read_transitions(transitions), out, lambda: rwml.load_model(tiny_model),
+                   parity_reward)
 
 
 def final_state(out):
@@ -55,7 +58,8 @@ def test_resume_after_interrupt_equals_an_uninterrupted_run(tiny_model, transiti
     assert any(v.abs().sum() > 0 for k, v in wa.items() if "lora_B" in k)  # it did train
     assert any(r["loss"] != 0 for r in read_jsonl(tmp_path / "a" / "metrics.jsonl"))
     drop = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
-    assert drop(read_jsonl(tmp_path / "a" / "metrics.jsonl")) == drop(read_jsonl(tmp_path / "b" / "metrics.jsonl"))
+    assert (drop(read_jsonl(tmp_path / "a" / "metrics.jsonl"))
+            == drop(read_jsonl(tmp_path / "b" / "metrics.jsonl")))
 
 
 def test_wm_outputs_peft_adapter_metrics_and_plot(tiny_model, transitions, tmp_path):
@@ -65,7 +69,8 @@ def test_wm_outputs_peft_adapter_metrics_and_plot(tiny_model, transitions, tmp_p
     wm(tiny_model, transitions, tmp_path, 2)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(set(train.WM_METRICS) | {"seconds", "format_rate"} <= r.keys() for r in rows)  # as --trainer trl's
+    # as --trainer trl's
+    assert all(set(plumbing.WM_METRICS) | {"seconds", "format_rate"} <= r.keys() for r in rows)
     assert all(r["reward"] == r["reward_mean"] and r["learning_rate"] == r["lr"] for r in rows)
     assert (tmp_path / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"
     assert read_jsonl(tmp_path / "samples.jsonl")
@@ -87,10 +92,13 @@ def test_non_finite_loss_skips_the_step(tiny_model, transitions):
 
 def test_filter_stage_drops_most_easy_triplets_and_logs_the_easy_share(tiny_model, transitions, tmp_path):
     """The split, the SFT copy, easiness with a reward that is often 1 (so that easy triplets exist), the
-    threshold rule, the keep rule, and the warm-up adapter kept on disk; filter.json logs the real easy share."""
-    cfg = train.Config(model=tiny_model, filter_samples=4, sft_epochs=1, filter_split=0.2, max_completion_length=6)
+    threshold rule, the keep rule, and the warm-up adapter kept on disk; filter.json logs the real easy
+    share."""
+    cfg = train.Config(model=tiny_model, filter_samples=4, sft_epochs=1, filter_split=0.2,
+                       max_completion_length=6)
     trips = train.read_transitions(transitions)
-    kept, warm = train.filter_triplets(cfg, trips, tmp_path, lambda: rwml.load_model(tiny_model), parity_reward)
+    kept, warm = train.filter_triplets(cfg, trips, tmp_path, lambda: rwml.load_model(tiny_model),
+                                       parity_reward)
     info = json.loads((tmp_path / "filter.json").read_text())
     n = len(trips)
     assert info["num_triplets"] == n and info["num_filter_split"] == round(0.2 * n)
@@ -103,7 +111,8 @@ def test_filter_stage_drops_most_easy_triplets_and_logs_the_easy_share(tiny_mode
     assert len(easy) >= 4 and info["easy_share"] == len(easy) / len(rows)
     assert all(r["kept"] for r in rows if not r["easy"]) and sum(r["kept"] for r in easy) < len(easy) / 2
     assert (warm / "adapter_config.json").is_file()
-    again, _ = train.filter_triplets(cfg, trips, tmp_path, lambda: pytest.fail("the cached filter reloaded the model"),
+    again, _ = train.filter_triplets(cfg, trips, tmp_path,
+                                     lambda: pytest.fail("the cached filter reloaded the model"),
                                      parity_reward)
     assert again == kept
 
@@ -167,7 +176,8 @@ def test_4bit_lora_gradients_survive_generate(tiny_model):
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     first = grads()
-    rwml.sample_chat(model, tok, ["open drawer 1"], max_new_tokens=4, temperature=0)  # the eval-mode no-grad forward
+    # the eval-mode no-grad forward
+    rwml.sample_chat(model, tok, ["open drawer 1"], max_new_tokens=4, temperature=0)
     second = grads()
     assert all(torch.allclose(first[n], second[n], rtol=1e-4, atol=1e-7) for n in first)
     assert any(g.abs().sum() > 0 for g in first.values())
@@ -182,9 +192,11 @@ def test_num_iterations_reuses_one_batch_for_several_updates(tiny_model, transit
             if "lora_B" in n:
                 p.normal_(0, 0.05)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    cfg = train.Config(num_generations=2, max_completion_length=6, micro_batch_size=2, num_iterations=3, beta=0.1)
+    cfg = train.Config(num_generations=2, max_completion_length=6, micro_batch_size=2, num_iterations=3,
+                       beta=0.1)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    res = rwml.grpo_step(model, tok, opt, train.read_transitions(transitions)[:2], parity_reward, cfg, reasoning=False)
+    res = rwml.grpo_step(model, tok, opt, train.read_transitions(transitions)[:2], parity_reward, cfg,
+                         reasoning=False)
     assert len(res["updates"]) == 3 and not any(u["skipped"] for u in res["updates"])
     assert res["updates"][0]["clip_ratio"] == 0.0  # first update: pi_theta == pi_old
     assert all(u["kl"] > 0 for u in res["updates"])
@@ -199,15 +211,17 @@ def test_shared_prompt_forward_gives_the_same_update_as_the_plain_path(lora_mode
     for shared in (True, False):
         model, tok = lora_model(seed=0, std=0.05)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        cfg = train.Config(num_generations=3, max_completion_length=8, micro_batch_size=3, num_iterations=2, beta=0.1,
-                           shared_prompt_forward=shared)
+        cfg = train.Config(num_generations=3, max_completion_length=8, micro_batch_size=3, num_iterations=2,
+                           beta=0.1, shared_prompt_forward=shared)
         torch.manual_seed(1)
-        res = rwml.grpo_step(model, tok, opt, train.read_transitions(transitions)[3:5], parity_reward, cfg, reasoning=False)
+        res = rwml.grpo_step(model, tok, opt, train.read_transitions(transitions)[3:5], parity_reward, cfg,
+                             reasoning=False)
         results.append((res, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}))
     (a, wa), (b, wb) = results
     assert a["sample"] == b["sample"] and a["reward_std"] > 0 and a["updates"][1]["kl"] > 0
     for ua, ub in zip(a["updates"], b["updates"]):
-        assert ua["loss"] == pytest.approx(ub["loss"], abs=1e-5) and ua["kl"] == pytest.approx(ub["kl"], abs=1e-6)
+        assert (ua["loss"] == pytest.approx(ub["loss"], abs=1e-5)
+                and ua["kl"] == pytest.approx(ub["kl"], abs=1e-6))
     for n in wa:
         assert torch.allclose(wa[n], wb[n], atol=1e-5), n
 
@@ -229,7 +243,8 @@ def test_every_tensor_reaching_the_loss_is_on_the_models_device(tiny_model, tran
     model, tok = rwml.load_model(tiny_model)
     model = rwml.add_lora(model, r=4, alpha=8)
     trips = train.read_transitions(transitions)[:2]
-    cfg = train.Config(num_generations=2, max_completion_length=6, micro_batch_size=4, beta=0.1, num_iterations=2)
+    cfg = train.Config(num_generations=2, max_completion_length=6, micro_batch_size=4, beta=0.1,
+                       num_iterations=2)
     torch.manual_seed(0)
     roll = rwml.sample_predictions(model, tok, trips, reasoning=False, n=2, max_new_tokens=6)
     turns = []
@@ -243,9 +258,12 @@ def test_every_tensor_reaching_the_loss_is_on_the_models_device(tiny_model, tran
     # the update must still move every tensor of it to the model's device
     on_device = roll
     monkeypatch.setattr(rwml, "sample", lambda *a, **k: on_device)
-    monkeypatch.setattr(rwml, "rollouts", lambda *a, on_turn=None, **k: [on_turn(t) for t in turns] and summaries)
-    monkeypatch.setattr(rwml, "group_logprobs", lambda model, p, pm, c, cm, **k: torch.zeros(cm.shape, device=model.device))
-    monkeypatch.setattr(rwml, "completion_logprobs", lambda model, i, a, cm, **k: torch.zeros(cm.shape, device=model.device))
+    monkeypatch.setattr(rwml, "rollouts",
+                        lambda *a, on_turn=None, **k: [on_turn(t) for t in turns] and summaries)
+    monkeypatch.setattr(rwml, "group_logprobs",
+                        lambda model, p, pm, c, cm, **k: torch.zeros(cm.shape, device=model.device))
+    monkeypatch.setattr(rwml, "completion_logprobs",
+                        lambda model, i, a, cm, **k: torch.zeros(cm.shape, device=model.device))
     monkeypatch.setattr(rwml, "grpo_loss", checking_loss)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     reward = lambda completions, targets: [float(i % 2) for i in range(len(completions))]  # noqa: E731
@@ -260,10 +278,11 @@ def test_coin_control_resumes_with_the_same_coins(tiny_model, transitions, tmp_p
     """The coin's random state is in the checkpoint: an interrupted-then-resumed COIN run flips the same
     coins, so its metrics and weights equal an uninterrupted run's."""
     def run(out, steps, resume=False):
-        cfg = train.Config(model=tiny_model, max_steps=steps, save_steps=1, prompts_per_step=2, num_generations=2,
-                           max_completion_length=6, micro_batch_size=2, learning_rate=1e-2, reward_control="coin",
-                           warmup=False, resume=resume)
-        train.train_wm(cfg, train.read_transitions(transitions), out, lambda: rwml.load_model(tiny_model), None)
+        cfg = train.Config(model=tiny_model, max_steps=steps, save_steps=1, prompts_per_step=2,
+                           num_generations=2, max_completion_length=6, micro_batch_size=2, learning_rate=1e-2,
+                           reward_control="coin", warmup=False, resume=resume)
+        train.train_wm(cfg, train.read_transitions(transitions), out, lambda: rwml.load_model(tiny_model),
+                       None)
 
     run(tmp_path / "a", 4)
     run(tmp_path / "b", 2)
@@ -274,18 +293,21 @@ def test_coin_control_resumes_with_the_same_coins(tiny_model, transitions, tmp_p
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_rwml_from_the_warmup_trains_it_on_and_keeps_it_as_the_reference(tiny_model, lora_model, transitions, tmp_path):
+def test_rwml_from_the_warmup_trains_it_on_and_keeps_it_as_the_reference(tiny_model, lora_model, transitions,
+                                                                         tmp_path):
     """With warm-up, RWML's adapter starts as the warm-up adapter (not a fresh one) and the KL reference is a
-    frozen copy of it (not the bare base model): KL 0 at the first update, > 0 after; the reference unchanged."""
+    frozen copy of it (not the bare base model): KL 0 at the first update, > 0 after; the reference
+    unchanged."""
     from safetensors.torch import load_file
 
     model, _ = lora_model(seed=3, std=0.3)
     model.save_pretrained(tmp_path / "warm")
     warm = load_file(tmp_path / "warm" / "adapter_model.safetensors")
     cfg = train.Config(model=tiny_model, max_steps=2, save_steps=1, prompts_per_step=2, num_generations=2,
-                       max_completion_length=6, micro_batch_size=2, learning_rate=5e-2, beta=0.5, lora_r=4, lora_alpha=8)
-    peft = train.train_wm(cfg, train.read_transitions(transitions), tmp_path / "run", lambda: rwml.load_model(tiny_model),
-                          parity_reward, start=tmp_path / "warm")
+                       max_completion_length=6, micro_batch_size=2, learning_rate=5e-2, beta=0.5, lora_r=4,
+                       lora_alpha=8)
+    peft = train.train_wm(cfg, train.read_transitions(transitions), tmp_path / "run",
+                          lambda: rwml.load_model(tiny_model), parity_reward, start=tmp_path / "warm")
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-7) and rows[1]["kl"] > 0
     ref = {k.replace(".ref.", "."): v for k, v in peft.state_dict().items() if ".ref." in k}
@@ -301,9 +323,10 @@ def test_wm_sft_control_sees_rwmls_triplets_in_rwmls_order(tiny_model, transitio
     args = dict(model=tiny_model, max_steps=3, prompts_per_step=2, num_generations=2, max_completion_length=4,
                 save_steps=10, easy_filter=False, sft_epochs=1, filter_dir=str(tmp_path / "filter"))
     trips = train.read_transitions(transitions)
-    kept, start = train.filter_triplets(train.Config(**args), trips, tmp_path / "filter", lambda: rwml.load_model(tiny_model),
-                                        reward)
-    train.train_wm(train.Config(**args), kept, tmp_path / "rwml", lambda: rwml.load_model(tiny_model), reward, start)
+    kept, start = train.filter_triplets(train.Config(**args), trips, tmp_path / "filter",
+                                        lambda: rwml.load_model(tiny_model), reward)
+    train.train_wm(train.Config(**args), kept, tmp_path / "rwml", lambda: rwml.load_model(tiny_model),
+                   reward, start)
     real_sft = rwml.sft
 
     def recording_sft(model, tok, prompts, answers, **kw):
@@ -312,20 +335,23 @@ def test_wm_sft_control_sees_rwmls_triplets_in_rwmls_order(tiny_model, transitio
         return real_sft(model, tok, prompts, answers, **kw)
 
     monkeypatch.setattr(rwml, "sft", recording_sft)
-    train.train_wm_sft(train.Config(**args), trips, tmp_path / "sft", lambda: rwml.load_model(tiny_model), reward)
+    train.train_wm_sft(train.Config(**args), trips, tmp_path / "sft", lambda: rwml.load_model(tiny_model),
+                       reward)
     assert len(seen_rwml) == 6 and seen_sft == seen_rwml
 
 
 def test_eval_steps_draws_the_heldout_curve_without_changing_training(tiny_model, transitions, tmp_path):
-    """wm --eval-steps: held-out world-model accuracy at step 0 (--eval-on-start), every N steps and at the end,
-    as eval_* in metrics.jsonl; the evaluations leave the training's random state alone, so the run trains
-    exactly as one without them."""
+    """wm --eval-steps: held-out world-model accuracy at step 0 (--eval-on-start), every N steps and at the
+    end, as eval_* in metrics.jsonl; the evaluations leave the training's random state alone, so the run
+    trains exactly as one without them."""
     common = ["wm", "--model", tiny_model, "--transitions", transitions, "--no-easy-filter", "--no-warmup",
-              "--max-steps", "3", "--prompts-per-step", "2", "--num-generations", "2", "--max-completion-length", "8"]
+              "--max-steps", "3", "--prompts-per-step", "2", "--num-generations", "2",
+              "--max-completion-length", "8"]
     train.main(common + ["--out", str(tmp_path / "plain")])
     train.main(common + ["--eval-steps", "2", "--eval-on-start", "--eval-transitions", transitions,
                          "--eval-max-triplets", "3", "--eval-samples", "2", "--out", str(tmp_path / "curve")])
-    plain, curve = read_jsonl(tmp_path / "plain" / "metrics.jsonl"), read_jsonl(tmp_path / "curve" / "metrics.jsonl")
+    plain, curve = (read_jsonl(tmp_path / "plain" / "metrics.jsonl"),
+                    read_jsonl(tmp_path / "curve" / "metrics.jsonl"))
     assert [r["step"] for r in curve] == [0, 1, 2, 3] and "reward" not in curve[0]
     assert [("eval_wm_accuracy" in r) for r in curve] == [True, False, True, True]
     assert all(0 <= r["eval_wm_accuracy"] <= 1 for r in curve if "eval_wm_accuracy" in r)

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+import plumbing
 import train
 from envs import UserError
-from train import read_jsonl
+from plumbing import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_trl = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("trl", "datasets")),
@@ -44,7 +45,8 @@ def test_trl_wm_from_the_warmup_saves_an_adapter_eval_reads(tiny_model, transiti
     train.main(wm_args(tiny_model, transitions, out))  # warm-up on: TRL trains the filter's SFT copy on
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(set(train.WM_METRICS) <= r.keys() for r in rows), set(train.WM_METRICS) - rows[0].keys()  # as ours
+    # as ours
+    assert all(set(plumbing.WM_METRICS) <= r.keys() for r in rows), set(plumbing.WM_METRICS) - rows[0].keys()
     samples = read_jsonl(out / "samples.jsonl")
     assert samples[0]["completion"].startswith("<next_state>")  # our prefix
     for g in samples[0]["groups"]:  # whole groups, as our trainer logs them
@@ -58,8 +60,8 @@ def test_trl_wm_from_the_warmup_saves_an_adapter_eval_reads(tiny_model, transiti
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), out / "adapter")
     assert any("lora_A" in n for n, _ in model.named_parameters())
     evaluate.main(["wm", "--model", tiny_model, "--adapter", str(out / "adapter"), "--transitions",
-                   transitions, "--eval-max-triplets", "2", "--eval-samples", "1", "--max-completion-length", "4",
-                   "--out", str(tmp_path / "wm.json")])
+                   transitions, "--eval-max-triplets", "2", "--eval-samples", "1",
+                   "--max-completion-length", "4", "--out", str(tmp_path / "wm.json")])
     assert json.loads((tmp_path / "wm.json").read_text())["n"] == 2
     with pytest.raises(UserError, match="--resume"):  # TRL's checkpoint in <out>/trl is a run, as ours
         train.main(wm_args(tiny_model, transitions, out))

