@@ -1,20 +1,38 @@
 # Shared by sanity.sh and agent_sanity.sh (sourced): run independent jobs JOBS at a time, one thread each
-# (small matrices scale badly across threads), each logging to $LOGS/NAME.log; the first failure stops the
-# others (a rerun must not race them) and names its log.
+# (small matrices scale badly across threads), each logging to $LOGS/NAME.log and leaving $LOGS/NAME.done
+# (or NAME.failed); the first failure stops the others (a rerun must not race them) and names its log.
+# A job may wait for earlier ones with `after NAME...`: a pipeline is then one queue in dependency order (a
+# job waits only for jobs before it, so the slots never all wait), with no idle barrier between its stages.
 in_parallel() {  # in_parallel "NAME COMMAND..." ...
-    local threads=$(($(nproc) / JOBS)) spec pids=() names=()
+    local threads=$(($(nproc) / JOBS)) spec name pids=() names=()
     mkdir -p "$LOGS"
+    export LOGS
+    for spec in "$@"; do rm -f "$LOGS/${spec%% *}".{done,failed}; done
     for spec in "$@"; do
         while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do sleep 2; done
-        OMP_NUM_THREADS=$((threads > 0 ? threads : 1)) bash -c "${spec#* }" > "$LOGS/${spec%% *}.log" 2>&1 &
-        pids+=($!) names+=("${spec%% *}")
+        compgen -G "$LOGS/*.failed" > /dev/null && break  # a job failed: start no more
+        name=${spec%% *}
+        OMP_NUM_THREADS=$((threads > 0 ? threads : 1)) bash -c "set -e; trap 'touch \"$LOGS/$name.failed\"' EXIT
+${spec#* }
+trap - EXIT; touch '$LOGS/$name.done'" > "$LOGS/$name.log" 2>&1 &
+        pids+=($!) names+=("$name")
     done
     for i in "${!pids[@]}"; do
         wait "${pids[$i]}" || {
-            # `|| true`: under the callers' set -e a pkill that matches nothing (a job bash exec'd into its one
-            # command has no children) would end the script here and leave the other jobs running
+            # `|| true`: under the callers' set -e a pkill that matches nothing would end the script here
+            # and leave the other jobs running
             for p in $(jobs -rp); do pkill -P "$p" || true; kill "$p" || true; done 2>/dev/null
             echo "$(basename "$0"): ${names[$i]} failed, see $LOGS/${names[$i]}.log"; exit 1; }
         echo "done: ${names[$i]}"
     done
 }
+after() {  # after NAME...: wait until each of these jobs (earlier in the same queue) has succeeded
+    local name
+    for name; do
+        until [ -e "$LOGS/$name.done" ]; do
+            [ ! -e "$LOGS/$name.failed" ] || { echo "after: $name failed"; exit 1; }
+            sleep 3
+        done
+    done
+}
+export -f after

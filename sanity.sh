@@ -9,7 +9,7 @@
 # always "Nothing happens.", copy the observation), the base model, and per seed the warm-up, RWML from it and
 # the matched controls WM SFT (same triplets, order, number of updates and learning rate) and COIN (a fair
 # coin for a reward). Each seed is a replication: its own train games, collection, filter, warm-up and runs.
-# Jobs go JOBS at a time, one thread each (jobs.sh). Logs: $OUT/logs/.
+# Jobs go JOBS at a time, one thread each, in one queue (jobs.sh). Logs: $OUT/logs/.
 # Reruns keep what is done.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -31,7 +31,6 @@ STEPS=${STEPS:-20}          # GRPO steps of RWML and COIN; WM SFT updates
 CURVE_EVERY=${CURVE_EVERY:-10}  # the GRPO arms' held-out curve: CURVE triplets of SPLIT's explore set every this
 CURVE=${CURVE:-16}              # many steps, at the start and at the end (0: no curve); training is unchanged
 JOBS=${JOBS:-2}
-FILTER_JOBS=${FILTER_JOBS:-$JOBS}
 case " $SKIP " in *" coin "*) COIN_SEEDS="" ;; esac
 KINDS="explore purposeful"
 H=$OUT/$SPLIT  # the held-out sets and every score on them
@@ -50,18 +49,20 @@ score() {  # score NAME SEED OUT_STEM [eval.py flags]: held-out world-model accu
 
 export PY H HELDOUT KINDS SKIP
 export -f score
-jobs=("heldout_explore_$SPLIT $PY train.py collect --seed 0 --split $SPLIT --num-games $HELD_GAMES --out $H/heldout_explore"
-      "heldout_purposeful_$SPLIT $PY train.py collect --walkthrough --seed 0 --split $SPLIT --num-games $HELD_GAMES --out $H/heldout_purposeful")
+# One queue in dependency order (jobs.sh: `after` waits for an earlier job): collections, filters, training,
+# scores; a seed's runs start as soon as its own filter is done.
+he=heldout_explore_$SPLIT hp=heldout_purposeful_$SPLIT
+jobs=("$he $PY train.py collect --seed 0 --split $SPLIT --num-games $HELD_GAMES --out $H/heldout_explore")
 for s in $SEEDS; do  # each seed draws its own train games
     jobs+=("collect$s $PY train.py collect --seed $s --out $OUT/seed$s/collect")
 done
-in_parallel "${jobs[@]}"
-jobs=("baselines_$SPLIT for b in template nothing copy; do score \$b 0 $H/baselines/\$b --baseline \$b; done"
-      "base_$SPLIT score base 0 $H/baselines/base")
+jobs+=("$hp $PY train.py collect --walkthrough --seed 0 --split $SPLIT --num-games $HELD_GAMES --out $H/heldout_purposeful")
 for s in $SEEDS; do
-    jobs+=("filter$s $PY train.py filter --transitions $OUT/seed$s/collect/transitions.jsonl --seed $s --filter-dir $OUT/seed$s/filter --out $OUT/seed$s/filter")
+    jobs+=("filter$s after collect$s; $PY train.py filter --transitions $OUT/seed$s/collect/transitions.jsonl --seed $s \
+--filter-dir $OUT/seed$s/filter --out $OUT/seed$s/filter")
 done
-JOBS=$FILTER_JOBS in_parallel "${jobs[@]}"
+jobs+=("baselines_$SPLIT after $he $hp; for b in template nothing copy; do score \$b 0 $H/baselines/\$b --baseline \$b; done"
+       "base_$SPLIT after $he $hp; score base 0 $H/baselines/base")
 train=() evals=()
 for s in $SEEDS; do
     d=$OUT/seed$s
@@ -69,10 +70,12 @@ for s in $SEEDS; do
     curve=""
     [ "$CURVE_EVERY" -gt 0 ] && curve="--eval-steps $CURVE_EVERY --eval-on-start --eval-max-triplets $CURVE \
 --eval-transitions $H/heldout_explore/transitions.jsonl"
-    train+=("rwml$s [ -f $d/rwml/adapter/adapter_config.json ] || $PY train.py wm $run $curve --out $d/rwml --resume")
+    arms=(rwml)
+    train+=("rwml$s after filter$s $he; [ -f $d/rwml/adapter/adapter_config.json ] || $PY train.py wm $run $curve --out $d/rwml --resume")
     case " $COIN_SEEDS " in *" $s "*)
-        train+=("coin$s [ -f $d/coin/adapter/adapter_config.json ] || $PY train.py wm $run $curve --reward-control coin --out $d/coin --resume")
-        evals+=("eval_coin${s}_$SPLIT score coin $s $H/seed$s/eval_coin --adapter $d/coin/adapter") ;;
+        arms+=(coin)
+        train+=("coin$s after filter$s $he; [ -f $d/coin/adapter/adapter_config.json ] || $PY train.py wm $run $curve \
+--reward-control coin --out $d/coin --resume") ;;
     esac
     case " $VARIANT_SEEDS " in *" $s "*)
         IFS=';' read -ra variants <<< "$VARIANTS"
@@ -80,17 +83,20 @@ for s in $SEEDS; do
             [ -n "${v// }" ] || continue
             a=rwml_${v%%=*} flags=${v#*=}
             flags=${flags//\{d\}/$d}
-            train+=("$a$s [ -f $d/$a/adapter/adapter_config.json ] || $PY train.py wm $run $curve $flags --out $d/$a --resume")
-            evals+=("eval_$a${s}_$SPLIT score $a $s $H/seed$s/eval_$a --adapter $d/$a/adapter")
+            arms+=("$a")
+            train+=("$a$s after filter$s $he; [ -f $d/$a/adapter/adapter_config.json ] || $PY train.py wm $run $curve $flags \
+--out $d/$a --resume")
         done ;;
     esac
     case " $SKIP " in *" wm_sft "*) ;; *)
-        train+=("wm_sft$s [ -f $d/wm_sft/adapter/adapter_config.json ] || $PY train.py wm-sft $run --out $d/wm_sft") ;;
+        arms+=(wm_sft)
+        train+=("wm_sft$s after filter$s; [ -f $d/wm_sft/adapter/adapter_config.json ] || $PY train.py wm-sft $run --out $d/wm_sft") ;;
     esac
-    train+=("eval_warmup${s}_$SPLIT score warmup $s $H/seed$s/eval_warmup --adapter $d/filter/warmup_adapter")
-    for arm in rwml wm_sft; do evals+=("eval_$arm${s}_$SPLIT score $arm $s $H/seed$s/eval_$arm --adapter $d/$arm/adapter"); done
+    train+=("eval_warmup${s}_$SPLIT after filter$s $he $hp; score warmup $s $H/seed$s/eval_warmup --adapter $d/filter/warmup_adapter")
+    for a in "${arms[@]}"; do
+        evals+=("eval_$a${s}_$SPLIT after $a$s $he $hp; score $a $s $H/seed$s/eval_$a --adapter $d/$a/adapter")
+    done
 done
-in_parallel "${train[@]}"
-in_parallel "${evals[@]}"
+in_parallel "${jobs[@]}" "${train[@]}" "${evals[@]}"
 $PY eval.py sanity "$OUT" --split "$SPLIT" --out "$OUT/sanity_$SPLIT.md"
 [ "$OUT" = runs/sanity ] && cp "$OUT/sanity_$SPLIT.md" "$OUT"/sanity_${SPLIT}_curve.png results/ 2>/dev/null || true
