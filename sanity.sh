@@ -27,6 +27,7 @@ VARIANTS=${VARIANTS:-}      # RWML with other flags beside it, "name=flags;name=
 VARIANT_SEEDS=${VARIANT_SEEDS:-$SEEDS}  # the seeds that run the VARIANTS
 SKIP=${SKIP:-}              # arms neither trained nor scored (e.g. "base wm_sft coin": a quicker comparison on the
 #                             dev split; a later run without SKIP trains and scores them)
+COLLECT=${COLLECT:-}        # more flags for the seeds' train collections (e.g. "--num-games 48": more triplets)
 STEPS=${STEPS:-20}          # GRPO steps of RWML and COIN; WM SFT updates
 CURVE_EVERY=${CURVE_EVERY:-10}  # the GRPO arms' held-out curve: CURVE triplets of SPLIT's explore set every this
 CURVE=${CURVE:-16}              # many steps, at the start and at the end (0: no curve); training is unchanged
@@ -54,7 +55,7 @@ export -f score
 he=heldout_explore_$SPLIT hp=heldout_purposeful_$SPLIT
 jobs=("$he $PY train.py collect --seed 0 --split $SPLIT --num-games $HELD_GAMES --out $H/heldout_explore")
 for s in $SEEDS; do  # each seed draws its own train games
-    jobs+=("collect$s $PY train.py collect --seed $s --out $OUT/seed$s/collect")
+    jobs+=("collect$s $PY train.py collect --seed $s $COLLECT --out $OUT/seed$s/collect")
 done
 jobs+=("$hp $PY train.py collect --walkthrough --seed 0 --split $SPLIT --num-games $HELD_GAMES --out $H/heldout_purposeful")
 for s in $SEEDS; do
