@@ -28,6 +28,8 @@ VARIANT_SEEDS=${VARIANT_SEEDS:-$SEEDS}  # the seeds that run the VARIANTS
 SKIP=${SKIP:-}              # arms neither trained nor scored (e.g. "base wm_sft coin": a quicker comparison on the
 #                             dev split; a later run without SKIP trains and scores them)
 COLLECT=${COLLECT:-}        # more flags for the seeds' train collections (e.g. "--num-games 48": more triplets)
+FLAGS=${FLAGS:-}            # more flags for every filter and training run (another recipe, e.g. "--config
+#                             configs/paper.json"); scores and collections keep theirs
 STEPS=${STEPS:-20}          # GRPO steps of RWML and COIN; WM SFT updates
 CURVE_EVERY=${CURVE_EVERY:-10}  # the GRPO arms' held-out curve: CURVE triplets of SPLIT's explore set every this
 CURVE=${CURVE:-16}              # many steps, at the start and at the end (0: no curve); training is unchanged
@@ -60,14 +62,14 @@ done
 jobs+=("$hp $PY train.py collect --walkthrough --seed 0 --split $SPLIT --num-games $HELD_GAMES --out $H/heldout_purposeful")
 for s in $SEEDS; do
     jobs+=("filter$s after collect$s; $PY train.py filter --transitions $OUT/seed$s/collect/transitions.jsonl --seed $s \
---filter-dir $OUT/seed$s/filter --out $OUT/seed$s/filter")
+--filter-dir $OUT/seed$s/filter $FLAGS --out $OUT/seed$s/filter")
 done
 jobs+=("baselines_$SPLIT after $he $hp; for b in template nothing copy; do score \$b 0 $H/baselines/\$b --baseline \$b; done"
        "base_$SPLIT after $he $hp; score base 0 $H/baselines/base")
 train=() evals=()
 for s in $SEEDS; do
     d=$OUT/seed$s
-    run="--transitions $d/collect/transitions.jsonl --seed $s --max-steps $STEPS --filter-dir $d/filter"
+    run="--transitions $d/collect/transitions.jsonl --seed $s --max-steps $STEPS --filter-dir $d/filter $FLAGS"
     curve=""
     [ "$CURVE_EVERY" -gt 0 ] && curve="--eval-steps $CURVE_EVERY --eval-on-start --eval-max-triplets $CURVE \
 --eval-transitions $H/heldout_explore/transitions.jsonl"
