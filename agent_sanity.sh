@@ -27,6 +27,8 @@ EVAL_GAMES=${EVAL_GAMES:-20}    # held-out games per split (dev, test): every ar
 EVAL_EVERY=${EVAL_EVERY:-0}     # the dev curve is the start's and the end's evaluations (step 0, POLICY_STEPS);
 CURVE_GAMES=${CURVE_GAMES:-$EVAL_GAMES}  # EVAL_EVERY > 0 adds points in between, on CURVE_GAMES dev games
 TW="--env textworld --action-mode choose --max-turns $TURNS --num-workers 0"
+# the recipe these scripts were measured with, before stage 1's defaults moved to Dr. GRPO without the easy filter
+OLD="--loss-type grpo --scale-rewards group"
 LOGS=$OUT/logs
 source ./jobs.sh  # in_parallel
 mkdir -p "$OUT/base"
@@ -34,8 +36,8 @@ mkdir -p "$OUT/base"
 # --- stage 1, shared: collect (85 % of turns drawn by command kind, as the stage-1 recipe), filter + warm-up
 T=$OUT/collect/transitions.jsonl
 JOBS=1 in_parallel "collect $PY train.py collect $TW --num-games $GAMES --out $OUT/collect"
-JOBS=1 in_parallel "filter $PY train.py filter --transitions $T --filter-dir $OUT/filter --out $OUT/filter"
-wm="--transitions $T --max-steps $WM_STEPS --filter-dir $OUT/filter"
+JOBS=1 in_parallel "filter $PY train.py filter --easy-filter $OLD --transitions $T --filter-dir $OUT/filter --out $OUT/filter"
+wm="--transitions $T --max-steps $WM_STEPS --filter-dir $OUT/filter --easy-filter $OLD"
 evaluate="$PY eval.py agent $TW --num-games $EVAL_GAMES"  # greedy, one pass (seeds would replay it)
 in_parallel "rwml [ -f $OUT/rwml/adapter/adapter_config.json ] || $PY train.py wm $wm --out $OUT/rwml --resume" \
             "wm_sft [ -f $OUT/wm_sft/adapter/adapter_config.json ] || $PY train.py wm-sft $wm --out $OUT/wm_sft" \
@@ -51,7 +53,7 @@ for arm in policy rwml_policy wm_sft_policy; do  # policy RL of every seed first
         case $arm in policy) init="--init base" ;; rwml_policy) init="--init rwml --adapter $OUT/rwml/adapter" ;;
                      wm_sft_policy) init="--init wm-sft --adapter $OUT/wm_sft/adapter" ;; esac
         d=$OUT/seed$s/$arm
-        jobs+=("${arm}$s [ -f $d/adapter/adapter_config.json ] || $PY train.py policy $TW --seed $s $init --num-games $GAMES \
+        jobs+=("${arm}$s [ -f $d/adapter/adapter_config.json ] || $PY train.py policy $TW $OLD --seed $s $init --num-games $GAMES \
 --games-per-step $POLICY_GAMES --num-generations $POLICY_GEN --max-steps $POLICY_STEPS --beta 0.0 \
 --learning-rate $POLICY_LR --temperature $POLICY_T --save-steps 1 --eval-steps $EVAL_EVERY --eval-games $CURVE_GAMES \
 --out $d --resume; [ -f $d/eval_agent.json ] || $evaluate --adapter $d/adapter --split dev,test --out $d/eval_agent.json")

@@ -95,8 +95,7 @@ class Triplet(TypedDict, total=False):
 
 @dataclass
 class Running:
-    """An episode in play: its index in the caller's list, its summary so far, the current observation and
-    the (observation, action) pairs before it."""
+    """An episode in play: its index in the caller's list, its summary, current observation, past pairs."""
     index: int
     summary: dict
     obs: str
@@ -217,8 +216,7 @@ WM_SYSTEMS = dict(  # by the triplet's environment (`env`, ALFWorld when absent)
     textworld="You are a world model of a text-based adventure game (TextWorld): you predict what the game "
               "says next.",
     tau2="You are a world model of a customer service environment (tau2-bench): you predict the tool's "
-         "response "
-         "to the agent's tool call, or the customer's next message after the agent's reply.")
+         "response to the agent's tool call, or the customer's next message after the agent's reply.")
 WM_SYSTEM = WM_SYSTEMS["alfworld"]
 WM_PREFIX, WM_STOP = "<think>", "</next_state>"
 
@@ -236,8 +234,7 @@ _WM_ASK = dict(  # (question, what to write, example answer)
                "the table.</next_state>"),
     tau2=("What comes back: the tool's response to this call, or the customer's next message after this "
           "reply?", "it", "<think>Looking up a user returns their record.</think><next_state>{\"user_id\": "
-          "\"sara_doe_496\", "
-          "\"orders\": [\"#W2378156\"]}</next_state>"))
+          "\"sara_doe_496\", \"orders\": [\"#W2378156\"]}</next_state>"))
 
 
 def wm_system(t: Triplet) -> str:
@@ -252,8 +249,7 @@ def wm_prompt(t: Triplet, reasoning: bool = True) -> str:
     lines += [f"[Current observation] {t['history'][-1]['observation']}", f"[Action] {t['action']}"]
     if reasoning:
         lines += [f"{question} Reply in this exact format: first think briefly inside <think> </think>, "
-                  f"then write "
-                  f"{what} inside <next_state> </next_state>, for example:", example]
+                  f"then write {what} inside <next_state> </next_state>, for example:", example]
     else:  # no reasoning: the easiness filter's SFT copy (METHOD.md §4), or --no-wm-reasoning
         lines += [f"{question} Write it inside <next_state> </next_state>."]
     return "\n".join(lines)
@@ -361,8 +357,7 @@ class GRPOConfig:
     scale_rewards: str = "group"  # group | batch | none: the std that divides advantages
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8  # completions per forward/backward (gradient accumulation inside a step)
-    micro_batch_tokens: int = 512  # and at most this many padded tokens in one (0 = no limit; a group needing
-    #                                more goes alone)
+    micro_batch_tokens: int = 512  # and at most this many padded tokens (0: no limit; a bigger group alone)
     shared_prompt_forward: bool = True  # training forward: a group's completions share one prompt forward
     logits_chunk_size: int = 512  # completion tokens per vocabulary projection
 
@@ -645,11 +640,9 @@ def policy_update(model, tokenizer, optimizer, turns: list[Triplet], summaries: 
     if turns and "candidate_ids" in turns[0]:  # --action-mode choose: log pi(a|s) of each turn's choice
         batch = choice_batch(turns, adv, cfg.loss_type, keep_zero_advantage=bool(cfg.beta))
     else:
-        ids, attn, cmask, turn_adv, weights = policy_batch(turns, adv, tokenizer.pad_token_id, cfg.loss_type,
-                                                           cfg.max_completion_length,
-                                                           keep_zero_advantage=bool(cfg.beta))
-        batch = Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask, advantages=turn_adv,
-                      weights=weights)
+        ids, attn, cmask, a, w = policy_batch(turns, adv, tokenizer.pad_token_id, cfg.loss_type,
+                                              cfg.max_completion_length, keep_zero_advantage=bool(cfg.beta))
+        batch = Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask, advantages=a, weights=w)
     cmask = batch.completion_mask
     if len(batch.advantages):
         stats = grpo_update(model, optimizer, batch, cfg)

@@ -31,7 +31,7 @@ COLLECT=${COLLECT:-}        # more flags for the seeds' train collections (e.g. 
 FLAGS=${FLAGS:-}            # more flags for every filter and training run (another recipe, e.g. "--config
 #                             configs/paper.json"); scores and collections keep theirs
 STEPS=${STEPS:-20}          # GRPO steps of RWML and COIN; WM SFT updates
-CURVE_EVERY=${CURVE_EVERY:-10}  # the GRPO arms' held-out curve: CURVE triplets of SPLIT's explore set every this
+CURVE_EVERY=${CURVE_EVERY:-0}  # the GRPO arms' held-out curve: CURVE triplets of SPLIT's explore set every this
 CURVE=${CURVE:-16}              # many steps, at the start and at the end (0: no curve); training is unchanged
 JOBS=${JOBS:-2}
 case " $SKIP " in *" coin "*) COIN_SEEDS="" ;; esac

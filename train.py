@@ -122,8 +122,7 @@ class WorldModelConfig:
     tau_d: float = 0.1  # passes paraphrases, fails a wrong object or event (tests/test_reward.py)
     reward_metric: str = "embedding"  # or "rouge" (ablation)
     reward_binary: bool = True  # False = the continuous-cosine ablation
-    wm_reasoning: bool = False  # <think> then <next_state> (paper: True);
-    #                             False = the reply starts at <next_state>
+    wm_reasoning: bool = False  # <think> then <next_state> (paper: True); off: reply from <next_state> on
     eval_samples: int = 4  # held-out predictions per triplet, sampled at `temperature` (0 = one greedy)
 
 
@@ -134,20 +133,19 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     configs/paper.json (README, "Departures from the paper")."""
     # --- data collection: the model plays train games at `temperature`; every turn is a triplet
     rollouts_per_game: int = 1  # the paper: 3 for ALFWorld
-    explore_prob: float = 0.85  # share of turns whose action is drawn by command kind, not the model's
-    #                             (paper: 0)
+    explore_prob: float = 0.85  # share of turns whose action is drawn by kind, not by the model (paper: 0)
     heldout_split: str = "valid_unseen"  # `all`: the test split, never used to choose anything (valid_seen:
     #                                      the dev split)
     heldout_games: int = 20  # held-out games; each gives explore triplets (this collection policy) and
     #                          purposeful ones (its expert walkthrough)
-    walkthrough: bool = False  # collect: play each game's expert walkthrough instead of the model
-    #                            (no model loads)
+    walkthrough: bool = False  # collect: play each game's expert walkthrough, not the model (no model loads)
     # --- "too easy" filter: an SFT copy on the filter split scores the rest
     transitions: str | None = None  # `filter` / `wm` / `wm-sft`: a collection's transitions.jsonl
     filter_dir: str | None = None  # where the filter's outputs are kept and reused (None = <out>/filter)
     filter_seed: int | None = None  # seed of the split, the SFT copy and its scores (None = seed): runs with
     #                                 other seeds can then share one filter and one warm-up
-    easy_filter: bool = True  # False = the paper's "without easy subsampling" ablation
+    easy_filter: bool = False  # "too easy" subsampling (paper: True); off: on valid_seen it dropped every
+    #                            take / close / move target and RWML forgot them (README, the drift)
     filter_split: float = 0.35  # share of triplets that trains the SFT copy, never seen by GRPO (paper: 0.1)
     stratify_split: bool = False  # the split holds each target kind in its share of the data (paper: random)
     filter_samples: int = 4  # K predictions per training triplet (paper: 10)
@@ -158,10 +156,12 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     sft_learning_rate: float = 5e-4
     # --- RWML: GRPO on world-model prompts (the GRPO fields above), with a LoRA adapter
     reward_control: str = "none"  # controls: mis = another triplet's next observation, coin = a fair coin
-    max_steps: int = 24  # optimizer steps
+    max_steps: int = 20  # optimizer steps
+    loss_type: str = "dr_grpo"  # grpo | dapo | dr_grpo (paper: grpo); with scale_rewards none it held off the
+    #                             drift to "Nothing happens." on valid_seen (README)
+    scale_rewards: str = "none"  # group | batch | none: the std that divides advantages (paper: group)
     prompts_per_step: int = 4  # world-model prompts per step, each with num_generations completions
-    stratify_prompts: bool = False  # each step's prompts stratified by target kind (README: the drift);
-    #                                 off = shuffled
+    stratify_prompts: bool = False  # each step's prompts stratified by target kind (README: the drift)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more time; GRPO
     #                                       then runs whole rows (results/README)
     lora_r: int = 16

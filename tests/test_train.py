@@ -94,7 +94,7 @@ def test_filter_stage_drops_most_easy_triplets_and_logs_the_easy_share(tiny_mode
     """The split, the SFT copy, easiness with a reward that is often 1 (so that easy triplets exist), the
     threshold rule, the keep rule, and the warm-up adapter kept on disk; filter.json logs the real easy
     share."""
-    cfg = train.Config(model=tiny_model, filter_samples=4, sft_epochs=1, filter_split=0.2,
+    cfg = train.Config(model=tiny_model, easy_filter=True, filter_samples=4, sft_epochs=1, filter_split=0.2,
                        max_completion_length=6)
     trips = train.read_transitions(transitions)
     kept, warm = train.filter_triplets(cfg, trips, tmp_path, lambda: rwml.load_model(tiny_model),
@@ -146,7 +146,7 @@ def test_a_long_target_can_be_easy(parrot, tmp_path):
     folder, trip = parrot
     tok = rwml.load_model(folder)[1]
     assert len(tok(LONG)["input_ids"]) > 48
-    cfg = train.Config(model=folder, filter_split=0.4, sft_epochs=1, sft_learning_rate=1e-6, filter_samples=4,
+    cfg = train.Config(model=folder, easy_filter=True, filter_split=0.4, sft_epochs=1, sft_learning_rate=1e-6, filter_samples=4,
                        max_completion_length=len(tok(LONG + "</next_state>")["input_ids"]) + 4)
     trips = [dict(trip, step=i) for i in range(10)]
     train.filter_triplets(cfg, trips, tmp_path, lambda: rwml.load_model(folder), SimToRealReward())
