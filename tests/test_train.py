@@ -146,7 +146,8 @@ def test_a_long_target_can_be_easy(parrot, tmp_path):
     folder, trip = parrot
     tok = rwml.load_model(folder)[1]
     assert len(tok(LONG)["input_ids"]) > 48
-    cfg = train.Config(model=folder, easy_filter=True, filter_split=0.4, sft_epochs=1, sft_learning_rate=1e-6, filter_samples=4,
+    cfg = train.Config(model=folder, easy_filter=True, filter_split=0.4, sft_epochs=1, sft_learning_rate=1e-6,
+                       filter_samples=4,
                        max_completion_length=len(tok(LONG + "</next_state>")["input_ids"]) + 4)
     trips = [dict(trip, step=i) for i in range(10)]
     train.filter_triplets(cfg, trips, tmp_path, lambda: rwml.load_model(folder), SimToRealReward())
