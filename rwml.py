@@ -268,19 +268,13 @@ def sample_predictions(model, tokenizer, triplets: list[Triplet], *, reasoning: 
                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
 
 
-def split_triplets(triplets: list[Triplet], frac: float = 0.1, seed: int = 0,
-                   stratified: bool = False) -> tuple[list[Triplet], list[Triplet]]:
-    """The paper's 90 / 10 split: (RWML training triplets, triplets that train the easiness filter).
-    `stratified`: each kind of target (`envs.observation_kind`) goes to the split in its share of the data."""
+def split_triplets(triplets: list[Triplet], frac: float = 0.1,
+                   seed: int = 0) -> tuple[list[Triplet], list[Triplet]]:
+    """The paper's 90 / 10 split: (RWML training triplets, triplets that train the easiness filter)."""
     if len(triplets) < 2:
         raise UserError(f"need at least 2 triplets to split, got {len(triplets)}; collect more games")
     order = list(range(len(triplets)))
     random.Random(seed).shuffle(order)
-    if stratified:  # spread each kind evenly over the order: any prefix holds about its share of every kind
-        kinds = [envs.observation_kind(t["next_obs"]) for t in triplets]
-        members = {k: [i for i in order if kinds[i] == k] for k in dict.fromkeys(kinds[i] for i in order)}
-        place = {i: (j + 0.5) / len(m) for m in members.values() for j, i in enumerate(m)}
-        order.sort(key=place.__getitem__)
     n = min(max(1, round(frac * len(triplets))), len(triplets) - 1)
     return [triplets[i] for i in sorted(order[n:])], [triplets[i] for i in sorted(order[:n])]
 

@@ -147,7 +147,6 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     easy_filter: bool = False  # "too easy" subsampling (paper: True); off: on valid_seen it dropped every
     #                            take / close / move target and RWML forgot them (README, the drift)
     filter_split: float = 0.35  # share of triplets that trains the SFT copy, never seen by GRPO (paper: 0.1)
-    stratify_split: bool = False  # the split holds each target kind in its share of the data (paper: random)
     filter_samples: int = 4  # K predictions per training triplet (paper: 10)
     easy_share: float = 0.3  # tau_easy is set so that about this share counts as easy
     easy_keep_prob: float = 0.1  # easy triplets are kept with this probability
@@ -321,8 +320,6 @@ def _filter_triplets(cfg: Config, triplets: list[dict], out: Path, load,
     kept_file, meta_file, warm = out / "kept.jsonl", out / "filter.json", out / "warmup_adapter"
     seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
     job = {k: getattr(cfg, k) for k in FILTER_JOB} | {"seed": seed, "num_triplets": len(triplets)}
-    if cfg.stratify_split:  # only when set: filters made before the field stay valid
-        job["stratify_split"] = True
     if kept_file.exists() and meta_file.exists() and json.loads(meta_file.read_text())["job"] == job \
             and (not cfg.warmup
                  or ((warm / "adapter_config.json").is_file()
@@ -330,7 +327,7 @@ def _filter_triplets(cfg: Config, triplets: list[dict], out: Path, load,
         kept = read_jsonl(kept_file)
         print(f"filter: reusing {kept_file} ({len(kept)} triplets)" + (f" and {warm}" if cfg.warmup else ""))
         return kept, warm if cfg.warmup else None
-    train, filter_set = rwml.split_triplets(triplets, cfg.filter_split, seed, cfg.stratify_split)
+    train, filter_set = rwml.split_triplets(triplets, cfg.filter_split, seed)
     info = dict(easy_share=None)
     if cfg.easy_filter or cfg.warmup:
         model, tok = load()
@@ -855,8 +852,8 @@ _RUN = ("save_steps", "report_to", "resume", "out")
 _LORA = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "gradient_checkpointing")
 _COLLECT = ("rollouts_per_game", "explore_prob", "walkthrough", "temperature", "top_p")
 _HELDOUT = ("heldout_split", "heldout_games", "eval_max_triplets")
-_FILTER = ("transitions", "filter_dir", "filter_seed", "easy_filter", "filter_split", "stratify_split",
-           "filter_samples", "easy_share", "easy_keep_prob", "warmup", "sft_epochs", "sft_learning_rate",
+_FILTER = ("transitions", "filter_dir", "filter_seed", "easy_filter", "filter_split", "filter_samples",
+           "easy_share", "easy_keep_prob", "warmup", "sft_epochs", "sft_learning_rate",
            "max_completion_length", "lora_r", "lora_alpha", "lora_target_modules")
 _RWML = ("reward_control", "max_steps", "prompts_per_step", "stratify_prompts", "log_completions_steps",
          "eval_steps", "eval_on_start", "eval_transitions", "eval_max_triplets", "eval_samples")

@@ -264,22 +264,6 @@ def test_split_is_ninety_ten_and_disjoint():
     assert sorted(t["i"] for t in train + held) == list(range(50))
 
 
-def test_a_stratified_split_holds_each_target_kind_in_its_share():
-    """--stratify-split: with 10 of 60 targets "Nothing happens.", a third of the triplets holds 3 or 4 of
-    them on every seed (a plain random split draws anywhere from 0 to 8); still disjoint and complete."""
-    trips = [dict(i=i, next_obs="Nothing happens." if i % 6 == 0 else f"You arrive at desk {i}.")
-             for i in range(60)]
-    counts = []
-    for seed in range(20):
-        train, held = rwml.split_triplets(trips, 1 / 3, seed=seed, stratified=True)
-        assert len(held) == 20 and sorted(t["i"] for t in train + held) == list(range(60))
-        counts.append(sum(t["next_obs"] == "Nothing happens." for t in held))
-    assert set(counts) <= {3, 4}
-    plain = [sum(t["next_obs"] == "Nothing happens." for t in rwml.split_triplets(trips, 1 / 3, seed=s)[1])
-             for s in range(20)]
-    assert max(plain) - min(plain) > 1  # what stratifying removes
-
-
 def test_shared_prefill_gives_the_same_tokens_as_plain_generate(tiny_model):
     model, tok = rwml.load_model(tiny_model)
     texts = [rwml.chat(tok, "go to desk 1"),
