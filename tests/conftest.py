@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "lab"))  # lab/reports.py, lab/bench/
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -37,12 +38,12 @@ def lora_model(tiny_model):
     an adapter that is not the identity, so that it changes log-probs from the first step."""
     import torch
 
-    import rwml
+    import engine
 
     def make(seed: int = 0, std: float = 0.05):
-        model, tok = rwml.load_model(tiny_model)
+        model, tok = engine.load_model(tiny_model)
         torch.manual_seed(seed)
-        model = rwml.add_lora(model, r=4, alpha=8)
+        model = engine.add_lora(model, r=4, alpha=8)
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if "lora_B" in n:

@@ -8,11 +8,12 @@ log-probs and their gradients against the naive full-logits path, a stage-1 and 
 save and reload."""
 import pytest
 import torch
+from bench.random_models import build
 
+import engine
 import envs
 import rwml
 import train
-from bench.random_models import build
 
 ARCHS = {"llama": "tiny-llama3", "tied": "tiny-smollm2", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3",
          "gemma2": "tiny-gemma2", "gemma3": "tiny-gemma3"}
@@ -35,9 +36,9 @@ def arch(request, tmp_path_factory):
 
 def load(folder, four_bit=False, targets="all-linear", scale=0.05):
     """The model with a LoRA adapter whose B matrices are not zero, so that gradients reach every matrix."""
-    model, tok = rwml.load_model(folder, device="cpu", load_in_4bit=four_bit)
+    model, tok = engine.load_model(folder, device="cpu", load_in_4bit=four_bit)
     torch.manual_seed(0)
-    model = rwml.add_lora(model, r=4, alpha=8, target_modules=targets)
+    model = engine.add_lora(model, r=4, alpha=8, target_modules=targets)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -77,7 +78,7 @@ def test_load_and_lora_targets(arch, four_bit):
     if four_bit:
         pytest.importorskip("bitsandbytes")
     else:
-        model, _ = rwml.load_model(folder, device="cpu")
+        model, _ = engine.load_model(folder, device="cpu")
         assert FEATURES[name](model, model.config)
     for targets, expect in (("q_proj,k_proj,v_proj,o_proj", {"q_proj", "k_proj", "v_proj", "o_proj"}),
                             ("all-linear", {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -88,7 +89,7 @@ def test_load_and_lora_targets(arch, four_bit):
         assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
         if four_bit:
             assert any(type(m).__name__ == "Linear4bit" for m in model.modules())
-    assert tok.pad_token_id is not None and rwml.stop_token_ids(model, tok)
+    assert tok.pad_token_id is not None and engine.stop_token_ids(model, tok)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
@@ -97,16 +98,16 @@ def test_shared_prefill_sampling_equals_plain_generate(arch, temperature):
     for token those of plain generate on n copies, greedy and sampled with one seed (prompts of different
     lengths, longer than Gemma's 16-token window)."""
     name, folder = arch
-    model, tok = rwml.load_model(folder, device="cpu")
-    texts = [rwml.chat(tok, p, rwml.WM_SYSTEM, rwml.WM_PREFIX) for p in PROMPTS[:2]]
+    model, tok = engine.load_model(folder, device="cpu")
+    texts = [engine.chat(tok, p, rwml.WM_SYSTEM, rwml.WM_PREFIX) for p in PROMPTS[:2]]
     torch.manual_seed(0)
-    shared = rwml.sample(model, tok, texts, n=3, max_new_tokens=10, temperature=temperature).input_ids
+    shared = engine.sample(model, tok, texts, n=3, max_new_tokens=10, temperature=temperature).input_ids
     batch = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True,
                 add_special_tokens=False)
     assert batch["attention_mask"].sum(1).min() > 16 and (batch["attention_mask"] == 0).any()
-    cfg = rwml.sampling_config(model, tok, temperature=temperature, top_p=1.0, max_new_tokens=10)
+    cfg = engine.sampling_config(model, tok, temperature=temperature, top_p=1.0, max_new_tokens=10)
     torch.manual_seed(0)
-    with rwml.checkpoint_generation_config_off(model):
+    with engine.checkpoint_generation_config_off(model):
         plain = model.generate(**batch, generation_config=cfg)
     assert torch.equal(shared, plain)
     if temperature:
@@ -115,12 +116,12 @@ def test_shared_prefill_sampling_equals_plain_generate(arch, temperature):
 
 
 def test_a_growing_cache_decodes_as_the_plain_one(arch):
-    """`rwml.growing_cache` (keys and values written into buffers in place) gives the logits of transformers'
+    """`engine.growing_cache` (keys and values written into buffers in place) gives the logits of transformers'
     own cache, step by step, also when its room runs out (headroom 2: a new buffer every other step), and
     single-prompt sampling (its own cache) is plain generate's token for token."""
     name, folder = arch
-    model, tok = rwml.load_model(folder, device="cpu")
-    batch = tok([rwml.chat(tok, p, rwml.WM_SYSTEM, rwml.WM_PREFIX) for p in PROMPTS[:2]], return_tensors="pt",
+    model, tok = engine.load_model(folder, device="cpu")
+    batch = tok([engine.chat(tok, p, rwml.WM_SYSTEM, rwml.WM_PREFIX) for p in PROMPTS[:2]], return_tensors="pt",
                 padding=True, add_special_tokens=False)
     steps = []
     for grow in (False, True):
@@ -128,7 +129,7 @@ def test_a_growing_cache_decodes_as_the_plain_one(arch):
 
         cache = DynamicCache(config=model.config)
         if grow:
-            rwml.growing_cache(cache, 2)
+            engine.growing_cache(cache, 2)
         ids, attn, logits = batch["input_ids"], batch["attention_mask"], []
         with torch.no_grad():
             for _ in range(6):
@@ -138,12 +139,12 @@ def test_a_growing_cache_decodes_as_the_plain_one(arch):
         steps.append(torch.stack(logits))
     assert torch.allclose(steps[0], steps[1], atol=1e-5)
     torch.manual_seed(0)
-    ours = rwml.sample(model, tok, [tok.decode(r[m.bool()]) for r, m in zip(batch["input_ids"],
+    ours = engine.sample(model, tok, [tok.decode(r[m.bool()]) for r, m in zip(batch["input_ids"],
                                                                             batch["attention_mask"])],
                        max_new_tokens=8, temperature=1.0).input_ids
-    cfg = rwml.sampling_config(model, tok, temperature=1.0, top_p=1.0, max_new_tokens=8)
+    cfg = engine.sampling_config(model, tok, temperature=1.0, top_p=1.0, max_new_tokens=8)
     torch.manual_seed(0)
-    with rwml.checkpoint_generation_config_off(model):
+    with engine.checkpoint_generation_config_off(model):
         assert torch.equal(ours, model.generate(**batch, generation_config=cfg))
 
 
@@ -154,14 +155,14 @@ def test_chunked_and_shared_prompt_logprobs_and_gradients_equal_the_naive_path(a
         pytest.importorskip("bitsandbytes")
     model, tok = load(folder, four_bit)
     torch.manual_seed(1)
-    roll = rwml.sample_chat(model, tok, PROMPTS, system=rwml.WM_SYSTEM, prefix=rwml.WM_PREFIX,
+    roll = engine.sample_chat(model, tok, PROMPTS, system=rwml.WM_SYSTEM, prefix=rwml.WM_PREFIX,
                             stop=rwml.WM_STOP, n=3, max_new_tokens=10)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     P = ids.shape[1] - cmask.shape[1]
     adv, w = torch.linspace(-1, 1, ids.shape[0]), rwml.token_weights(cmask, "grpo", 10)
     paths = dict(naive=lambda: naive_logprobs(model, ids, attn, cmask),
-                 chunked=lambda: rwml.completion_logprobs(model, ids, attn, cmask, chunk_size=5),
-                 shared=lambda: rwml.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask,
+                 chunked=lambda: engine.completion_logprobs(model, ids, attn, cmask, chunk_size=5),
+                 shared=lambda: engine.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask,
                                                     chunk_size=7))
     got = {}
     for path, fn in paths.items():
@@ -219,14 +220,14 @@ def test_stage1_and_stage2_steps_then_the_saved_adapter_reloads(arch, tmp_path):
         num_generations=2, max_completion_length=8, beta=0.1, learning_rate=1e-2), num_envs=4)
     assert res["num_turns"] == 4 and res["trained_turns"] == 4 and not res["updates"][0]["skipped"]
 
-    roll = rwml.sample_chat(model, tok, PROMPTS, prefix=envs.AGENT_PREFIX, max_new_tokens=8, temperature=0.0)
+    roll = engine.sample_chat(model, tok, PROMPTS, prefix=envs.AGENT_PREFIX, max_new_tokens=8, temperature=0.0)
     args = roll.input_ids, roll.attention_mask, roll.completion_mask
     with torch.no_grad():
-        want = rwml.completion_logprobs(model, *args)
+        want = engine.completion_logprobs(model, *args)
     saved = train.save_adapter(model, tmp_path)
-    reloaded = PeftModel.from_pretrained(rwml.load_model(folder, device="cpu")[0], str(saved))
+    reloaded = PeftModel.from_pretrained(engine.load_model(folder, device="cpu")[0], str(saved))
     with torch.no_grad():
-        assert torch.allclose(rwml.completion_logprobs(reloaded, *args), want, atol=1e-6)
+        assert torch.allclose(engine.completion_logprobs(reloaded, *args), want, atol=1e-6)
         assert torch.allclose(naive_logprobs(reloaded, *args), want, atol=1e-5)
 
 
@@ -235,7 +236,7 @@ def test_every_architecture_takes_both_fast_paths(arch, capsys):
     no architecture here needs the plain path (the checks above then tested the fast paths themselves)."""
     name, folder = arch
     model, _ = load(folder)
-    assert rwml.fast_paths(model) == rwml.FastPaths(head=True, shared_prompt=True)
+    assert engine.fast_paths(model) == engine.FastPaths(head=True, shared_prompt=True)
     assert "rwml:" not in capsys.readouterr().out
 
 
@@ -256,19 +257,19 @@ def test_a_projection_that_misses_the_architectures_logits_falls_back_to_the_pla
     monkeypatch.setattr(rwml, "_SAID", set())
     model, tok = load(gemma2)
     torch.manual_seed(1)
-    roll = rwml.sample_chat(model, tok, PROMPTS, system=rwml.WM_SYSTEM, prefix=rwml.WM_PREFIX, n=3,
+    roll = engine.sample_chat(model, tok, PROMPTS, system=rwml.WM_SYSTEM, prefix=rwml.WM_PREFIX, n=3,
                             max_new_tokens=8)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     P = ids.shape[1] - cmask.shape[1]
-    assert rwml.fast_paths(model) == rwml.FastPaths(head=False, shared_prompt=True)
+    assert engine.fast_paths(model) == engine.FastPaths(head=False, shared_prompt=True)
     with torch.no_grad():
-        bug = (rwml._decoder_logprobs(model, ids, attn, cmask, 1.0, 512)
+        bug = (engine._decoder_logprobs(model, ids, attn, cmask, 1.0, 512)
                - naive_logprobs(model, ids, attn, cmask))
     assert bug.abs().max() > 0.1
     got = []
     for fn in (lambda: naive_logprobs(model, ids, attn, cmask),
-               lambda: rwml.completion_logprobs(model, ids, attn, cmask),
-               lambda: rwml.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask)):
+               lambda: engine.completion_logprobs(model, ids, attn, cmask),
+               lambda: engine.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask)):
         model.zero_grad()
         lp = fn()
         lp.sum().backward()
@@ -278,7 +279,7 @@ def test_a_projection_that_misses_the_architectures_logits_falls_back_to_the_pla
         assert torch.allclose(lp, want, atol=1e-5)
         assert all(torch.allclose(grads[n], want_grads[n], atol=1e-6, rtol=1e-4) for n in grads)
     # another copy of the model: checked, not said again
-    assert rwml.fast_paths(load(gemma2)[0]).head is False
+    assert engine.fast_paths(load(gemma2)[0]).head is False
     out = capsys.readouterr().out
     assert out.count("rwml: Gemma2ForCausalLM: log-probs from its own full logits") == 1, out
 
@@ -294,13 +295,13 @@ def test_a_cache_that_does_not_repeat_falls_back_to_whole_rows(gemma2, monkeypat
     monkeypatch.setattr(DynamicCache, "batch_repeat_interleave", unsupported)
     monkeypatch.setattr(rwml, "_SAID", set())
     model, tok = load(gemma2)
-    assert rwml.fast_paths(model) == rwml.FastPaths(head=True, shared_prompt=False)
+    assert engine.fast_paths(model) == engine.FastPaths(head=True, shared_prompt=False)
     assert "no shared prompt cache" in capsys.readouterr().out
-    texts = [rwml.chat(tok, p, rwml.WM_SYSTEM, rwml.WM_PREFIX) for p in PROMPTS[:2]]
-    roll = rwml.sample(model, tok, texts, n=3, max_new_tokens=8, temperature=0.0)
+    texts = [engine.chat(tok, p, rwml.WM_SYSTEM, rwml.WM_PREFIX) for p in PROMPTS[:2]]
+    roll = engine.sample(model, tok, texts, n=3, max_new_tokens=8, temperature=0.0)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     P = ids.shape[1] - cmask.shape[1]
-    lp = rwml.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask)
+    lp = engine.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask)
     assert torch.allclose(lp, naive_logprobs(model, ids, attn, cmask), atol=1e-5)
 
 
@@ -316,28 +317,28 @@ def test_our_thinking_prefix_and_the_templates_thinking_markup_do_not_collide(tm
     reply starts at our <think>, once; without it (direct <next_state>, the tau2 customer) its own empty
     block comes first, as in Qwen3's non-thinking mode. A template that always opens <think> (Qwen3's
     thinking-only releases) gives the same two prompts. <think> is one token, as in Qwen3's tokenizer."""
-    tok = rwml.load_model(str(build(tmp_path / "qwen3", "tiny-qwen3")), device="cpu")[1]
+    tok = engine.load_model(str(build(tmp_path / "qwen3", "tiny-qwen3")), device="cpu")[1]
     head = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nP<|im_end|>\n<|im_start|>assistant\n"
     for template in (tok.chat_template, QWEN3_FORCED):
         tok.chat_template = template
-        assert rwml.chat(tok, "P", "S", rwml.WM_PREFIX) == head + "<think>"
-        assert rwml.chat(tok, "P", "S", envs.AGENT_PREFIX) == head + "<think>"
-        assert rwml.chat(tok, "P", "S", "<next_state>") == head + "<think>\n\n</think>\n\n<next_state>"
+        assert engine.chat(tok, "P", "S", rwml.WM_PREFIX) == head + "<think>"
+        assert engine.chat(tok, "P", "S", envs.AGENT_PREFIX) == head + "<think>"
+        assert engine.chat(tok, "P", "S", "<next_state>") == head + "<think>\n\n</think>\n\n<next_state>"
         msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "P"}]
-        assert rwml.chat_template(tok, msgs) == head + "<think>\n\n</think>\n\n"
+        assert engine.chat_template(tok, msgs) == head + "<think>\n\n</think>\n\n"
     think, turn = tok.convert_tokens_to_ids(["<think>", "<|im_start|>"])
-    ids = tok(rwml.chat(tok, rwml.wm_prompt(TRIPLETS[0]), rwml.WM_SYSTEM, rwml.WM_PREFIX),
+    ids = tok(engine.chat(tok, rwml.wm_prompt(TRIPLETS[0]), rwml.WM_SYSTEM, rwml.WM_PREFIX),
               add_special_tokens=False)["input_ids"]
     reply = ids[len(ids) - ids[::-1].index(turn):]  # the assistant's turn (the prompt shows <think> too)
     assert reply[-1] == think and reply.count(think) == 1
 
 
 def test_a_template_without_a_system_role_gets_it_in_the_first_user_turn(tmp_path):
-    tok = rwml.load_model(str(build(tmp_path / "gemma2", "tiny-gemma2")), device="cpu")[1]
-    assert rwml.chat(tok, "P", "S", "<next_state>") == ("<bos><start_of_turn>user\nS\n\nP<end_of_turn>\n"
+    tok = engine.load_model(str(build(tmp_path / "gemma2", "tiny-gemma2")), device="cpu")[1]
+    assert engine.chat(tok, "P", "S", "<next_state>") == ("<bos><start_of_turn>user\nS\n\nP<end_of_turn>\n"
                                                          "<start_of_turn>model\n<next_state>")
-    assert rwml.chat(tok, "P") == "<bos><start_of_turn>user\nP<end_of_turn>\n<start_of_turn>model\n"
+    assert engine.chat(tok, "P") == "<bos><start_of_turn>user\nP<end_of_turn>\n<start_of_turn>model\n"
     chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "ok"}, {"role": "user", "content": "P"}]
-    assert rwml.chat_template(tok, chat).startswith("<bos><start_of_turn>user\nS\n\nhi<end_of_turn>\n"
+    assert engine.chat_template(tok, chat).startswith("<bos><start_of_turn>user\nS\n\nhi<end_of_turn>\n"
                                                     "<start_of_turn>model\nok<end_of_turn>")

@@ -5,12 +5,16 @@ import json
 import pytest
 import torch
 
+import choose
+import engine
 import envs
 import eval as evaluate
 import plumbing
 import rwml
 import train
+import worlds
 from envs import UserError
+import reports
 
 TRIPLET_KEYS = {"game", "task", "task_type", "rollout", "episode", "step", "history", "action", "next_obs",
                 "valid", "format_ok", "won", "done", "response", "explored"}
@@ -38,14 +42,14 @@ def test_choice_probabilities_sum_to_one_and_equal_one_forward_per_candidate(lor
     model.eval()
     prompt, commands, system = first_turn()
     assert len(commands) > 5
-    prompt_ids, cands = rwml.choice_inputs(tok, prompt, commands, system)
-    assert tok.decode(cands[0]) == commands[0] + rwml.CHOICE_END
+    prompt_ids, cands = choose.choice_inputs(tok, prompt, commands, system)
+    assert tok.decode(cands[0]) == commands[0] + choose.CHOICE_END
     with torch.no_grad():
         # one prompt forward, all candidates on its cache
-        scores = rwml.candidate_scores(model, prompt_ids, cands)
+        scores = choose.candidate_scores(model, prompt_ids, cands)
     naive = torch.tensor([naive_logprob(model, prompt_ids, c) for c in cands])  # one forward per candidate
     assert torch.allclose(scores, naive, atol=1e-4), (scores - naive).abs().max()
-    logp = rwml.choice_logprobs(scores, temperature)
+    logp = choose.choice_logprobs(scores, temperature)
     assert float(logp.exp().sum()) == pytest.approx(1.0, abs=1e-5)
     # log space: byte-level candidates are long, and far apart
     want = torch.log_softmax(naive / temperature, -1)
@@ -59,13 +63,13 @@ def test_choice_probabilities_sum_to_one_and_equal_one_forward_per_candidate(lor
     assert torch.allclose(trained.detach()[:, 0], want[[3, 0]], atol=1e-3)
     # length-normalised scores: the mean of the same token log-probs
     with torch.no_grad():
-        mean = rwml.candidate_scores(model, prompt_ids, cands, length_norm=True)
+        mean = choose.candidate_scores(model, prompt_ids, cands, length_norm=True)
     assert torch.allclose(mean, naive / torch.tensor([len(c) for c in cands]), atol=1e-5)
 
 
 def choose_turns(tiny_model, env_name="alfworld", games=None, episodes_per_game=2, max_turns=3,
                  temperature=1.0):
-    model, tok = rwml.load_model(tiny_model)
+    model, tok = engine.load_model(tiny_model)
     games = games or envs.list_games("train", 2, seed=0)
     turns = []
     torch.manual_seed(0)
@@ -85,7 +89,7 @@ def test_choose_mode_plays_only_admissible_commands_and_records_the_choice(tiny_
         assert t["valid"] and t["format_ok"] and t["response"] == f"<action>{t['action']}</action>"
         assert TRIPLET_KEYS <= t.keys()
         chosen = tok.decode(t["candidate_ids"][t["choice"]])
-        assert (chosen == t["action"] + rwml.CHOICE_END
+        assert (chosen == t["action"] + choose.CHOICE_END
                 and t["completion_ids"] == t["candidate_ids"][t["choice"]])
         assert t["history"][-1]["observation"][:40] in tok.decode(t["prompt_ids"])
 
@@ -99,7 +103,7 @@ def scripted_choices(tok, game, pick, episode, max_turns):
         for step in range(max_turns):
             prompt, commands = env.choice_prompt(0, past[-1:]), env.admissible(0)
             k = commands.index(pick(commands, step))
-            prompt_ids, cands = rwml.choice_inputs(tok, prompt, commands, env.system)
+            prompt_ids, cands = choose.choice_inputs(tok, prompt, commands, env.system)
             r = env.step({0: f"<action>{commands[k]}</action>"})[0]
             turns.append(dict(episode=episode, step=step, prompt_ids=prompt_ids, candidate_ids=cands,
                               choice=k, response=f"<action>{commands[k]}</action>"))
@@ -114,9 +118,9 @@ def test_a_positive_advantage_raises_the_chosen_commands_probability(tiny_model)
     """A group of two real episodes of one game: the expert walkthrough picked from the admissible list (won,
     by the engine's word) and "look" every turn (lost). One stage-2 update raises log pi(a|s) of the won
     episode's choices and lowers the lost one's: the exact choice probability, normaliser included, trains."""
-    model, tok = rwml.load_model(tiny_model)
+    model, tok = engine.load_model(tiny_model)
     torch.manual_seed(0)
-    model = rwml.add_lora(model, r=8, alpha=16)
+    model = engine.add_lora(model, r=8, alpha=16)
     game = envs.list_games("train", 1, seed=0)[0]
     walk = json.loads(open(game).read())["walkthrough"]
     won, s_won = scripted_choices(tok, game, lambda cs, i: walk[i], 0, len(walk))
@@ -127,7 +131,7 @@ def test_a_positive_advantage_raises_the_chosen_commands_probability(tiny_model)
 
     def chosen_logps():
         with torch.no_grad():
-            lp = rwml.batch_logprobs(model, rwml.choice_batch(turns, torch.zeros(2), "grpo"), cfg)[:, 0]
+            lp = rwml.batch_logprobs(model, choose.choice_batch(turns, torch.zeros(2), "grpo"), cfg)[:, 0]
         return float(lp[:len(won)].mean()), float(lp[len(won):].mean())
 
     before = chosen_logps()
@@ -182,11 +186,11 @@ def walkthrough(path):
 
 
 def test_textworld_games_are_generated_by_split_and_seed_and_won_by_their_walkthrough():
-    test = envs.textworld_games("test", 3, seed=0)
-    assert test == envs.textworld_games("test", 3, seed=0)  # the same draw: cached files
-    dev, train_games = envs.textworld_games("dev", 3, seed=0), envs.textworld_games("train", 3, seed=0)
+    test = worlds.textworld_games("test", 3, seed=0)
+    assert test == worlds.textworld_games("test", 3, seed=0)  # the same draw: cached files
+    dev, train_games = worlds.textworld_games("dev", 3, seed=0), worlds.textworld_games("train", 3, seed=0)
     assert not set(test) & set(dev) and not set(test) & set(train_games)  # disjoint game seeds
-    assert envs.textworld_games("test", 3, seed=1) != test
+    assert worlds.textworld_games("test", 3, seed=1) != test
     with envs.make("textworld", num_workers=1, max_turns=20) as env:
         start = env.reset({0: dict(game=test[0])})[0]
         assert start["game"] == envs.game_id(test[0]) and start["task_type"] == "textworld"
@@ -232,7 +236,7 @@ def test_policy_stage_in_choose_mode_on_textworld_with_its_learning_curve(tiny_m
     assert all(r["invalid_action_rate"] == 0 and r["trained_turns"] == r["num_turns"] for r in rows[1:])
     assert all(0 <= r["eval_success"] <= 1 and r["eval_invalid"] == 0 for r in rows)
     episodes = train.read_jsonl(tmp_path / "policy" / "eval_episodes.jsonl")
-    dev = {envs.game_name(g) for g in envs.textworld_games("dev", 2, seed=0)}
+    dev = {envs.game_name(g) for g in worlds.textworld_games("dev", 2, seed=0)}
     assert [e["step"] for e in episodes] == [0, 0, 1, 1, 2, 2] and {e["game"] for e in episodes} == dev
     assert rows[2]["eval_success"] == sum(e["won"] for e in episodes[4:]) / 2
     assert (tmp_path / "policy" / "adapter" / "adapter_config.json").is_file()
@@ -278,7 +282,7 @@ def test_agent_table_gives_each_arm_and_the_spread_over_seeds_and_draws_the_curv
             (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             (d / "eval_agent.json").write_text(_agent_eval(dict(test=(test, 0.0, 10, 10))))
     png = tmp_path / "curve.png"
-    text = evaluate.agent_report(tmp_path, png)
+    text = reports.agent_report(tmp_path, png)
     assert "| uniform random admissible | 30.0 ± 5.0 | 40.0 ± 10.0 | 35.0 | 30 | 3 |" in text
     assert "| base | 0.0 | 10.0 | 5.0 | 10 | – |" in text and "| RWML | 10.0 | 20.0 | 15.0 | 10 | – |" in text
     assert ("| policy RL | 40.0 ± 10.0 (50 / 30 / 40) | 30.0 ± 10.0 (40 / 20 / 30) | "
@@ -293,7 +297,7 @@ def test_agent_table_gives_each_arm_and_the_spread_over_seeds_and_draws_the_curv
                                                             test=(0.5, 0.0, 20, 20))))
     drawn = {}
     monkeypatch.setattr(evaluate, "plot_curves", lambda curves, png, **kw: drawn.update(curves))
-    text = evaluate.agent_report(tmp_path, png)
+    text = reports.agent_report(tmp_path, png)
     assert sorted(drawn["policy RL"]) == [[(0, 5.0), (2, 100 * m), (4, 25.0)] for m in (0.1, 0.2, 0.3)]
     # no final dev: the rows
     assert drawn["RWML + policy RL"][0] == [(0, 10.0), (2, 100 * 0.2), (4, 100 * 0.5)]
@@ -301,23 +305,23 @@ def test_agent_table_gives_each_arm_and_the_spread_over_seeds_and_draws_the_curv
             "37.5 ± 0.0 (38 / 38 / 38) | 20 |") in text
     assert "| base | 5.0 | 10.0 | 7.5 | 20 | – |" in text
     with pytest.raises(UserError, match="run agent_sanity.sh first"):
-        evaluate.agent_report(tmp_path / "base")
+        reports.agent_report(tmp_path / "base")
 
 
 def test_choose_mode_update_cut_by_a_token_budget_is_the_same_update(tiny_model):
     """Stage 2's choose-mode turns go into micro-batches by their tokens (prompt + every candidate, as in
     `micro_batch_tokens`), so memory follows the budget, not the number of trained turns; the update equals
     the whole batch's at once."""
-    model, tok = rwml.load_model(tiny_model)
+    model, tok = engine.load_model(tiny_model)
     game = envs.list_games("train", 1, seed=0)[0]
     walk = json.loads(open(game).read())["walkthrough"]
     won, _ = scripted_choices(tok, game, lambda cs, i: walk[i], 0, len(walk))
     lost, _ = scripted_choices(tok, game, lambda cs, i: "look", 1, len(walk))
-    batch = rwml.choice_batch(won + lost, torch.tensor([1.0, -1.0]), "grpo")
+    batch = choose.choice_batch(won + lost, torch.tensor([1.0, -1.0]), "grpo")
     tokens = [len(p) + sum(map(len, c)) for p, c, _ in batch.choices]
     budget = max(tokens) + 1  # about one turn a micro-batch
-    cuts = rwml.micro_batches(batch, 8, budget)
-    assert len(cuts) > len(rwml.micro_batches(batch, 8, 0)) == -(-len(tokens) // 8)
+    cuts = engine.micro_batches(batch, 8, budget)
+    assert len(cuts) > len(engine.micro_batches(batch, 8, 0)) == -(-len(tokens) // 8)
     assert all(len(mb.choices) == 1
                or sum(len(p) + sum(map(len, c)) for p, c, _ in mb.choices) <= budget
                for mb in cuts)
@@ -325,7 +329,7 @@ def test_choose_mode_update_cut_by_a_token_budget_is_the_same_update(tiny_model)
     deltas = []
     for cut in (0, budget):
         torch.manual_seed(0)
-        m = rwml.add_lora(rwml.load_model(tiny_model)[0], r=8, alpha=16)
+        m = engine.add_lora(engine.load_model(tiny_model)[0], r=8, alpha=16)
         for n, p in m.named_parameters():
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.05)  # a non-zero adapter: every LoRA weight gets a gradient

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+import engine
 import rwml
 
 # ------------------------------------------------------------------ advantages
@@ -81,20 +82,20 @@ def test_k3_kl_by_hand():
 
 def test_completion_mask_from_first_eos():
     ids = torch.tensor([[5, 6, 9, 9, 9], [5, 6, 7, 8, 4], [9, 1, 9, 2, 3]])
-    assert rwml.completion_mask_from(ids, 9).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert engine.completion_mask_from(ids, 9).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
 
 
 # ------------------------------------------------------------------ log-probs on a real (tiny) model
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model):
-    model, tok = rwml.load_model(tiny_model)
-    return rwml.add_lora(model, r=4, alpha=8), tok
+    model, tok = engine.load_model(tiny_model)
+    return engine.add_lora(model, r=4, alpha=8), tok
 
 
 def rollout(model, tok, n=4, length=12):
     torch.manual_seed(0)
-    return rwml.sample_chat(model, tok, ["go to desk 1", "open the drawer 2 please"], system=rwml.WM_SYSTEM,
+    return engine.sample_chat(model, tok, ["go to desk 1", "open the drawer 2 please"], system=rwml.WM_SYSTEM,
                             prefix=rwml.WM_PREFIX, stop=rwml.WM_STOP, n=n // 2, max_new_tokens=length)
 
 
@@ -117,7 +118,7 @@ def test_chunked_logprobs_and_gradients_match_naive(tiny):
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     grads = []
-    for fn in (lambda: rwml.completion_logprobs(model, ids, attn, cmask, chunk_size=5),
+    for fn in (lambda: engine.completion_logprobs(model, ids, attn, cmask, chunk_size=5),
                lambda: naive_logprobs(model, ids, attn, cmask)):
         model.zero_grad()
         lp = fn()
@@ -143,7 +144,7 @@ def test_shared_prompt_forward_matches_naive_logprobs_and_gradients(tiny):
             if "lora_B" in n:
                 p.normal_(0, 0.02)
     torch.manual_seed(1)
-    roll = rwml.sample_chat(model, tok, ["go to desk 1", "open the drawer 2 please", "look"],
+    roll = engine.sample_chat(model, tok, ["go to desk 1", "open the drawer 2 please", "look"],
                             system=rwml.WM_SYSTEM, prefix=rwml.WM_PREFIX, stop=rwml.WM_STOP, n=3,
                             max_new_tokens=10)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
@@ -152,7 +153,7 @@ def test_shared_prompt_forward_matches_naive_logprobs_and_gradients(tiny):
     adv = torch.linspace(-1, 1, ids.shape[0])
     w = rwml.token_weights(cmask, "grpo", 10)
     grads = []
-    for fn in (lambda: rwml.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask,
+    for fn in (lambda: engine.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask,
                                            chunk_size=7),
                lambda: naive_logprobs(model, ids, attn, cmask)):
         model.zero_grad()
@@ -174,9 +175,9 @@ def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients(tiny_model
     so group_logprobs takes whole rows there; log-probs and LoRA gradients equal the cached path's."""
     results = []
     for checkpointing in (False, True):
-        model, tok = rwml.load_model(tiny_model)
+        model, tok = engine.load_model(tiny_model)
         torch.manual_seed(0)
-        model = rwml.add_lora(model, r=4, alpha=8, gradient_checkpointing=checkpointing)
+        model = engine.add_lora(model, r=4, alpha=8, gradient_checkpointing=checkpointing)
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if "lora_B" in n:
@@ -186,7 +187,7 @@ def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients(tiny_model
         ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
         P = ids.shape[1] - cmask.shape[1]
         model.train()
-        lp = rwml.group_logprobs(model, ids[::2, :P], attn[::2, :P], ids[:, P:], cmask, chunk_size=5)
+        lp = engine.group_logprobs(model, ids[::2, :P], attn[::2, :P], ids[:, P:], cmask, chunk_size=5)
         rwml.grpo_loss(lp, lp.detach(), None, torch.tensor([1.0, -1.0, 0.5, -0.5]),
                        rwml.token_weights(cmask, "grpo", 12)).backward()
         results.append((lp.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
@@ -204,7 +205,7 @@ def test_kl_is_zero_against_itself_and_positive_against_another_policy(tiny_mode
 
     model, tok = lora_model(seed=0, std=0.3)
     model.save_pretrained(tmp_path / "start")
-    base, tok = rwml.load_model(tiny_model)
+    base, tok = engine.load_model(tiny_model)
     model = train.start_adapter(train.Config(), base, tmp_path / "start")
     roll = rollout(model, tok)
     batch = rwml.Batch(input_ids=roll.input_ids, attention_mask=roll.attention_mask,
@@ -215,9 +216,9 @@ def test_kl_is_zero_against_itself_and_positive_against_another_policy(tiny_mode
     assert rwml.grpo_update(model, opt, batch, cfg)[0]["kl"] == 0.0  # reference = the frozen start adapter
     args = roll.input_ids, roll.attention_mask, roll.completion_mask
     with torch.no_grad():
-        logp = rwml.completion_logprobs(model, *args)
+        logp = engine.completion_logprobs(model, *args)
         with model.disable_adapter():
-            bare = rwml.completion_logprobs(model, *args)
+            bare = engine.completion_logprobs(model, *args)
     stats = rwml.loss_stats(logp, logp, bare, torch.zeros(4), batch.weights)
     assert stats["kl"] > 1e-3  # the bare base model is another policy
 
@@ -265,17 +266,17 @@ def test_split_is_ninety_ten_and_disjoint():
 
 
 def test_shared_prefill_gives_the_same_tokens_as_plain_generate(tiny_model):
-    model, tok = rwml.load_model(tiny_model)
-    texts = [rwml.chat(tok, "go to desk 1"),
-             rwml.chat(tok, "a much longer prompt: open the drawer 2, then look")]
+    model, tok = engine.load_model(tiny_model)
+    texts = [engine.chat(tok, "go to desk 1"),
+             engine.chat(tok, "a much longer prompt: open the drawer 2, then look")]
     plain = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     repeated = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True,
                    add_special_tokens=False)
     ref = model.generate(**repeated, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
-    shared = rwml.sample(model, tok, texts, n=3, max_new_tokens=10, temperature=0.0).input_ids
+    shared = engine.sample(model, tok, texts, n=3, max_new_tokens=10, temperature=0.0).input_ids
     assert torch.equal(shared, ref)
     torch.manual_seed(0)  # sampling: n different continuations per prompt, prompts kept in place
-    out = rwml.sample(model, tok, texts, n=3, max_new_tokens=10, temperature=1.0).input_ids
+    out = engine.sample(model, tok, texts, n=3, max_new_tokens=10, temperature=1.0).input_ids
     assert out.shape[0] == 6 and torch.equal(out[:, :plain["input_ids"].shape[1]],
                                              plain["input_ids"].repeat_interleave(3, 0))
     assert len({tuple(r) for r in out[:3, -10:].tolist()}) > 1
@@ -302,11 +303,11 @@ def test_micro_batches_accumulate_to_the_big_batch_update(lora_model, loss_type)
     deltas = []
     for micro in (6, 2, 1):
         model, tok = lora_model(seed=0, std=0.05)
-        prompts = [tok(rwml.chat(tok, p))["input_ids"]
+        prompts = [tok(engine.chat(tok, p))["input_ids"]
                    for p in ("go to desk 1", "open the drawer 2 please", "look")]
         completions = [tok(c)["input_ids"]
                        for c in ("You arrive", "Nothing happens.", "You", "You open it", "ok", "x")]
-        ids, attn, cmask = rwml.pack([p for p in prompts for _ in range(2)], completions, tok.pad_token_id)
+        ids, attn, cmask = engine.pack([p for p in prompts for _ in range(2)], completions, tok.pad_token_id)
         assert len(set(cmask.sum(1).tolist())) > 1  # completions of different lengths: the weights matter
         batch = rwml.Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask,
                            advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
@@ -339,9 +340,9 @@ def penalised_model(tmp_path_factory, tiny_model):
 def test_sampling_ignores_the_checkpoints_generation_config(penalised_model):
     """Greedy decoding picks the argmax of the plain logits at every step, whatever penalty or top-k the
     checkpoint's generation_config ships (transformers would apply them: samples off the trained policy)."""
-    model, tok = rwml.load_model(penalised_model)
+    model, tok = engine.load_model(penalised_model)
     assert model.generation_config.repetition_penalty == 5.0
-    roll = rwml.sample(model, tok, [rwml.chat(tok, "go to desk 1"), rwml.chat(tok, "open the fridge")],
+    roll = engine.sample(model, tok, [engine.chat(tok, "go to desk 1"), engine.chat(tok, "open the fridge")],
                        max_new_tokens=12, temperature=0.0)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -356,22 +357,22 @@ def test_sampling_ignores_the_checkpoints_generation_config(penalised_model):
 def test_sampler_log_probs_equal_the_trained_log_probs(penalised_model, temperature):
     """The distribution the sampler draws from (its processed scores) is softmax(logits / T), exactly the
     one `completion_logprobs(temperature=T)` trains on, for T != 1 too."""
-    model, tok = rwml.load_model(penalised_model)
-    batch = tok([rwml.chat(tok, "go to desk 1")] * 2, return_tensors="pt", padding=True,
+    model, tok = engine.load_model(penalised_model)
+    batch = tok([engine.chat(tok, "go to desk 1")] * 2, return_tensors="pt", padding=True,
                 add_special_tokens=False)
     torch.manual_seed(0)
-    with rwml.checkpoint_generation_config_off(model):
+    with engine.checkpoint_generation_config_off(model):
         out = model.generate(**batch,
-                             generation_config=rwml.sampling_config(model, tok, temperature=temperature,
+                             generation_config=engine.sampling_config(model, tok, temperature=temperature,
                                                                     top_p=1.0, max_new_tokens=8),
                              output_scores=True, return_dict_in_generate=True)
     P = batch["input_ids"].shape[1]
     completion = out.sequences[:, P:]
-    cmask = rwml.completion_mask_from(completion, rwml.stop_token_ids(model, tok), tok.pad_token_id)
+    cmask = engine.completion_mask_from(completion, engine.stop_token_ids(model, tok), tok.pad_token_id)
     sampler = torch.stack(out.scores, 1).float().log_softmax(-1).gather(-1, completion[..., None]).squeeze(-1)
     attn = torch.cat([batch["attention_mask"], cmask], 1)
     with torch.no_grad():
-        trained = rwml.completion_logprobs(model, out.sequences, attn, cmask, temperature=temperature)
+        trained = engine.completion_logprobs(model, out.sequences, attn, cmask, temperature=temperature)
     assert torch.allclose(sampler[cmask.bool()], trained[cmask.bool()], atol=1e-4)
 
 
@@ -379,10 +380,10 @@ def test_a_stop_string_ends_the_mask_and_padding_is_never_trained(tiny_model):
     """Rows that stop on a string are padded by generate with the pad token, which is SmolLM2's (and this
     tiny model's) eos: the mask ends at the token that completed the stop string, so that pad is never read
     as a sampled eos. Checked on the raw tokens, without skip_special_tokens."""
-    model, tok = rwml.load_model(tiny_model)
+    model, tok = engine.load_model(tiny_model)
     assert tok.pad_token_id == tok.eos_token_id
     torch.manual_seed(0)
-    roll = rwml.sample(model, tok, [rwml.chat(tok, "go to desk 1")] * 8, max_new_tokens=40, temperature=1.0,
+    roll = engine.sample(model, tok, [engine.chat(tok, "go to desk 1")] * 8, max_new_tokens=40, temperature=1.0,
                        stop="e")
     stopped = [j for j, t in enumerate(roll.texts) if t.endswith("e")]
     assert stopped, "no row sampled an 'e' in 40 bytes"

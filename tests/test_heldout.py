@@ -10,6 +10,7 @@ import rwml
 import train
 from envs import UserError
 from reward import SimToRealReward
+import reports
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +151,7 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
         for kind in train.HELDOUT_KINDS:
             (held / d.name / f"eval_warmup_{kind}.json").write_text(json.dumps(_wm(w, w, w, kinds)))
             (held / d.name / f"eval_rwml_{kind}.json").write_text(json.dumps(_wm(r, r, r, kinds)))
-    text = ev.sanity_report(tmp_path)
+    text = reports.sanity_report(tmp_path)
     explore = text.split("### purposeful")[0]
     assert "| template rule | 0.850 | 1.000 | 0.800 | 0.000 | 0.800 |" in explore
     assert "12 beyond the template rule (10 of them list objects the prompt never names)" in explore
@@ -179,7 +180,7 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
         with open(tmp_path / f"seed{s}" / "rwml" / "metrics.jsonl", "a") as f:
             f.write("".join(json.dumps(dict(step=k, eval_wm_accuracy=0.1 * k + s / 10)) + "\n"
                             for k in (0, 2, 4)))
-    text = ev.sanity_report(tmp_path, png=tmp_path / "curve.png")
+    text = reports.sanity_report(tmp_path, png=tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 1000 and "curve.png" in text
     assert "| + RWML, --stratify-prompts | 0.600 ± 0.000 (0.600)" in text  # labelled by the flags that differ
     assert "| **RWML, --stratify-prompts − warm-up** (paired) | +0.200 ± 0.000 (+0.200)" in text
@@ -208,9 +209,9 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
         json.dumps(dict(next_obs=o)) + "\n" for o in ("Nothing happens.", "Nothing happens.",
                                                       "You arrive at shelf 1.", "You close the drawer 1.",
                                                       "You arrive at desk 1.")))
-    text = ev.sanity_report(tmp_path)
+    text = reports.sanity_report(tmp_path)
     assert "| + RWML, --beta 1.0 | 0.450 ± 0.000 (0.450)" in text
     assert "| 1 (--beta 1.0) | 0.20 -> 0.20 | 0.10 -> 0.10 | – | – | 0.50 | 0.00 of 1 | – | – |" in text
     assert "| 0 | 2 of 5 (40%) | 1 of 2 (50%) | 1 of 3 (33%) | 0 of 2 (0%) | 1.00 | 0.50 | 0.5 |" in text
     with pytest.raises(UserError, match="run sanity.sh first"):
-        ev.sanity_report(tmp_path / "seed0")
+        reports.sanity_report(tmp_path / "seed0")

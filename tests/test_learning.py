@@ -3,9 +3,10 @@ import string
 
 import pytest
 import torch
-
-import rwml
 from bench.random_models import build
+
+import engine
+import rwml
 
 
 def starts_with_a_letter(completions, targets=None, **kw):
@@ -26,9 +27,9 @@ def steerable_model(tmp_path_factory) -> str:
 
 
 def test_grpo_raises_the_reward_it_is_given(steerable_model):
-    model, tok = rwml.load_model(steerable_model)
+    model, tok = engine.load_model(steerable_model)
     torch.manual_seed(0)
-    model = rwml.add_lora(model, r=8, alpha=16, target_modules="all-linear")
+    model = engine.add_lora(model, r=8, alpha=16, target_modules="all-linear")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
     cfg = rwml.GRPOConfig(num_generations=8, max_completion_length=4, micro_batch_size=16, beta=0.0)
     trips = [dict(task="open the box", history=[{"observation": f"You see box {i}."}], action=f"open box {i}",

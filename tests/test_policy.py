@@ -5,16 +5,17 @@ import random
 import pytest
 import torch
 
+import engine
 import envs
 import rwml
 import train
 from envs import UserError
-from reward import coin_reward, mis_targets
 from plumbing import read_jsonl
+from reward import coin_reward, mis_targets
 
 
 def record_turns(tiny_model, num_games=2, episodes_per_game=2, max_turns=3):
-    model, tok = rwml.load_model(tiny_model)
+    model, tok = engine.load_model(tiny_model)
     games = envs.list_games("train", num_games, seed=0)
     turns = []
     torch.manual_seed(0)
@@ -58,8 +59,8 @@ def test_every_turn_gets_its_episodes_advantage_and_environment_tokens_are_maske
 def test_policy_step_with_all_equal_groups_trains_nothing(tiny_model):
     """The tiny model never wins: every group is all-equal, and with beta = 0 nothing is computed and the
     weights stay put."""
-    model, tok = rwml.load_model(tiny_model)
-    model = rwml.add_lora(model)
+    model, tok = engine.load_model(tiny_model)
+    model = engine.add_lora(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     cfg = rwml.GRPOConfig(num_generations=2, max_completion_length=6, beta=0.0)
@@ -81,7 +82,7 @@ def scripted_episode(tok, game: str, commands: list[str], episode: int, max_turn
             reply = f"I will {command}.</think><action>{command}</action>"
             r = env.step({0: envs.AGENT_PREFIX + reply})[0]
             turns.append(dict(episode=episode, step=step, prompt=prompt, response=envs.AGENT_PREFIX + reply,
-                              prompt_ids=tok(rwml.chat(tok, prompt, env.system,
+                              prompt_ids=tok(engine.chat(tok, prompt, env.system,
                                                        envs.AGENT_PREFIX))["input_ids"],
                               completion_ids=tok(reply)["input_ids"]))
             past.append((obs, r["action"]))
@@ -95,21 +96,21 @@ def test_policy_update_raises_the_won_episodes_replies_and_lowers_the_lost_ones(
     """A group of two real episodes of one game: the expert walkthrough (won, by the engine's word) and a
     wrong one (lost). One stage-2 update makes the won episode's replies more likely and the lost one's
     less likely: the advantage reaches every turn with the right sign."""
-    model, tok = rwml.load_model(tiny_model)
+    model, tok = engine.load_model(tiny_model)
     torch.manual_seed(0)
-    model = rwml.add_lora(model, r=8, alpha=16)
+    model = engine.add_lora(model, r=8, alpha=16)
     game = envs.list_games("train", 1, seed=0)[0]
     walk = json.loads(open(game).read())["walkthrough"]
     won, s_won = scripted_episode(tok, game, walk, 0, len(walk))
     lost, s_lost = scripted_episode(tok, game, ["fly away"] * len(walk), 1, len(walk))
     assert s_won["won"] and not s_lost["won"]
     turns = won + lost
-    ids, attn, cmask = rwml.pack([t["prompt_ids"] for t in turns], [t["completion_ids"] for t in turns],
+    ids, attn, cmask = engine.pack([t["prompt_ids"] for t in turns], [t["completion_ids"] for t in turns],
                                  tok.pad_token_id)
 
     def episode_logps():
         with torch.no_grad():
-            lp = rwml.completion_logprobs(model, ids, attn, cmask).sum(1)
+            lp = engine.completion_logprobs(model, ids, attn, cmask).sum(1)
         return float(lp[:len(won)].mean()), float(lp[len(won):].mean())
 
     before = episode_logps()
@@ -124,9 +125,9 @@ def test_policy_update_raises_the_won_episodes_replies_and_lowers_the_lost_ones(
 
 def adapter_with_weights(tiny_model, folder):
     """A saved LoRA adapter that is not the identity (as an RWML or WM-SFT run leaves one)."""
-    model, _ = rwml.load_model(tiny_model)
+    model, _ = engine.load_model(tiny_model)
     torch.manual_seed(1)
-    model = rwml.add_lora(model)
+    model = engine.add_lora(model)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -139,19 +140,19 @@ def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
     adapter = adapter_with_weights(tiny_model, tmp_path / "rwml_adapter")
     cfg = train.Config(model=tiny_model, init="rwml", adapter=adapter, beta=0.5, temperature=1.0,
                        micro_batch_size=4, num_iterations=1)
-    model, tok = rwml.load_model(tiny_model)
+    model, tok = engine.load_model(tiny_model)
     model = train.start_adapter(cfg, model, adapter)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable and all(".default." in n for n, p in model.named_parameters() if p.requires_grad)
-    roll = rwml.sample_chat(model, tok, ["go to desk 1", "open drawer 2"], system=rwml.WM_SYSTEM,
+    roll = engine.sample_chat(model, tok, ["go to desk 1", "open drawer 2"], system=rwml.WM_SYSTEM,
                             prefix=rwml.WM_PREFIX, stop=rwml.WM_STOP, n=2, max_new_tokens=6)
     args = roll.input_ids, roll.attention_mask, roll.completion_mask
     with torch.no_grad():
-        policy = rwml.completion_logprobs(model, *args)
-        with rwml.reference_policy(model):
-            ref = rwml.completion_logprobs(model, *args)
+        policy = engine.completion_logprobs(model, *args)
+        with engine.reference_policy(model):
+            ref = engine.completion_logprobs(model, *args)
         with model.disable_adapter():
-            bare = rwml.completion_logprobs(model, *args)
+            bare = engine.completion_logprobs(model, *args)
     assert torch.allclose(policy, ref)  # the reference is the starting adapter ...
     assert not torch.allclose(policy, bare, atol=1e-3)  # ... not the bare base model
     opt = torch.optim.AdamW(trainable, lr=5e-2)
@@ -162,9 +163,9 @@ def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
     assert first[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # starts at its reference
     second = rwml.grpo_update(model, opt, batch, cfg)
     assert second[0]["kl"] > 0  # the policy moved away from it ...
-    with torch.no_grad(), rwml.reference_policy(model):
+    with torch.no_grad(), engine.reference_policy(model):
         # ... and the reference did not move
-        assert torch.allclose(rwml.completion_logprobs(model, *args), ref)
+        assert torch.allclose(engine.completion_logprobs(model, *args), ref)
     assert all(".default." in n for n, p in model.named_parameters() if p.requires_grad)
     train.save_checkpoint(tmp_path / "ckpt", model, opt, dict(step=2))
     assert not (tmp_path / "ckpt" / "ref").exists()  # only the trained adapter is saved
@@ -224,7 +225,7 @@ def test_mis_scores_each_triplet_against_another_ones_target(tiny_model, transit
 
     cfg = train.Config(model=tiny_model, max_steps=len(trips) // 2, prompts_per_step=2, num_generations=2,
                        max_completion_length=4, reward_control="mis", save_steps=100)
-    train.train_wm(cfg, trips, tmp_path / "mis", lambda: rwml.load_model(tiny_model), recording_reward)
+    train.train_wm(cfg, trips, tmp_path / "mis", lambda: engine.load_model(tiny_model), recording_reward)
     state = dict(epoch=0, cursor=0)
     order = train.next_batch(state, len(trips), len(seen) // 2, cfg.seed)  # train_wm's data order
     mis, unchanged = mis_targets([t["next_obs"] for t in trips], cfg.seed)
@@ -261,7 +262,7 @@ def test_stratified_prompts_give_every_step_its_share_of_each_target_kind(tiny_m
 
     cfg = train.Config(model=tiny_model, max_steps=3, prompts_per_step=2, num_generations=2,
                        max_completion_length=4, stratify_prompts=True, save_steps=100)
-    train.train_wm(cfg, trips, tmp_path / "wm", lambda: rwml.load_model(tiny_model), recording_reward)
+    train.train_wm(cfg, trips, tmp_path / "wm", lambda: engine.load_model(tiny_model), recording_reward)
     state = dict(epoch=0, cursor=0)
     order = train.next_batch(state, len(trips), 6, cfg.seed, train.target_kinds(cfg, trips))
     assert seen[::2] == [trips[i]["next_obs"] for i in order]

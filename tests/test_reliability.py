@@ -16,12 +16,14 @@ import psutil
 import pytest
 import torch
 
+import engine
 import envs
 import plumbing
 import rwml
 import train
-from reward import parse_next_state
+import worlds
 from plumbing import read_jsonl
+from reward import parse_next_state
 
 # ----------------------------------------------------------------------------- the parsers, fuzzed
 
@@ -64,7 +66,7 @@ def check_action(text):
 
 
 def check_tau2(text):
-    a = envs.parse_tau2_action(text)
+    a = worlds.parse_tau2_action(text)
     assert a["kind"] in ("tool", "reply") and isinstance(a["well_formed"], bool)
     if a["kind"] == "tool":
         assert isinstance(a["name"], str) and isinstance(a["arguments"], dict)
@@ -229,7 +231,7 @@ def test_resume_logs_every_step_once(tiny_model, transitions, tmp_path):
             raise KeyboardInterrupt
         return parity_reward(completions, targets)
 
-    trips, load = train.read_transitions(transitions), lambda: rwml.load_model(tiny_model)
+    trips, load = train.read_transitions(transitions), lambda: engine.load_model(tiny_model)
     with pytest.raises(KeyboardInterrupt):
         train.train_wm(wm_config(tiny_model, max_steps=4, save_steps=2), trips, tmp_path, load,
                        interrupted_in_step_4)
@@ -268,7 +270,7 @@ def crash_at(k: int | None, counter: list):
 
 
 def test_a_save_stopped_at_any_point_loses_no_checkpoint(tiny_model, tmp_path):
-    model = rwml.add_lora(rwml.load_model(tiny_model)[0], r=2, alpha=4)
+    model = engine.add_lora(engine.load_model(tiny_model)[0], r=2, alpha=4)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     lora = [p for n, p in model.named_parameters() if "lora_B" in n]
 
@@ -300,7 +302,7 @@ def test_a_save_stopped_at_any_point_loses_no_checkpoint(tiny_model, tmp_path):
 
 def test_a_leftover_checkpoint_old_is_used_or_removed(tiny_model, transitions, tmp_path):
     """checkpoint.old, as the two-rename swap of earlier versions left it: it blocked every later save."""
-    trips, load = train.read_transitions(transitions), lambda: rwml.load_model(tiny_model)
+    trips, load = train.read_transitions(transitions), lambda: engine.load_model(tiny_model)
     train.train_wm(wm_config(tiny_model, max_steps=1, save_steps=1), trips, tmp_path, load, parity_reward)
     shutil.copytree(tmp_path / "checkpoint", tmp_path / "checkpoint.old")
     train.train_wm(wm_config(tiny_model, max_steps=2, save_steps=1, resume=True), trips, tmp_path, load,
@@ -377,7 +379,7 @@ WM = ["train.py", "wm", "--no-easy-filter", "--no-warmup"]
     (AGENT + ["--out", "{bad}/a_file/results.json"], "{bad}/a_file is a file, not a folder"),
     (AGENT + ["--out", "/sys/rwml-test/results.json"], "cannot write there"),
     (["eval.py", "wm", "--transitions", "{transitions}", "--out", "{bad}"], "is a folder"),
-    (["eval.py", "report", "{bad}", "--out", "{bad}/a_file/r.md"], "is a file, not a folder"),
+    (["reports.py", "report", "{bad}", "--out", "{bad}/a_file/r.md"], "is a file, not a folder"),
     (["train.py", "collect", "--out", "{bad}/a_file"], "{bad}/a_file is a file, not a folder"),
     (WM + ["--transitions", "{transitions}", "--out", "{bad}/a_file/run"], "is a file, not a folder"),
     # 7. tracebacks
@@ -423,7 +425,9 @@ def test_bad_input_is_one_line_before_anything_slow(argv, message, bad, transiti
     monkeypatch.chdir(bad)  # the default --out of a failing command lands here, not in the repository
     fill = dict(bad=str(bad), transitions=transitions)
     argv, message = [a.format(**fill) for a in argv], message.format(**fill)
-    main = train.main if argv[0] == "train.py" else evaluate.main
+    import reports
+
+    main = dict(**{"train.py": train.main, "reports.py": reports.main}).get(argv[0], evaluate.main)
     files = sorted(bad.rglob("*"))
     with pytest.raises(envs.UserError) as e:
         main(argv[1:])

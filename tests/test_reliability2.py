@@ -11,13 +11,16 @@ from pathlib import Path
 
 import pytest
 
+import engine
 import envs
 import eval as evaluate
 import plumbing
 import rwml
 import train
-from reward import SimToRealReward
+import worlds
 from plumbing import read_jsonl
+from reward import SimToRealReward
+import reports
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,7 +52,7 @@ def damage(path: Path, how: str) -> None:
 @pytest.fixture(scope="module")
 def adapter(tiny_model, tmp_path_factory):
     folder = tmp_path_factory.mktemp("adapter") / "adapter"
-    rwml.add_lora(rwml.load_model(tiny_model)[0], r=2, alpha=4).save_pretrained(folder)
+    engine.add_lora(engine.load_model(tiny_model)[0], r=2, alpha=4).save_pretrained(folder)
     return folder
 
 
@@ -120,7 +123,7 @@ def test_resume_falls_back_to_the_last_whole_checkpoint(wm_run, tmp_path):
 
 def test_a_damaged_warmup_adapter_is_made_again_not_reused(tiny_model, transitions, tmp_path, capsys):
     cfg = train.Config(model=tiny_model, easy_filter=False, sft_epochs=1)
-    trips, load = train.read_transitions(transitions), lambda: rwml.load_model(tiny_model)
+    trips, load = train.read_transitions(transitions), lambda: engine.load_model(tiny_model)
     _, warm = train.filter_triplets(cfg, trips, tmp_path, load, None)
     damage(warm / "adapter_model.safetensors", "truncated")
     capsys.readouterr()
@@ -237,16 +240,16 @@ def test_a_prompt_longer_than_the_context_is_refused_before_the_model_loads(argv
 
 
 def test_a_prompt_longer_than_the_context_stops_generation_and_sft_at_once(tiny_model):
-    model, tok = rwml.load_model(tiny_model)
+    model, tok = engine.load_model(tiny_model)
     model.config.max_position_embeddings = 64  # a long observation, against a small context
     with pytest.raises(envs.UserError) as e:
-        rwml.sample_chat(model, tok, ["You see a mug 1. " * 4], max_new_tokens=16)
+        engine.sample_chat(model, tok, ["You see a mug 1. " * 4], max_new_tokens=16)
     assert (one_line(e).startswith("a prompt of ")
             and "exceed the model's context of 64 tokens" in str(e.value))
-    model = rwml.add_lora(model, r=2, alpha=4)
+    model = engine.add_lora(model, r=2, alpha=4)
     with pytest.raises(envs.UserError,
                        match="an SFT prompt and answer of .* exceed the model's context of 64"):
-        rwml.sft(model, tok, ["You see a mug 1. " * 4], ["Nothing happens."], epochs=1)
+        engine.sft(model, tok, ["You see a mug 1. " * 4], ["Nothing happens."], epochs=1)
 
 
 def test_a_damaged_game_file_is_named(tmp_path):
@@ -297,7 +300,7 @@ def test_report_errors_name_the_file(name, content, message, tmp_path):
     (run / "ok.json").write_text(json.dumps(agent_result()))
     (run / name).write_text(content if isinstance(content, str) else json.dumps(content))
     with pytest.raises(envs.UserError) as e:
-        evaluate.main(["report", str(run), "--out", str(tmp_path / "r.md")])
+        reports.main(["report", str(run), "--out", str(tmp_path / "r.md")])
     assert one_line(e).startswith(str(run / name)) and message in str(e.value)
 
 
@@ -362,9 +365,9 @@ def test_the_reward_refuses_a_target_that_is_not_text():
 
 
 def test_a_nested_reply_is_not_well_formed():
-    a = envs.parse_tau2_action("<reply><reply>hi</reply>")
+    a = worlds.parse_tau2_action("<reply><reply>hi</reply>")
     assert a == dict(kind="reply", content="hi", well_formed=False)
-    assert envs.parse_tau2_action("<reply>hi</reply>")["well_formed"]
+    assert worlds.parse_tau2_action("<reply>hi</reply>")["well_formed"]
 
 
 def test_a_cut_action_keeps_no_trailing_space():

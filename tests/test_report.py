@@ -6,6 +6,7 @@ import torch
 
 import eval as ev
 from envs import UserError
+import reports
 
 
 def test_weight_change_by_hand():
@@ -30,10 +31,10 @@ def test_weight_change_by_hand():
 
 
 def test_weights_command_counts_only_the_adapters_modules(tiny_model, tmp_path):
-    import rwml
+    import engine
 
-    model, _ = rwml.load_model(tiny_model)
-    model = rwml.add_lora(model, target_modules="q_proj,v_proj")
+    model, _ = engine.load_model(tiny_model)
+    model = engine.add_lora(model, target_modules="q_proj,v_proj")
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n and "layers.1." in n:
@@ -71,7 +72,7 @@ def test_report_table_from_fixture_jsons(tmp_path):
     (rwml_run / "metrics.jsonl").write_text("".join(json.dumps(dict(step=i, reward_mean=i / 4)) + "\n"
                                                     for i in range(1, 5)))
     out = tmp_path / "report" / "results.md"
-    ev.main(["report", str(base), str(rwml_run), str(empty), "--out", str(out)])
+    reports.main(["report", str(base), str(rwml_run), str(empty), "--out", str(out)])
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| arm | ALFWorld ID | OOD | AVG |")
     # AVG over all episodes of both splits: (0.10 * 20 + 0.05 * 10) / 30; invalid per action likewise
@@ -85,6 +86,6 @@ def test_report_table_from_fixture_jsons(tmp_path):
 
 def test_report_bad_input(tmp_path):
     with pytest.raises(UserError, match="not a run folder"):
-        ev.main(["report", str(tmp_path / "nope")])
+        reports.main(["report", str(tmp_path / "nope")])
     with pytest.raises(UserError, match="no results"):
-        ev.main(["report", str(tmp_path)])
+        reports.main(["report", str(tmp_path)])

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import engine
 import rwml
 import train
 from plumbing import read_jsonl
@@ -30,7 +31,7 @@ def run(tiny_model, transitions, tmp_path_factory):
     argv, sys.argv = sys.argv, ["train.py", *ARGV, "--model", tiny_model, "--out", str(out)]
     try:
         with contextlib.redirect_stdout(printed):
-            train.train_wm(cfg, train.read_transitions(transitions), out, lambda: rwml.load_model(tiny_model),
+            train.train_wm(cfg, train.read_transitions(transitions), out, lambda: engine.load_model(tiny_model),
                            parity_reward)
     finally:
         sys.argv = argv
@@ -77,25 +78,25 @@ def test_adapter_loads_from_a_copy_of_the_run_folder(run, tiny_model, tmp_path):
                  "- command: `python train.py wm --no-easy-filter", "AutoPeftModelForCausalLM"):
         assert part in card, part
     assert "Q4_1" not in card  # not the bundled model
-    rwml.load_model(tiny_model, str(copy / "adapter"))  # and our own loader
+    engine.load_model(tiny_model, str(copy / "adapter"))  # and our own loader
 
 
 def test_bundled_base_is_named_by_its_hub_id(tiny_model, tmp_path, monkeypatch):
     """The bundled model loads from a local conversion cache: the adapter names the Hub model instead."""
     cache = tmp_path / "cache"
     monkeypatch.setattr(rwml, "MODEL_CACHE", cache)
-    model, _ = rwml.load_model(tiny_model)
+    model, _ = engine.load_model(tiny_model)
     model.name_or_path = str(cache / "SmolLM2-135M-Instruct")  # as from_pretrained(the cache) sets it
-    saved = train.save_adapter(rwml.add_lora(model, r=4, alpha=8), tmp_path, cfg=train.Config(),
+    saved = train.save_adapter(engine.add_lora(model, r=4, alpha=8), tmp_path, cfg=train.Config(),
                                stage="wm-sft", data={"triplets": 3})
     assert json.loads((saved / "adapter_config.json").read_text())["base_model_name_or_path"] == \
         "HuggingFaceTB/SmolLM2-135M-Instruct"
     card = (saved / "README.md").read_text()
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "Q4_1 GGUF" in card
     assert "# WM SFT" in card and "- data: triplets: 3" in card
-    assert rwml.hub_id(rwml.BUNDLED_MODEL) == rwml.hub_id(str(cache / "SmolLM2-135M-Instruct")) == \
+    assert engine.hub_id(engine.BUNDLED_MODEL) == engine.hub_id(str(cache / "SmolLM2-135M-Instruct")) == \
         "HuggingFaceTB/SmolLM2-135M-Instruct"
-    rwml.load_model(tiny_model, str(saved))  # our loader takes it on the real base
+    engine.load_model(tiny_model, str(saved))  # our loader takes it on the real base
 
 
 def test_policy_header_says_start_reference_and_games(tiny_model, tmp_path, monkeypatch, capsys):

@@ -5,6 +5,7 @@ import warnings
 import pytest
 import torch
 
+import engine
 import rwml
 import train
 from envs import UserError
@@ -17,12 +18,12 @@ from envs import UserError
     (True, None, False),  # size unknown
 ])
 def test_4bit_by_default_only_where_it_pays(cuda, n_params, want):
-    assert rwml.default_4bit(cuda, n_params) is want
+    assert engine.default_4bit(cuda, n_params) is want
 
 
 def test_4bit_default_reads_the_size_from_the_config(tiny_model, monkeypatch):
-    model, _ = rwml.load_model(tiny_model)
-    assert rwml.count_parameters(tiny_model) == sum(p.numel() for p in model.parameters())
+    model, _ = engine.load_model(tiny_model)
+    assert engine.count_parameters(tiny_model) == sum(p.numel() for p in model.parameters())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert train.use_4bit(train.Config(model=tiny_model)) is False  # a tiny model, even on CUDA
     monkeypatch.setattr(rwml, "count_parameters", lambda name: 8 * 10**9)
@@ -54,10 +55,10 @@ def test_quiet_start_drops_the_two_notes_only(tiny_model, caplog):
                     "already `pip install kernels` and the kernels >= 0.11.1", "No module named 'kernels'")
         log.warning("another bitsandbytes warning")
     assert [r.getMessage() for r in caplog.records] == ["another bitsandbytes warning"]
-    model, _ = rwml.load_model(tiny_model)
+    model, _ = engine.load_model(tiny_model)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        rwml.quiet_libraries()  # again: catch_warnings restores the filters it found
+        engine.quiet_libraries()  # again: catch_warnings restores the filters it found
         assert model.is_gradient_checkpointing is False  # transformers 5 warns on this read (peft reads it)
         warnings.warn("something else is deprecated", FutureWarning)
     assert [str(w.message) for w in seen] == ["something else is deprecated"]

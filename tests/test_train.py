@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import engine
 import envs
 import plumbing
 import rwml
@@ -30,7 +31,7 @@ def wm_direct(tiny_model, transitions, out, max_steps, resume=False):
     cfg = train.Config(model=tiny_model, max_steps=max_steps, save_steps=1, prompts_per_step=2,
                        num_generations=2, max_completion_length=8, micro_batch_size=2, learning_rate=1e-2,
                        beta=0.1, resume=resume)
-    train.train_wm(cfg, train.read_transitions(transitions), out, lambda: rwml.load_model(tiny_model),
+    train.train_wm(cfg, train.read_transitions(transitions), out, lambda: engine.load_model(tiny_model),
                    parity_reward)
 
 
@@ -79,8 +80,8 @@ def test_wm_outputs_peft_adapter_metrics_and_plot(tiny_model, transitions, tmp_p
 
 
 def test_non_finite_loss_skips_the_step(tiny_model, transitions):
-    model, tok = rwml.load_model(tiny_model)
-    model = rwml.add_lora(model, r=4, alpha=8)
+    model, tok = engine.load_model(tiny_model)
+    model = engine.add_lora(model, r=4, alpha=8)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     cfg = train.Config(num_generations=2, max_completion_length=6, micro_batch_size=2)
@@ -97,7 +98,7 @@ def test_filter_stage_drops_most_easy_triplets_and_logs_the_easy_share(tiny_mode
     cfg = train.Config(model=tiny_model, easy_filter=True, filter_samples=4, sft_epochs=1, filter_split=0.2,
                        max_completion_length=6)
     trips = train.read_transitions(transitions)
-    kept, warm = train.filter_triplets(cfg, trips, tmp_path, lambda: rwml.load_model(tiny_model),
+    kept, warm = train.filter_triplets(cfg, trips, tmp_path, lambda: engine.load_model(tiny_model),
                                        parity_reward)
     info = json.loads((tmp_path / "filter.json").read_text())
     n = len(trips)
@@ -125,11 +126,11 @@ def parrot(tmp_path_factory, tiny_model):
 
     folder = tmp_path_factory.mktemp("parrot")
     shutil.copytree(tiny_model, folder, dirs_exist_ok=True)
-    model, tok = rwml.load_model(str(folder))
+    model, tok = engine.load_model(str(folder))
     trip = dict(task="put a mug in the sink", history=[{"observation": "You are in the middle of a room."}],
                 action="go to countertop 1", next_obs=LONG, game="g", step=0, rollout=0)
     torch.manual_seed(0)
-    rwml.sft(model, tok, [rwml.wm_prompt(trip, reasoning=False)] * 8, [rwml.wm_answer(trip)] * 8,
+    engine.sft(model, tok, [rwml.wm_prompt(trip, reasoning=False)] * 8, [rwml.wm_answer(trip)] * 8,
              system=rwml.wm_system(trip), prefix=rwml.wm_prefix(False), epochs=150, lr=3e-3)
     model.save_pretrained(folder)
     return str(folder), trip
@@ -144,13 +145,13 @@ def test_a_long_target_can_be_easy(parrot, tmp_path):
     from reward import SimToRealReward
 
     folder, trip = parrot
-    tok = rwml.load_model(folder)[1]
+    tok = engine.load_model(folder)[1]
     assert len(tok(LONG)["input_ids"]) > 48
     cfg = train.Config(model=folder, easy_filter=True, filter_split=0.4, sft_epochs=1, sft_learning_rate=1e-6,
                        filter_samples=4,
                        max_completion_length=len(tok(LONG + "</next_state>")["input_ids"]) + 4)
     trips = [dict(trip, step=i) for i in range(10)]
-    train.filter_triplets(cfg, trips, tmp_path, lambda: rwml.load_model(folder), SimToRealReward())
+    train.filter_triplets(cfg, trips, tmp_path, lambda: engine.load_model(folder), SimToRealReward())
     rows = read_jsonl(tmp_path / "easiness.jsonl")
     assert sum(r["easiness"] for r in rows) / len(rows) > 0.5
 
@@ -158,36 +159,36 @@ def test_a_long_target_can_be_easy(parrot, tmp_path):
 def test_4bit_lora_gradients_survive_generate(tiny_model):
     bnb = pytest.importorskip("bitsandbytes")
     try:
-        model, tok = rwml.load_model(tiny_model, load_in_4bit=True, device="cpu")
+        model, tok = engine.load_model(tiny_model, load_in_4bit=True, device="cpu")
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"bitsandbytes cannot run 4-bit here: {e}")
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
-    model = rwml.add_lora(model, r=4, alpha=8)
+    model = engine.add_lora(model, r=4, alpha=8)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.02)
     torch.manual_seed(0)
-    roll = rwml.sample_chat(model, tok, ["go to desk 1"], n=2, max_new_tokens=6)
+    roll = engine.sample_chat(model, tok, ["go to desk 1"], n=2, max_new_tokens=6)
 
     def grads():
         model.zero_grad()
-        lp = rwml.completion_logprobs(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
+        lp = engine.completion_logprobs(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
         (-lp.sum()).backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     first = grads()
     # the eval-mode no-grad forward
-    rwml.sample_chat(model, tok, ["open drawer 1"], max_new_tokens=4, temperature=0)
+    engine.sample_chat(model, tok, ["open drawer 1"], max_new_tokens=4, temperature=0)
     second = grads()
     assert all(torch.allclose(first[n], second[n], rtol=1e-4, atol=1e-7) for n in first)
     assert any(g.abs().sum() > 0 for g in first.values())
 
 
 def test_num_iterations_reuses_one_batch_for_several_updates(tiny_model, transitions):
-    model, tok = rwml.load_model(tiny_model)
+    model, tok = engine.load_model(tiny_model)
     torch.manual_seed(0)
-    model = rwml.add_lora(model, r=4, alpha=8)
+    model = engine.add_lora(model, r=4, alpha=8)
     with torch.no_grad():  # start away from the reference, so that the KL term has a gradient
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -241,8 +242,8 @@ def test_every_tensor_reaching_the_loss_is_on_the_models_device(tiny_model, tran
         seen.extend(t.device for t in (logp, old_logp, ref_logp, advantages, weights) if t is not None)
         raise Reached
 
-    model, tok = rwml.load_model(tiny_model)
-    model = rwml.add_lora(model, r=4, alpha=8)
+    model, tok = engine.load_model(tiny_model)
+    model = engine.add_lora(model, r=4, alpha=8)
     trips = train.read_transitions(transitions)[:2]
     cfg = train.Config(num_generations=2, max_completion_length=6, micro_batch_size=4, beta=0.1,
                        num_iterations=2)
@@ -282,7 +283,7 @@ def test_coin_control_resumes_with_the_same_coins(tiny_model, transitions, tmp_p
         cfg = train.Config(model=tiny_model, max_steps=steps, save_steps=1, prompts_per_step=2,
                            num_generations=2, max_completion_length=6, micro_batch_size=2, learning_rate=1e-2,
                            reward_control="coin", warmup=False, resume=resume)
-        train.train_wm(cfg, train.read_transitions(transitions), out, lambda: rwml.load_model(tiny_model),
+        train.train_wm(cfg, train.read_transitions(transitions), out, lambda: engine.load_model(tiny_model),
                        None)
 
     run(tmp_path / "a", 4)
@@ -308,7 +309,7 @@ def test_rwml_from_the_warmup_trains_it_on_and_keeps_it_as_the_reference(tiny_mo
                        max_completion_length=6, micro_batch_size=2, learning_rate=5e-2, beta=0.5, lora_r=4,
                        lora_alpha=8)
     peft = train.train_wm(cfg, train.read_transitions(transitions), tmp_path / "run",
-                          lambda: rwml.load_model(tiny_model), parity_reward, start=tmp_path / "warm")
+                          lambda: engine.load_model(tiny_model), parity_reward, start=tmp_path / "warm")
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-7) and rows[1]["kl"] > 0
     ref = {k.replace(".ref.", "."): v for k, v in peft.state_dict().items() if ".ref." in k}
@@ -325,10 +326,10 @@ def test_wm_sft_control_sees_rwmls_triplets_in_rwmls_order(tiny_model, transitio
                 save_steps=10, easy_filter=False, sft_epochs=1, filter_dir=str(tmp_path / "filter"))
     trips = train.read_transitions(transitions)
     kept, start = train.filter_triplets(train.Config(**args), trips, tmp_path / "filter",
-                                        lambda: rwml.load_model(tiny_model), reward)
-    train.train_wm(train.Config(**args), kept, tmp_path / "rwml", lambda: rwml.load_model(tiny_model),
+                                        lambda: engine.load_model(tiny_model), reward)
+    train.train_wm(train.Config(**args), kept, tmp_path / "rwml", lambda: engine.load_model(tiny_model),
                    reward, start)
-    real_sft = rwml.sft
+    real_sft = engine.sft
 
     def recording_sft(model, tok, prompts, answers, **kw):
         seen_sft.extend(a[:-len("</next_state>")] for a in answers)
@@ -336,7 +337,7 @@ def test_wm_sft_control_sees_rwmls_triplets_in_rwmls_order(tiny_model, transitio
         return real_sft(model, tok, prompts, answers, **kw)
 
     monkeypatch.setattr(rwml, "sft", recording_sft)
-    train.train_wm_sft(train.Config(**args), trips, tmp_path / "sft", lambda: rwml.load_model(tiny_model),
+    train.train_wm_sft(train.Config(**args), trips, tmp_path / "sft", lambda: engine.load_model(tiny_model),
                        reward)
     assert len(seen_rwml) == 6 and seen_sft == seen_rwml
 

@@ -35,10 +35,11 @@ def wm_args(tiny_model, transitions, out, *extra):
 
 @needs_trl
 def test_trl_wm_from_the_warmup_saves_an_adapter_eval_reads(tiny_model, transitions, tmp_path, monkeypatch):
-    import eval as evaluate
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
+
+    import eval as evaluate
 
     monkeypatch.setattr(train, "make_reward", lambda cfg: letters_reward)
     out = tmp_path / "run"

@@ -25,6 +25,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+import engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
@@ -78,9 +79,9 @@ def run_ours(cfg: BenchConfig) -> dict:
     from reward import SimToRealReward
 
     trips, reward = job_triplets(cfg), SimToRealReward()
-    model, tok = rwml.load_model(cfg.model, load_in_4bit=cfg.load_in_4bit)
+    model, tok = engine.load_model(cfg.model, load_in_4bit=cfg.load_in_4bit)
     torch.manual_seed(cfg.seed)
-    model = rwml.add_lora(model, cfg.lora_r, cfg.lora_alpha, 0.0, ",".join(TARGETS))
+    model = engine.add_lora(model, cfg.lora_r, cfg.lora_alpha, 0.0, ",".join(TARGETS))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                             weight_decay=0.0)
     tcfg = rwml.GRPOConfig(num_generations=cfg.num_generations, beta=cfg.beta,
@@ -108,7 +109,7 @@ def run_trl(cfg: BenchConfig) -> dict:
     from reward import SimToRealReward
 
     trips, reward = job_triplets(cfg), SimToRealReward()
-    path = rwml._bundled_smollm2() if cfg.model == rwml.BUNDLED_MODEL else cfg.model
+    path = engine._bundled_smollm2() if cfg.model == engine.BUNDLED_MODEL else cfg.model
     cuda = torch.cuda.is_available()
     extra = {}
     if cfg.load_in_4bit:
@@ -122,7 +123,7 @@ def run_trl(cfg: BenchConfig) -> dict:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     # the very prompts ours samples from: chat template + the "<think>" the reply starts with
-    data = Dataset.from_list([dict(prompt=rwml.chat(tok, rwml.wm_prompt(t), rwml.wm_system(t),
+    data = Dataset.from_list([dict(prompt=engine.chat(tok, rwml.wm_prompt(t), rwml.wm_system(t),
                                                     rwml.WM_PREFIX),
                                    targets=t["next_obs"]) for t in trips])
     accumulation = cfg.prompts_per_step * cfg.num_generations // cfg.micro_batch_size

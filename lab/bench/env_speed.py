@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 
 import envs  # noqa: E402
 
+
 def script(game: str, start: dict, length: int) -> list[str]:
     walk = json.load(open(game))["walkthrough"]
     goes = [c for c in start["admissible"] if c.startswith("go to ")]

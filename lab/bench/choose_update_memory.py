@@ -19,23 +19,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's
 
 import torch  # noqa: E402
 
+import choose
+import engine
 import envs  # noqa: E402
 import rwml  # noqa: E402
+import worlds
 
 
 def main() -> None:
     budget = int(sys.argv[1]) if len(sys.argv) > 1 else 512
     torch.manual_seed(0)
-    model, tok = rwml.load_model(rwml.BUNDLED_MODEL)
-    model = rwml.add_lora(model, r=16, alpha=32)
-    game, rng, turns, summaries = envs.textworld_games("train", 1, seed=0)[0], random.Random(0), [], []
+    model, tok = engine.load_model(engine.BUNDLED_MODEL)
+    model = engine.add_lora(model, r=16, alpha=32)
+    game, rng, turns, summaries = worlds.textworld_games("train", 1, seed=0)[0], random.Random(0), [], []
     with envs.make("textworld", num_workers=0, max_turns=8) as env:
         for ep in range(4):
             obs, past = env.reset({0: dict(game=game)})[0]["obs"], []
             for step in range(8):
                 prompt, commands = env.choice_prompt(0, past[-1:]), env.admissible(0)
                 k = rng.randrange(len(commands))
-                prompt_ids, cands = rwml.choice_inputs(tok, prompt, commands, env.system)
+                prompt_ids, cands = choose.choice_inputs(tok, prompt, commands, env.system)
                 r = env.step({0: f"<action>{commands[k]}</action>"})[0]
                 turns.append(dict(episode=ep, step=step, prompt_ids=prompt_ids, candidate_ids=cands, choice=k,
                                   response=commands[k]))

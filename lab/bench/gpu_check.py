@@ -7,7 +7,7 @@
                                                                             # (random_models)
 
 Per shape: 4-bit NF4 load, LoRA on all linear layers, both fast paths of the log-probs taken
-(`rwml.fast_paths`: in bf16 too), shared-prefill sampling against plain generate, one
+(`engine.fast_paths`: in bf16 too), shared-prefill sampling against plain generate, one
 stage-1 GRPO step (world-model prompts, KL against the adapter-disabled base), the adapter saved, then a
 stage-2 update started from it (KL against its frozen copy "ref"), the adapter reloaded the peft way, and
 peak GPU memory. Prints one line per check and ends with "gpu-check: all passed" or the failures;
@@ -27,11 +27,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from bench.random_models import build  # noqa: E402
 
+import engine
 import envs  # noqa: E402
 import rwml  # noqa: E402
 import train  # noqa: E402
-from bench.random_models import build  # noqa: E402
 
 TRIPLETS = [  # ALFWorld-shaped world-model triplets (no game files needed on the GPU machine)
     dict(task="put a clean mug in the coffeemachine", action="go to countertop 1",
@@ -62,7 +63,7 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
     log(f"{shape}: built in {time.time() - t0:.0f} s")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    model, tok = rwml.load_model(str(folder), device=device, load_in_4bit=four_bit)
+    model, tok = engine.load_model(str(folder), device=device, load_in_4bit=four_bit)
     n4 = sum(type(m).__name__ == "Linear4bit" for m in model.modules())
     check("load" + (" in 4-bit NF4" if four_bit else ""), not four_bit or n4 > 0,
           f"{n4} Linear4bit layers, {model.device}")
@@ -71,17 +72,17 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
     torch.manual_seed(0)
     model = train.start_adapter(cfg, model)
     check("LoRA on all linear layers", any(p.requires_grad for p in model.parameters()))
-    fast = rwml.fast_paths(model)  # bf16 / 4-bit may round the fast paths away from the model's own logits
+    fast = engine.fast_paths(model)  # bf16 / 4-bit may round the fast paths away from the model's own logits
     check("fast paths (chunked projection, shared prompt cache)", fast.head and fast.shared_prompt, str(fast))
 
-    texts = [rwml.chat(tok, rwml.wm_prompt(t, False), rwml.WM_SYSTEM, rwml.wm_prefix(False))
+    texts = [engine.chat(tok, rwml.wm_prompt(t, False), rwml.WM_SYSTEM, rwml.wm_prefix(False))
              for t in TRIPLETS]
-    shared = rwml.sample(model, tok, texts, n=3, max_new_tokens=12, temperature=0.0).input_ids
+    shared = engine.sample(model, tok, texts, n=3, max_new_tokens=12, temperature=0.0).input_ids
     batch = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True,
                 add_special_tokens=False).to(device)
     # before the checkpoint's generation_config (its end-of-turn ids) is off
-    cfg_plain = rwml.sampling_config(model, tok, temperature=0.0, top_p=1.0, max_new_tokens=12)
-    with rwml.checkpoint_generation_config_off(model):
+    cfg_plain = engine.sampling_config(model, tok, temperature=0.0, top_p=1.0, max_new_tokens=12)
+    with engine.checkpoint_generation_config_off(model):
         plain = model.generate(**batch, generation_config=cfg_plain)
     agree = (shared == plain).float().mean().item() if shared.shape == plain.shape else 0.0
     # bf16 / 4-bit kernels may round a cached and an uncached forward apart: report agreement, require most
@@ -99,7 +100,7 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
 
     base = model.unload()  # the bare base again; stage 2 starts from the saved adapter, "ref" its frozen copy
     model = train.start_adapter(cfg, base, adapter)
-    prompt_ids = [tok(rwml.chat(tok, "Your task is to: put a mug in the sink", envs.Alfworld.system,
+    prompt_ids = [tok(engine.chat(tok, "Your task is to: put a mug in the sink", envs.Alfworld.system,
                             envs.AGENT_PREFIX))["input_ids"]]
     turns = [dict(episode=e, prompt_ids=prompt_ids[0],
                   completion_ids=tok(f"go.</think><action>{a}</action>")["input_ids"],
@@ -117,7 +118,7 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
     with torch.no_grad():
         want = model.base_model(**probe).logits.float()
     saved = train.save_adapter(model, work / shape, "adapter2")
-    fresh, _ = rwml.load_model(str(folder), device=device, load_in_4bit=four_bit)
+    fresh, _ = engine.load_model(str(folder), device=device, load_in_4bit=four_bit)
     reloaded = PeftModel.from_pretrained(fresh, str(saved))
     with torch.no_grad():
         got = reloaded(**probe).logits.float()

@@ -5,8 +5,8 @@
 
 One model, the same games, the same step budget; the two modes alternate (`repeats` rounds each, the first
 round of each a warm-up) so that the machine's load falls on both alike. choose: one prefill of the agent
-prompt per turn and every admissible command scored on its cache (`rwml.choose_actions`); generate: a
-free-form ReAct reply of at most `--max-new-tokens` tokens, sampled (`rwml.sample_chat`). Prints seconds per
+prompt per turn and every admissible command scored on its cache (`choose.choose_actions`); generate: a
+free-form ReAct reply of at most `--max-new-tokens` tokens, sampled (`engine.sample_chat`). Prints seconds per
 episode step of each, their ratio, and each mode's invalid-action and format-error rates.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
+import engine
 import envs  # noqa: E402
 import rwml  # noqa: E402
 
@@ -37,7 +38,7 @@ def play_once(model, tok, env, games: list, mode: str, max_new_tokens: int) -> d
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--env", default="textworld", choices=("alfworld", "textworld"))
-    p.add_argument("--model", default=rwml.BUNDLED_MODEL)
+    p.add_argument("--model", default=engine.BUNDLED_MODEL)
     p.add_argument("--adapter", default=None)
     p.add_argument("--num-games", type=int, default=4)
     p.add_argument("--max-turns", type=int, default=6)
@@ -46,7 +47,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also write the numbers as JSON here")
     a = p.parse_args()
     games = envs.games(a.env, "test" if a.env == "textworld" else "valid_seen", a.num_games, 0)
-    model, tok = rwml.load_model(a.model, a.adapter)
+    model, tok = engine.load_model(a.model, a.adapter)
     runs = {"choose": [], "generate": []}
     with envs.make(a.env, num_workers=0, max_turns=a.max_turns) as env:
         for r in range(a.repeats + 1):

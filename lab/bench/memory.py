@@ -8,7 +8,7 @@ SFT job: one optimizer step on a batch of 8 (prompt, answer) pairs, the 8 longes
 the filter's warm-up (`envs.walkthrough_triplets`, history 1, no reasoning), loss the mean over answer tokens.
   naive  the whole batch in one forward with the model's own logits for every token ([B, T, vocab] fp32),
          log_softmax, masked mean: what a plain SFT loop does
-  ours   rwml.sft: micro-batches of at most SFT_MAX_TOKENS padded tokens with gradient accumulation, the
+  ours   engine.sft: micro-batches of at most SFT_MAX_TOKENS padded tokens with gradient accumulation, the
          vocabulary projection on answer tokens only, in checkpointed chunks
   trl    TRL's SFTTrainer, prompt-completion data, completion_only_loss, the same batch, LoRA and learning
          rate (fp32: bf16=False; TRL's own gradient checkpointing on)
@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+import engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
 
@@ -58,7 +59,7 @@ def sft_job(tok, n: int = 8, history_len: int = 1):
     trips = sorted(trips, key=lambda t: -len(rwml.wm_prompt(t, reasoning=False)))[:n]
     system, prefix = rwml.wm_system(trips[0]), rwml.wm_prefix(False)
     return ([rwml.wm_prompt(t, reasoning=False) for t in trips], [rwml.wm_answer(t) for t in trips],
-            [rwml.chat(tok, rwml.wm_prompt(t, reasoning=False), system, prefix) for t in trips],
+            [engine.chat(tok, rwml.wm_prompt(t, reasoning=False), system, prefix) for t in trips],
             system, prefix)
 
 
@@ -67,10 +68,10 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
 
     import rwml
 
-    model, tok = rwml.load_model(model_name)
+    model, tok = engine.load_model(model_name)
     torch.manual_seed(0)
-    model = rwml.add_lora(model, 16, 32, 0.0, "all-linear")
-    rwml.fast_paths(model)  # the once-per-model check, outside the measured update
+    model = engine.add_lora(model, 16, 32, 0.0, "all-linear")
+    engine.fast_paths(model)  # the once-per-model check, outside the measured update
     params = [p for p in model.parameters() if p.requires_grad]
     if job == "sft":
         prompts, answers, texts, system, prefix = sft_job(tok)
@@ -80,13 +81,13 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
         tokens = sum(len(p) + len(c) for p, c in rows)
         if arm == "ours":
             def step():
-                return rwml.sft(model, tok, prompts, answers, system=system, prefix=prefix, epochs=1, lr=a.lr,
+                return engine.sft(model, tok, prompts, answers, system=system, prefix=prefix, epochs=1, lr=a.lr,
                                 batch_size=len(prompts), shuffle=False, max_tokens=a.max_tokens)[0]
         elif arm == "naive":
             def step():
                 opt = torch.optim.AdamW(params, lr=a.lr)
                 model.train()
-                ids, attn, cmask = rwml.pack(*zip(*rows), tok.pad_token_id)
+                ids, attn, cmask = engine.pack(*zip(*rows), tok.pad_token_id)
                 C = cmask.shape[1]
                 logits = model(input_ids=ids, attention_mask=attn,
                                position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
@@ -162,7 +163,7 @@ def main() -> None:
     p.add_argument("--model", default="bundled:SmolLM2-135M-Instruct")
     p.add_argument("--job", choices=("sft", "grpo", "both"), default="both")
     p.add_argument("--lr", type=float, default=5e-4, help="SFT learning rate (train.py's sft_learning_rate)")
-    p.add_argument("--max-tokens", type=int, default=rwml.SFT_MAX_TOKENS,
+    p.add_argument("--max-tokens", type=int, default=engine.SFT_MAX_TOKENS,
                    help="ours: SFT tokens per micro-batch")
     p.add_argument("--sequences", type=int, default=16, help="GRPO: completions in the update")
     p.add_argument("--length", type=int, default=400, help="GRPO: tokens per sequence (prompt + completion)")

@@ -1,0 +1,174 @@
+"""Support (skip on a first read): the bridges to TRL (`train.py wm --trainer trl`: the same stage in TRL's
+GRPOTrainer) and to verl (`train.py export`: the kept triplets as verl's GRPO parquet; `compute_score`, the
+reward file verl loads).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+import engine
+import rwml
+from envs import UserError
+from plumbing import (PROMPT_TAIL, TRIPLETS_KEPT, check_settings, group_table, plot_rewards, process_state,
+                      run_header, save_adapter, with_both_names, write_atomic, write_jsonl)
+from reward import BUNDLED_EMBEDDER, SimToRealReward
+
+
+def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: Path | None = None):
+    """RWML through TRL's GRPOTrainer (--trainer trl), in one process or in each of `accelerate launch`'s:
+    the same triplets (filter output, after any reward control: `train.reward_control`), prompts, reward,
+    start (the warm-up adapter or a fresh LoRA) and KL reference, and the same fields under TRL's names.
+    Differences: TRL's own data order; the prompt is tokenized by TRL (a tokenizer that adds BOS to text gets
+    a second one after the template's); without vLLM, generation stops at end of turn only, so the tokens
+    after </next_state> train too (the reward reads the text up to the first </next_state>, as ours).
+    Checkpoints: TRL's, in <out>/trl. Returns the peft model."""
+    from datasets import Dataset
+    from peft import PeftModel
+    from transformers.trainer_utils import get_last_checkpoint
+    from trl import GRPOConfig, GRPOTrainer
+
+    if not triplets:
+        raise UserError("no training triplets left after filtering; collect more games")
+    state, cuda = process_state(), torch.cuda.is_available()
+    per_step, n = cfg.prompts_per_step * cfg.num_generations, state.num_processes
+    if n > 1 and getattr(reward_fn, "rng", None) is not None:  # COIN: each process flips coins of its own
+        reward_fn.rng.seed(cfg.seed * 1000 + state.process_index)
+    # ours: prompts_per_step x num_generations completions a step, micro_batch_size per forward; TRL: per
+    # process micro-batches x processes x accumulation steps (micro_batch_size is an upper bound here too)
+    micro = min(cfg.micro_batch_size, max(per_step // n, 1))
+    if per_step % (micro * n):
+        raise UserError(f"--prompts-per-step x --num-generations = {per_step} completions a step do not "
+                        f"split into {n} processes x --micro-batch-size {micro}; change one of them")
+    trl_dir = out / "trl"
+    last = get_last_checkpoint(str(trl_dir)) if trl_dir.is_dir() else None
+    if last and not cfg.resume:
+        raise UserError(f"{out} already holds a run; pass --resume to continue it, or use another --out")
+    if last:
+        check_settings(cfg, out)
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    prefix, stop = rwml.wm_prefix(cfg.wm_reasoning), rwml.WM_STOP
+    model, tok = load()
+    # our prompt text: chat template, system prompt and the reply's prefix, which TRL's completions then lack
+    prompts = [engine.chat(tok, rwml.wm_prompt(t, cfg.wm_reasoning), rwml.wm_system(t), prefix)
+               for t in triplets]
+    data = Dataset.from_dict(dict(prompt=prompts, targets=[t["next_obs"] for t in triplets],
+                                  action=[t["action"] for t in triplets],
+                                  prompt_tail=[rwml.wm_prompt(t, cfg.wm_reasoning)[-PROMPT_TAIL:]
+                                               for t in triplets]))
+    G = cfg.num_generations
+
+    def reward(completions, targets, action, prompt_tail, trainer_state, **_):
+        texts = [prefix + (c[:c.index(stop) + len(stop)] if stop in c else c) for c in completions]
+        rewards = reward_fn(texts, targets)
+        step = trainer_state.global_step + 1  # the step these completions train
+        if state.is_main_process and (step % cfg.log_completions_steps == 0 or step == 1):
+            # TRL's sampler puts a prompt's G completions next to each other: whole groups, as ours logs them
+            # (the main process's share of them under accelerate; advantages as TRL computes them on one
+            # process)
+            k = len(texts) // G * G
+            adv = rwml.group_advantages(torch.tensor(rewards[:k]), G, cfg.scale_rewards).tolist() if k else []
+            groups = [dict(prompt_tail=prompt_tail[i], action=action[i], target=targets[i],
+                           completions=texts[i:i + G], rewards=rewards[i:i + G],
+                           advantages=[round(a, 4) for a in adv[i:i + G]])
+                      for i in range(0, k, G)]
+            with open(out / "samples.jsonl", "a") as f:
+                f.write(json.dumps(dict(step=step, action=action[0], completion=texts[0], target=targets[0],
+                                        reward=rewards[0], groups=groups)) + "\n")
+            if groups:
+                tqdm.write(group_table(step, groups))
+        return rewards
+
+    reward.__name__ = getattr(reward_fn, "__name__", "reward")  # TRL logs rewards/<name>/mean
+    args = GRPOConfig(
+        output_dir=str(trl_dir), seed=cfg.seed, max_steps=cfg.max_steps, learning_rate=cfg.learning_rate,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,  # ours: AdamW at a constant rate
+        num_generations=cfg.num_generations, max_completion_length=cfg.max_completion_length,
+        temperature=cfg.temperature, top_p=cfg.top_p, top_k=0, beta=cfg.beta, epsilon=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high, num_iterations=cfg.num_iterations, loss_type=cfg.loss_type,
+        scale_rewards=cfg.scale_rewards, max_grad_norm=cfg.max_grad_norm, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=per_step // (micro * n), save_steps=cfg.save_steps, save_total_limit=1,
+        # transformers 5's name of gradient_checkpointing
+        activation_checkpointing=cfg.gradient_checkpointing,
+        activation_checkpointing_kwargs=dict(use_reentrant=False),
+        logging_steps=1, report_to=cfg.report_to, use_cpu=not cuda, bf16=cuda, use_vllm=cfg.use_vllm,
+        vllm_mode="colocate",  # vLLM can stop at </next_state> as ours does, keeping it in the text
+        generation_kwargs=dict(stop=[stop], include_stop_str_in_output=True) if cfg.use_vllm else None)
+    torch.manual_seed(cfg.seed)
+    if start:  # the warm-up adapter trains on; TRL copies it to a frozen "ref" adapter, the KL reference
+        model = PeftModel.from_pretrained(model, str(start), is_trainable=True)
+    else:  # a fresh LoRA, as ours (its B = 0: the reference TRL copies from it is the base model)
+        model = engine.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    if state.is_main_process:
+        print(run_header(model, cfg, f"wm (trl, {n} processes): RWML GRPO on {len(triplets)} triplets",
+                         f"{cfg.prompts_per_step} prompts", start))
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                          processing_class=tok)
+    trainer.train(resume_from_checkpoint=last)
+    model = trainer.model
+    if state.is_main_process:
+        adapter = save_adapter(model, out, cfg=cfg, data={TRIPLETS_KEPT: len(triplets)})
+        rows = [with_both_names(r) for r in trainer.state.log_history if "reward" in r]
+        write_jsonl(out / "metrics.jsonl", rows)
+        plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO (TRL)")
+        print(f"wm (trl, {n} processes): {trainer.state.global_step} steps; adapter -> {adapter}")
+    state.wait_for_everyone()
+    return model
+
+
+def check_parquet() -> None:
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise UserError("train.py export --format verl writes parquet, which needs pyarrow: "
+                        "pip install pyarrow") from None
+
+
+def export_verl(cfg, kept: list[dict], out: Path) -> Path:
+    """The kept triplets as the parquet verl's GRPO trainer reads (data.train_files): one row per triplet,
+    `prompt` the world-model chat (system, user), `reward_model.ground_truth` the real next observation, and
+    in `extra_info` what `bridges.compute_score` needs to score a response as our trainer does (the reply
+    prefix, embedder, tau_d). verl cannot start the reply for the model: the prefix is put back at scoring."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    prefix = rwml.wm_prefix(cfg.wm_reasoning)
+    rows = [dict(data_source=f"rwml_{t.get('env', 'alfworld')}", ability="world_model",
+                 prompt=[dict(role="system", content=rwml.wm_system(t)),
+                         dict(role="user", content=rwml.wm_prompt(t, cfg.wm_reasoning))],
+                 reward_model=dict(style="rule", ground_truth=t["next_obs"]),
+                 extra_info=dict(index=i, game=str(t.get("game")), step=t.get("step"),
+                                 assistant_prefix=prefix, embedder=cfg.embedder, tau_d=cfg.tau_d,
+                                 reward_metric=cfg.reward_metric, reward_binary=cfg.reward_binary))
+            for i, t in enumerate(kept)]
+    out.mkdir(parents=True, exist_ok=True)
+    path, tmp = out / "train.parquet", out / "train.parquet.tmp"
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    print(f"export: {len(rows)} triplets -> {path} (verl: data.train_files={path}, "
+          f"custom_reward_function.path=reward.py, custom_reward_function.name=compute_score)")
+    return path
+
+
+_VERL_REWARDS: dict[tuple, SimToRealReward] = {}
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: str,
+                  extra_info: dict | None = None) -> float:
+    """r_WM of one verl response (`custom_reward_function.path=reward.py custom_reward_function.name=
+    compute_score`), exactly as `SimToRealReward` scores our completions: the reply prefix our trainer
+    writes for the model (`extra_info["assistant_prefix"]`, e.g. "<next_state>") is put back in front, and the
+    embedder, tau_d, metric and binarisation are the row's (`train.py export --format verl` writes them)."""
+    info = extra_info or {}
+    key = (info.get("embedder", BUNDLED_EMBEDDER), float(info.get("tau_d", 0.1)),
+           info.get("reward_metric", "embedding"), bool(info.get("reward_binary", True)))
+    if key not in _VERL_REWARDS:  # verl calls once per response: the embedder loads once per process
+        _VERL_REWARDS[key] = SimToRealReward(*key)
+    return float(_VERL_REWARDS[key]([info.get("assistant_prefix", "") + solution_str], [ground_truth])[0])

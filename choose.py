@@ -1,0 +1,107 @@
+"""Support (skip on a first read): choose mode, the stage-2 policy as a softmax over admissible commands.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine import chat, group_logprobs
+from rwml import Batch, Triplet, token_weights
+
+# ================================================= §6 Stage 2, choose mode: a policy over admissible commands
+# Small LMs act without invalid actions when the policy is the LM's likelihood of each admissible command,
+# normalised over the admissible set (GLAM: Carta et al., ICML 2023). The reply is written for the model up
+# to "<action>"; a candidate is the tokens of "<command></action>" (the closing tag ends the command, so
+# "go to cabinet 1" is not scored as a prefix of "go to cabinet 10"):
+#   score(a) = sum_t log p_theta(a_t | prompt, a_<t),   pi(a|s) = softmax_a(score(a) / T)
+# Summed, not length-normalised (CHOICE_LENGTH_NORM), measured on expert walkthrough states of the bundled
+# 135M model (README; results/choice_score_sum_vs_mean.json): the summed score is the exact probability of
+# the command's text under the LM, and at T 1 its softmax puts 1.4-1.9x the mass of the normalised one on
+# the expert's command (dividing by the length, 5-10 tokens, acts as a much higher temperature); greedy,
+# the two differ by a few states (top-1 32 vs 35 % on TextWorld, 8 vs 13 % on ALFWorld; 2 vs 3 of 20 games
+# won).
+# Batched: a turn's prompt runs once and every candidate runs on its key/value cache (`group_logprobs`).
+
+CHOICE_PREFIX, CHOICE_END = "<action>", "</action>"
+
+
+
+CHOICE_LENGTH_NORM = False  # score = mean instead of sum of the command's token log-probs (measured: README)
+
+
+
+@dataclass
+class Choice:
+    """One turn's pick: the candidate `index`, the `reply` the environment parses, and the exact tokens
+    stage 2 trains on (the prompt up to "<action>", every candidate's tokens); `logprobs`: log pi(a|s)."""
+    index: int
+    reply: str
+    prompt_ids: list[int]
+    candidate_ids: list[list[int]]
+    logprobs: list[float]
+
+
+
+def choice_logprobs(scores: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log pi(a|s) over the candidates: the log-softmax of score / T, normaliser included (T 0: greedy
+    play, whose probabilities are reported at T 1)."""
+    return torch.log_softmax(scores / (temperature if temperature > 0 else 1.0), -1)
+
+
+
+@torch.no_grad()
+def choose_actions(model, tokenizer, prompts: list[str], admissible: list[list[str]], *, system: str | None,
+                   temperature: float = 1.0) -> list[Choice]:
+    """One command per prompt, drawn from pi(a|s) (greedy at temperature 0)."""
+    out = []
+    for prompt, commands in zip(prompts, admissible):
+        prompt_ids, candidate_ids = choice_inputs(tokenizer, prompt, commands, system)
+        logp = choice_logprobs(candidate_scores(model, prompt_ids, candidate_ids), temperature)
+        k = int(logp.argmax()) if temperature <= 0 else int(torch.multinomial(logp.exp().float(), 1))
+        out.append(Choice(k, f"{CHOICE_PREFIX}{commands[k]}{CHOICE_END}", prompt_ids, candidate_ids,
+                          logp.tolist()))
+    return out
+
+
+
+def choice_batch(turns: list[Triplet], advantages: torch.Tensor, loss_type: str,
+                 keep_zero_advantage: bool = True) -> Batch:
+    """Choose-mode turns (`play(record_tokens=True, action_mode="choose")`) -> one update's batch: per turn
+    its (prompt, candidates, choice), its episode's advantage, and a single "token" (the choice) whose
+    loss weight follows `token_weights` as in generate mode."""
+    adv = advantages[torch.tensor([t["episode"] for t in turns], dtype=torch.long)]
+    cmask = torch.ones(len(turns), 1, dtype=torch.long)
+    choices, weights = [(t["prompt_ids"], t["candidate_ids"], t["choice"]) for t in turns], \
+        token_weights(cmask, loss_type, 1)
+    if not keep_zero_advantage:
+        keep = adv != 0
+        choices = [c for c, k in zip(choices, keep.tolist()) if k]
+        cmask, adv, weights = cmask[keep], adv[keep], weights[keep]
+    return Batch(choices=choices, completion_mask=cmask, advantages=adv, weights=weights)
+
+
+
+def choice_inputs(tokenizer, prompt: str, commands: list[str], system: str | None) -> tuple[list, list]:
+    """(prompt token ids up to the reply's "<action>", one token list per "<command></action>")."""
+    text = chat(tokenizer, prompt, system, CHOICE_PREFIX)
+    return (tokenizer(text, add_special_tokens=False)["input_ids"],
+            [tokenizer(c + CHOICE_END, add_special_tokens=False)["input_ids"] for c in commands])
+
+
+
+def candidate_scores(model, prompt_ids: list[int], candidate_ids: list[list[int]], *,
+                     length_norm: bool | None = None, chunk_size: int = 512) -> torch.Tensor:
+    """score(a) for each candidate ([n]; with gradients when they are on): its tokens' log-probs after the
+    prompt, at temperature 1, summed (or averaged, `length_norm`; default CHOICE_LENGTH_NORM). One forward
+    of the prompt, all candidates on its cache."""
+    norm = CHOICE_LENGTH_NORM if length_norm is None else length_norm
+    dev, n, C = model.device, len(candidate_ids), max(map(len, candidate_ids))
+    ids, mask = torch.zeros(n, C, dtype=torch.long), torch.zeros(n, C, dtype=torch.long)
+    for j, c in enumerate(candidate_ids):
+        ids[j, :len(c)], mask[j, :len(c)] = torch.tensor(c, dtype=torch.long), 1
+    prompt = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
+    logp = group_logprobs(model, prompt, torch.ones_like(prompt), ids.to(dev), mask.to(dev),
+                          chunk_size=chunk_size)
+    score = logp.sum(1)
+    return score / mask.to(dev).sum(1) if norm else score

