@@ -30,9 +30,9 @@ data: setup
 train: data
 	$(PY) train.py $(ARGS)
 
-# TRL for the tests of `--trainer trl` and for bench/; ruff for the lint check; training needs neither
-$(VENV)/.installed-trl: $(VENV)/.installed bench/requirements.txt
-	$(PY) -m pip install -q --no-deps -r bench/requirements.txt
+# TRL for the tests of `--trainer trl` and for lab/bench/; ruff for the lint check; training needs neither
+$(VENV)/.installed-trl: $(VENV)/.installed lab/bench/requirements.txt
+	$(PY) -m pip install -q --no-deps -r lab/bench/requirements.txt
 	touch $@
 
 test: data $(VENV)/.installed-trl
@@ -41,22 +41,22 @@ test: data $(VENV)/.installed-trl
 
 # RWML learning, measured: 3 seeds, warm-up vs warm-up + RWML vs the matched WM-SFT and COIN controls
 sanity: data
-	PY=$(PY) bash sanity.sh
+	PY=$(PY) bash lab/sanity.sh
 
 bench: data
-	$(PY) bench/env_speed.py $(ARGS)
+	$(PY) lab/bench/env_speed.py $(ARGS)
 
-# every CUDA path once, on random Qwen2.5-0.5B / 1.5B-shaped models (no download); output -> results/
+# every CUDA path once, on random Qwen2.5-0.5B / 1.5B-shaped models (no download); output -> lab/results/
 gpu-check: setup
-	$(PY) bench/gpu_check.py --out results/gpu_check.txt $(ARGS)
+	$(PY) lab/bench/gpu_check.py --out lab/results/gpu_check/gpu_check.txt $(ARGS)
 
-# every arm of the paper's comparison, small, then one table (runs/arms/results.md); see arms.sh
+# every arm of the paper's comparison, small, then one table (runs/arms/results.md); see lab/arms.sh
 arms: data
-	PY=$(PY) bash arms.sh
+	PY=$(PY) bash lab/arms.sh
 
-# the agent comparison on a laptop: TextWorld, --action-mode choose, five arms x 3 seeds (agent_sanity.sh)
+# the agent comparison on a laptop: TextWorld, --action-mode choose, five arms x 3 seeds (lab/agent_sanity.sh)
 agent-sanity: setup
-	PY=$(PY) bash agent_sanity.sh
+	PY=$(PY) bash lab/agent_sanity.sh
 
 clean:
 	rm -rf $(VENV) runs

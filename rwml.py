@@ -1,20 +1,21 @@
-"""RWML -- Reinforcement World Model Learning for LLM agents (Yu et al., arXiv 2602.05842).
+"""RWML -- Reinforcement World Model Learning for LLM agents (Yu et al., arXiv 2602.05842): the method, on
+ALFWorld, with the agent writing free-form replies (generate mode, the paper's).
 
 Read top to bottom; the order is the paper's, numbered as METHOD.md (next to this file) numbers it: `§N`
 points to the project's notes on the paper there (what the paper says, and which default we take where it is
-silent). The README's algorithm table uses the same numbers.
+silent). The README's steps use the same numbers.
 
   §2 Data: the base model plays the environment; every turn is a (history, action, next obs) triplet;
      world-model prompts, (history, action) -> <think> then <next_state>; the 90 / 10 split.
   §3 Reward: the sim-to-real gap in a sentence-embedding space (reward.py).
   §4 "Too easy" subsampling with a separately fine-tuned copy.
-  §5 GRPO on world-model prompts: advantages, the clipped loss with KL; `batch_logprobs` is the contract
-     with the log-prob engine, which sits in the plumbing.
-  §6 Stage 2: policy RL on task success, started from the RWML model (free-form or choose mode).
-That is the method (§2-§6). Then §8 Evaluation: world-model accuracy on held-out triplets. Then the
-plumbing: models, LoRA, generation, SFT; GRPO's micro-batches, optimizer step, reference policy and the
-log-prob engine (chunked, checked fast paths). §7 (the baselines) is in train.py; files, checkpoints and
-the command line are in plumbing.py.
+  §5 GRPO on world-model prompts: advantages, token weights, the clipped loss with KL, the step; log pi
+     defined plainly (`logprobs`) beside the fast call that training makes (`batch_logprobs`).
+  §6 Stage 2: policy RL on task success, started from the RWML model.
+  §8 Evaluation: world-model accuracy on held-out triplets.
+§7 (the baselines) is in train.py. Support, called at the edges (skip on a first read): engine.py (speed:
+models, sampling, SFT, LoRA, micro-batches, fast log-probs), choose.py (choose mode), worlds.py (tau2-bench,
+TextWorld).
 
 Where to start: §5 (`grpo_loss`, `grpo_update`), then tests/test_grpo.py, then §2-§4.
 """
@@ -27,14 +28,14 @@ from typing import TypedDict
 import torch
 from tqdm.auto import tqdm
 
+import choose
 import cost
 import envs
-from engine import (by_length, completion_logprobs, group_logprobs, micro_batches, optimizer_step, pack,
-                    quiet_libraries, reference_policy, sample_chat, to_device)
+import worlds
+from engine import (EngineConfig, by_length, completion_logprobs, group_logprobs, micro_batches,
+                    optimizer_step, pack, position_ids_from, reference_policy, sample_chat, to_device)
 from envs import UserError
 from reward import parse_next_state
-
-quiet_libraries()  # before bitsandbytes or peft load: both log at import or first use
 
 # ======================================================================================== §2 Data: collection
 # The base model plays ALFWorld's *training* games at temperature 1.0 (3 rollouts per game in the
@@ -60,14 +61,12 @@ class Triplet(TypedDict, total=False):
     done: bool
     response: str  # the model's whole reply ("" when `explored`)
     explored: bool  # the action was drawn by `env.explore`, not the model
-    env: str  # the environment's own fields (`env.turn_fields`): textworld, tau2 (+ domain); absent: ALFWorld
-    domain: str
-    # with record_tokens (stage 2): the prompt and the exact tokens the model saw and produced
+    env: str  # absent: ALFWorld (`env.turn_fields`: textworld, tau2 and its domain; worlds.py)
+    # with record_tokens (stage 2): the prompt and the exact tokens the model saw and produced (choose mode
+    # adds candidate_ids and choice: choose.act)
     prompt: str
     prompt_ids: list[int]
     completion_ids: list[int]
-    candidate_ids: list[list[int]]  # choose mode: every admissible command's tokens; `choice` is the pick
-    choice: int
 
 
 @dataclass
@@ -81,37 +80,20 @@ class Running:
 
 def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, temperature: float = 1.0,
          top_p: float = 1.0, max_new_tokens: int = 128, num_envs: int = 8, on_turn=None, on_episode=None,
-         record_tokens: bool = False, explore_prob: float = 0.0, seed: int = 0, user_model=None,
-         user_tokenizer=None, user_max_new_tokens: int = 96, desc: str = "episodes",
-         action_mode: str = "generate") -> list[dict]:
-    """Play `episodes` ({"game": an ALFWorld game file or a tau2 task, ...}) in `env` (`envs.make`), with
-    `num_envs` of them running at once.
-
-    Each round generates one reply for every running episode in one batch, then steps them all. A finished
-    episode's slot goes to the next waiting one. `on_turn(triplet)` and `on_episode(summary)` see results
-    as they happen (collection writes them to disk at once); a turn's `episode` is its episode's index in
-    `episodes`. `record_tokens` adds to each turn the prompt and the exact token ids the model saw and
-    sampled (`prompt_ids`, `completion_ids`), which stage 2 trains on. `explore_prob` (ALFWorld collection
-    only): each turn, with this probability the reply is `env.explore`'s instead of the model's (the turn's
-    `explored` is then True and the model is not asked). tau2's customer is `user_model` (default: the
-    agent's model with any adapter off, so that it stays the same while the agent trains). `action_mode`:
-    generate (free-form ReAct replies, the paper's), choose (the LM's softmax over the turn's admissible
-    commands, `choose_actions`; greedy at temperature 0; recorded turns add `candidate_ids` and `choice`)
-    or random (a uniform admissible command: a baseline; no model needed). Returns one summary per
-    episode, in the order given."""
+         record_tokens: bool = False, explore_prob: float = 0.0, seed: int = 0, desc: str = "episodes",
+         action_mode: str = "generate", **tau2) -> list[dict]:
+    """Play `episodes` ({"game": an ALFWorld game file, ...}) in `env` (`envs.make`), `num_envs` at once:
+    each round, one reply for every running episode in one batch, then a step of each; a finished episode's
+    slot goes to the next waiting one. `on_turn(triplet)` and `on_episode(summary)` see results as they
+    happen. `record_tokens`: each turn adds its prompt and the exact tokens the model saw and sampled
+    (`prompt_ids`, `completion_ids`), which stage 2 trains on. `explore_prob` (ALFWorld collection): the
+    chance that a turn's reply is `env.explore`'s, not the model's (`explored`). `action_mode`: generate
+    (free-form ReAct replies, the paper's), choose or random (`choose.act`); `tau2`: its simulated customer
+    (`worlds.play_customer`). Returns one summary per episode, in the order given."""
     if num_envs < 1:
         raise UserError(f"--num-envs must be at least 1, got {num_envs}")
-    if action_mode not in ("generate", "choose", "random"):
-        raise UserError(f"unknown action mode {action_mode!r}; choose generate, choose or random")
-    if action_mode != "generate" and not getattr(env, "can_choose", False):
-        raise UserError(f"--action-mode {action_mode} picks among a turn's admissible commands, which this "
-                        "environment does not list; use --action-mode generate")
-    import choose  # support, at the edge: choose mode (choose.py), tau2's customer (worlds.py)
-    import worlds
-
-    customer = worlds.simulated_customer(user_model or model, user_tokenizer or tokenizer,
-                                  base_only=user_model is None, temperature=temperature, top_p=top_p,
-                                  max_new_tokens=user_max_new_tokens)
+    choose.check_mode(env, action_mode)
+    customer = worlds.play_customer(env, model, tokenizer, temperature=temperature, top_p=top_p, **tau2)
     waiting, running, summaries = list(enumerate(episodes)), {}, [None] * len(episodes)
     free_slots, rng = list(range(num_envs))[::-1], random.Random(seed)
     explore_prob = explore_prob if env.can_explore else 0.0
@@ -130,21 +112,17 @@ def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, t
         explored = {s: explore_prob > 0 and rng.random() < explore_prob for s in slots}
         asked = [s for s in slots if not explored[s]]  # the model writes these slots' replies
         recent = {s: running[s].past[-history_len:] if history_len else [] for s in slots}
-        prompt_of = env.choice_prompt if action_mode == "choose" else env.prompt
-        prompts = {s: prompt_of(s, recent[s]) for s in slots}
-        roll = picks = None
-        if asked and action_mode == "generate":
-            roll = sample_chat(model, tokenizer, [prompts[s] for s in asked], system=env.system,
-                               prefix=envs.AGENT_PREFIX, stop=env.stop, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_p=top_p)
-        elif asked and action_mode == "choose":
-            picks = choose.choose_actions(model, tokenizer, [prompts[s] for s in asked],
-                                   [env.admissible(s) for s in asked], system=env.system,
-                                   temperature=temperature)
-        if action_mode == "random":
-            replies = {s: f"<action>{rng.choice(env.admissible(s))}</action>" for s in asked}
+        if action_mode == "generate":
+            prompts = [env.prompt(s, recent[s]) for s in asked]
+            roll = sample_chat(model, tokenizer, prompts, system=env.system, prefix=envs.AGENT_PREFIX,
+                               stop=env.stop, max_new_tokens=max_new_tokens, temperature=temperature,
+                               top_p=top_p) if asked else None
+            replies = {s: roll.texts[j] for j, s in enumerate(asked)}
+            tokens = {s: dict(prompt=prompts[j], prompt_ids=roll.prompt_ids[j],
+                              completion_ids=roll.completion_ids[j])
+                      for j, s in enumerate(asked) if record_tokens}
         else:
-            replies = {s: roll.texts[j] if roll else picks[j].reply for j, s in enumerate(asked)}
+            replies, tokens = choose.act(model, tokenizer, env, asked, recent, action_mode, temperature, rng)
         replies.update({s: env.explore(s, rng) for s in slots if explored[s]})
         results = env.step(replies, customer)
         for s in slots:
@@ -157,14 +135,8 @@ def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, t
                             step=summ["steps"], history=history, action=r["action"], next_obs=r["obs"],
                             valid=r["valid"], format_ok=r["format_ok"], won=r["won"], done=r["done"],
                             response="" if explored[s] else replies[s], explored=explored[s])
-                if record_tokens and roll is not None and not explored[s]:
-                    j = asked.index(s)
-                    turn.update(prompt=prompts[s], prompt_ids=roll.prompt_ids[j],
-                                completion_ids=roll.completion_ids[j])
-                elif record_tokens and picks is not None and not explored[s]:  # the choice, exactly
-                    c = picks[asked.index(s)]
-                    turn.update(prompt=prompts[s], prompt_ids=c.prompt_ids, candidate_ids=c.candidate_ids,
-                                choice=c.index, completion_ids=c.candidate_ids[c.index])
+                if record_tokens and s in tokens:  # the exact tokens the model saw and produced
+                    turn.update(tokens[s])
                 on_turn(turn)
             for k, v in r["counts"].items():
                 summ[k] += int(v)
@@ -190,13 +162,9 @@ def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, t
 # The same LLM that acts now predicts: given the task, the history and an action, what will the game say?
 # It reasons in <think>, then writes <next_state>; only the <next_state> text is scored (reward.py).
 
-WM_SYSTEMS = dict(  # by the triplet's environment (`env`, ALFWorld when absent)
+WM_SYSTEMS = dict(  # by the triplet's environment (`env`, ALFWorld when absent; the others: worlds.py)
     alfworld="You are a world model of a text-based household simulator (ALFWorld): you predict what the "
-             "game says next.",
-    textworld="You are a world model of a text-based adventure game (TextWorld): you predict what the game "
-              "says next.",
-    tau2="You are a world model of a customer service environment (tau2-bench): you predict the tool's "
-         "response to the agent's tool call, or the customer's next message after the agent's reply.")
+             "game says next.", **worlds.WM_SYSTEMS)
 WM_SYSTEM = WM_SYSTEMS["alfworld"]
 WM_PREFIX, WM_STOP = "<think>", "</next_state>"
 
@@ -205,16 +173,12 @@ def wm_prefix(reasoning: bool) -> str:
     """The start of the world model's reply, written for it: <think> (the paper's reasoning), or, without
     reasoning, the answer tag itself, so that a small model only has to write the observation."""
     return WM_PREFIX if reasoning else "<next_state>"
+
+
 _WM_ASK = dict(  # (question, what to write, example answer)
     alfworld=("What does the game answer to this action?", "the game's answer",
               "<think>Going somewhere lists what is there.</think><next_state>You arrive at shelf 1. On the "
-              "shelf 1, you see a vase 2.</next_state>"),
-    textworld=("What does the game answer to this action?", "the game's answer",
-               "<think>Taking an object moves it to the inventory.</think><next_state>You take the key from "
-               "the table.</next_state>"),
-    tau2=("What comes back: the tool's response to this call, or the customer's next message after this "
-          "reply?", "it", "<think>Looking up a user returns their record.</think><next_state>{\"user_id\": "
-          "\"sara_doe_496\", \"orders\": [\"#W2378156\"]}</next_state>"))
+              "shelf 1, you see a vase 2.</next_state>"), **worlds.WM_ASK)
 
 
 def wm_system(t: Triplet) -> str:
@@ -315,25 +279,25 @@ def easy_subsample(scores: list[float], easy_share: float = 0.3, keep_prob: floa
 # pi_ref is the adapter's starting point, held without a second copy of the weights (`reference_policy`).
 
 @dataclass
-class GRPOConfig:
-    """GRPO's hyperparameters, named as in TRL's GRPOConfig (micro_batch_size: TRL's
-    per_device_train_batch_size). train.Config adds the rest of the method's settings to these."""
-    learning_rate: float = 1e-4
+class GRPOParams:
+    """GRPO's hyperparameters a user sets (train.Config has them), named as in TRL's GRPOConfig."""
+    learning_rate: float = 1e-4  # AdamW's, constant
     num_generations: int = 4  # completions per prompt, a group (TRL: 8; 4: a step affords 4 prompts; README)
     max_completion_length: int = 64  # tokens per world-model prediction
     temperature: float = 1.0  # sampling temperature of collection and GRPO groups (training divides by it)
-    top_p: float = 1.0
     beta: float = 0.1  # KL weight; the reference is the warm-up adapter, else the bare base model (TRL: 0)
+    loss_type: str = "dr_grpo"  # grpo | dapo | dr_grpo: how token losses are averaged (paper: grpo)
+    scale_rewards: str = "none"  # group | batch | none: the std that divides advantages (paper: group)
+
+
+@dataclass
+class GRPOConfig(GRPOParams, EngineConfig):
+    """What grpo_step reads: the above, the rest at TRL's defaults, and the engine's settings."""
+    top_p: float = 1.0  # nucleus sampling of the groups
     epsilon: float = 0.2  # clip range of the probability ratio
     epsilon_high: float | None = None  # DAPO's clip-higher; None = epsilon
     num_iterations: int = 1  # updates per generated batch (mu)
-    loss_type: str = "grpo"  # grpo | dapo | dr_grpo: how token losses are averaged
-    scale_rewards: str = "group"  # group | batch | none: the std that divides advantages
-    max_grad_norm: float = 1.0
-    micro_batch_size: int = 8  # completions per forward/backward (gradient accumulation inside a step)
-    micro_batch_tokens: int = 512  # and at most this many padded tokens (0: no limit; a bigger group alone)
-    shared_prompt_forward: bool = True  # training forward: a group's completions share one prompt forward
-    logits_chunk_size: int = 512  # completion tokens per vocabulary projection
+    max_grad_norm: float = 1.0  # gradient clipping
 
 
 @dataclass
@@ -446,6 +410,15 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, c
                    "completions/clipped_ratio": float((lengths >= cfg.max_completion_length).float().mean())})
 
 
+def nothing_by_group(states: list[str | None], advantages: torch.Tensor, G: int) -> dict:
+    """The share of "Nothing happens." predictions and, per prompt, how many and the advantage they got (> 0:
+    pushed up): which groups move the share of that answer, the small model's most common drift (README)."""
+    nothing = torch.tensor([s == NOTHING for s in states], dtype=torch.float).view(-1, G)
+    return dict(nothing_share=sum(s == NOTHING for s in states) / len(states),
+                group_nothing=nothing.sum(1).tolist(),
+                group_nothing_advantage=(nothing * advantages.view(-1, G)).sum(1).tolist())
+
+
 def grpo_update(model, optimizer, batch: Batch, cfg: GRPOConfig) -> list[dict]:
     """`num_iterations` optimizer steps on one batch of sampled sequences, in micro-batches. A non-finite
     loss or gradient skips that update."""
@@ -477,14 +450,25 @@ def grpo_update(model, optimizer, batch: Batch, cfg: GRPOConfig) -> list[dict]:
     return stats
 
 
-def batch_logprobs(model, mb: Batch, cfg: GRPOConfig) -> torch.Tensor:
-    """log pi(token) of a micro-batch's completion tokens: each group's prompt once (`group_logprobs`), or
-    every row whole (`completion_logprobs`); in choose mode ([B, 1]) log pi(a|s) of each turn's choice."""
-    if mb.choices is not None:  # --action-mode choose: a turn's one "token" is its discrete choice
-        import choose
+def logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
+             *, temperature: float = 1.0) -> torch.Tensor:
+    """log pi(token) defined plainly: rows are [left-padded prompt | completion] (C = completion_mask's
+    width); the model's own forward gives the logits that predict each completion token, divided by the
+    sampling temperature; log-softmax, then the sampled token's entry ([B, C]; 0 off the completion)."""
+    C = completion_mask.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids_from(attention_mask), logits_to_keep=C + 1).logits[:, :-1]
+    logp = (logits.float() / temperature).log_softmax(-1).gather(-1, input_ids[:, -C:, None]).squeeze(-1)
+    return logp * completion_mask
 
-        return torch.stack([choose.choice_logprobs(choose.candidate_scores(model, p, c, chunk_size=cfg.logits_chunk_size),
-                                            cfg.temperature)[k] for p, c, k in mb.choices]).unsqueeze(1)
+
+def batch_logprobs(model, mb: Batch, cfg: GRPOConfig) -> torch.Tensor:
+    """log pi(token) of a micro-batch's completion tokens ([B, C]): `logprobs`'s numbers, computed faster by
+    the engine: each group's prompt once (`group_logprobs`), or every row whole in chunks of the vocabulary
+    projection (`completion_logprobs`); each shortcut checked once per model against `logprobs`
+    (`engine.fast_paths`)."""
+    if mb.choices is not None:  # choose mode: a row's one "token" is its turn's choice (choose.py)
+        return choose.chosen_logprobs(model, mb.choices, cfg.temperature, cfg.logits_chunk_size)
     ids, cmask = mb.input_ids, mb.completion_mask
     if mb.group_size > 1:
         completions = ids[:, ids.shape[1] - cmask.shape[1]:]
@@ -494,13 +478,17 @@ def batch_logprobs(model, mb: Batch, cfg: GRPOConfig) -> torch.Tensor:
                                chunk_size=cfg.logits_chunk_size)
 
 
+def reference_logprobs(model, micro: list[Batch], cfg: GRPOConfig) -> list[torch.Tensor]:
+    with reference_policy(model):
+        return [batch_logprobs(model, mb, cfg) for mb in micro]
+
+
 # ====================================================================== §6 Stage 2: policy RL on task success
 # Ordinary multi-turn GRPO on task success, started from the RWML adapter (or the base model, or WM SFT).
 # For each game, num_generations episodes from the same start; the reward is the terminal success
 # (gamma = 1), the group-normalised advantage of an episode goes to every action-generating turn of it.
 # A turn is one training sequence [prompt | the model's reply]: observations live in the prompt, so
 # environment tokens are never trained on. The world-model reward is never mixed in (the "Dark Room").
-# In choose mode a turn's one trained quantity is log pi(a|s) of its executed command (`choice_batch`).
 
 def policy_batch(turns: list[Triplet], advantages: torch.Tensor, pad_token_id: int, loss_type: str,
                  max_completion_length: int, keep_zero_advantage: bool = True):
@@ -523,7 +511,7 @@ def policy_batch(turns: list[Triplet], advantages: torch.Tensor, pad_token_id: i
 
 def rollouts(model, tokenizer, env, games: list, n: int, **play_kwargs) -> list[dict]:
     """`n` episodes of each game in `env` (`envs.make`), with the exact tokens recorded (stage 2 trains on
-    them); in tau2 the reward is the official grading. play_kwargs: those of `play`."""
+    them). play_kwargs: those of `play`."""
     model.eval()
     episodes = [dict(game=g, group=i, rollout=k) for i, g in enumerate(games) for k in range(n)]
     return play(model, tokenizer, env, episodes, record_tokens=True, **play_kwargs)
@@ -548,9 +536,7 @@ def policy_update(model, tokenizer, optimizer, turns: list[Triplet], summaries: 
     G = cfg.num_generations
     rewards = torch.tensor([float(s["won"]) for s in summaries])  # gamma = 1: the return is the final reward
     adv = group_advantages(rewards, G, cfg.scale_rewards)
-    if turns and "candidate_ids" in turns[0]:  # --action-mode choose: log pi(a|s) of each turn's choice
-        import choose
-
+    if turns and "candidate_ids" in turns[0]:  # choose mode: log pi(a|s) of each turn's choice (choose.py)
         batch = choose.choice_batch(turns, adv, cfg.loss_type, keep_zero_advantage=bool(cfg.beta))
     else:
         ids, attn, cmask, a, w = policy_batch(turns, adv, tokenizer.pad_token_id, cfg.loss_type,
@@ -643,19 +629,3 @@ def baseline_wm(name: str, triplets: list[Triplet], reward_fn) -> dict:
     """A content-free baseline (`envs.baseline_prediction`: template, nothing, copy) scored as a model is."""
     preds = [f"<next_state>{envs.baseline_prediction(name, t)}</next_state>" for t in triplets]
     return dict(score_wm(triplets, preds, reward_fn), samples=0, temperature=0.0, model=name)
-
-
-
-
-def nothing_by_group(states: list[str | None], advantages: torch.Tensor, G: int) -> dict:
-    """The share of "Nothing happens." predictions and, per prompt, how many and the advantage they got (> 0:
-    pushed up): which groups move the share of that answer, the small model's most common drift (README)."""
-    nothing = torch.tensor([s == NOTHING for s in states], dtype=torch.float).view(-1, G)
-    return dict(nothing_share=sum(s == NOTHING for s in states) / len(states),
-                group_nothing=nothing.sum(1).tolist(),
-                group_nothing_advantage=(nothing * advantages.view(-1, G)).sum(1).tolist())
-
-
-def reference_logprobs(model, micro: list[Batch], cfg: GRPOConfig) -> list[torch.Tensor]:
-    with reference_policy(model):
-        return [batch_logprobs(model, mb, cfg) for mb in micro]

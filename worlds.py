@@ -7,10 +7,11 @@ import json
 import os
 import random
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine import chat_template, sample
-from envs import Alfworld, EnvPool, Game, UserError, _literal, did_you_mean, tag_blocks, utf8_clean
+from envs import Alfworld, Game, UserError, _literal, did_you_mean, tag_blocks, utf8_clean
 
 
 def simulated_customer(model, tokenizer, *, base_only: bool, temperature: float, top_p: float,
@@ -82,9 +83,7 @@ def parse_tau2_action(text) -> dict:
     `well_formed`; never raises. Exactly one block is well formed; the first block counts; a reply with
     neither tag is taken as a message to the customer (a format error). Lone surrogates, also JSON's
     "\\ud800" escapes, become "?": they would crash the tokenizer on the next turn."""
-    if not isinstance(text, str):
-        text = "" if text is None else str(text)
-    text = utf8_clean(text)
+    text = utf8_clean("" if text is None else str(text))
     calls, replies = tag_blocks(text, "tool_call"), tag_blocks(text, "reply")
     one = len(calls) + len(replies) == 1
     if calls and (not replies or calls[0][0] < replies[0][0]):
@@ -207,8 +206,6 @@ def pass_hat_k(trials: list[tuple[int, int]], k: int) -> float:
     if not rows:
         raise UserError(f"pass^{k} needs at least {k} trials per task")
     return sum(math.comb(c, k) / math.comb(n, k) for c, n in rows) / len(rows)
-
-
 
 
 # tau2-bench for the agent. It reads the domain's policy, the tools and the conversation, and either calls
@@ -390,8 +387,6 @@ class Tau2:
         self.close()
 
 
-
-
 # ============================================================================ TextWorld generated games
 # The engine under ALFWorld also generates games: a world of `world_size` rooms, `nb_objects` objects and a
 # quest of `quest_length` steps (textworld's `tw-make custom`). At 135M parameters ALFWorld's success is
@@ -509,8 +504,74 @@ class TextWorld(Alfworld):
     TextWorld's engine; triplets carry env "textworld" (their world-model prompt says so)."""
 
     system = "You are an expert agent in a text-based adventure game (TextWorld)."
-    turn_fields, example_action = {"env": "textworld"}, "take key from table"
+    turn_fields, example_action, game_cls = {"env": "textworld"}, "take key from table", TwGame
 
-    def __init__(self, num_workers: int = 2, max_turns: int = 30):
-        self.pool, self.max_turns, self.state = (EnvPool(num_workers, max_turns, game_cls=TwGame),
-                                                 max_turns, {})
+
+def play_customer(env, model, tokenizer, *, temperature: float, top_p: float, user_model=None,
+                  user_tokenizer=None, user_max_new_tokens: int = 96):
+    """`rwml.play`'s simulated customer: in tau2, `user_model` (default: the agent's model with any adapter
+    off, so that it stays the same while the agent trains); None where the environment has none."""
+    if not isinstance(env, Tau2):
+        return None
+    return simulated_customer(user_model or model, user_tokenizer or tokenizer, base_only=user_model is None,
+                              temperature=temperature, top_p=top_p, max_new_tokens=user_max_new_tokens)
+
+
+def tau2_metrics(episodes: list[dict], tasks: list, seeds: int) -> dict:
+    """`eval.py agent --env tau2`: average official reward over seeds (mean and std), pass^k for k = 1..seeds,
+    the share of invalid tool calls (unknown tool or bad arguments) per call, the agent's and the customer's
+    (telecom's phone) apart, format errors per agent action."""
+    import statistics
+
+    per_seed = [statistics.fmean(e["reward"] for e in episodes if e["seed"] == s) for s in range(seeds)]
+    trials = [(sum(e["won"] for e in episodes if e["game"] == t.id), seeds) for t in tasks]
+    calls, steps = sum(e["tool_calls"] for e in episodes), sum(e["steps"] for e in episodes) or 1
+    user_calls = sum(e["user_tool_calls"] for e in episodes)
+    return dict(average_reward=statistics.fmean(per_seed), average_reward_std=statistics.pstdev(per_seed),
+                pass_hat_k={k: pass_hat_k(trials, k) for k in range(1, seeds + 1)},
+                invalid_tool_call_rate=sum(e["invalid"] for e in episodes) / max(calls, 1), tool_calls=calls,
+                user_invalid_tool_call_rate=sum(e["user_invalid"] for e in episodes) / max(user_calls, 1),
+                user_tool_calls=user_calls,
+                format_error_rate=sum(e["format_errors"] for e in episodes) / steps,
+                mean_steps=steps / len(episodes), num_tasks=len(tasks), num_episodes=len(episodes),
+                per_seed_reward=per_seed)
+
+
+def tau2_summary(r: dict, seeds: int) -> str:
+    """The line `eval.py agent --env tau2` prints."""
+    return (f"tau2 {r['domain']} ({r['split']}, {r['num_tasks']} tasks x {seeds} seeds): average reward "
+            f"{r['average_reward']:.3f} (std {r['average_reward_std']:.3f}), "
+            + ", ".join(f"pass^{k} {v:.3f}" for k, v in r["pass_hat_k"].items())
+            + f", invalid tool calls {r['invalid_tool_call_rate']:.1%} of {r['tool_calls']}"
+            + (f", customer's invalid tool calls {r['user_invalid_tool_call_rate']:.1%} of "
+               f"{r['user_tool_calls']}" if r["domain"] == "telecom" else "")
+            + f", format errors {r['format_error_rate']:.1%}, {r['num_episodes']} conversations "
+            f"in {r['seconds']:.0f} s")
+
+
+# The world model's prompt in these environments (rwml.py's WM_SYSTEMS and wm_prompt add ALFWorld's)
+WM_SYSTEMS = dict(
+    textworld="You are a world model of a text-based adventure game (TextWorld): you predict what the game "
+              "says next.",
+    tau2="You are a world model of a customer service environment (tau2-bench): you predict the tool's "
+         "response to the agent's tool call, or the customer's next message after the agent's reply.")
+WM_ASK = dict(  # (question, what to write, example answer)
+    textworld=("What does the game answer to this action?", "the game's answer",
+               "<think>Taking an object moves it to the inventory.</think><next_state>You take the key from "
+               "the table.</next_state>"),
+    tau2=("What comes back: the tool's response to this call, or the customer's next message after this "
+          "reply?", "it", "<think>Looking up a user returns their record.</think><next_state>{\"user_id\": "
+          "\"sara_doe_496\", \"orders\": [\"#W2378156\"]}</next_state>"))
+
+
+@dataclass
+class WorldConfig:
+    """How the games run and the other environments' settings (flags of train.py and eval.py agent)."""
+    num_envs: int = 16  # episodes played (and generated for) together
+    num_workers: int = 2  # game processes (0 = play in this process)
+    world_size: int = 2  # textworld: rooms of a generated game (tw-make's --world-size)
+    nb_objects: int = 4  # textworld: objects of a generated game
+    quest_length: int = 2  # textworld: steps of the winning quest (at 2 random play wins ~25 % in 10 steps)
+    domain: str = "retail"  # tau2: airline | retail | telecom
+    user_model: str | None = None  # tau2's simulated customer: any HF causal LM; None = the agent's model
+    num_tasks: int | None = 4  # tau2: tasks of the split (None = all; retail train has 74)

@@ -4,13 +4,13 @@
 #   base | RWML | policy RL | RWML + policy RL | WM SFT + policy RL
 # greedy success on held-out dev and test games; stage 2 over independent seeds (each draws its own train
 # games and episodes), its held-out curve (dev success against step) beside the table:
-#   bash agent_sanity.sh      (or: make agent-sanity)  -> $OUT/agent_sanity.md, $OUT/agent_sanity_curve.png
-# POLICY_T and POLICY_LR were chosen on the dev games (README); POLICY_GAMES x POLICY_GEN x POLICY_STEPS is
+#   bash lab/agent_sanity.sh      (or: make agent-sanity)  -> $OUT/agent_sanity.md, $OUT/agent_sanity_curve.png
+# POLICY_T and POLICY_LR were chosen on the dev games (NOTEBOOK.md); POLICY_GAMES x POLICY_GEN x POLICY_STEPS is
 # sized to the time budget, not tuned. The test games are played once per frozen recipe.
 # The world-model stage (collection, filter + warm-up, RWML, WM SFT) runs once and is shared by the seeds.
 # Jobs go JOBS at a time, one thread each (jobs.sh); logs in $OUT/logs/. Reruns keep what is done.
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."  # the repo root: train.py, eval.py, .venv, runs/
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/agent_sanity}
 SEEDS=${SEEDS:-"0 1 2"}
@@ -30,7 +30,7 @@ TW="--env textworld --action-mode choose --max-turns $TURNS --num-workers 0"
 # the recipe these scripts were measured with, before stage 1's defaults moved to Dr. GRPO without the easy filter
 OLD="--loss-type grpo --scale-rewards group"
 LOGS=$OUT/logs
-source ./jobs.sh  # in_parallel
+source lab/jobs.sh  # in_parallel
 mkdir -p "$OUT/base"
 
 # --- stage 1, shared: collect (85 % of turns drawn by command kind, as the stage-1 recipe), filter + warm-up
@@ -60,10 +60,10 @@ for arm in policy rwml_policy wm_sft_policy; do  # policy RL of every seed first
     done
 done
 in_parallel "${jobs[@]}"
-$PY eval.py agent-table "$OUT" --out "$OUT/agent_sanity.md"
-if [ "$OUT" = runs/agent_sanity ]; then  # the table, the curve and each run's small files (no adapters) -> results/
+$PY lab/reports.py agent-table "$OUT" --out "$OUT/agent_sanity.md"
+if [ "$OUT" = runs/agent_sanity ]; then  # the table, the curve and each run's small files (no adapters) -> lab/results/
     (cd "$OUT" && find . \( -name adapter -o -name checkpoint -o -name warmup_adapter \) -prune -o -type f \( \
         -name 'agent_sanity*' -o -name eval_agent.json -o -name eval_episodes.jsonl -o -name metrics.jsonl \
         -o -name cost.json -o -name filter.json -o -name collect.json \) -print) |
-        while read -r f; do mkdir -p "results/agent_sanity/$(dirname "$f")"; cp "$OUT/$f" "results/agent_sanity/$f"; done
+        while read -r f; do mkdir -p "lab/results/agent_sanity/$(dirname "$f")"; cp "$OUT/$f" "lab/results/agent_sanity/$f"; done
 fi

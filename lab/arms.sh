@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Every arm of the paper's comparison (METHOD.md §7 and Table 1), one command each, then one table:
-#   bash arms.sh        (or: make arms)   ->  $OUT/results.md, $OUT/results_rewards.png, $OUT/results_success.png
+#   bash lab/arms.sh        (or: make arms)   ->  $OUT/results.md, $OUT/results_rewards.png, $OUT/results_success.png
 # The defaults are the small CPU version (SmolLM2-135M, a handful of games, a few steps per arm; about
 # half an hour on 2 cores). Scale with the variables below, e.g. on a GPU:
-#   MODEL=Qwen/Qwen2.5-1.5B-Instruct GAMES=200 ROLLOUTS=3 TURNS=30 WM_STEPS=200 POLICY_STEPS=50 EVAL_GAMES=0 SEEDS=3 bash arms.sh
+#   MODEL=Qwen/Qwen2.5-1.5B-Instruct GAMES=200 ROLLOUTS=3 TURNS=30 WM_STEPS=200 POLICY_STEPS=50 EVAL_GAMES=0 SEEDS=3 bash lab/arms.sh
 # Rerun after an interruption: collection continues, training resumes from its checkpoint, finished
 # evaluations are kept.
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."  # the repo root: train.py, eval.py, .venv, runs/
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/arms}
 MODEL=${MODEL:-bundled:SmolLM2-135M-Instruct}
@@ -67,4 +67,4 @@ for arm in "${ARMS[@]}"; do
         --transitions "$OUT/heldout/transitions.jsonl" --out "$dir/eval_wm.json"
     [ "$arm" = base ] || [ -f "$dir/weights.json" ] || $PY eval.py weights "${M[@]}" "${adapter[@]}" --out "$dir/weights.json"
 done
-$PY eval.py report "${ARMS[@]/#/$OUT/}" --out "$OUT/results.md"
+$PY lab/reports.py report "${ARMS[@]/#/$OUT/}" --out "$OUT/results.md"

@@ -1,4 +1,14 @@
-"""Lab: the report generators. `python lab/reports.py report|sanity|agent-table ...` (was eval.py's).
+"""Lab: the report generators (were eval.py's), Markdown tables and PNG plots of the results in run folders.
+
+    python lab/reports.py report runs/base runs/rwml ... --out results.md    # lab/arms.sh
+    python lab/reports.py sanity runs/sanity --split valid_unseen --out sanity.md    # lab/sanity.sh
+    python lab/reports.py agent-table runs/agent_sanity --out agent_sanity.md     # lab/agent_sanity.sh
+
+report: the JSON of `eval.py agent`, `wm` and `weights` in each run folder -> one table laid out like the
+paper's Table 1, a tau2-bench table (average reward per domain and over the three), plots (reward curves,
+success by arm). sanity: stage 1's held-out world-model accuracy per arm over seeds, with the baselines and
+the training diagnostics. agent-table: stage 2's greedy success per arm on the dev and test games, and the
+dev curve. Only lab/ and tests/ import this module.
 """
 from __future__ import annotations
 
@@ -11,13 +21,14 @@ import json
 import math
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 
 import envs
 from envs import UserError
-from eval import ID_SPLIT, OOD_SPLIT
-from plumbing import check_writable, commands_help, parse_config, run_cli
-from plumbing import read_jsonl, write_atomic
+from plumbing import (RESUME_FREE, check_writable, commands_help, parse_config, read_jsonl, run_cli,
+                      write_atomic)
+from train import HELDOUT_KINDS
+
+ID_SPLIT, OOD_SPLIT = "valid_seen", "valid_unseen"  # the paper's in-distribution, out-of-distribution games
 
 
 @dataclass
@@ -26,18 +37,15 @@ class ReportConfig:
     plots: bool = True
 
 
-
 @dataclass
 class AgentTableConfig:
     out: str = "agent_sanity.md"  # the table; the curve goes next to it (<out stem>_curve.png)
-
 
 
 @dataclass
 class SanityConfig:
     split: str = "valid_unseen"  # whose held-out scores to tabulate: valid_unseen (test) or valid_seen (dev)
     out: str = "sanity.md"
-
 
 
 def read_run(folder: Path) -> dict:
@@ -47,7 +55,7 @@ def read_run(folder: Path) -> dict:
                curve=read_jsonl(folder / "metrics.jsonl"))
     for n, row in enumerate(run["curve"], 1):
         problem = ("not a JSON object" if not isinstance(row, dict)
-                   else _numbers_problem(row, ("step", "reward_mean")))
+                   else _numbers_problem(row, ("step", "reward")))
         if problem:
             raise UserError(f"{folder / 'metrics.jsonl'}, record {n}: {problem}; fix or remove that file")
     for f in sorted(folder.glob("*.json")):
@@ -85,13 +93,8 @@ def read_run(folder: Path) -> dict:
     return run
 
 
-
-AGENT_KEYS = ("success_rate", "num_episodes", "mean_steps", "invalid_action_rate")
-
-
-
+AGENT_KEYS = ("success_rate", "num_episodes", "mean_steps", "invalid_action_rate")  # what the tables read
 TAU2_KEYS = ("average_reward", "num_tasks", "num_episodes", "tool_calls", "invalid_tool_call_rate")
-
 
 
 def _numbers_problem(data, keys) -> str | None:
@@ -105,14 +108,14 @@ def _numbers_problem(data, keys) -> str | None:
     return None if bad is None else f"{bad} is missing or not a number"
 
 
+def _pct(x, std=None) -> str:
+    return "–" if x is None else f"{100 * x:.1f}" + ("" if std is None else f" ± {100 * std:.1f}")
+
 
 def report_table(runs: list[dict]) -> str:
     """Markdown, laid out like the paper's Table 1: success (%) in distribution, out of distribution and
     their average (over all episodes of both), mean ± std over seeds; then the action quality, world-model
     accuracy and the share of parameters changed."""
-    def pct(x, std=None):
-        return "–" if x is None else f"{100 * x:.1f}" + ("" if std is None else f" ± {100 * std:.1f}")
-
     lines = ["| arm | ALFWorld ID | OOD | AVG | invalid actions (%) | WM accuracy (%) | params changed (%) "
              "| episodes |",
              "|---|---|---|---|---|---|---|---|"]
@@ -126,26 +129,21 @@ def report_table(runs: list[dict]) -> str:
         invalid = (sum(x["invalid_action_rate"] * x["mean_steps"] * x["num_episodes"] for x in both) / steps
                    if steps else None)
         lines.append("| " + " | ".join([
-            r["name"], pct(ide and ide["success_rate"], ide and ide.get("success_rate_std")),
-            pct(ood and ood["success_rate"], ood and ood.get("success_rate_std")), pct(avg), pct(invalid),
-            pct(r["wm"] and r["wm"]["wm_accuracy"]),
+            r["name"], _pct(ide and ide["success_rate"], ide and ide.get("success_rate_std")),
+            _pct(ood and ood["success_rate"], ood and ood.get("success_rate_std")), _pct(avg), _pct(invalid),
+            _pct(r["wm"] and r["wm"]["wm_accuracy"]),
             "–" if not r["weights"] else f"{100 * r['weights']['changed_share']:.2f}",
             str(n) if n else "–"]) + " |")
     return "\n".join(lines) + "\n"
 
 
-
 TAU2_TABLE_DOMAINS = ("retail", "telecom", "airline")  # the paper's column order
-
 
 
 def tau2_table(runs: list[dict]) -> str:
     """Markdown, the tau2-bench columns of the paper's Table 1: average reward (%) per domain, mean ± std
     over seeds; AVG, when all three domains are there, over all their tasks (so weighted by tasks, as the
     paper's AVG is: retail 40, telecom 40, airline 20 test tasks); the agent's invalid tool calls."""
-    def pct(x, std=None):
-        return "–" if x is None else f"{100 * x:.1f}" + ("" if std is None else f" ± {100 * std:.1f}")
-
     lines = ["| arm | tau2 retail | telecom | airline | AVG | invalid tool calls (%) | conversations |",
              "|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -154,12 +152,11 @@ def tau2_table(runs: list[dict]) -> str:
         avg = sum(x["average_reward"] * x["num_tasks"] for x in got) / tasks if len(got) == 3 else None
         calls = sum(x["tool_calls"] for x in got)
         invalid = sum(x["invalid_tool_call_rate"] * x["tool_calls"] for x in got) / calls if calls else None
-        cells = [pct(x and x["average_reward"], x and x.get("average_reward_std"))
+        cells = [_pct(x and x["average_reward"], x and x.get("average_reward_std"))
                  for x in (r["tau2"].get(d) for d in TAU2_TABLE_DOMAINS)]
         n = sum(x["num_episodes"] for x in got)
-        lines.append("| " + " | ".join([r["name"], *cells, pct(avg), pct(invalid), str(n or "–")]) + " |")
+        lines.append("| " + " | ".join([r["name"], *cells, _pct(avg), _pct(invalid), str(n or "–")]) + " |")
     return "\n".join(lines) + "\n"
-
 
 
 def report_plots(runs: list[dict], stem: Path) -> list[Path]:
@@ -173,7 +170,7 @@ def report_plots(runs: list[dict], stem: Path) -> list[Path]:
     if curves:
         fig, ax = plt.subplots(figsize=(6.5, 3.5))
         for r in curves:
-            ax.plot([x["step"] for x in r["curve"]], [x["reward_mean"] for x in r["curve"]], marker=".",
+            ax.plot([x["step"] for x in r["curve"]], [x["reward"] for x in r["curve"]], marker=".",
                     label=r["name"])
         ax.set(xlabel="optimizer step", ylabel="mean reward", title="training reward per step",
                ylim=(-0.02, 1.02))
@@ -201,7 +198,6 @@ def report_plots(runs: list[dict], stem: Path) -> list[Path]:
     return written
 
 
-
 def report(cfg: ReportConfig, folders: list[str]) -> str:
     missing = [f for f in folders if not Path(f).is_dir()]
     if missing:
@@ -222,27 +218,16 @@ def report(cfg: ReportConfig, folders: list[str]) -> str:
     return text
 
 
-
 SANITY_ARMS = (("warmup", "warm-up"), ("rwml", "+ RWML"), ("wm_sft", "+ WM SFT"), ("coin", "+ COIN"))
-
-
-
 SANITY_BASELINES = (("template", "template rule"), ("nothing", "always \"Nothing happens.\""),
                     ("copy", "copy the observation"), ("base", "base model"))
-
-
-
 SANITY_COLUMNS = (("all targets", lambda r: r["wm_accuracy"]),
                   ("the template rule's targets",
                    lambda r: r["per_kind"].get("within_template", {}).get("wm_accuracy")),
                   ("not \"Nothing happens.\"", lambda r: r["per_kind"]["change"]["wm_accuracy"]),
                   ("beyond the template rule", lambda r: r["per_kind"]["beyond_template"]["wm_accuracy"]),
                   ("mean cosine", lambda r: r["mean_cosine"]))
-
-
-
 MIN_RATE_N = 10  # a kind with fewer held-out triplets is listed, not quoted as a rate
-
 
 
 def _spread(xs: list[float], fmt: str = ".3f") -> str:
@@ -254,12 +239,9 @@ def _spread(xs: list[float], fmt: str = ".3f") -> str:
     return f"{statistics.fmean(xs):{fmt}} ± {sd:.3f} ({' / '.join(f'{x:{fmt}}' for x in xs)})"
 
 
-
 def variant_arms(seeds: list[Path]) -> list[tuple[str, str]]:
     """sanity.sh's VARIANTS: RWML runs with other flags (seed*/rwml_<name>), each labelled by the flags in
     which its config differs from the same seed's RWML run."""
-    from plumbing import RESUME_FREE
-
     def flag(key: str, value) -> str:
         name = key.replace("_", "-")
         if isinstance(value, bool):
@@ -280,7 +262,6 @@ def variant_arms(seeds: list[Path]) -> list[tuple[str, str]]:
     return arms
 
 
-
 def nothing_rates(rows: list[dict], G: int) -> tuple[float | None, float | None, float, float]:
     """From a GRPO run's metrics rows: the share of "Nothing happens." predictions on "Nothing happens."
     targets and on the other targets, and the advantage those predictions got, summed over the run, in
@@ -298,15 +279,13 @@ def nothing_rates(rows: list[dict], G: int) -> tuple[float | None, float | None,
     return rate[True], rate[False], push[True], push[False]
 
 
-
 def filter_rows(seeds: list[Path]) -> list[str]:
     """The easy filter against the target mix, per seed: how many triplets, and how many of them have a
     "Nothing happens." target, in the collection, the warm-up's split, the RWML split and what the filter
     kept; the warm-up's mean easiness of those targets and of the rest."""
     lines = []
     for d in seeds:
-        meta, rows = d / "filter" / "filter.json", read_jsonl(d / "filter" / "easiness.jsonl") \
-            if (d / "filter" / "easiness.jsonl").is_file() else []
+        meta, rows = d / "filter" / "filter.json", read_jsonl(d / "filter" / "easiness.jsonl")
         if not rows or not meta.is_file():
             continue
         info = json.loads(meta.read_text())
@@ -338,15 +317,12 @@ def filter_rows(seeds: list[Path]) -> list[str]:
             "easiness, other | tau_easy |", "|---|---|---|---|---|---|---|---|", *lines, ""]
 
 
-
 def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = None) -> str:
     """The tables of `sanity.sh`, from its run folder: per held-out kind, the content-free baselines, the
     base model, and per arm the mean ± sd over the independent seeds (each seed's value in brackets), the
     paired RWML - warm-up gain, accuracy per observation kind; then the training diagnostics: the easy
     filter's target mix and the "Nothing happens." predictions step by step (the drift, README). `png`: the
     GRPO arms' held-out curves (their --eval-steps rows) per seed and mean ± sd."""
-    from train import HELDOUT_KINDS
-
     seeds = sorted(folder.glob("seed*"), key=lambda p: int(p.name[4:]))
     if not seeds:
         raise UserError(f"no seed*/ folders in {folder}: run sanity.sh first")
@@ -466,9 +442,9 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
             zero = f"{statistics.fmean(zs):.2f}" if zs else "–"
             label = "" if arm == "rwml" else f" ({name[len('+ RWML, '):]})"
             on, off, push = drift(rw, G)
-            lines.append(f"| {d.name[4:]}{label} | {quarters(rw, 'reward_mean')} | "
+            lines.append(f"| {d.name[4:]}{label} | {quarters(rw, 'reward')} | "
                          f"{quarters(rw, 'nothing_share')} | {on} | {off} | {zero} | {mixed_nothing(rw)} | "
-                         f"{push} | {quarters(coin, 'reward_mean') if arm == 'rwml' else '–'} |")
+                         f"{push} | {quarters(coin, 'reward') if arm == 'rwml' else '–'} |")
     if png is not None:
         curves = {name: [[(r["step"], r["eval_wm_accuracy"]) for r in read_jsonl(d / arm / "metrics.jsonl")
                           if "eval_wm_accuracy" in r] for d in seeds]
@@ -479,10 +455,8 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
     return "\n".join(lines) + "\n"
 
 
-
 AGENT_ARMS = (("base", "base"), ("rwml", "RWML"), ("policy", "policy RL"),
               ("rwml_policy", "RWML + policy RL"), ("wm_sft_policy", "WM SFT + policy RL"))
-
 
 
 def agent_report(folder: Path, png: Path | None = None) -> str:
@@ -494,6 +468,7 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
     seeds = sorted(folder.glob("seed*/"), key=lambda d: int(d.name[4:]) if d.name[4:].isdigit() else -1)
     if not seeds:
         raise UserError(f"no seed*/ folders in {folder}: run agent_sanity.sh first")
+
     def pct(xs: list[float]) -> str:  # one value as it is; over seeds "mean ± sd (each seed)"
         xs = [100 * x for x in xs]
         if len(xs) < 2:
@@ -517,7 +492,7 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
     def curve(d: Path, start: Path) -> list[dict]:
         """Dev success against step: step 0 the start's evaluation, the last step the run's final one (both on
         the table's games), any --eval-steps rows of the run in between (on its --eval-games)."""
-        rows = read_jsonl(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
+        rows = read_jsonl(d / "metrics.jsonl")
         last = max((r["step"] for r in rows if "step" in r), default=None)
         final = split_rate(d / "eval_agent.json", "dev")
         between = [r for r in rows if "eval_success" in r and (final is None or r["step"] < last)]
@@ -564,7 +539,6 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-
 def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], png: Path, *, xlabel: str, ylabel: str,
                 title: str) -> bool:
     """Held-out score against step, per arm: each seed's curve (thin) and, at the steps every seed has, their
@@ -599,46 +573,35 @@ def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], png: Path, *, 
     return True
 
 
-REPORTS = dict(report="the report table of run folders (METHOD.md §9's table), plots beside it",
-               sanity="the stage-1 sanity table of lab/sanity.sh's run folder",
-               **{"agent-table": "the agent table of lab/agent_sanity.sh's run folder"})
+REPORTS = {  # name -> its line in --help, its config, its positional arguments
+    "report": ("the report table of run folders (METHOD.md §9's table), plots beside it", ReportConfig,
+               {"runs": dict(nargs="+", help="run folders, one row each, in this order")}),
+    "sanity": ("the stage-1 sanity table of lab/sanity.sh's run folder", SanityConfig,
+               {"run": dict(help="the run folder of sanity.sh (runs/sanity)")}),
+    "agent-table": ("the agent table of lab/agent_sanity.sh's run folder", AgentTableConfig,
+                    {"run": dict(help="the run folder of agent_sanity.sh (runs/agent_sanity)")})}
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["-h"], ["--help"]):
-        commands_help("lab/reports.py", REPORTS, "REPORT", "`lab/reports.py REPORT --help`: its flags")
+        commands_help("lab/reports.py", {k: v[0] for k, v in REPORTS.items()}, "REPORT",
+                      "`lab/reports.py REPORT --help`: its flags")
     if not argv or argv[0] not in REPORTS:
         raise UserError(f"usage: python lab/reports.py {{{','.join(REPORTS)}}} [flags]")
-    command = argv[0]
-    if command == "sanity":
-        cfg, rest = parse_config(SanityConfig, argv[1:], prog="lab/reports.py sanity",
-                                 positional={"run": dict(help="the run folder of sanity.sh (runs/sanity)")})
-        check_writable(Path(cfg.out), folder=False)
-        text = sanity_report(Path(rest["run"]), cfg.split,
-                             Path(cfg.out).with_name(Path(cfg.out).stem + "_curve.png"))
-        Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(Path(cfg.out), text)
-        print(text + f"-> {cfg.out}")
-        return
-    if command == "agent-table":
-        cfg, rest = parse_config(AgentTableConfig, argv[1:], prog="lab/reports.py agent-table",
-                                 positional={"run": dict(help="the run folder of agent_sanity.sh "
-                                                              "(runs/agent_sanity)")})
-        out = Path(cfg.out)
-        check_writable(out, folder=False)
-        text = agent_report(Path(rest["run"]), out.with_name(out.stem + "_curve.png"))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(out, text)
-        print(text + f"-> {out} (+ {out.stem}_curve.png)")
-        return
+    command, (_, config_cls, positional) = argv[0], REPORTS[argv[0]]
+    cfg, rest = parse_config(config_cls, argv[1:], prog=f"lab/reports.py {command}", positional=positional)
+    out = Path(cfg.out)
+    check_writable(out, folder=False)
     if command == "report":
-        cfg, rest = parse_config(ReportConfig, argv[1:], prog="lab/reports.py report",
-                                 positional={"runs": dict(nargs="+",
-                                                          help="run folders, one row each, in this order")})
-        check_writable(Path(cfg.out), folder=False)
         print(report(cfg, rest["runs"]) + f"-> {cfg.out}")
         return
+    curve = out.with_name(out.stem + "_curve.png")
+    text = (sanity_report(Path(rest["run"]), cfg.split, curve) if command == "sanity"
+            else agent_report(Path(rest["run"]), curve))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, text)
+    print(text + f"-> {cfg.out}" + (f" (+ {curve.name})" if command == "agent-table" else ""))
 
 
 if __name__ == "__main__":

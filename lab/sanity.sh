@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # RWML learning on the bundled 135M model, measured over independent seeds (make sanity):
-#   bash sanity.sh                  ->  $OUT/sanity_valid_unseen.md (and results/ when OUT is the default)
-#   SPLIT=valid_seen bash sanity.sh     the same runs scored on the development split, where settings are chosen
+#   bash lab/sanity.sh                  ->  $OUT/sanity_valid_unseen.md (and lab/results/ when OUT is the default)
+#   SPLIT=valid_seen bash lab/sanity.sh     the same runs scored on the development split, where settings are chosen
 #                                       (training does not depend on the split: a second split only scores)
 # The test set, the same for every seed (paired comparison): HELD_GAMES games of SPLIT (valid_unseen, the test
 # split, by default), as two kinds of triplets: `explore` (the collection policy's, played once with seed 0)
@@ -12,7 +12,7 @@
 # Jobs go JOBS at a time, one thread each, in one queue (jobs.sh). Logs: $OUT/logs/.
 # Reruns keep what is done.
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."  # the repo root: train.py, eval.py, .venv, runs/
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/sanity}
 SPLIT=${SPLIT:-valid_unseen}
@@ -38,7 +38,7 @@ case " $SKIP " in *" coin "*) COIN_SEEDS="" ;; esac
 KINDS="explore purposeful"
 H=$OUT/$SPLIT  # the held-out sets and every score on them
 LOGS=$OUT/logs
-source ./jobs.sh  # in_parallel
+source lab/jobs.sh  # in_parallel
 score() {  # score NAME SEED OUT_STEM [eval.py flags]: held-out world-model accuracy on both kinds
     local name=$1 seed=$2 stem=$3 kind; shift 3
     case " $SKIP " in *" $name "*) echo "$name: not scored (SKIP)"; return ;; esac
@@ -101,5 +101,6 @@ for s in $SEEDS; do
     done
 done
 in_parallel "${jobs[@]}" "${train[@]}" "${evals[@]}"
-$PY eval.py sanity "$OUT" --split "$SPLIT" --out "$OUT/sanity_$SPLIT.md"
-[ "$OUT" = runs/sanity ] && cp "$OUT/sanity_$SPLIT.md" "$OUT"/sanity_${SPLIT}_curve.png results/ 2>/dev/null || true
+$PY lab/reports.py sanity "$OUT" --split "$SPLIT" --out "$OUT/sanity_$SPLIT.md"
+study=lab/results/stage1_test_table; [ "$SPLIT" = valid_unseen ] || study=lab/results/stage1_dev_recipe
+[ "$OUT" = runs/sanity ] && cp "$OUT/sanity_$SPLIT.md" "$OUT"/sanity_${SPLIT}_curve.png $study/ 2>/dev/null || true

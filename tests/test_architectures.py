@@ -116,13 +116,13 @@ def test_shared_prefill_sampling_equals_plain_generate(arch, temperature):
 
 
 def test_a_growing_cache_decodes_as_the_plain_one(arch):
-    """`engine.growing_cache` (keys and values written into buffers in place) gives the logits of transformers'
-    own cache, step by step, also when its room runs out (headroom 2: a new buffer every other step), and
-    single-prompt sampling (its own cache) is plain generate's token for token."""
+    """`engine.growing_cache` (keys and values written into buffers in place) gives the logits of
+    transformers' own cache, step by step, also when its room runs out (headroom 2: a new buffer every other
+    step), and single-prompt sampling (its own cache) is plain generate's token for token."""
     name, folder = arch
     model, tok = engine.load_model(folder, device="cpu")
-    batch = tok([engine.chat(tok, p, rwml.WM_SYSTEM, rwml.WM_PREFIX) for p in PROMPTS[:2]], return_tensors="pt",
-                padding=True, add_special_tokens=False)
+    batch = tok([engine.chat(tok, p, rwml.WM_SYSTEM, rwml.WM_PREFIX) for p in PROMPTS[:2]],
+                return_tensors="pt", padding=True, add_special_tokens=False)
     steps = []
     for grow in (False, True):
         from transformers import DynamicCache
@@ -220,7 +220,8 @@ def test_stage1_and_stage2_steps_then_the_saved_adapter_reloads(arch, tmp_path):
         num_generations=2, max_completion_length=8, beta=0.1, learning_rate=1e-2), num_envs=4)
     assert res["num_turns"] == 4 and res["trained_turns"] == 4 and not res["updates"][0]["skipped"]
 
-    roll = engine.sample_chat(model, tok, PROMPTS, prefix=envs.AGENT_PREFIX, max_new_tokens=8, temperature=0.0)
+    roll = engine.sample_chat(model, tok, PROMPTS, prefix=envs.AGENT_PREFIX, max_new_tokens=8,
+                              temperature=0.0)
     args = roll.input_ids, roll.attention_mask, roll.completion_mask
     with torch.no_grad():
         want = engine.completion_logprobs(model, *args)
@@ -253,8 +254,8 @@ def test_a_projection_that_misses_the_architectures_logits_falls_back_to_the_pla
         logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
         return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
-    monkeypatch.setattr(rwml, "_chunk_logps", uncapped)
-    monkeypatch.setattr(rwml, "_SAID", set())
+    monkeypatch.setattr(engine, "_chunk_logps", uncapped)
+    monkeypatch.setattr(engine, "_SAID", set())
     model, tok = load(gemma2)
     torch.manual_seed(1)
     roll = engine.sample_chat(model, tok, PROMPTS, system=rwml.WM_SYSTEM, prefix=rwml.WM_PREFIX, n=3,
@@ -293,7 +294,7 @@ def test_a_cache_that_does_not_repeat_falls_back_to_whole_rows(gemma2, monkeypat
         raise NotImplementedError("no repeat here")
 
     monkeypatch.setattr(DynamicCache, "batch_repeat_interleave", unsupported)
-    monkeypatch.setattr(rwml, "_SAID", set())
+    monkeypatch.setattr(engine, "_SAID", set())
     model, tok = load(gemma2)
     assert engine.fast_paths(model) == engine.FastPaths(head=True, shared_prompt=False)
     assert "no shared prompt cache" in capsys.readouterr().out

@@ -61,10 +61,6 @@ def test_choice_probabilities_sum_to_one_and_equal_one_forward_per_candidate(lor
     trained = rwml.batch_logprobs(model, batch, cfg)
     assert trained.shape == (2, 1) and trained.requires_grad
     assert torch.allclose(trained.detach()[:, 0], want[[3, 0]], atol=1e-3)
-    # length-normalised scores: the mean of the same token log-probs
-    with torch.no_grad():
-        mean = choose.candidate_scores(model, prompt_ids, cands, length_norm=True)
-    assert torch.allclose(mean, naive / torch.tensor([len(c) for c in cands]), atol=1e-5)
 
 
 def choose_turns(tiny_model, env_name="alfworld", games=None, episodes_per_game=2, max_turns=3,
@@ -232,7 +228,7 @@ def test_policy_stage_in_choose_mode_on_textworld_with_its_learning_curve(tiny_m
                 "--max-steps", "2", "--beta", "0.1", "--num-workers", "0", "--eval-steps", "1",
                 "--eval-on-start", "--eval-games", "2", "--out", str(tmp_path / "policy")])
     rows = train.read_jsonl(tmp_path / "policy" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2] and "reward_mean" not in rows[0]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "reward" not in rows[0]
     assert all(r["invalid_action_rate"] == 0 and r["trained_turns"] == r["num_turns"] for r in rows[1:])
     assert all(0 <= r["eval_success"] <= 1 and r["eval_invalid"] == 0 for r in rows)
     episodes = train.read_jsonl(tmp_path / "policy" / "eval_episodes.jsonl")
@@ -277,8 +273,8 @@ def test_agent_table_gives_each_arm_and_the_spread_over_seeds_and_draws_the_curv
         for arm in ("policy", "rwml_policy", "wm_sft_policy"):
             d = tmp_path / f"seed{s}" / arm
             d.mkdir(parents=True)
-            rows = [dict(step=1, reward_mean=0.1), dict(step=2, reward_mean=0.2, eval_success=mid),
-                    dict(step=4, reward_mean=0.3, eval_success=end)]
+            rows = [dict(step=1, reward=0.1), dict(step=2, reward=0.2, eval_success=mid),
+                    dict(step=4, reward=0.3, eval_success=end)]
             (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             (d / "eval_agent.json").write_text(_agent_eval(dict(test=(test, 0.0, 10, 10))))
     png = tmp_path / "curve.png"
@@ -296,7 +292,7 @@ def test_agent_table_gives_each_arm_and_the_spread_over_seeds_and_draws_the_curv
         (d / "eval_agent.json").write_text(_agent_eval(dict(dev=(0.25, 0.0, 20, 20),
                                                             test=(0.5, 0.0, 20, 20))))
     drawn = {}
-    monkeypatch.setattr(evaluate, "plot_curves", lambda curves, png, **kw: drawn.update(curves))
+    monkeypatch.setattr(reports, "plot_curves", lambda curves, png, **kw: drawn.update(curves))
     text = reports.agent_report(tmp_path, png)
     assert sorted(drawn["policy RL"]) == [[(0, 5.0), (2, 100 * m), (4, 25.0)] for m in (0.1, 0.2, 0.3)]
     # no final dev: the rows

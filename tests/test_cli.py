@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import plumbing
 import train
 from envs import UserError
 
@@ -61,7 +62,7 @@ def test_help_lists_the_stages_and_every_field_under_some_stage(capsys):
     top = help_text(train.main, ["--help"], capsys)
     assert all(f"{stage} {line}" in top for stage, line in train.STAGES.items())
     shown = " ".join(help_text(train.main, [stage, "--help"], capsys) for stage in train.STAGES)
-    for f in train.dataclasses.fields(train.Config):
+    for f in train.dataclasses.fields(train.Settings):
         assert "--" + f.name.replace("_", "-") + " " in shown
 
 
@@ -82,8 +83,8 @@ def test_stage_help_shows_the_fields_it_reads(capsys):
 def test_hidden_fields_still_parse():
     import train
 
-    cfg, _ = train.parse_config(train.Config, ["--beta", "0.5"], prog="train.py collect",
-                                shown=train.stage_fields("collect"))
+    cfg, _ = plumbing.parse_config(train.Settings, ["--beta", "0.5"], prog="train.py collect",
+                                   shown=plumbing.stage_fields(train.Settings, "collect"))
     assert cfg.beta == 0.5
 
 
@@ -91,10 +92,10 @@ def test_none_sets_an_optional_field_to_none():
     import train
 
     argv = ["--eval-split", "none", "--num-games", "None", "--filter-seed", "3"]
-    cfg, _ = train.parse_config(train.Config, argv, prog="train.py")
+    cfg, _ = plumbing.parse_config(train.Settings, argv, prog="train.py")
     assert cfg.eval_split is None and cfg.num_games is None and cfg.filter_seed == 3
     with pytest.raises(SystemExit):  # anything else is still an int, or argparse's one-line error
-        train.parse_config(train.Config, ["--filter-seed", "nothing"], prog="train.py")
+        plumbing.parse_config(train.Settings, ["--filter-seed", "nothing"], prog="train.py")
 
 
 def test_eval_help_lists_the_commands(capsys):
@@ -149,7 +150,8 @@ def test_log_row_sends_train_and_eval_numbers_to_either_tracker(tmp_path):
     with open(tmp_path / "metrics.jsonl", "w") as f:
         train.log_row(f, Board(), row)
         train.log_row(f, Run(), row)
-    assert calls == [("tb", "eval/success", 0.25, 3), ("tb", "train/reward", 0.5, 3),  # TRL's name only
+    assert calls == [("tb", "train/reward", 0.5, 3), ("tb", "eval/success", 0.25, 3),  # TRL's name only
                      ("wandb", {"eval/success": 0.25, "train/reward": 0.5}, 3)]
-    # both names in the file
-    assert train.read_jsonl(tmp_path / "metrics.jsonl") == [dict(row, reward=0.5)] * 2
+    # TRL's name in the file too
+    assert train.read_jsonl(tmp_path / "metrics.jsonl") == [dict(step=3, reward=0.5, eval_success=0.25,
+                                                                 sample="text")] * 2

@@ -104,7 +104,7 @@ def test_eval_with_a_peft_adapter(tiny_model, tmp_path):
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
                                 LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     peft_model.save_pretrained(tmp_path / "adapter")
-    model, _ = train.rwml.load_model(tiny_model, adapter=str(tmp_path / "adapter"))
+    model, _ = train.engine.load_model(tiny_model, adapter=str(tmp_path / "adapter"))
     assert isinstance(model, PeftModel)
     out = tmp_path / "r.json"
     evaluate.main(["agent", "--model", tiny_model, "--adapter", str(tmp_path / "adapter"), "--num-games", "1",
@@ -117,7 +117,7 @@ def test_exploration_draws_by_kind_and_never_asks_the_model(tiny_model, tmp_path
     asked); each triplet says so, and the next observations are the game's own answers to those commands."""
     import rwml
 
-    monkeypatch.setattr(rwml, "sample", lambda *a, **k: pytest.fail("the model was asked"))
+    monkeypatch.setattr(rwml, "sample_chat", lambda *a, **k: pytest.fail("the model was asked"))
     trips, eps = collect(tiny_model, tmp_path, "--explore-prob", "1")
     assert len(trips) == 12 and all(t["explored"] and t["valid"] and t["response"] == "" for t in trips)
     assert all(e["explored"] == e["steps"] for e in eps)

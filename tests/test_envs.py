@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 
 import envs
-from envs import EnvPool, Game, UserError, list_games
+import gamepool
+from envs import Game, UserError, list_games
+from gamepool import EnvPool
 
 
 def walkthrough(game):
@@ -67,7 +69,7 @@ def test_step_budget_and_invalid_actions():
 
 
 def trace(cache, games):
-    envs.use_engine_cache(cache)
+    gamepool.use_engine_cache(cache)
     try:
         game, out = Game(max_turns=100), []
         for path in games:
@@ -76,7 +78,7 @@ def trace(cache, games):
             out.append(game.reset(path))  # a repeated reset hits the cached translation
         return out
     finally:
-        envs.use_engine_cache(False)
+        gamepool.use_engine_cache(False)
 
 
 def test_cached_engine_matches_stock_engine():

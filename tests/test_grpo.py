@@ -119,7 +119,8 @@ def test_chunked_logprobs_and_gradients_match_naive(tiny):
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     grads = []
     for fn in (lambda: engine.completion_logprobs(model, ids, attn, cmask, chunk_size=5),
-               lambda: naive_logprobs(model, ids, attn, cmask)):
+               lambda: naive_logprobs(model, ids, attn, cmask),
+               lambda: rwml.logprobs(model, ids, attn, cmask)):  # the plain definition in rwml.py §5
         model.zero_grad()
         lp = fn()
         w = rwml.token_weights(cmask, "grpo", 12)
@@ -127,11 +128,11 @@ def test_chunked_logprobs_and_gradients_match_naive(tiny):
         loss.backward()
         grads.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                                     if p.requires_grad}))
-    (lp_a, g_a), (lp_b, g_b) = grads
-    assert torch.allclose(lp_a, lp_b, atol=1e-5)
+    (lp_a, g_a), *others = grads
+    for lp_b, g_b in others:
+        assert torch.allclose(lp_a, lp_b, atol=1e-5)
+        assert all(torch.allclose(g_a[n], g_b[n], atol=1e-6, rtol=1e-4) for n in g_a)
     assert (lp_a[cmask.bool()] < 0).all() and (lp_a[~cmask.bool()] == 0).all()
-    for n in g_a:
-        assert torch.allclose(g_a[n], g_b[n], atol=1e-6, rtol=1e-4), n
     assert any(g.abs().sum() > 0 for g in g_a.values())
 
 
@@ -206,12 +207,12 @@ def test_kl_is_zero_against_itself_and_positive_against_another_policy(tiny_mode
     model, tok = lora_model(seed=0, std=0.3)
     model.save_pretrained(tmp_path / "start")
     base, tok = engine.load_model(tiny_model)
-    model = train.start_adapter(train.Config(), base, tmp_path / "start")
+    model = train.start_adapter(train.Settings(), base, tmp_path / "start")
     roll = rollout(model, tok)
     batch = rwml.Batch(input_ids=roll.input_ids, attention_mask=roll.attention_mask,
                        completion_mask=roll.completion_mask, advantages=torch.zeros(4),
                        weights=rwml.token_weights(roll.completion_mask, "grpo", 12))
-    cfg = train.Config(beta=0.1, micro_batch_size=4)
+    cfg = train.Settings(beta=0.1, micro_batch_size=4)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     assert rwml.grpo_update(model, opt, batch, cfg)[0]["kl"] == 0.0  # reference = the frozen start adapter
     args = roll.input_ids, roll.attention_mask, roll.completion_mask
@@ -383,8 +384,8 @@ def test_a_stop_string_ends_the_mask_and_padding_is_never_trained(tiny_model):
     model, tok = engine.load_model(tiny_model)
     assert tok.pad_token_id == tok.eos_token_id
     torch.manual_seed(0)
-    roll = engine.sample(model, tok, [engine.chat(tok, "go to desk 1")] * 8, max_new_tokens=40, temperature=1.0,
-                       stop="e")
+    roll = engine.sample(model, tok, [engine.chat(tok, "go to desk 1")] * 8, max_new_tokens=40,
+                         temperature=1.0, stop="e")
     stopped = [j for j, t in enumerate(roll.texts) if t.endswith("e")]
     assert stopped, "no row sampled an 'e' in 40 bytes"
     for j in stopped:

@@ -25,17 +25,17 @@ def purposeful():
 
 
 def test_heldout_games_are_disjoint_from_train_games():
-    cfg = train.Config()
+    cfg = train.Settings()
     train.check_heldout(cfg)  # the defaults: train games vs the test split
     held = {envs.game_id(g) for g in envs.list_games(cfg.heldout_split, cfg.heldout_games, 0)}
     for seed in range(3):
-        games = {envs.game_id(g) for g in train.split_games(train.Config(seed=seed))}
+        games = {envs.game_id(g) for g in train.split_games(train.Settings(seed=seed))}
         assert not games & held and len(games) == cfg.num_games
     assert cfg.heldout_split == "valid_unseen"  # the default run reports on the test split
     with pytest.raises(UserError, match="shares 16 games with the train games"):
-        train.check_heldout(train.Config(heldout_split="train", heldout_games=16))
+        train.check_heldout(train.Settings(heldout_split="train", heldout_games=16))
     with pytest.raises(UserError, match="--heldout-split valid_seen shares"):
-        train.check_heldout(train.Config(split="valid_seen", heldout_split="valid_seen"))
+        train.check_heldout(train.Settings(split="valid_seen", heldout_split="valid_seen"))
 
 
 def test_template_rule_writes_the_games_sentences():
@@ -142,7 +142,7 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
         (d / "rwml" / "config.json").write_text(json.dumps(dict(beta=0.1, stratify_prompts=False, out="x",
                                                                 num_generations=4)))
         # per step: 1 of the arrival group's 4 predictions and 2 of the "Nothing happens." group's say it
-        rows = [dict(reward_mean=x, frac_reward_zero_std=0.5, nothing_share=x,
+        rows = [dict(reward=x, frac_reward_zero_std=0.5, nothing_share=x,
                      target_kinds=["arrive", "nothing_happens"],
                      group_rewards=[0.5, 0.25 if s else 1.0], group_nothing=[1, 2] if x < 0.25 else [0, 3],
                      group_nothing_advantage=[-0.5, 1.0]) for x in (0.1, 0.2, 0.3, 0.4)]
@@ -171,7 +171,7 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
     (strat / "config.json").write_text(json.dumps(dict(beta=0.1, stratify_prompts=True, out="y",
                                                        num_generations=4)))
     (strat / "metrics.jsonl").write_text(json.dumps(dict(
-        reward_mean=0.3, frac_reward_zero_std=0.25, nothing_share=0.2, target_kinds=["nothing_happens"],
+        reward=0.3, frac_reward_zero_std=0.25, nothing_share=0.2, target_kinds=["nothing_happens"],
         group_rewards=[0.5])) + "\n")
     for kind in train.HELDOUT_KINDS:
         (held / "seed0" / f"eval_rwml_strat_{kind}.json").write_text(json.dumps(_wm(0.6, 0.6, 0.6, kinds)))
@@ -191,7 +191,7 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
     kl = tmp_path / "seed1" / "rwml_kl"  # VARIANTS="kl=--beta 1.0" VARIANT_SEEDS=1
     kl.mkdir()
     (kl / "config.json").write_text(json.dumps(dict(beta=1.0, stratify_prompts=False, out="z")))
-    (kl / "metrics.jsonl").write_text(json.dumps(dict(reward_mean=0.2, frac_reward_zero_std=0.5,
+    (kl / "metrics.jsonl").write_text(json.dumps(dict(reward=0.2, frac_reward_zero_std=0.5,
                                                       nothing_share=0.1, target_kinds=["arrive"],
                                                       group_rewards=[0.5])) + "\n")
     for kind in train.HELDOUT_KINDS:

@@ -144,7 +144,7 @@ def test_one_update_stays_within_its_memory_bound(wide_model, job):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "bench" / "memory.py"
+    script = Path(__file__).resolve().parent.parent / "lab" / "bench" / "memory.py"
     r = subprocess.run([sys.executable, str(script), "--arm", f"{job}:ours", "--model", wide_model],
                        capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-2000:]

@@ -18,8 +18,8 @@ import torch
 
 import engine
 import envs
+import gamepool
 import plumbing
-import rwml
 import train
 import worlds
 from plumbing import read_jsonl
@@ -98,10 +98,10 @@ ROOT = Path(__file__).resolve().parent.parent
 POOL_SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})
-import envs, train
+import envs, gamepool, train
 
 def main():
-    with envs.EnvPool(2) as pool:
+    with gamepool.EnvPool(2) as pool:
         pool.reset({{0: envs.list_games("valid_seen", 1)[0]}})
         print(*[p.pid for p in pool.procs], flush=True)
         time.sleep(600)
@@ -184,7 +184,7 @@ def time_limit(seconds: int):
                                        (signal.SIGSTOP, "no answer in 2 s")])
 def test_a_dead_or_hung_worker_is_named_in_one_line(sig, what):
     game = envs.list_games("valid_seen", 1)[0]
-    with envs.EnvPool(num_workers=2) as pool:
+    with gamepool.EnvPool(num_workers=2) as pool:
         pool.reset({0: game, 1: game})  # loading a game takes seconds; a step, milliseconds
         pool.timeout = 2
         victim = pool.procs[1]
@@ -201,7 +201,7 @@ def test_a_dead_or_hung_worker_is_named_in_one_line(sig, what):
 
 
 def test_game_reset_keeps_sys_argv(monkeypatch):
-    envs.use_engine_cache(False)  # the stock engine translates the PDDL at every reset
+    gamepool.use_engine_cache(False)  # the stock engine translates the PDDL at every reset
     monkeypatch.setattr(sys, "argv", ["my_tool.py", "--flag"])
     game = envs.Game()
     for path in envs.list_games("valid_seen", 2, seed=5):  # textworld.start, then env.load
@@ -212,7 +212,7 @@ def test_game_reset_keeps_sys_argv(monkeypatch):
 # ----------------------------------------------------------------------------- checkpoints and resume
 
 def wm_config(tiny_model, **kw):
-    return train.Config(model=tiny_model, prompts_per_step=2, num_generations=2, max_completion_length=6,
+    return train.Settings(model=tiny_model, prompts_per_step=2, num_generations=2, max_completion_length=6,
                         micro_batch_size=2, log_completions_steps=1, **kw)
 
 
@@ -349,8 +349,8 @@ def nothing_slow(monkeypatch):
 
     import eval as evaluate
 
-    for owner, name in ((rwml, "load_model"), (train, "make_reward"), (train, "filter_triplets"),
-                        (envs, "EnvPool"), (evaluate, "make_reward")):
+    for owner, name in ((engine, "load_model"), (train, "make_reward"), (train, "filter_triplets"),
+                        (gamepool, "EnvPool"), (evaluate, "make_reward")):
         monkeypatch.setattr(owner, name, slow)
 
 

@@ -13,9 +13,9 @@ import pytest
 
 import engine
 import envs
+import gamepool
 import eval as evaluate
 import plumbing
-import rwml
 import train
 import worlds
 from plumbing import read_jsonl
@@ -31,8 +31,8 @@ def nothing_slow(monkeypatch):
     def slow(*_, **__):
         pytest.fail("slow work started before the input was checked")
 
-    for owner, name in ((rwml, "load_model"), (train, "make_reward"), (train, "filter_triplets"),
-                        (envs, "EnvPool"), (evaluate, "make_reward")):
+    for owner, name in ((engine, "load_model"), (train, "make_reward"), (train, "filter_triplets"),
+                        (gamepool, "EnvPool"), (evaluate, "make_reward")):
         monkeypatch.setattr(owner, name, slow)
 
 
@@ -122,14 +122,14 @@ def test_resume_falls_back_to_the_last_whole_checkpoint(wm_run, tmp_path):
 
 
 def test_a_damaged_warmup_adapter_is_made_again_not_reused(tiny_model, transitions, tmp_path, capsys):
-    cfg = train.Config(model=tiny_model, easy_filter=False, sft_epochs=1)
+    cfg = train.Settings(model=tiny_model, easy_filter=False, sft_epochs=1)
     trips, load = train.read_transitions(transitions), lambda: engine.load_model(tiny_model)
     _, warm = train.filter_triplets(cfg, trips, tmp_path, load, None)
     damage(warm / "adapter_model.safetensors", "truncated")
     capsys.readouterr()
     _, warm = train.filter_triplets(cfg, trips, tmp_path, load, None)
     assert ("reusing" not in capsys.readouterr().out
-            and train.file_problem(warm / "adapter_model.safetensors") is None)
+            and plumbing.file_problem(warm / "adapter_model.safetensors") is None)
 
 
 # ----------------------------------------------------------------------------- --resume: the same run
@@ -183,8 +183,8 @@ def lock_is_free(out: Path) -> bool:
 HOLDER = """
 import sys, time
 sys.path.insert(0, {root!r})
-import envs, train
-envs.EnvPool = lambda *a, **k: time.sleep(600)  # a collection that holds its folder, playing
+import gamepool, train
+gamepool.EnvPool = lambda *a, **k: time.sleep(600)  # a collection that holds its folder, playing
 train.main(["collect", "--model", {model!r}, "--num-games", "1", "--num-workers", "1", "--out", {out!r}])
 """
 
@@ -257,7 +257,7 @@ def test_a_damaged_game_file_is_named(tmp_path):
     copy = tmp_path / game.parent.parent.name / game.parent.name
     shutil.copytree(game.parent, copy)
     damage(copy / "game.tw-pddl", "truncated")
-    with envs.EnvPool(num_workers=1) as pool, pytest.raises(envs.UserError) as e:
+    with gamepool.EnvPool(num_workers=1) as pool, pytest.raises(envs.UserError) as e:
         pool.reset({0: str(copy / "game.tw-pddl")})
     assert one_line(e).startswith(f"game file {copy / 'game.tw-pddl'} does not load (")
     assert "it may be damaged" in str(e.value)
@@ -271,7 +271,7 @@ def test_a_utf8_bom_is_accepted(transitions, tmp_path):
     assert train.read_transitions(str(path)) == train.read_transitions(transitions)
     config = tmp_path / "cfg.json"
     config.write_bytes(b"\xef\xbb\xbf" + b'{"num_games": 3}')
-    cfg, _ = train.parse_config(train.Config, ["--config", str(config)], prog="train.py")
+    cfg, _ = plumbing.parse_config(train.Settings, ["--config", str(config)], prog="train.py")
     assert cfg.num_games == 3
 
 
@@ -291,8 +291,8 @@ def agent_result(**kw):
     ("tau2.json", dict(env="tau2", average_reward=0.5, domain="retail"), "tau2.json: num_tasks is missing"),
     ("wm.json", dict(wm_accuracy="high", per_kind={}), "wm.json: wm_accuracy is missing or not a number"),
     ("broken.json", '{"success_rate": 0.', "broken.json does not read as JSON ("),
-    ("metrics.jsonl", '{"step": 1, "reward_mean": 0.5}\n{"step": 2, "reward_mean": "x"}\n',
-     "metrics.jsonl, record 2: reward_mean is missing or not a number"),
+    ("metrics.jsonl", '{"step": 1, "reward": 0.5}\n{"step": 2, "reward": "x"}\n',
+     "metrics.jsonl, record 2: reward is missing or not a number"),
 ])
 def test_report_errors_name_the_file(name, content, message, tmp_path):
     run = tmp_path / "arm"
@@ -344,7 +344,7 @@ def test_no_more_game_workers_than_games(tiny_model, tmp_path, monkeypatch):
         started.append(num_workers)
         raise Started
 
-    monkeypatch.setattr(envs, "EnvPool", pool)
+    monkeypatch.setattr(gamepool, "EnvPool", pool)
     with pytest.raises(Started):
         train.main(["collect", "--model", tiny_model, "--num-games", "1", "--num-workers", "24",
                     "--out", str(tmp_path / "c")])
@@ -404,7 +404,7 @@ def test_the_first_failed_job_of_a_sanity_script_stops_the_others(tmp_path):
     script, late = tmp_path / "s.sh", tmp_path / "survived"
     script.write_text(f"""set -euo pipefail
 LOGS={tmp_path}/logs JOBS=3
-source {ROOT}/jobs.sh
+source {ROOT}/lab/jobs.sh
 in_parallel "broken false" "shell sleep 4 && touch {late}_shell" \\
             "exec_d {sys.executable} -c 'import time; time.sleep(4); open(\\"{late}_exec\\", \\"w\\")'"
 """)

@@ -69,7 +69,7 @@ def test_report_table_from_fixture_jsons(tmp_path):
     (rwml_run / "weights.json").write_text(json.dumps(dict(changed_share=0.0123, per_module={},
                                                            per_layer={})))
     (rwml_run / "config.json").write_text(json.dumps(dict(model="x")))  # not a result: ignored
-    (rwml_run / "metrics.jsonl").write_text("".join(json.dumps(dict(step=i, reward_mean=i / 4)) + "\n"
+    (rwml_run / "metrics.jsonl").write_text("".join(json.dumps(dict(step=i, reward=i / 4)) + "\n"
                                                     for i in range(1, 5)))
     out = tmp_path / "report" / "results.md"
     reports.main(["report", str(base), str(rwml_run), str(empty), "--out", str(out)])

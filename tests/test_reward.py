@@ -1,7 +1,8 @@
 """The sim-to-real reward with the real embedding model (all-MiniLM-L6-v2 from its PyPI wheel)."""
 import pytest
 
-from reward import SimToRealReward, calibrate, parse_next_state, rouge_l
+from calibrate import calibrate  # lab/calibrate.py
+from reward import SimToRealReward, parse_next_state, rouge_l
 
 REAL = ["You arrive at desk 1. On the desk 1, you see a pen 1 and a book 2.",
         "You pick up the mug 1 from the countertop 1."]

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import engine
-import rwml
+import plumbing
 import train
 from plumbing import read_jsonl
 
@@ -26,13 +26,14 @@ def parity_reward(completions, targets):
 def run(tiny_model, transitions, tmp_path_factory):
     """(the run folder, what it printed): one step, the reward a fixed function of the text."""
     out = tmp_path_factory.mktemp("wm")
-    cfg, _ = train.parse_config(train.Config, ARGV[1:] + ["--model", tiny_model, "--out", str(out)], prog="t")
+    cfg, _ = plumbing.parse_config(train.Settings, ARGV[1:] + ["--model", tiny_model, "--out", str(out)],
+                                   prog="t")
     printed = io.StringIO()
     argv, sys.argv = sys.argv, ["train.py", *ARGV, "--model", tiny_model, "--out", str(out)]
     try:
         with contextlib.redirect_stdout(printed):
-            train.train_wm(cfg, train.read_transitions(transitions), out, lambda: engine.load_model(tiny_model),
-                           parity_reward)
+            train.train_wm(cfg, train.read_transitions(transitions), out,
+                           lambda: engine.load_model(tiny_model), parity_reward)
     finally:
         sys.argv = argv
     return out, printed.getvalue()
@@ -84,10 +85,10 @@ def test_adapter_loads_from_a_copy_of_the_run_folder(run, tiny_model, tmp_path):
 def test_bundled_base_is_named_by_its_hub_id(tiny_model, tmp_path, monkeypatch):
     """The bundled model loads from a local conversion cache: the adapter names the Hub model instead."""
     cache = tmp_path / "cache"
-    monkeypatch.setattr(rwml, "MODEL_CACHE", cache)
+    monkeypatch.setattr(engine, "MODEL_CACHE", cache)
     model, _ = engine.load_model(tiny_model)
     model.name_or_path = str(cache / "SmolLM2-135M-Instruct")  # as from_pretrained(the cache) sets it
-    saved = train.save_adapter(engine.add_lora(model, r=4, alpha=8), tmp_path, cfg=train.Config(),
+    saved = train.save_adapter(engine.add_lora(model, r=4, alpha=8), tmp_path, cfg=train.Settings(),
                                stage="wm-sft", data={"triplets": 3})
     assert json.loads((saved / "adapter_config.json").read_text())["base_model_name_or_path"] == \
         "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -102,7 +103,7 @@ def test_bundled_base_is_named_by_its_hub_id(tiny_model, tmp_path, monkeypatch):
 def test_policy_header_says_start_reference_and_games(tiny_model, tmp_path, monkeypatch, capsys):
     """train_policy loads the model through run_stage's `load`, which prints the header once it is there."""
     monkeypatch.setattr(train, "train_policy", lambda cfg, out, load: load())
-    cfg = train.Config(model=tiny_model, init="rwml", adapter="runs/wm/adapter", num_games=3,
+    cfg = train.Settings(model=tiny_model, init="rwml", adapter="runs/wm/adapter", num_games=3,
                        games_per_step=2, num_generations=2, max_steps=5, beta=0.05)
     train.run_stage("policy", cfg, tmp_path, 0.0, None)
     header = capsys.readouterr().out
@@ -116,15 +117,15 @@ def test_card_of_stage_2_and_of_all_says_held_out_before_and_after(tmp_path):
     folder.mkdir()
     (folder / "adapter_config.json").write_text(json.dumps(dict(base_model_name_or_path="org/model")))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
-        dict(step=0, eval_success=0.1), dict(step=1, reward_mean=0.5), dict(step=2, eval_success=0.3)]))
-    train.write_card(folder, train.Config(init="rwml", adapter="runs/wm/adapter", num_games=5, eval_games=10),
-                     "policy")
+        dict(step=0, eval_success=0.1), dict(step=1, reward=0.5), dict(step=2, eval_success=0.3)]))
+    plumbing.write_card(folder, train.Settings(init="rwml", adapter="runs/wm/adapter", num_games=5,
+                                            eval_games=10), "policy")
     card = (folder / "README.md").read_text()
     assert ("# policy RL: multi-turn GRPO on task success (stage 2, METHOD.md §6), "
             "from rwml (runs/wm/adapter)" in card and "- data: train games (alfworld): 5" in card)
     assert "held-out success (greedy, 10 games) by step: 0: 0.100, 2: 0.300" in card
     assert "base_model: org/model" in card and "Q4_1" not in card
-    train.write_card(folder, train.Config(reward_control="coin"), "all", data={train.TRIPLETS_KEPT: 7},
+    plumbing.write_card(folder, train.Settings(reward_control="coin"), "all", data={train.TRIPLETS_KEPT: 7},
                      heldout=["explore: world-model accuracy 0.100 -> 0.200 (48 triplets)"], bundled=True)
     card = (folder / "README.md").read_text()
     assert "# RWML: world-model GRPO" in card and "control COIN" in card and "stage `train.py all`" in card

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import engine
-import rwml
+import plumbing
 import train
 from envs import UserError
 
@@ -25,27 +25,27 @@ def test_4bit_default_reads_the_size_from_the_config(tiny_model, monkeypatch):
     model, _ = engine.load_model(tiny_model)
     assert engine.count_parameters(tiny_model) == sum(p.numel() for p in model.parameters())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert train.use_4bit(train.Config(model=tiny_model)) is False  # a tiny model, even on CUDA
-    monkeypatch.setattr(rwml, "count_parameters", lambda name: 8 * 10**9)
-    assert train.use_4bit(train.Config(model=tiny_model)) is True
-    assert train.use_4bit(train.Config(model=tiny_model, load_in_4bit=False)) is False  # the flag wins
+    assert train.use_4bit(train.Settings(model=tiny_model)) is False  # a tiny model, even on CUDA
+    monkeypatch.setattr(engine, "count_parameters", lambda name: 8 * 10**9)
+    assert train.use_4bit(train.Settings(model=tiny_model)) is True
+    assert train.use_4bit(train.Settings(model=tiny_model, load_in_4bit=False)) is False  # the flag wins
 
 
 def test_mps_is_used_where_there_is_no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    assert rwml.default_device() == "mps"
+    assert engine.default_device() == "mps"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert rwml.default_device() == "cuda"
+    assert engine.default_device() == "cuda"
 
 
 def test_multi_process_launch_needs_trl(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")  # as `accelerate launch --num_processes 2` sets it
     with pytest.raises(UserError, match=r"launched as 2 processes .*add --trainer trl"):
         train.main(["collect", "--num-games", "1", "--out", str(tmp_path)])
-    train.check_single_process(train.Config(trainer="trl"))  # TRL's trainer shares the work
+    plumbing.check_single_process(train.Settings(trainer="trl"))  # TRL's trainer shares the work
     monkeypatch.setenv("WORLD_SIZE", "1")
-    train.check_single_process(train.Config())
+    plumbing.check_single_process(train.Settings())
 
 
 def test_quiet_start_drops_the_two_notes_only(tiny_model, caplog):

@@ -41,7 +41,8 @@ def test_a_perfect_agent_gets_reward_one_from_the_official_grading(domain):
 
 
 def test_missing_the_last_action_or_the_step_budget_gets_reward_zero():
-    task = next(t for t in worlds.tau2_tasks("retail", "test") if len(t.evaluation_criteria.actions or []) >= 2
+    task = next(t for t in worlds.tau2_tasks("retail", "test")
+                if len(t.evaluation_criteria.actions or []) >= 2
                 and t.evaluation_criteria.actions[-1].name.startswith(("exchange", "return", "cancel",
                                                                        "modify")))
     assert play_expected("retail", task, skip_last_write=True).grade()["reward"] == 0.0
@@ -57,8 +58,6 @@ def scripted_pair(monkeypatch, tasks, drop_user_action=None, customer_first=()):
     `customer_first`: the customer's first outputs, whatever they are. One conversation runs at a time
     (num_envs=1), so the agent's script is one queue. Returns the prompts each side saw."""
     import json
-
-    import rwml
 
     script = []
     for task in tasks:
@@ -87,7 +86,8 @@ def scripted_pair(monkeypatch, tasks, drop_user_action=None, customer_first=()):
         return SimpleNamespace(texts=[script.pop(0) if worlds.TAU2_AGENT_SYSTEM in t else customer(t)
                                       for t in texts])
 
-    monkeypatch.setattr(rwml, "sample", fake_sample)
+    for owner in (engine, worlds):  # the agent's replies (engine.sample_chat) and the customer's
+        monkeypatch.setattr(owner, "sample", fake_sample)
     return seen
 
 
@@ -122,7 +122,7 @@ def test_a_scripted_agent_and_customer_pair_gets_reward_one_on_telecom(monkeypat
 
 
 def test_dropping_one_required_user_action_gets_reward_zero(monkeypatch, tiny_model):
-    task = worlds.tau2_tasks("telecom", "test")[0]  # data saver on, roaming off abroad: the customer fixes both
+    task = worlds.tau2_tasks("telecom", "test")[0]  # data saver on, roaming off abroad: the customer fixes it
     assert [a.requestor for a in task.evaluation_criteria.actions] == ["user", "user"]
     for drop in (0, 1):
         summaries, _, _ = play_scripted(monkeypatch, tiny_model, [task], drop_user_action=drop)
@@ -294,8 +294,6 @@ def test_report_shows_the_tau2_average_over_the_three_domains(tmp_path):
     """The paper's tau2 columns: retail, telecom, airline and their AVG over all tasks (weighted by tasks);
     no AVG while a domain is missing; the ALFWorld table is left out when a run has no ALFWorld results."""
     import json
-
-    import eval as evaluate
 
     def tau2_json(domain, reward, tasks, calls, invalid):
         return dict(env="tau2", domain=domain, split="test", average_reward=reward, average_reward_std=0.1,

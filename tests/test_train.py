@@ -28,7 +28,7 @@ def parity_reward(completions, targets):
 
 
 def wm_direct(tiny_model, transitions, out, max_steps, resume=False):
-    cfg = train.Config(model=tiny_model, max_steps=max_steps, save_steps=1, prompts_per_step=2,
+    cfg = train.Settings(model=tiny_model, max_steps=max_steps, save_steps=1, prompts_per_step=2,
                        num_generations=2, max_completion_length=8, micro_batch_size=2, learning_rate=1e-2,
                        beta=0.1, resume=resume)
     train.train_wm(cfg, train.read_transitions(transitions), out, lambda: engine.load_model(tiny_model),
@@ -72,7 +72,7 @@ def test_wm_outputs_peft_adapter_metrics_and_plot(tiny_model, transitions, tmp_p
     assert [r["step"] for r in rows] == [1, 2]
     # as --trainer trl's
     assert all(set(plumbing.WM_METRICS) | {"seconds", "format_rate"} <= r.keys() for r in rows)
-    assert all(r["reward"] == r["reward_mean"] and r["learning_rate"] == r["lr"] for r in rows)
+    assert not any(old in r for r in rows for old in ("reward_mean", "lr", "completion_tokens", "clip_ratio"))
     assert (tmp_path / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"
     assert read_jsonl(tmp_path / "samples.jsonl")
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), tmp_path / "adapter")
@@ -84,7 +84,7 @@ def test_non_finite_loss_skips_the_step(tiny_model, transitions):
     model = engine.add_lora(model, r=4, alpha=8)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    cfg = train.Config(num_generations=2, max_completion_length=6, micro_batch_size=2)
+    cfg = train.Settings(num_generations=2, max_completion_length=6, micro_batch_size=2)
     trips = train.read_transitions(transitions)[:2]
     res = rwml.grpo_step(model, tok, opt, trips, lambda c, t: [math.nan] * len(c), cfg, reasoning=False)
     assert res["updates"][0]["skipped"] and math.isnan(res["updates"][0]["loss"])
@@ -95,7 +95,7 @@ def test_filter_stage_drops_most_easy_triplets_and_logs_the_easy_share(tiny_mode
     """The split, the SFT copy, easiness with a reward that is often 1 (so that easy triplets exist), the
     threshold rule, the keep rule, and the warm-up adapter kept on disk; filter.json logs the real easy
     share."""
-    cfg = train.Config(model=tiny_model, easy_filter=True, filter_samples=4, sft_epochs=1, filter_split=0.2,
+    cfg = train.Settings(model=tiny_model, easy_filter=True, filter_samples=4, sft_epochs=1, filter_split=0.2,
                        max_completion_length=6)
     trips = train.read_transitions(transitions)
     kept, warm = train.filter_triplets(cfg, trips, tmp_path, lambda: engine.load_model(tiny_model),
@@ -147,9 +147,9 @@ def test_a_long_target_can_be_easy(parrot, tmp_path):
     folder, trip = parrot
     tok = engine.load_model(folder)[1]
     assert len(tok(LONG)["input_ids"]) > 48
-    cfg = train.Config(model=folder, easy_filter=True, filter_split=0.4, sft_epochs=1, sft_learning_rate=1e-6,
-                       filter_samples=4,
-                       max_completion_length=len(tok(LONG + "</next_state>")["input_ids"]) + 4)
+    cfg = train.Settings(model=folder, easy_filter=True, filter_split=0.4, sft_epochs=1,
+                         sft_learning_rate=1e-6, filter_samples=4,
+                         max_completion_length=len(tok(LONG + "</next_state>")["input_ids"]) + 4)
     trips = [dict(trip, step=i) for i in range(10)]
     train.filter_triplets(cfg, trips, tmp_path, lambda: engine.load_model(folder), SimToRealReward())
     rows = read_jsonl(tmp_path / "easiness.jsonl")
@@ -194,7 +194,7 @@ def test_num_iterations_reuses_one_batch_for_several_updates(tiny_model, transit
             if "lora_B" in n:
                 p.normal_(0, 0.05)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    cfg = train.Config(num_generations=2, max_completion_length=6, micro_batch_size=2, num_iterations=3,
+    cfg = train.Settings(num_generations=2, max_completion_length=6, micro_batch_size=2, num_iterations=3,
                        beta=0.1)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     res = rwml.grpo_step(model, tok, opt, train.read_transitions(transitions)[:2], parity_reward, cfg,
@@ -213,7 +213,7 @@ def test_shared_prompt_forward_gives_the_same_update_as_the_plain_path(lora_mode
     for shared in (True, False):
         model, tok = lora_model(seed=0, std=0.05)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        cfg = train.Config(num_generations=3, max_completion_length=8, micro_batch_size=3, num_iterations=2,
+        cfg = train.Settings(num_generations=3, max_completion_length=8, micro_batch_size=3, num_iterations=2,
                            beta=0.1, shared_prompt_forward=shared)
         torch.manual_seed(1)
         res = rwml.grpo_step(model, tok, opt, train.read_transitions(transitions)[3:5], parity_reward, cfg,
@@ -245,7 +245,7 @@ def test_every_tensor_reaching_the_loss_is_on_the_models_device(tiny_model, tran
     model, tok = engine.load_model(tiny_model)
     model = engine.add_lora(model, r=4, alpha=8)
     trips = train.read_transitions(transitions)[:2]
-    cfg = train.Config(num_generations=2, max_completion_length=6, micro_batch_size=4, beta=0.1,
+    cfg = train.Settings(num_generations=2, max_completion_length=6, micro_batch_size=4, beta=0.1,
                        num_iterations=2)
     torch.manual_seed(0)
     roll = rwml.sample_predictions(model, tok, trips, reasoning=False, n=2, max_new_tokens=6)
@@ -259,7 +259,7 @@ def test_every_tensor_reaching_the_loss_is_on_the_models_device(tiny_model, tran
     # the sampled batch stays on the CPU here (the micro-batch cut reads its lengths, which meta cannot):
     # the update must still move every tensor of it to the model's device
     on_device = roll
-    monkeypatch.setattr(rwml, "sample", lambda *a, **k: on_device)
+    monkeypatch.setattr(rwml, "sample_chat", lambda *a, **k: on_device)
     monkeypatch.setattr(rwml, "rollouts",
                         lambda *a, on_turn=None, **k: [on_turn(t) for t in turns] and summaries)
     monkeypatch.setattr(rwml, "group_logprobs",
@@ -280,7 +280,7 @@ def test_coin_control_resumes_with_the_same_coins(tiny_model, transitions, tmp_p
     """The coin's random state is in the checkpoint: an interrupted-then-resumed COIN run flips the same
     coins, so its metrics and weights equal an uninterrupted run's."""
     def run(out, steps, resume=False):
-        cfg = train.Config(model=tiny_model, max_steps=steps, save_steps=1, prompts_per_step=2,
+        cfg = train.Settings(model=tiny_model, max_steps=steps, save_steps=1, prompts_per_step=2,
                            num_generations=2, max_completion_length=6, micro_batch_size=2, learning_rate=1e-2,
                            reward_control="coin", warmup=False, resume=resume)
         train.train_wm(cfg, train.read_transitions(transitions), out, lambda: engine.load_model(tiny_model),
@@ -289,7 +289,7 @@ def test_coin_control_resumes_with_the_same_coins(tiny_model, transitions, tmp_p
     run(tmp_path / "a", 4)
     run(tmp_path / "b", 2)
     run(tmp_path / "b", 4, resume=True)
-    rewards = lambda out: [r["reward_mean"] for r in read_jsonl(out / "metrics.jsonl")]  # noqa: E731
+    rewards = lambda out: [r["reward"] for r in read_jsonl(out / "metrics.jsonl")]  # noqa: E731
     assert rewards(tmp_path / "a") == rewards(tmp_path / "b")
     (_, wa), (_, wb) = final_state(tmp_path / "a"), final_state(tmp_path / "b")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -305,7 +305,7 @@ def test_rwml_from_the_warmup_trains_it_on_and_keeps_it_as_the_reference(tiny_mo
     model, _ = lora_model(seed=3, std=0.3)
     model.save_pretrained(tmp_path / "warm")
     warm = load_file(tmp_path / "warm" / "adapter_model.safetensors")
-    cfg = train.Config(model=tiny_model, max_steps=2, save_steps=1, prompts_per_step=2, num_generations=2,
+    cfg = train.Settings(model=tiny_model, max_steps=2, save_steps=1, prompts_per_step=2, num_generations=2,
                        max_completion_length=6, micro_batch_size=2, learning_rate=5e-2, beta=0.5, lora_r=4,
                        lora_alpha=8)
     peft = train.train_wm(cfg, train.read_transitions(transitions), tmp_path / "run",
@@ -325,9 +325,9 @@ def test_wm_sft_control_sees_rwmls_triplets_in_rwmls_order(tiny_model, transitio
     args = dict(model=tiny_model, max_steps=3, prompts_per_step=2, num_generations=2, max_completion_length=4,
                 save_steps=10, easy_filter=False, sft_epochs=1, filter_dir=str(tmp_path / "filter"))
     trips = train.read_transitions(transitions)
-    kept, start = train.filter_triplets(train.Config(**args), trips, tmp_path / "filter",
+    kept, start = train.filter_triplets(train.Settings(**args), trips, tmp_path / "filter",
                                         lambda: engine.load_model(tiny_model), reward)
-    train.train_wm(train.Config(**args), kept, tmp_path / "rwml", lambda: engine.load_model(tiny_model),
+    train.train_wm(train.Settings(**args), kept, tmp_path / "rwml", lambda: engine.load_model(tiny_model),
                    reward, start)
     real_sft = engine.sft
 
@@ -336,8 +336,8 @@ def test_wm_sft_control_sees_rwmls_triplets_in_rwmls_order(tiny_model, transitio
         assert kw["batch_size"] == 2 and kw["epochs"] == 1 and not kw["shuffle"]
         return real_sft(model, tok, prompts, answers, **kw)
 
-    monkeypatch.setattr(rwml, "sft", recording_sft)
-    train.train_wm_sft(train.Config(**args), trips, tmp_path / "sft", lambda: engine.load_model(tiny_model),
+    monkeypatch.setattr(engine, "sft", recording_sft)
+    train.train_wm_sft(train.Settings(**args), trips, tmp_path / "sft", lambda: engine.load_model(tiny_model),
                        reward)
     assert len(seen_rwml) == 6 and seen_sft == seen_rwml
 

@@ -17,7 +17,7 @@ from plumbing import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_trl = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("trl", "datasets")),
-                               reason="TRL is optional: pip install --no-deps -r bench/requirements.txt")
+                               reason="TRL is optional: pip install --no-deps -r lab/bench/requirements.txt")
 
 
 def letters_reward(completions, targets):
@@ -73,7 +73,6 @@ def test_trl_rejects_what_it_cannot_run(tiny_model, transitions, tmp_path, monke
     TRL missing are one-line errors."""
     for extra, message in [(["--logits-chunk-size", "64"], "--logits-chunk-size 64 has no counterpart in"),
                            (["--no-shared-prompt-forward"], "--shared-prompt-forward False has no"),
-                           (["--stratify-prompts"], "--stratify-prompts True has no counterpart"),
                            (["--trainer", "ours", "--use-vllm"], "add --trainer trl"),
                            (["--trainer", "trl2"], "did you mean 'trl'")]:
         with pytest.raises(UserError, match=message):
@@ -83,7 +82,7 @@ def test_trl_rejects_what_it_cannot_run(tiny_model, transitions, tmp_path, monke
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl"
                         else find_spec(name, *a))
-    with pytest.raises(UserError, match=r"pip install --no-deps -r bench/requirements.txt"):
+    with pytest.raises(UserError, match=r"pip install --no-deps -r lab/bench/requirements.txt"):
         train.main(wm_args(tiny_model, transitions, tmp_path))
     assert not (tmp_path / "filter").exists()
 
@@ -99,8 +98,9 @@ def letters_reward(completions, targets):  # as in test_trl.py
 
 train.make_reward = lambda cfg: letters_reward
 runs = []
-train_wm_trl = train.train_wm_trl
-train.train_wm_trl = lambda cfg, kept, out, *a: runs.append((out, train_wm_trl(cfg, kept, out, *a)))
+import bridges
+train_wm_trl = bridges.train_wm_trl
+bridges.train_wm_trl = lambda cfg, kept, out, *a: runs.append((out, train_wm_trl(cfg, kept, out, *a)))
 train.main(sys.argv[1:])
 out, model = runs[0]
 from peft import get_peft_model_state_dict
@@ -109,7 +109,7 @@ weights = get_peft_model_state_dict(model)
 digest = hashlib.sha256(b"".join(k.encode() + weights[k].detach().cpu().contiguous().numpy().tobytes()
                                  for k in sorted(weights))).hexdigest()
 moved = any(v.abs().sum() > 0 for k, v in weights.items() if "lora_B" in k)
-rank = train.process_state().process_index
+rank = bridges.process_state().process_index
 (out / f"rank{{rank}}.txt").open("w").write(f"{{digest}} {{moved}}")
 """
 

@@ -1,7 +1,7 @@
 """Peak memory of one choose-mode stage-2 update, cut by a token budget or by row count alone (issue 23):
 
-    python bench/choose_update_memory.py 512    # micro_batch_tokens 512 (the default)
-    python bench/choose_update_memory.py 0      # rows only: micro_batch_size turns a micro-batch (before)
+    python lab/bench/choose_update_memory.py 512    # micro_batch_tokens 512 (the default)
+    python lab/bench/choose_update_memory.py 0      # rows only: micro_batch_size turns a micro-batch (before)
 
 One process per setting (peak RSS is per process). The bundled model with a fresh LoRA (r 16); one group of
 4 episodes of a TextWorld train game, 8 steps each, commands drawn uniformly (seeded) and recorded as
@@ -15,15 +15,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: the project's modules
 
 import torch  # noqa: E402
 
-import choose
-import engine
+import choose  # noqa: E402
+import engine  # noqa: E402
 import envs  # noqa: E402
 import rwml  # noqa: E402
-import worlds
+import worlds  # noqa: E402
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The agent's cost per step, choose mode vs generate mode, side by side in one run (issue 22):
 
-    python bench/choose_vs_generate.py [--env textworld] [--num-games 4] [--max-turns 6] [--repeats 2]
-                                       [--adapter DIR]
+    python lab/bench/choose_vs_generate.py [--env textworld] [--num-games 4] [--max-turns 6] [--repeats 2]
+                                           [--adapter DIR]
 
 One model, the same games, the same step budget; the two modes alternate (`repeats` rounds each, the first
 round of each a warm-up) so that the machine's load falls on both alike. choose: one prefill of the agent
@@ -18,9 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: the project's modules
 
-import engine
+import engine  # noqa: E402
 import envs  # noqa: E402
 import rwml  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Environment speed, side by side in one run: stock vs cached TextWorld engine, one worker vs two.
 
-    python bench/env_speed.py [--num-games 8] [--steps 20] [--repeats 3]
+    python lab/bench/env_speed.py [--num-games 8] [--steps 20] [--repeats 3]
 
 Every game plays the same script: "go to" the receptacles of the first room listing (real engine work:
 each arrival derives a fresh observation), then its expert walkthrough, which wins. Timings cover steps
@@ -16,9 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: the project's modules
 
 import envs  # noqa: E402
+import gamepool  # noqa: E402
 
 
 def script(game: str, start: dict, length: int) -> list[str]:
@@ -29,7 +30,7 @@ def script(game: str, start: dict, length: int) -> list[str]:
 
 def bench_engine(games: list[str], cache: bool, length: int, repeats: int) -> tuple[float, float]:
     """(steps/s, resets/s) of one in-process game playing every script `repeats` times."""
-    envs.use_engine_cache(cache)
+    gamepool.use_engine_cache(cache)
     game, steps, step_time, resets, reset_time = envs.Game(max_turns=10 * length), 0, 0.0, 0, 0.0
     plans = {}
     for g in games:
@@ -44,13 +45,13 @@ def bench_engine(games: list[str], cache: bool, length: int, repeats: int) -> tu
                 game.step(command)
             step_time += time.perf_counter() - t
             steps += len(plans[g])
-    envs.use_engine_cache(False)
+    gamepool.use_engine_cache(False)
     return steps / step_time, resets / reset_time
 
 
 def bench_pool(games: list[str], workers: int, length: int, repeats: int) -> float:
     """Steps/s of a worker pool stepping all games in lock step, as the agent loop does."""
-    with envs.EnvPool(num_workers=workers, max_turns=10 * length) as pool:
+    with gamepool.EnvPool(num_workers=workers, max_turns=10 * length) as pool:
         starts = pool.reset(dict(enumerate(games)))
         plans = {s: script(games[s], starts[s], length) for s in starts}
         steps, elapsed = 0, 0.0

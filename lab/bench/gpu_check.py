@@ -1,17 +1,15 @@
 """GPU smoke check: every CUDA path of the project once, on random models built from a config (no download).
 
-    python bench/gpu_check.py                      # on CUDA: Qwen2.5-0.5B- and 1.5B-shaped models, 4-bit NF4
-    python bench/gpu_check.py --device cpu --shapes tiny-llama   # the same checks on the CPU (the tests
-                                                                 # run it)
-    python bench/gpu_check.py --shapes tiny-qwen3,tiny-gemma2,tiny-gemma3   # other architectures
-                                                                            # (random_models)
+    python lab/bench/gpu_check.py            # on CUDA: Qwen2.5-0.5B- and 1.5B-shaped models, 4-bit NF4
+    python lab/bench/gpu_check.py --device cpu --shapes tiny-llama   # the same checks on the CPU (the tests)
+    python lab/bench/gpu_check.py --shapes tiny-qwen3,tiny-gemma2,tiny-gemma3   # other architectures
 
 Per shape: 4-bit NF4 load, LoRA on all linear layers, both fast paths of the log-probs taken
 (`engine.fast_paths`: in bf16 too), shared-prefill sampling against plain generate, one
 stage-1 GRPO step (world-model prompts, KL against the adapter-disabled base), the adapter saved, then a
 stage-2 update started from it (KL against its frozen copy "ref"), the adapter reloaded the peft way, and
 peak GPU memory. Prints one line per check and ends with "gpu-check: all passed" or the failures;
-`--out FILE` keeps the output (results/gpu_check.txt on the GPU machine).
+`--out FILE` keeps the output (lab/results/gpu_check/gpu_check.txt on the GPU machine).
 """
 from __future__ import annotations
 
@@ -23,13 +21,13 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]  # the repo root; lab/ holds bench/
+sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 
 import torch  # noqa: E402
 from bench.random_models import build  # noqa: E402
 
-import engine
+import engine  # noqa: E402
 import envs  # noqa: E402
 import rwml  # noqa: E402
 import train  # noqa: E402
@@ -67,7 +65,7 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
     n4 = sum(type(m).__name__ == "Linear4bit" for m in model.modules())
     check("load" + (" in 4-bit NF4" if four_bit else ""), not four_bit or n4 > 0,
           f"{n4} Linear4bit layers, {model.device}")
-    cfg = train.Config(model=str(folder), num_generations=4, max_completion_length=24, micro_batch_size=8,
+    cfg = train.Settings(model=str(folder), num_generations=4, max_completion_length=24, micro_batch_size=8,
                        beta=0.01, lora_target_modules="all-linear", learning_rate=1e-4, max_new_tokens=16)
     torch.manual_seed(0)
     model = train.start_adapter(cfg, model)

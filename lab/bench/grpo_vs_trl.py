@@ -1,9 +1,7 @@
 """Ours vs TRL's GRPOTrainer on the same RWML world-model GRPO job, side by side, in one run.
 
-    pip install --no-deps -r bench/requirements.txt     # TRL and its data packages; the core does not
-                                                        # need them
-    python bench/grpo_vs_trl.py                                       # --repeats 3 --steps 3 --model ...
-                                                                      # --out FILE
+    pip install --no-deps -r lab/bench/requirements.txt   # TRL and its data packages (the core needs neither)
+    python lab/bench/grpo_vs_trl.py                       # --repeats 3 --steps 3 --model ... --out FILE
 
 The job: real world-model prompts (history + action -> next observation; ALFWorld expert walkthroughs
 stepped on the real engine), the same model, LoRA (r, alpha, q/k/v/o), num_generations, prompts per
@@ -25,9 +23,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-import engine
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: the project's modules
+
+import engine  # noqa: E402
 
 ARMS = ("ours", "trl")
 
@@ -47,7 +46,7 @@ class BenchConfig:
     lora_alpha: int = 32
     load_in_4bit: bool = False  # QLoRA (NF4 base) for both arms; meant for a GPU
     seed: int = 0
-    out: str = "results/bench_grpo.txt"
+    out: str = "lab/results/bench_grpo_vs_trl/bench_grpo.txt"
 
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -86,7 +85,8 @@ def run_ours(cfg: BenchConfig) -> dict:
                             weight_decay=0.0)
     tcfg = rwml.GRPOConfig(num_generations=cfg.num_generations, beta=cfg.beta,
                            learning_rate=cfg.learning_rate, max_completion_length=cfg.max_completion_length,
-                           micro_batch_size=cfg.micro_batch_size, loss_type="grpo", temperature=1.0)
+                           micro_batch_size=cfg.micro_batch_size, loss_type="grpo", scale_rewards="group",
+                           temperature=1.0)
     completions = tokens = 0
     t0 = time.perf_counter()
     for step in range(cfg.steps):
@@ -178,7 +178,8 @@ def table(runs: list[dict], cfg: BenchConfig) -> str:
         keys.append(("peak_gpu_gb", "peak GPU (GB)", "{:.2f}"))
     med = {arm: {k: statistics.median(r[k] for r in runs if r["arm"] == arm) for k, _, _ in keys}
            for arm in ARMS}
-    lines = [f"# python bench/grpo_vs_trl.py --repeats {cfg.repeats} --steps {cfg.steps} (model {cfg.model}, "
+    lines = [f"# python lab/bench/grpo_vs_trl.py --repeats {cfg.repeats} --steps {cfg.steps} "
+             f"(model {cfg.model}, "
              f"{cfg.prompts_per_step} prompts x {cfg.num_generations} completions per step, "
              f"max {cfg.max_completion_length} "
              f"tokens, micro-batch {cfg.micro_batch_size}, beta {cfg.beta}, LoRA r={cfg.lora_r} on q/k/v/o"
@@ -205,13 +206,13 @@ def main(argv: list[str] | None = None) -> None:
         cfg = BenchConfig(**json.loads(argv[2]))
         print("RESULT " + json.dumps(one_run(argv[1], cfg)))
         return
-    cfg, _ = parse_config(BenchConfig, argv, prog="bench/grpo_vs_trl.py")
+    cfg, _ = parse_config(BenchConfig, argv, prog="lab/bench/grpo_vs_trl.py")
     try:
         import trl  # noqa: F401 (is it installed?)
     except ImportError:
         from envs import UserError
 
-        raise UserError("TRL is not installed: pip install --no-deps -r bench/requirements.txt") from None
+        raise UserError("TRL is not installed: pip install --no-deps -r lab/bench/requirements.txt") from None
     runs = []
     for rep in range(cfg.repeats):
         for arm in ARMS if rep % 2 == 0 else ARMS[::-1]:  # alternate which arm goes first

@@ -1,8 +1,7 @@
-"""Peak RAM and speed of one training update, side by side: the warm-up SFT step and the GRPO step, \
-ours vs the
-naive full-logits path (and, for SFT, TRL's SFTTrainer), on the same job.
+"""Peak RAM and speed of one training update, side by side: the warm-up SFT step and the GRPO step, ours vs
+the naive full-logits path (and, for SFT, TRL's SFTTrainer), on the same job.
 
-    OMP_NUM_THREADS=1 python bench/memory.py [--model bundled:SmolLM2-135M-Instruct] [--job sft|grpo|both]
+    OMP_NUM_THREADS=1 python lab/bench/memory.py [--model bundled:SmolLM2-135M-Instruct] [--job sft|grpo|both]
 
 SFT job: one optimizer step on a batch of 8 (prompt, answer) pairs, the 8 longest real world-model prompts of
 the filter's warm-up (`envs.walkthrough_triplets`, history 1, no reasoning), loss the mean over answer tokens.
@@ -27,9 +26,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-import engine
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the project's modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: the project's modules
+
+import engine  # noqa: E402
 
 
 def _rss() -> int:
@@ -81,8 +81,8 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
         tokens = sum(len(p) + len(c) for p, c in rows)
         if arm == "ours":
             def step():
-                return engine.sft(model, tok, prompts, answers, system=system, prefix=prefix, epochs=1, lr=a.lr,
-                                batch_size=len(prompts), shuffle=False, max_tokens=a.max_tokens)[0]
+                return engine.sft(model, tok, prompts, answers, system=system, prefix=prefix, epochs=1,
+                                  lr=a.lr, batch_size=len(prompts), shuffle=False, max_tokens=a.max_tokens)[0]
         elif arm == "naive":
             def step():
                 opt = torch.optim.AdamW(params, lr=a.lr)

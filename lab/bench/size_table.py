@@ -1,7 +1,7 @@
 """Computed GPU memory of one RWML GRPO step, per model size, on one 24 GB GPU (README, "On a GPU"):
 
-    python bench/size_table.py                       # the sizes of configs/gpu_24gb.json
-    python bench/size_table.py --prompt-tokens 1024  # longer prompts (history_len 2, tau2)
+    python lab/bench/size_table.py                       # the sizes of configs/gpu_24gb.json
+    python lab/bench/size_table.py --prompt-tokens 1024  # longer prompts (history_len 2, tau2)
 
 Arithmetic from the models' published shapes, no download: 4-bit NF4 base weights (embeddings and an untied
 LM head stay bf16), LoRA r16 on all linear layers trained in fp32 with AdamW, the sampling key/value cache of
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512,
                     help="world-model prompt length (history_len 1)")
     args = ap.parse_args()
-    cfg = json.loads((Path(__file__).resolve().parent.parent / args.config).read_text())
+    cfg = json.loads((Path(__file__).resolve().parents[2] / args.config).read_text())
     sizes = dict(prompt=args.prompt_tokens, completion=cfg["max_completion_length"],
                  sequences=cfg["prompts_per_step"] * cfg["num_generations"], micro=cfg["micro_batch_size"],
                  rank=cfg.get("lora_r", 16), chunk=cfg.get("logits_chunk_size", 512))
