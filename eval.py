@@ -270,11 +270,12 @@ def evaluate_weights(cfg: WeightsConfig) -> dict:
 def summary(r: dict, cfg, out: Path) -> str:
     """The line `eval.py` prints at its end."""
     if "wm_accuracy" in r:
-        beyond = r["per_kind"]["beyond_template"]
+        beyond, f1 = r["per_kind"]["beyond_template"], r["item_f1"]
         return (f"{cfg.transitions} ({r['split'] or 'split unknown'}), {cfg.baseline or r['model']}: "
                 f"wm_accuracy {r['wm_accuracy']:.3f}, beyond the template rule {beyond['wm_accuracy']:.3f} "
-                f"({beyond['n']} triplets), mean_cosine {r['mean_cosine']:.3f}, exact_match "
-                f"{r['exact_match']:.3f}, format {r['format_rate']:.3f}, n {r['n']} -> {out} "
+                f"({beyond['n']} triplets), mean_cosine {r['mean_cosine']:.3f}; strict: exact_match "
+                f"{r['exact_match']:.3f}, item_f1 {'-' if f1 is None else f'{f1:.3f}'} "
+                f"({r['item_n']} listing targets); format {r['format_rate']:.3f}, n {r['n']} -> {out} "
                 f"(+ {out.stem}.triplets.jsonl)")
     if "changed_share" in r:
         return (f"parameters changed: {r['changed_share']:.4%} of {r['total']:,}; per module: " + ", ".join(

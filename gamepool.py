@@ -1,7 +1,6 @@
-"""Support (skip on a first read): the speed of the game engine, behind envs.py's games. Same outputs, faster:
-  - `use_engine_cache`: two caches for the TextWorld engine's measured hot spots (on by default);
-  - `EnvPool`: the games of many episodes in forked worker processes, which exit with their parent.
-Torch-free and cheap to import.
+"""Support (skip on a first read): the speed of the game engine, behind envs.py's games (same outputs):
+`use_engine_cache` caches the TextWorld engine's measured hot spots; `EnvPool` plays many episodes' games
+in forked worker processes, which exit with their parent. Torch-free and cheap to import.
 """
 from __future__ import annotations
 
@@ -12,27 +11,16 @@ import os
 import signal
 import sys
 import time
+from contextlib import suppress
 
 from envs import RERUN, Game, UserError
-
-# ----------------------------------------------------------------------------- engine caches
 
 _ORIGINALS: dict = {}
 
 
-def _cached_copy(fn):
-    """Memoise a parser and hand out deep copies: the engine mutates parsed symbols while deriving."""
-    cached = functools.lru_cache(maxsize=None)(fn)
-    return functools.wraps(fn)(lambda *args: copy.deepcopy(cached(*args)))
-
-
 def use_engine_cache(enabled: bool = True) -> None:
-    """Cache TextWorld's two measured hot spots (same outputs; see tests/test_envs.py).
-
-    1. Every step re-parses the same grammar strings with tatsu (`textgen._parse_and_convert` for each
-       command template and feedback rule, `Rule.parse_conjunctive_query` for each condition).
-    2. Every load and reset translates the same PDDL problem to SAS with Fast Downward, twice.
-    """
+    """Cache TextWorld's two measured hot spots (same outputs; tests/test_envs.py): every step re-parses the
+    same grammar strings with tatsu, and every load and reset translates the same PDDL problem to SAS."""
     import fast_downward
     import textworld.envs.pddl.textgen as textgen
     import textworld.logic
@@ -47,11 +35,9 @@ def use_engine_cache(enabled: bool = True) -> None:
         fast_downward.pddl2sas = _ORIGINALS["pddl2sas"]
         return
 
-    @_cached_copy
-    def parse(text, rule_name):
-        return _ORIGINALS["parse"](text, rule_name=rule_name)
-
-    textgen._parse_and_convert = lambda text, rule_name, **kw: parse(text, rule_name)
+    # deep copies of the memoised parses: the engine mutates parsed symbols while deriving
+    parse = functools.lru_cache(maxsize=None)(lambda text, rule: _ORIGINALS["parse"](text, rule_name=rule))
+    textgen._parse_and_convert = lambda text, rule_name, **kw: copy.deepcopy(parse(text, rule_name))
     # a parsed query is only read (matched against the state), so one shared copy is safe
     query = functools.lru_cache(maxsize=None)(_ORIGINALS["query"].__func__)
     textworld.logic.Rule.parse_conjunctive_query = classmethod(query)
@@ -66,29 +52,19 @@ def use_engine_cache(enabled: bool = True) -> None:
     fast_downward.pddl2sas = pddl2sas
 
 
-# ----------------------------------------------------------------------------- worker processes
-
-def _die_with_parent() -> None:
-    """Linux: the kernel sends this process SIGKILL when the thread that forked it ends, however it ends
-    (kill -9, out of memory). Elsewhere `_serve`'s parent check does it within a second."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-
-
-def _serve(conn, max_turns: int, cache: bool, parent_pid: int, parent_ends: list, game_cls=Game) -> None:
+def _serve(conn, max_turns: int, parent_pid: int, parent_ends: list, game_cls=Game) -> None:
     """Worker loop: owns the games of its slots; answers lists of (slot, op, arg) in order. Exits with its
     parent, however the parent exits; leaves Ctrl-C to the parent, which says it in one line."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C signals the whole process group
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so may SIGTERM (kill -TERM -PGID); the parent says it
-    _die_with_parent()
+    if sys.platform.startswith("linux"):  # SIGKILL when the forking thread ends (kill -9, out of memory)
+        with suppress(OSError, AttributeError):  # elsewhere: the parent check below, within a second
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     for end in parent_ends:  # forked copies of the parent's pipe ends: they would keep the pipes open
         end.close()          # after the parent dies, and this worker would wait for a message forever
-    use_engine_cache(cache)
+    use_engine_cache()
     games: dict[int, Game] = {}
     while True:
         while not conn.poll(1.0):
@@ -111,37 +87,30 @@ def _serve(conn, max_turns: int, cache: bool, parent_pid: int, parent_ends: list
 
 
 class EnvPool:
-    """Games in `num_workers` processes (0 = in this process); slot s lives in worker s % num_workers.
-    `game_cls`: one game of a slot (ALFWorld's `envs.Game`, or TextWorld's `worlds.TwGame`).
+    """Games (`game_cls`: envs.Game, worlds.TwGame) in `num_workers` processes (0 = in this process); slot s
+    lives in worker s % num_workers. Calls take {slot: argument} for any subset of slots, the workers in
+    parallel; a worker that dies or sends no answer for `timeout` seconds ends the call with a UserError."""
 
-    Calls take {slot: argument} for any subset of slots and run the workers in parallel. A worker that dies,
-    or sends no answer for `timeout` seconds (a hung engine), ends the call with a UserError that names it.
-    """
-
-    def __init__(self, num_workers: int = 2, max_turns: int = 30, cache: bool = True, timeout: float = 300.0,
-                 game_cls=Game):
+    def __init__(self, num_workers: int = 2, max_turns: int = 30, timeout: float = 300.0, game_cls=Game):
         if num_workers < 0:
             raise UserError(f"--num-workers must be 0 or more, got {num_workers}")
-        self.num_workers, self.max_turns, self.cache, self.timeout = num_workers, max_turns, cache, timeout
-        self.game_cls, self.local = game_cls, {}
-        self.conns, self.procs = [], []
+        self.num_workers, self.max_turns, self.timeout = num_workers, max_turns, timeout
+        self.game_cls, self.local, self.conns, self.procs = game_cls, {}, [], []
         if not num_workers:
-            use_engine_cache(cache)
+            use_engine_cache()
         # fork: workers need no model, and spawn would re-import the caller's torch-heavy script
         ctx = mp.get_context("fork")
         for _ in range(num_workers):
             parent, child = ctx.Pipe()
             ends = self.conns + [parent]  # the parent's ends so far, which the fork copies
-            p = ctx.Process(target=_serve, args=(child, max_turns, cache, os.getpid(), ends, game_cls),
-                            daemon=True)
+            p = ctx.Process(target=_serve, args=(child, max_turns, os.getpid(), ends, game_cls), daemon=True)
             p.start()
             child.close()  # only the worker holds its end: when the worker dies, reading here gives EOF
             self.conns.append(parent)
             self.procs.append(p)
 
     def _call(self, op: str, args: dict[int, str]) -> dict[int, dict]:
-        """Send each worker its slots' jobs, then read every answer (all, before raising one of their errors,
-        so that no pipe is left dirty)."""
+        """Send each worker its slots' jobs, read every answer, then raise any error (no dirty pipe)."""
         if not self.num_workers:
             return {s: self._local(s, op, a) for s, a in args.items()}
         jobs = [[] for _ in self.conns]
@@ -196,10 +165,8 @@ class EnvPool:
 
     def close(self) -> None:
         for conn in self.conns:
-            try:
+            with suppress(OSError):  # the worker is gone
                 conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
         for p in self.procs:
             p.join(timeout=5)
             if p.is_alive():

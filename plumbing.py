@@ -1,12 +1,7 @@
 """Support (skip on a first read): the plumbing under train.py and eval.py; nothing here is the method.
 
-  the command line    typed dataclass -> flags and a JSON --config; the stages' fields; every value checked
-                      before any model loads; one-line errors, Ctrl-C / SIGTERM, a full disk
-  files               atomic writes, JSON lines, the --out lock, adapters and checkpoints that read whole
-  checkpoints         save / swap / load, and --resume's checks (only the same run continues)
-  logging             metrics.jsonl under TRL's names, TensorBoard / wandb, GRPO group tables, the curve
-  adapters            saved the peft way, each with a model card
-  the stages' glue    the games, a collection's files, the held-out protocol, the reward controls
+Flags and every value checked before any model loads, one-line errors; atomic files, the --out lock,
+checkpoints and --resume; metrics under TRL's names, trackers; adapters with model cards; the stages' glue.
 """
 from __future__ import annotations
 
@@ -80,8 +75,6 @@ STAGES = {  # name -> its line in `train.py --help`
     "export": ("the filtered triplets as verl's GRPO parquet (runs filter first); reward: "
                "bridges.compute_score"),
 }
-
-
 CHOICES = dict(env=("alfworld", "textworld", "tau2"), action_mode=envs.ACTION_MODES,
                policy=("model", "random"), domain=worlds.TAU2_DOMAINS, init=("base", "rwml", "wm-sft", "rft"),
                reward_control=("none", "mis", "coin"), reward_metric=("embedding", "rouge"),
@@ -92,14 +85,12 @@ CHOICES = dict(env=("alfworld", "textworld", "tau2"), action_mode=envs.ACTION_MO
 def check_choices(cfg) -> None:
     """A value outside a field's choices fails at once, before any model loads, with a did-you-mean."""
     for name, options in CHOICES.items():
-        value = getattr(cfg, name, None)
-        if value is not None and value not in options:
+        if (value := getattr(cfg, name, None)) is not None and value not in options:
             raise UserError(f"unknown --{name.replace('_', '-')} {value!r}; choose one of "
                             f"{', '.join(options)}" + envs.did_you_mean(value, options))
 
 
-# The fields each stage reads, for its --help (every stage accepts them all, as a config file may hold any):
-# a config class (by name) stands for its fields; a field named under no stage shows under every one.
+# The fields each stage's --help shows (each accepts all); a class name stands for its fields; unnamed: all.
 _MODEL = ("ModelConfig", "load_in_4bit")
 _AGENT = ("AgentConfig", "WorldConfig")
 _GRPO = ("GRPOParams", "top_p", "epsilon", "epsilon_high", "num_iterations", "max_grad_norm",
@@ -127,12 +118,12 @@ STAGE_FIELDS = {
     "policy": (*_MODEL, *_AGENT, *_GRPO, *_LORA, *_POLICY, *_RUN),
     "export": (*_MODEL, *_REWARD, "wm_reasoning", *_FILTER, "format", "out"),
 }
+_LOCKS: dict[str, int] = {}  # --out folder -> the descriptor of its lock, held by this process (claim_out)
 
 
 def stage_fields(cls, stage: str) -> set[str]:
     """The names of the fields `train.py <stage> --help` shows (STAGE_FIELDS; `cls`: train.Settings)."""
     classes = {k.__name__: k for k in cls.__mro__ if dataclasses.is_dataclass(k)}
-
     def names(entries):
         return {n for e in entries
                 for n in ([f.name for f in dataclasses.fields(classes[e])] if e in classes else [e])}
@@ -145,7 +136,9 @@ def check_run(cfg, stage: str, stage_check=None) -> None:
     check_choices(cfg)
     check_single_process(cfg)
     check_config(cfg, stage)
-    check_tracker(cfg)
+    if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:  # not after the filter
+        raise UserError(f"--report-to {cfg.report_to} needs the {cfg.report_to} package: pip install -r "
+                        "requirements-trackers.txt (or --report-to none)")
     if stage_check:
         stage_check(cfg)
     check_writable(Path(cfg.out))
@@ -159,10 +152,21 @@ def check_run(cfg, stage: str, stage_check=None) -> None:
 
 
 def claim_out(cfg, out: Path, stage: str) -> None:
-    """The --out lock (under accelerate launch the main process holds it for all), then, before the filter
-    and the model load, --resume's checks."""
-    if os.environ.get("RANK", "0") == "0":
-        lock_out(out)
+    """One run at a time in an --out (a flock on <out>/.lock till the process ends); --resume's checks."""
+    key = str(out.resolve())
+    if os.environ.get("RANK", "0") == "0" and key not in _LOCKS:  # accelerate launch: the main process's
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # BlockingIOError: another process holds it
+            pid = os.read(fd, 20).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UserError(f"another run is using {out} (pid {pid}); wait for it to end, or use another "
+                            "--out") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        _LOCKS[key] = fd
     if stage in ("wm", "policy", "all") and cfg.trainer == "ours":
         check_resume(cfg, out, "policy" if stage == "policy" else "wm", cfg.resume or stage == "all")
 
@@ -175,12 +179,21 @@ MIN = dict(world_size=1, nb_objects=1, quest_length=1, num_games=1, rollouts_per
            max_new_tokens=1, num_envs=1, num_workers=0, heldout_games=1, history_len=0, filter_samples=1,
            sft_epochs=1, max_steps=1, prompts_per_step=1, num_generations=2, max_completion_length=1,
            num_iterations=1, micro_batch_size=1, logits_chunk_size=1, lora_r=1, lora_alpha=1,
-           games_per_step=1, eval_steps=0, eval_games=1, eval_max_triplets=0, eval_samples=0,
-           save_steps=1,
+           games_per_step=1, eval_steps=0, eval_games=1, eval_max_triplets=0, eval_samples=0, save_steps=1,
            log_completions_steps=1)
-
-
-UNIT = ("explore_prob", "easy_share", "easy_keep_prob", "lora_dropout")  # in [0, 1]
+RANGES = (  # (fields, in range, why not); None (a field left out) is always in range
+    (("explore_prob", "easy_share", "easy_keep_prob", "lora_dropout"), lambda v: 0 <= v <= 1,
+     "must be between 0 and 1"),
+    (("temperature", "beta", "epsilon", "max_grad_norm"), lambda v: v >= 0, "must be 0 or more"),
+    (("learning_rate", "sft_learning_rate"), lambda v: v > 0, "must be above 0"),
+    (("top_p",), lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    (("tau_d",), lambda v: 0 < v <= 2, "must be in (0, 2] (a cosine distance)"),
+    (("filter_split",), lambda v: 0 < v < 1,
+     "the share of triplets that trains the SFT copy must be between 0 and 1"),
+    (("num_tasks",), lambda v: v >= 1, "must be at least 1 (or left out: all tasks)"),
+    (("epsilon_high",), lambda v: v >= 0, "must be 0 or more (or left out: --epsilon)"))
+NO_TRL = ("shared_prompt_forward", "logits_chunk_size", "micro_batch_tokens")  # our speed-ups TRL lacks
+SEED_MAX = 2**32 - 1  # numpy's bound (transformers' set_seed); torch's is 2**64 - 1
 
 
 def check_config(cfg, stage: str = "all") -> None:
@@ -189,29 +202,22 @@ def check_config(cfg, stage: str = "all") -> None:
         raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: {why}")
 
     check_at_least(cfg, MIN)
-    for name in UNIT:
-        if not 0 <= getattr(cfg, name) <= 1:
-            bad(name, "must be between 0 and 1")
-    for name in ("temperature", "beta", "epsilon", "max_grad_norm"):
-        if getattr(cfg, name) < 0:
-            bad(name, "must be 0 or more")
-    for name in ("learning_rate", "sft_learning_rate"):
-        if getattr(cfg, name) <= 0:
-            bad(name, "must be above 0")
-    if not 0 < cfg.top_p <= 1:
-        bad("top_p", "must be in (0, 1]")
-    if not 0 < cfg.tau_d <= 2:
-        bad("tau_d", "must be in (0, 2] (a cosine distance)")
-    if not 0 < cfg.filter_split < 1:
-        bad("filter_split", "the share of triplets that trains the SFT copy must be between 0 and 1")
+    for names, ok, why in RANGES:
+        for name in names:
+            if getattr(cfg, name) is not None and not ok(getattr(cfg, name)):
+                bad(name, why)
     check_seeds(cfg)
-    if cfg.num_tasks is not None and cfg.num_tasks < 1:
-        bad("num_tasks", "must be at least 1 (or left out: all tasks)")
-    if cfg.epsilon_high is not None and cfg.epsilon_high < 0:
-        bad("epsilon_high", "must be 0 or more (or left out: --epsilon)")
     envs.check_action_mode(cfg.env, cfg.action_mode)
-    if cfg.trainer == "trl":
-        check_trl(cfg, stage)
+    if cfg.trainer == "trl":  # the wm stage (and its filter), TRL installed, no field TRL would ignore
+        if stage not in ("wm", "filter"):
+            raise UserError(f"--trainer trl trains the wm stage only; `train.py {stage}` has our trainer "
+                            "alone")
+        for f in dataclasses.fields(cfg):
+            if f.name in NO_TRL and getattr(cfg, f.name) != f.default:
+                raise UserError(f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)!r} has no counterpart "
+                                "in TRL's GRPOTrainer; leave it out with --trainer trl")
+        if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
+            raise UserError("--trainer trl needs TRL: pip install --no-deps -r lab/bench/requirements.txt")
     elif cfg.use_vllm:
         bad("use_vllm", "generation in vLLM is TRL's; add --trainer trl")
     if stage == "all" and cfg.num_games is not None:  # collection gives at most this many triplets
@@ -222,31 +228,24 @@ def check_config(cfg, stage: str = "all") -> None:
 
 
 def check_at_least(cfg, bounds: dict) -> None:
-    """The range check train.py and eval.py share: every float field finite, and each field named in `bounds`
-    (where the config has it and it is set) at least its bound."""
+    """Every float field finite, and each field of `bounds` the config has and sets at least its bound."""
     for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        if isinstance(v, float) and not math.isfinite(v):
+        if isinstance(v := getattr(cfg, f.name), float) and not math.isfinite(v):
             raise UserError(f"--{f.name.replace('_', '-')} {v!r}: must be a finite number")
     for name, lo in bounds.items():
         if (v := getattr(cfg, name, None)) is not None and v < lo:
             raise UserError(f"--{name.replace('_', '-')} {v!r}: must be at least {lo}")
 
 
-SEED_MAX = 2**32 - 1  # numpy's bound (transformers' set_seed); torch's is 2**64 - 1
-
-
 def check_seeds(cfg) -> None:
     """--seed (and --filter-seed) in the range every seeded library takes: torch raises "Overflow" past it."""
     for name in ("seed", "filter_seed"):
-        v = getattr(cfg, name, None)
-        if v is not None and not 0 <= v <= SEED_MAX:
+        if (v := getattr(cfg, name, None)) is not None and not 0 <= v <= SEED_MAX:
             raise UserError(f"--{name.replace('_', '-')} {v}: must be between 0 and {SEED_MAX}")
 
 
 def check_single_process(cfg) -> None:
-    """`accelerate launch` / torchrun start N processes (WORLD_SIZE); our trainer would run N identical jobs
-    into one --out folder: only TRL's trainer splits the work."""
+    """N processes (WORLD_SIZE) of our trainer would run N same jobs into one --out: only TRL's splits."""
     world = int(os.environ.get("WORLD_SIZE") or 1)
     if world > 1 and cfg.trainer != "trl":
         raise UserError(f"launched as {world} processes (WORLD_SIZE={world}), but only `train.py wm "
@@ -262,8 +261,7 @@ def use_4bit(cfg) -> bool:
 
 
 def process_state():
-    """accelerate's view of this process (one of `accelerate launch`'s, or the only one); on a machine
-    without CUDA the processes talk over gloo."""
+    """accelerate's view of this process (one of `accelerate launch`'s, or the only one); no CUDA: gloo."""
     from accelerate import PartialState
 
     return PartialState(cpu=not torch.cuda.is_available())
@@ -273,24 +271,20 @@ def _fits(typ, value) -> bool:
     """Whether a config file's value has a field's type (`int | None`, float, str, bool)."""
     if isinstance(typ, types.UnionType):
         return any(_fits(t, value) for t in typing.get_args(typ))
-    if typ is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if typ is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if typ in (int, float):  # a float field takes an int; neither takes a bool
+        return isinstance(value, (int, typ)) and not isinstance(value, bool)
     return value is None if typ is type(None) else isinstance(value, typ)
 
 
 def field_comments(cls) -> dict[str, str]:
-    """The comment after each field of a config dataclass and its bases, with the comment lines right below
-    it that continue it (a `# ---` section title does not): their --help text."""
+    """Each field's --help: its comment and the comment lines below that continue it (not a `# ---` title)."""
     docs = {}
     for klass in reversed(cls.__mro__):
-        if dataclasses.is_dataclass(klass) and klass is not cls.__mro__[-1]:
+        if dataclasses.is_dataclass(klass):
             name = None  # the field whose comment the next comment line continues
             for line in inspect.getsource(klass).splitlines():
                 if m := re.match(r"    (\w+): [^#]*(?:#\s*(.+))?$", line):
-                    name = m[1] if m[2] else None
-                    if name:
+                    if name := m[1] if m[2] else None:
                         docs[name] = m[2].strip()
                 elif (m := re.match(r"\s+#\s*(.*)$", line)) and name and not m[1].startswith("---"):
                     docs[name] += " " + m[1].strip()
@@ -309,9 +303,7 @@ def _or_none(typ):
 
 def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None, shown=None,
                  description: str | None = None):
-    """Flags from a dataclass's fields (--help: each field's comment and default; `shown`: only those fields,
-    though every field is accepted, as in a config file); JSON file via --config; a typo gets a one-line
-    error with a hint."""
+    """Flags from a dataclass's fields (--help shows `shown`; all are accepted) and a JSON --config."""
     hints, docs = typing.get_type_hints(cls), field_comments(cls)
     p = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS, allow_abbrev=False,
                                 description=description)
@@ -352,12 +344,10 @@ def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None
                 raise UserError(f"unknown key {k!r} in {args.config}"
                                 + (f"; did you mean {close!r}?" if close else ""))
             if not _fits(hints[k], v):
-                want = str(hints[k]).replace("NoneType", "null").replace("None", "null")
-                want = want.replace("<class '", "").replace("'>", "")
+                want = re.sub(r"None(Type)?", "null", re.sub(r"<class '(\w+)'>", r"\1", str(hints[k])))
                 raise UserError(f"{k} in {args.config} must be {want}, got {json.dumps(v)}")
     values.update({k: v for k, v in vars(args).items() if k in known})
-    rest = {k: v for k, v in vars(args).items() if k not in known and k != "config"}
-    return cls(**values), rest
+    return cls(**values), {k: v for k, v in vars(args).items() if k not in known and k != "config"}
 
 
 TRIPLET_FORMAT = "JSON lines with task, history, action, next_obs, as train.py collect writes"
@@ -380,9 +370,7 @@ def triplet_problem(t) -> str | None:
 
 
 def read_transitions(path: str | None, fits=None) -> list[dict]:
-    """A collection's triplets, every record checked (`fits`: an extra check, e.g. `wm_prompt_fits`): a bad
-    one is one line naming the file and line. A last line cut short by an interrupt is dropped, as
-    everywhere."""
+    """A collection's triplets, each checked (and by `fits`); a cut-short last line is dropped."""
     if not path:
         raise UserError("--transitions is required: the transitions.jsonl of a collection "
                         "(python train.py collect)")
@@ -402,8 +390,7 @@ def read_transitions(path: str | None, fits=None) -> list[dict]:
             if n == len(lines):
                 break
             raise UserError(f"{path}, line {n}: not JSON; expected {TRIPLET_FORMAT}") from None
-        problem = triplet_problem(t) or (fits(t) if fits else None)
-        if problem:
+        if problem := triplet_problem(t) or (fits(t) if fits else None):
             raise UserError(f"{path}, line {n}: {problem}; expected {TRIPLET_FORMAT}")
         trips.append(t)
     if not trips:
@@ -413,14 +400,12 @@ def read_transitions(path: str | None, fits=None) -> list[dict]:
 
 @functools.lru_cache(maxsize=8)
 def model_context(name: str) -> tuple[object, int | None]:
-    """(tokenizer, context length in tokens) of a model, read without its weights; (None, None) where they
-    do not read (engine.load_model then says why)."""
+    """(tokenizer, context length) of a model, without its weights; (None, None): load_model says why."""
     from transformers import AutoConfig, AutoTokenizer
 
     try:
         path = engine._bundled_smollm2() if name == engine.BUNDLED_MODEL else name
-        config = AutoConfig.from_pretrained(path)
-        tok = AutoTokenizer.from_pretrained(path)
+        config, tok = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     except Exception:  # noqa: BLE001 -- no config to read: nothing to check here
         return None, None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -428,8 +413,7 @@ def model_context(name: str) -> tuple[object, int | None]:
 
 
 def check_context(cfg, stage: str | None = None) -> None:
-    """Reply lengths (--max-new-tokens, --max-completion-length) within the model's context, before it
-    loads."""
+    """--max-new-tokens and --max-completion-length within the model's context, before it loads."""
     names = [n for n in ("max_new_tokens", "max_completion_length") if isinstance(getattr(cfg, n, None), int)]
     ctx = model_context(cfg.model)[1] if names and hasattr(cfg, "model") else None
     for n in names if ctx else ():
@@ -439,12 +423,10 @@ def check_context(cfg, stage: str | None = None) -> None:
 
 
 def wm_prompt_fits(cfg):
-    """For read_transitions: why a triplet's world-model prompt and its answer (the SFT target, or
-    max_completion_length sampled tokens) do not fit the model's context, or None; None if unknown."""
+    """For read_transitions: why a triplet's world-model prompt and answer overflow the context, or None."""
     tok, ctx = model_context(cfg.model)
     if ctx is None:
         return None
-
     def problem(t: dict) -> str | None:
         prompts = [engine.chat(tok, rwml.wm_prompt(t, r), rwml.wm_system(t), rwml.wm_prefix(r))
                    for r in {cfg.wm_reasoning, False}]
@@ -454,18 +436,16 @@ def wm_prompt_fits(cfg):
             return None  # a token is at least a byte (byte-level BPE): no need to tokenize
         n = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
         m = max(len(tok(answer, add_special_tokens=False)["input_ids"]) + 1, cfg.max_completion_length)
-        if n + m <= ctx:
-            return None
-        return (f"its world-model prompt ({n} tokens) and answer ({m}) exceed {cfg.model}'s context of {ctx} "
-                "tokens; shorten or drop this triplet")
+        return None if n + m <= ctx else (f"its world-model prompt ({n} tokens) and answer ({m}) exceed "
+                                          f"{cfg.model}'s context of {ctx} tokens; shorten or drop this "
+                                          "triplet")
     return problem
 
 
 # ------------------------------------------------------------------------------ files that survive interrupts
 
 def check_writable(path: Path, flag: str = "--out", folder: bool = True) -> None:
-    """An output folder (`folder`) or file that can be written, checked before anything slow runs, not
-    after it: the nearest folder on its path that exists is a folder and takes a file. Nothing is created."""
+    """An output folder (or file) writable, checked before anything slow runs; nothing is created."""
     if not folder and path.is_dir():
         raise UserError(f"{flag} {path} is a folder; give a file name, e.g. {path / 'results.json'}")
     existing = next(p for p in (path, *path.parents) if p.exists())
@@ -499,14 +479,12 @@ def check_adapter(path: str | None, flag: str = "--adapter") -> None:
                         f"give another {flag}") from None
     weights = next((Path(path) / n for n in ("adapter_model.safetensors", "adapter_model.bin")
                     if (Path(path) / n).is_file()), Path(path) / "adapter_model.safetensors")
-    problem = file_problem(weights)
-    if problem:
+    if problem := file_problem(weights):
         raise UserError(f"{weights} {problem}; save the adapter again, or give another {flag}")
 
 
 def file_problem(path: Path) -> str | None:
-    """Why a safetensors or torch.save file would not load, or None: checked cheaply, before any model
-    loads (safetensors: its header and size; torch.save's zip: every record's checksum)."""
+    """Why a safetensors (header, size) or torch.save file (zip checksums) would not load, or None."""
     if not path.is_file():
         return "is missing"
     try:
@@ -517,9 +495,8 @@ def file_problem(path: Path) -> str | None:
                 pass
         else:
             with zipfile.ZipFile(path) as z:
-                bad = z.testzip()
-            if bad:
-                raise ValueError(f"record {bad} fails its checksum")
+                if bad := z.testzip():
+                    raise ValueError(f"record {bad} fails its checksum")
     except Exception as e:  # noqa: BLE001 -- whatever the reader raises, the file is the problem
         return f"is damaged ({(str(e).splitlines() or [type(e).__name__])[0]})"
     return None
@@ -527,35 +504,8 @@ def file_problem(path: Path) -> str | None:
 
 def checkpoint_problem(folder: Path) -> str | None:
     """Why a checkpoint folder would not load back, or None: both files read whole, not merely exist."""
-    for name in ("adapter_model.safetensors", "trainer_state.pt"):
-        problem = file_problem(folder / name)
-        if problem:
-            return f"{folder / name} {problem}"
-    return None
-
-
-_LOCKS: dict[str, int] = {}  # --out folder -> the descriptor of its lock, held by this process
-
-
-def lock_out(out: Path) -> None:
-    """One run at a time in an --out folder: an exclusive flock on <out>/.lock, held until `main` returns or
-    the process ends (the kernel drops it also on kill -9; the file stays, harmless). A stage that this
-    process runs again in the same folder keeps its lock."""
-    key = str(out.resolve())
-    if key in _LOCKS:
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # BlockingIOError: another process holds it
-        pid = os.read(fd, 20).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise UserError(f"another run is using {out} (pid {pid}); wait for it to end, or use another --out") \
-            from None
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
-    _LOCKS[key] = fd
+    return next((f"{folder / n} {p}" for n in ("adapter_model.safetensors", "trainer_state.pt")
+                 if (p := file_problem(folder / n))), None)
 
 
 def releases_locks(fn):
@@ -577,10 +527,8 @@ def read_jsonl(path: Path) -> list[dict]:
         return []
     out = []
     for line in path.read_text(encoding="utf-8-sig", errors="replace").splitlines():
-        try:
+        with contextlib.suppress(ValueError):
             out.append(json.loads(line))
-        except ValueError:
-            pass
     return out
 
 
@@ -598,8 +546,7 @@ def write_jsonl(path: Path, rows, default=None) -> None:
 
 @contextlib.contextmanager
 def keep_rng():
-    """An evaluation inside training draws from its own seed and leaves the training's random state as it
-    was: a run with a learning curve trains exactly as one without."""
+    """An evaluation inside training leaves its random state as it was: a learning curve changes no step."""
     cpu, cuda = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
         yield
@@ -610,19 +557,15 @@ def keep_rng():
 
 
 def sample_triplets(trips: list[dict], n: int, seed: int = 0) -> list[dict]:
-    """`n` of the triplets in their order, drawn with `seed` (0 or more than there are: all): every held-out
-    score of a file (train.py, eval.py wm) is on the same ones."""
-    if not n or n >= len(trips):
-        return trips
-    return [trips[i] for i in sorted(random.Random(seed).sample(range(len(trips)), n))]
+    """`n` of the triplets in their order, drawn with `seed` (0 or more than there are: all)."""
+    return trips if not n or n >= len(trips) else [trips[i] for i in sorted(random.Random(seed).sample(
+        range(len(trips)), n))]
 
 
 def write_eval(path: Path, result: dict) -> None:
-    """An evaluation's summary (JSON) and, beside it, every triplet's predictions, rewards and cosines
-    (<name>.triplets.jsonl): what a reader needs to audit the summary."""
-    rows = result.get("triplets", [])
+    """An evaluation's summary (JSON) and, to audit it, each triplet's outputs beside it (.triplets.jsonl)."""
     detail = path.with_name(path.stem + ".triplets.jsonl")
-    write_jsonl(detail, rows)
+    write_jsonl(detail, result.get("triplets", []))
     summary = {k: v for k, v in result.items() if k != "triplets"}
     write_atomic(path, json.dumps(dict(summary, triplets_file=detail.name), indent=2))
 
@@ -630,8 +573,7 @@ def write_eval(path: Path, result: dict) -> None:
 # ------------------------------------------------------------------------------------- checkpoints and resume
 
 def save_checkpoint(path: Path, model, optimizer, state: dict) -> None:
-    """Adapter (the peft way), optimizer, RNG states, data cursor and step, written to checkpoint.tmp with
-    trainer_state.pt last, then swapped in (`swap_checkpoint`): a crash at any point loses no checkpoint."""
+    """Adapter, optimizer, RNG, cursor and step to checkpoint.tmp, then swapped in: no crash loses one."""
     tmp = path.with_name(path.name + ".tmp")
     _remove_checkpoint(tmp)
     model.save_pretrained(tmp, selected_adapters=["default"])  # not the frozen "ref"
@@ -649,20 +591,15 @@ def _remove_checkpoint(folder: Path) -> None:
 
 
 def swap_checkpoint(path: Path, verify: bool = True) -> bool:
-    """Put a complete checkpoint.tmp (always the newest state) in the place of `path`: a save's last step, or
-    at a run's start one a crash stopped. An old two-rename swap's .old is used if nothing else is whole; with
-    `verify`, whole = every file reads. Returns whether `path` holds a checkpoint."""
+    """A whole checkpoint.tmp (else an old .old) into `path`; whether `path` then holds a checkpoint."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     whole = ((lambda f: checkpoint_problem(f) is None) if verify
              else (lambda f: (f / "trainer_state.pt").is_file()))
-    if whole(tmp):
+    if newest := tmp if whole(tmp) else old if whole(old) and not whole(path) else None:
         _remove_checkpoint(path)
-        tmp.rename(path)
-    elif whole(old) and not whole(path):
-        _remove_checkpoint(path)
-        old.rename(path)
-    _remove_checkpoint(tmp)
-    _remove_checkpoint(old)
+        newest.rename(path)
+    for f in (tmp, old):
+        _remove_checkpoint(f)
     return (path / "trainer_state.pt").is_file()
 
 
@@ -675,32 +612,27 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     state = torch.load(path / "trainer_state.pt", weights_only=False)
     optimizer.load_state_dict(state.pop("optimizer"))
     torch.set_rng_state(state.pop("torch_rng"))
-    cuda_rng = state.pop("cuda_rng")
-    if cuda_rng is not None and torch.cuda.is_available():
+    if (cuda_rng := state.pop("cuda_rng")) is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda_rng)
     return state
 
 
-# fields that change no trained weight: --resume takes other values of these (max_steps: to train on)
+# fields that change no trained weight (evaluations, speed): --resume takes other values (max_steps: train on)
 RESUME_FREE = ("out", "resume", "report_to", "max_steps", "save_steps", "log_completions_steps",
                "num_workers", "eval_max_triplets", "eval_samples", "heldout_split", "heldout_games",
                "filter_dir", "micro_batch_size", "logits_chunk_size", "shared_prompt_forward",
-               "gradient_checkpointing",
-               "eval_steps", "eval_on_start", "eval_games", "eval_split", "eval_transitions")  # evaluations
-#                                                                                  do not change training
+               "gradient_checkpointing", "eval_steps", "eval_on_start", "eval_games", "eval_split",
+               "eval_transitions")
 
 
 def check_resume(cfg, out: Path, stage: str, resume: bool | None = None) -> bool:
-    """Before a run trains on from `out/checkpoint`: the checkpoint reads whole, it is of this stage, and the
-    settings that change training are those it was made with (out/config.json). One line otherwise.
-    Returns whether there is a checkpoint to resume from."""
+    """Whether out/checkpoint is there to resume: whole, of this stage, made with these settings."""
     ckpt = out / "checkpoint"
     if not swap_checkpoint(ckpt):
         return False
     if not (cfg.resume if resume is None else resume):
         raise UserError(f"{out} already holds a run; pass --resume to continue it, or use another --out")
-    problem = checkpoint_problem(ckpt)
-    if problem:
+    if problem := checkpoint_problem(ckpt):
         raise UserError(f"cannot resume: {problem}; delete {ckpt} to start the run over, or use another "
                         "--out")
     saved = torch.load(ckpt / "trainer_state.pt", weights_only=False, mmap=True,
@@ -726,73 +658,49 @@ def check_settings(cfg, out: Path) -> None:
 
 
 def start_run(cfg, out: Path, model, optimizer, stage: str = "wm") -> tuple[dict, object]:
-    """Resume from `out/checkpoint` (with --resume; `check_resume`) or refuse to overwrite a run; cut
-    metrics.jsonl and samples.jsonl back to the checkpoint's step (the steps after it run again, and are
-    logged again); write config.json; open the tracker (--report-to). Returns (state, tracker or None)."""
+    """Resume (or refuse to overwrite a run); logs cut back to its step; config.json; the tracker."""
     ckpt = out / "checkpoint"
-    has_ckpt = check_resume(cfg, out, stage)
     state = dict(step=0, epoch=0, cursor=0, stage=stage)
-    if has_ckpt:
-        # earlier versions': no stage
-        state = dict(dict(stage=stage), **load_checkpoint(ckpt, model, optimizer))
+    if check_resume(cfg, out, stage):
+        state = dict(dict(stage=stage), **load_checkpoint(ckpt, model, optimizer))  # earlier ones': no stage
         print(f"resumed from {ckpt} at step {state['step']}")
     out.mkdir(parents=True, exist_ok=True)
     for log in (out / "metrics.jsonl", out / "samples.jsonl"):
         if log.exists():
-            rows = [r for r in read_jsonl(log) if r.get("step", 0) <= state["step"]]
-            write_jsonl(log, rows)
+            write_jsonl(log, [r for r in read_jsonl(log) if r.get("step", 0) <= state["step"]])
     write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
-    return state, open_tracker(cfg, out, stage)
-
-
-# -------------------------------------------------- logging: trackers, metrics, GRPO groups, the reward curve
-
-TRACKERS = dict(tensorboard="tensorboard", wandb="wandb")  # --report-to -> the package it needs
-
-
-def check_tracker(cfg) -> None:
-    """The tracker's package, checked before anything loads (not after minutes of filtering)."""
-    package = TRACKERS.get(cfg.report_to)
-    if package and importlib.util.find_spec(package) is None:
-        raise UserError(f"--report-to {cfg.report_to} needs the {package} package: pip install -r "
-                        "requirements-trackers.txt (or --report-to none)")
-
-
-def open_tracker(cfg, out: Path, stage: str):
-    """A TensorBoard SummaryWriter, a wandb run (a resumed run continues the same one), or None."""
     if cfg.report_to == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter(str(out / "tensorboard"))
-    if cfg.report_to == "wandb":
+        return state, SummaryWriter(str(out / "tensorboard"))
+    if cfg.report_to == "wandb":  # a resumed run continues the same wandb run
         import wandb
 
         id_file = out / "wandb_run_id"
         if not id_file.is_file():
             write_atomic(id_file, wandb.util.generate_id())
-        return wandb.init(project=os.environ.get("WANDB_PROJECT", "rwml"), name=out.name, dir=str(out),
-                          id=id_file.read_text().strip(), resume="allow", job_type=stage,
-                          config=dataclasses.asdict(cfg))
-    return None
+        return state, wandb.init(project=os.environ.get("WANDB_PROJECT", "rwml"), name=out.name, dir=str(out),
+                                 id=id_file.read_text().strip(), resume="allow", job_type=stage,
+                                 config=dataclasses.asdict(cfg))
+    return state, None
 
+
+# -------------------------------------------------- logging: trackers, metrics, GRPO groups, the reward curve
 
 # grpo_step's names -> TRL GRPOTrainer's: metrics.jsonl and the trackers hold TRL's names only
 TRL_NAMES = dict(reward_mean="reward", completion_tokens="completions/mean_length",
                  clip_ratio="clip_ratio/region_mean")
-
-
 # the keys of every stage-1 GRPO row in metrics.jsonl, whichever trainer wrote it (tested for both)
 WM_METRICS = ("step", "epoch", "loss", "grad_norm", "learning_rate", "reward", "reward_std",
               "frac_reward_zero_std", "kl", "completions/mean_length", "completions/min_length",
               "completions/max_length", "completions/clipped_ratio", "clip_ratio/region_mean")
+PROMPT_TAIL = 300  # characters of a world-model prompt kept in samples.jsonl: the last observation and action
 
 
 def log_row(metrics, writer, row: dict) -> None:
-    """One step's row to metrics.jsonl under TRL's names (TRL_NAMES), and its numbers to the tracker:
-    train/<key>, and eval/<key> for the held-out evaluation's (eval_success -> eval/success)."""
+    """One step's row to metrics.jsonl under TRL's names, its numbers to the tracker (train/, eval/)."""
     row = {TRL_NAMES.get(k, k): v for k, v in row.items()}
-    metrics.write(json.dumps(row) + "\n")
-    metrics.flush()
+    jsonl_writer(metrics)(row)
     if writer is None:
         return
     scalars = {f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}": float(v) for k, v in row.items()
@@ -809,23 +717,8 @@ def close_tracker(writer) -> None:
         (writer.finish if hasattr(writer, "finish") else writer.close)()
 
 
-PROMPT_TAIL = 300  # characters of a world-model prompt kept in samples.jsonl: the last observation and action
-
-
-def whole_groups(cfg, batch: list[dict], res: dict) -> list[dict]:
-    """A GRPO step's groups for samples.jsonl, prompt by prompt: the prompt's tail, the real next
-    observation, all G completions, their rewards and advantages (all-equal rewards: no gradient)."""
-    G = cfg.num_generations
-    return [dict(prompt_tail=rwml.wm_prompt(t, cfg.wm_reasoning)[-PROMPT_TAIL:], action=t["action"],
-                 target=t["next_obs"], completions=res["completions"][i * G:(i + 1) * G],
-                 rewards=res["rewards"][i * G:(i + 1) * G],
-                 advantages=[round(a, 4) for a in res["advantages"][i * G:(i + 1) * G]])
-            for i, t in enumerate(batch)]
-
-
 def group_table(step: int, groups: list[dict], width: int = 90) -> str:
-    """The log's view of a step's groups: the first one whole (reward, advantage, prediction), then every
-    group's rewards and how many are all equal, the method's main failure mode."""
+    """The log's view of a step's groups: the first one whole, then how many have all rewards equal."""
     first = groups[0]
     lines = [f"[step {step}] group 1 of {len(groups)}: action {first['action']!r}; real: "
              f"{first['target'][:width]!r}", f"  {'reward':>6} {'advantage':>9}  predicted"]
@@ -833,15 +726,13 @@ def group_table(step: int, groups: list[dict], width: int = 90) -> str:
         shown = parse_next_state(c)
         lines.append(f"  {r:>6.2f} {a:>+9.3f}  {(c if shown is None else shown)[:width]!r}")
     equal = sum(len(set(g["rewards"])) == 1 for g in groups)
-    lines.append("  rewards by group: " + " ".join("[" + " ".join(f"{r:g}" for r in g["rewards"]) + "]"
-                                                  for g in groups)
-                 + f"; {equal} of {len(groups)} all equal (no gradient)")
+    rewards = " ".join("[" + " ".join(f"{r:g}" for r in g["rewards"]) + "]" for g in groups)
+    lines.append(f"  rewards by group: {rewards}; {equal} of {len(groups)} all equal (no gradient)")
     return "\n".join(lines)
 
 
 def run_header(model, cfg, trains: str, per_step: str, start, step: int = 0) -> str:
-    """What is about to train, printed before step 1: the data, the sizes, the start adapter, beta and its
-    reference, and where the model runs."""
+    """What is about to train, printed before step 1: data, sizes, start adapter, KL reference, device."""
     fresh = f"a fresh LoRA (r {cfg.lora_r}, alpha {cfg.lora_alpha}, {cfg.lora_target_modules})"
     reference = "the start adapter, a frozen copy" if start else "the base model (the adapter disabled)"
     dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
@@ -869,19 +760,15 @@ def plot_rewards(metrics_file: Path, png: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r["reward"] for r in rows], alpha=0.35, label="reward (per step)")
     k = max(1, len(rows) // 8)
-    smooth = [sum(r["reward"] for r in rows[max(0, i - k + 1):i + 1])
-              / len(rows[max(0, i - k + 1):i + 1]) for i in range(len(rows))]
-    ax.plot(steps, smooth, label=f"reward (mean of {k})")
+    windows = [rows[max(0, i - k + 1):i + 1] for i in range(len(rows))]
+    ax.plot(steps, [sum(r["reward"] for r in w) / len(w) for w in windows], label=f"reward (mean of {k})")
     if "format_rate" in rows[0]:
         ax.plot(steps, [r["format_rate"] for r in rows], ls="--", alpha=0.6, label="has <next_state>")
     for key, label in (("eval_success", "held-out success (greedy)"),
                        ("eval_wm_accuracy", "held-out accuracy")):
-        curve = [r for r in every if key in r]
-        if curve:
+        if curve := [r for r in every if key in r]:
             ax.plot([r["step"] for r in curve], [r[key] for r in curve], "o-", label=label)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title)
+    ax.set(xlabel="optimizer step", ylim=(-0.02, 1.02), title=title)
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -904,9 +791,7 @@ def card_run(stage: str, cfg):
 
 
 def save_adapter(model, out: Path, name: str = "adapter", **card) -> Path:
-    """The trained adapter alone, the peft way (`PeftModel.from_pretrained(base, out / "adapter")`, or
-    `AutoPeftModelForCausalLM.from_pretrained(out / "adapter")` anywhere: adapter_config.json names the
-    model the user gave, never a local cache), with a model card (`write_card`, given `card`)."""
+    """The adapter alone, the peft way, naming the model the user gave (not a cache), with a model card."""
     adapter, tmp = out / name, out / (name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, selected_adapters=["default"])
@@ -928,8 +813,6 @@ METHODS = {  # stage -> what its adapter is, the model card's title line
     "rft": "RFT: SFT on the model's own successful episodes (baseline, METHOD.md §7)",
     "policy": "policy RL: multi-turn GRPO on task success (stage 2, METHOD.md §6)",
 }
-
-
 CARD_FIELDS = {  # stage -> the settings its card lists (all of them: the run's config.json)
     "wm": ("learning_rate", "beta", "num_generations", "prompts_per_step", "max_steps", "temperature",
            "max_completion_length", "loss_type", "tau_d", "reward_metric", "lora_r", "lora_alpha", "seed"),
@@ -941,28 +824,21 @@ CARD_FIELDS = {  # stage -> the settings its card lists (all of them: the run's 
     "policy": ("init", "learning_rate", "beta", "num_generations", "games_per_step", "max_steps",
                "temperature", "max_turns", "action_mode", "lora_r", "lora_alpha", "seed"),
 }
-
-
 TRIPLETS_KEPT = "training triplets (the filter's output)"  # a model card's data line
-
-
 CONTROLS = dict(mis="control MIS: each triplet scored against another triplet's next observation",
                 coin="control COIN: the reward is a fair coin")
 
 
 def write_card(folder: Path, cfg=None, stage: str | None = None, data: dict | None = None,
                heldout: list[str] | None = None, bundled: bool = False) -> None:
-    """The adapter's README.md in place of peft's empty template: what trained it (method, stage), on what
-    (`data`: label -> count), with which settings, how it scored (`heldout` lines; stage 2: the held-out
-    success curve of <out>/metrics.jsonl, if any) and the command that made it."""
+    """The adapter's README.md: method, stage, data (label -> count), settings, scores, the command."""
     cfg, stage = cfg or _CARD_RUN.get("cfg"), stage or _CARD_RUN.get("stage") or "wm"
     kind = "wm" if stage == "all" else stage
     base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
     method = METHODS.get(kind, kind)
-    if cfg is not None and kind == "wm" and cfg.reward_control in CONTROLS:
-        method += f"; {CONTROLS[cfg.reward_control]}"
-    if cfg is not None and kind == "wm" and cfg.trainer == "trl":
-        method += "; in TRL's GRPOTrainer"
+    if cfg is not None and kind == "wm":
+        method += "".join((f"; {CONTROLS[cfg.reward_control]}" if cfg.reward_control in CONTROLS else "",
+                           "; in TRL's GRPOTrainer" if cfg.trainer == "trl" else ""))
     if cfg is not None and kind == "policy":
         method += f", from {cfg.init}" + (f" ({cfg.adapter})" if cfg.adapter else "")
         data = data or {f"{cfg.split} {'tasks' if cfg.env == 'tau2' else 'games'} ({cfg.env})":
@@ -1009,43 +885,36 @@ def play_kwargs(cfg) -> dict:
 
 
 def make_env(cfg, episodes: int | None = None):
-    at_once = None if episodes is None else min(cfg.num_envs, episodes)  # no more game workers than games
     return envs.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns,
-                     at_once=at_once)
+                     at_once=None if episodes is None else min(cfg.num_envs, episodes))  # <= one per game
 
 
 def collection_todo(cfg, out: Path, games: list) -> tuple[list[dict], int]:
-    """A collection's files in `out`: its settings (collect.json: a collection made with others is an error),
-    the turns of finished episodes kept, those of an unfinished one dropped (it is played again from its
-    start). Returns (the episodes to play, how many are done)."""
+    """A collection's settings (collect.json) and finished episodes kept: (episodes to play, number done)."""
     job = {k: getattr(cfg, k) for k in ("model", "adapter", "seed", "split", "num_games", "rollouts_per_game",
                                         "max_turns", "history_len", "temperature", "top_p", "max_new_tokens",
                                         "explore_prob")}
     if cfg.action_mode != "generate":  # written only when set: collections made before the field stay valid
         job["action_mode"] = cfg.action_mode
     if cfg.env == "textworld":
-        job.update(env=cfg.env, world_size=cfg.world_size, nb_objects=cfg.nb_objects,
-                   quest_length=cfg.quest_length)
+        job.update({k: getattr(cfg, k) for k in ("env", "world_size", "nb_objects", "quest_length")})
     elif cfg.env != "alfworld":  # tau2: the model's own actions only
         del job["num_games"], job["explore_prob"]
         job.update(env=cfg.env, domain=cfg.domain, num_tasks=cfg.num_tasks, user_model=cfg.user_model)
     meta = out / "collect.json"
-    if meta.exists() and json.loads(meta.read_text()) != job:
-        old = json.loads(meta.read_text())
+    if (old := json.loads(meta.read_text()) if meta.exists() else job) != job:
         diff = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in job.items() if old.get(k) != v)
         raise UserError(f"{out} holds a collection made with other settings ({diff}); use another --out")
     write_atomic(meta, json.dumps(job, indent=2))
     transitions, episodes_file = out / "transitions.jsonl", out / "episodes.jsonl"
-    done_eps = read_jsonl(episodes_file)
+    done_eps, turns = read_jsonl(episodes_file), read_jsonl(transitions)
     finished = {(e["game"], e["rollout"]) for e in done_eps}
-    turns = read_jsonl(transitions)
     kept = [t for t in turns if (t["game"], t["rollout"]) in finished]
     if len(kept) < len(turns):  # the per-episode rule (README, "No run loses work")
         cut = {(t["game"], t["rollout"]) for t in turns} - finished
         print(f"collect: dropped {len(turns) - len(kept)} turns of {len(cut)} unfinished episodes: an "
               "episode is kept once it ends; one that did not is played again from its start")
-    # rewrite both without a line cut short by an interrupt, and without turns of unfinished episodes
-    write_jsonl(transitions, kept)
+    write_jsonl(transitions, kept)  # without a line cut short by an interrupt or an unfinished episode
     write_jsonl(episodes_file, done_eps)
     todo = [dict(game=g, rollout=r) for g in games for r in range(cfg.rollouts_per_game)
             if (envs.game_name(g), r) not in finished]
@@ -1066,13 +935,11 @@ def collection_summary(cfg, out: Path) -> None:
 
 
 def walkthroughs(cfg, out: Path, games: list) -> Path:
-    """`collect --walkthrough`: the games' expert plans on the real engine, one triplet per step, no model:
-    the "purposeful" held-out triplets (what an agent pursuing its task sees)."""
+    """`collect --walkthrough`: the expert plans, one triplet a step, no model (the "purposeful" set)."""
     if cfg.env != "alfworld":
         raise UserError("--walkthrough needs --env alfworld (tau2 tasks have no expert walkthrough here)")
     transitions, meta = out / "transitions.jsonl", out / "collect.json"
-    job = dict(walkthrough=True, split=cfg.split, seed=cfg.seed, num_games=cfg.num_games,
-               history_len=cfg.history_len)
+    job = dict(walkthrough=True) | {k: getattr(cfg, k) for k in ("split", "seed", "num_games", "history_len")}
     if transitions.is_file() and meta.is_file() and json.loads(meta.read_text()) == job:  # a rerun: done
         print(f"collect: reusing {transitions} (walkthroughs of {len(games)} {cfg.split} games)")
         return transitions
@@ -1091,8 +958,7 @@ def kind_mix(triplets: list[dict]) -> str:
 
 
 def reward_control(cfg, triplets: list[dict], reward_fn, out: Path):
-    """The controls: MIS scores each triplet against another triplet's next observation (another text),
-    COIN replaces the reward by a fair coin. Returns (triplets, reward function)."""
+    """(triplets, reward function) under a control: MIS (another triplet's target) or COIN (a fair coin)."""
     if cfg.reward_control == "mis":
         targets, unchanged = mis_targets([t["next_obs"] for t in triplets], cfg.seed)
         out.mkdir(parents=True, exist_ok=True)
@@ -1101,14 +967,11 @@ def reward_control(cfg, triplets: list[dict], reward_fn, out: Path):
         print(f"mis: {unchanged:.1%} of triplets keep a target equal to their own (one text is over half "
               "of all)")
         return [dict(t, next_obs=x) for t, x in zip(triplets, targets)], reward_fn
-    if cfg.reward_control == "coin":
-        return triplets, coin_reward(cfg.seed)
-    return triplets, reward_fn
+    return triplets, coin_reward(cfg.seed) if cfg.reward_control == "coin" else reward_fn
 
 
 def wm_row(state: dict, res: dict, u: dict, batch: list[dict], learning_rate: float, seconds: float) -> dict:
-    """A stage-1 GRPO step's row of metrics.jsonl (`log_row` gives it TRL's names); with the kinds of the
-    step's targets and which groups were mixed (carried a gradient)."""
+    """A stage-1 GRPO step's row of metrics.jsonl (`log_row` renames it), with its targets' kinds."""
     return dict(step=state["step"], epoch=state["epoch"], **{
         k: res[k] for k in ("reward_mean", "reward_std", "frac_reward_zero_std", "format_rate",
                             "completion_tokens", "completions/min_length", "completions/max_length",
@@ -1123,17 +986,19 @@ def log_groups(samples, cfg, step: int, batch: list[dict], res: dict) -> None:
     """A step's whole groups to samples.jsonl and, as a table, to the log."""
     from tqdm.auto import tqdm
 
-    groups = whole_groups(cfg, batch, res)
-    samples.write(json.dumps(dict(step=step, action=batch[0]["action"], completion=res["sample"],
-                                  target=res["sample_target"], reward=res["sample_reward"],
-                                  groups=groups)) + "\n")
-    samples.flush()
+    G = cfg.num_generations
+    groups = [dict(prompt_tail=rwml.wm_prompt(t, cfg.wm_reasoning)[-PROMPT_TAIL:], action=t["action"],
+                   target=t["next_obs"], completions=res["completions"][i * G:(i + 1) * G],
+                   rewards=res["rewards"][i * G:(i + 1) * G],
+                   advantages=[round(a, 4) for a in res["advantages"][i * G:(i + 1) * G]])
+              for i, t in enumerate(batch)]
+    jsonl_writer(samples)(dict(step=step, action=batch[0]["action"], completion=res["sample"],
+                               target=res["sample_target"], reward=res["sample_reward"], groups=groups))
     tqdm.write(group_table(step, groups))
 
 
 def check_heldout(cfg) -> None:
-    """`all` scores games never trained on: the held-out split must not share a game with the train games.
-    Checked on the game files before any model loads."""
+    """`all` scores games never trained on: no held-out game among the train games (before any model)."""
     if cfg.env != "alfworld":
         raise UserError("the `all` stage runs on ALFWorld; for tau2 use the collect / wm / policy stages")
     train = {envs.game_id(g) for g in split_games(cfg)}
@@ -1142,18 +1007,6 @@ def check_heldout(cfg) -> None:
         raise UserError(f"--heldout-split {cfg.heldout_split} shares {len(train & held)} games with the "
                         f"train games (--split {cfg.split}); use valid_unseen (the test split) or "
                         "valid_seen (the dev split)")
-
-
-def wm_curve_triplets(cfg) -> list[dict] | None:
-    """`wm --eval-steps N`: eval_max_triplets of --eval-transitions (drawn with a fixed seed), or a clear
-    error."""
-    if not cfg.eval_steps:
-        return None
-    if not cfg.eval_transitions:
-        raise UserError("wm --eval-steps scores held-out triplets along the way: give them with "
-                        "--eval-transitions (a transitions.jsonl of held-out games, e.g. train.py collect "
-                        "--split valid_seen)")
-    return sample_triplets(read_transitions(cfg.eval_transitions, wm_prompt_fits(cfg)), cfg.eval_max_triplets)
 
 
 def baselines_line(cfg, out: Path, kind: str, trips: list[dict], file: str, reward_fn) -> None:
@@ -1173,7 +1026,13 @@ def before_after_line(before: dict, after: dict) -> str:
             f"({before['n']} triplets); without \"Nothing happens.\" {change_b['wm_accuracy']:.3f} -> "
             f"{change_a['wm_accuracy']:.3f} ({change_b['n']}); beyond the template rule "
             f"{beyond_b['wm_accuracy']:.3f} -> {beyond_a['wm_accuracy']:.3f} ({beyond_b['n']}); mean cosine "
-            f"{before['mean_cosine']:.3f} -> {after['mean_cosine']:.3f}")
+            f"{before['mean_cosine']:.3f} -> {after['mean_cosine']:.3f}; strict: exact match "
+            f"{before['exact_match']:.3f} -> {after['exact_match']:.3f}, item F1 {_f1(before)} -> "
+            f"{_f1(after)} ({before['item_n']} listing targets)")
+
+
+def _f1(r: dict) -> str:
+    return "-" if r.get("item_f1") is None else f"{r['item_f1']:.3f}"
 
 
 def check_init(cfg) -> None:
@@ -1199,16 +1058,14 @@ def policy_eval_games(cfg) -> list:
 
 
 def heldout_success(model, tok, env, games: list, cfg, out: Path, step: int) -> dict:
-    """Greedy held-out success of the current policy (as `eval.py agent` plays it); each episode goes to
-    <out>/eval_episodes.jsonl with its step, so that every point of the curve can be audited."""
+    """Held-out success of the policy as `eval.py agent` plays it; episodes to eval_episodes.jsonl (audit)."""
     model.eval()
     with keep_rng(), cost.stage("policy eval"):
         played = rwml.play(model, tok, env, [dict(game=g) for g in games],
                            **dict(play_kwargs(cfg), temperature=0.0 if cfg.action_mode == "choose"
                                   else cfg.temperature), desc=f"eval step {step}", seed=cfg.seed)
     with open(out / "eval_episodes.jsonl", "a") as f:
-        for e in played:
-            f.write(json.dumps(dict(e, step=step), default=str) + "\n")
+        f.writelines(json.dumps(dict(e, step=step), default=str) + "\n" for e in played)
     steps = sum(e["steps"] for e in played) or 1
     return dict(eval_success=sum(e["won"] for e in played) / len(played), eval_mean_steps=steps / len(played),
                 eval_invalid=sum(e["invalid"] for e in played) / steps)
@@ -1220,15 +1077,13 @@ FILTER_JOB = ("model", "easy_filter", "filter_split", "filter_samples", "easy_sh
 
 
 def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | None]:
-    """The filter's settings (filter.json's job, its cache key) and, if `out` holds a whole output made with
-    them, that output: (kept triplets, warm-up adapter or None)."""
+    """The filter's settings (its cache key) and, if `out` holds a whole output of them, (kept, warm-up)."""
     kept_file, meta_file, warm = out / "kept.jsonl", out / "filter.json", out / "warmup_adapter"
     seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
     job = {k: getattr(cfg, k) for k in FILTER_JOB} | {"seed": seed, "num_triplets": len(triplets)}
-    if kept_file.exists() and meta_file.exists() and json.loads(meta_file.read_text())["job"] == job \
-            and (not cfg.warmup
-                 or ((warm / "adapter_config.json").is_file()
-                     and file_problem(warm / "adapter_model.safetensors") is None)):  # else made again
+    if kept_file.exists() and meta_file.exists() and json.loads(meta_file.read_text())["job"] == job and (
+            not cfg.warmup or (warm / "adapter_config.json").is_file()
+            and file_problem(warm / "adapter_model.safetensors") is None):  # else made again
         kept = read_jsonl(kept_file)
         print(f"filter: reusing {kept_file} ({len(kept)} triplets)" + (f" and {warm}" if cfg.warmup else ""))
         return job, (kept, warm if cfg.warmup else None)
@@ -1244,27 +1099,21 @@ def save_filter(out: Path, job: dict, info: dict, kept: list[dict]) -> None:
 
 
 def heldout_triplets(cfg, out: Path, load, collect) -> dict[str, dict]:
-    """The held-out triplets scored before and after, of both kinds, from the same `heldout_games` games
-    (drawn with seed 0, not the run's, so that runs of every seed score the same test set): `explore`, this
-    collection policy's (played with seed 0), and `purposeful`, the games' expert walkthroughs. Each kind:
-    `eval_max_triplets` of them, drawn with a fixed seed. (`collect`: train.collect.)"""
+    """`all`'s held-out sets, explore and purposeful, of the same games for every seed (seed 0)."""
     held = dataclasses.replace(cfg, split=cfg.heldout_split, num_games=cfg.heldout_games, rollouts_per_game=1,
                                seed=0, adapter=None)
     sets = {}
     for kind in ("purposeful", "explore"):  # the walkthroughs first: they need no model
         path = collect(dataclasses.replace(held, walkthrough=kind == "purposeful"),
                        out / ("heldout_purposeful" if kind == "purposeful" else "heldout"), load)
-        trips = read_jsonl(path)
-        if not trips:
+        if not (trips := read_jsonl(path)):
             raise UserError(f"the held-out {kind} triplets ({path}) are empty; use more --heldout-games")
         sets[kind] = dict(triplets=sample_triplets(trips, cfg.eval_max_triplets), file=str(path))
     return sets
 
 
 def start_adapter(cfg, model, adapter: Path | str | None = None):
-    """The adapter a stage trains: a fresh LoRA (the KL reference is then the bare base model, adapter
-    disabled), or a saved one (the warm-up, or an RWML / WM-SFT / RFT adapter for stage 2) that trains on,
-    with a frozen copy of it named "ref" (TRL's name) as the KL reference (`engine.reference_policy`)."""
+    """A fresh LoRA (KL reference: the base), or a saved adapter with a frozen copy "ref" as the reference."""
     if adapter is None:
         return engine.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
                                cfg.gradient_checkpointing)
@@ -1282,8 +1131,7 @@ def start_adapter(cfg, model, adapter: Path | str | None = None):
 def sft_adapter(cfg, model, tok, prompts: list[str], answers: list[str], system: str, out: Path, *,
                 prefix: str = "", start: Path | None = None, epochs: int | None = None, batch_size: int = 8,
                 shuffle: bool = True, lr: float | None = None, data: dict | None = None, **info):
-    """The SFT baselines: plain SFT of a fresh LoRA adapter (or of `start`) at `lr` (default
-    sft_learning_rate), saved with config.json and sft.json (losses, info); `data`: the card's counts."""
+    """Plain SFT of a fresh LoRA (or of `start`), saved with config.json, sft.json and a model card."""
     torch.manual_seed(cfg.seed)
     model = start_adapter(cfg, model, start)
     with cost.stage("sft"):
@@ -1297,11 +1145,17 @@ def sft_adapter(cfg, model, tok, prompts: list[str], answers: list[str], system:
 
 
 def stage_inputs(cfg, stage: str) -> tuple[list[dict] | None, list[dict] | None]:
-    """What a stage reads before it starts: the triplets it trains on and, for `wm --eval-steps`, its
-    held-out triplets (a bad file is one line now, not after the filter)."""
+    """The triplets a stage trains on and, for `wm --eval-steps`, its held-out ones, read before it starts."""
     trips = (read_transitions(cfg.transitions, wm_prompt_fits(cfg))
              if stage in ("wm-sft", "filter", "wm", "export") else None)
-    return trips, wm_curve_triplets(cfg) if stage == "wm" and cfg.trainer == "ours" else None
+    if stage != "wm" or cfg.trainer != "ours" or not cfg.eval_steps:
+        return trips, None
+    if not cfg.eval_transitions:
+        raise UserError("wm --eval-steps scores held-out triplets along the way: give them with "
+                        "--eval-transitions (a transitions.jsonl of held-out games, e.g. train.py collect "
+                        "--split valid_seen)")
+    return trips, sample_triplets(read_transitions(cfg.eval_transitions, wm_prompt_fits(cfg)),
+                                  cfg.eval_max_triplets)
 
 
 def jsonl_writer(f):
@@ -1356,19 +1210,9 @@ def commands_help(prog: str, commands: dict[str, str], metavar: str, epilog: str
     raise AssertionError("argparse's --help exits")
 
 
-def disk_full(e: BaseException) -> bool:
-    """ENOSPC or a full quota, also as libraries that write files report it (safetensors: "os error 28")."""
-    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e)
-
-
-def _terminated(*_):
-    raise KeyboardInterrupt  # SIGTERM ends a run as Ctrl-C does: files closed, one line
-
-
 def run_cli(main, on_interrupt: str = "interrupted") -> None:
-    """Bad input (a UserError), a full disk, Ctrl-C and SIGTERM are one line on stderr and exit status 1,
-    never a traceback."""
-    signal.signal(signal.SIGTERM, _terminated)
+    """Bad input (a UserError), a full disk, Ctrl-C and SIGTERM: one line on stderr, exit status 1."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends a run as Ctrl-C does
     try:
         main()
     except UserError as e:
@@ -1376,34 +1220,15 @@ def run_cli(main, on_interrupt: str = "interrupted") -> None:
     except KeyboardInterrupt:
         sys.exit(on_interrupt)
     except Exception as e:
-        if disk_full(e):
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e):
             sys.exit(f"error: out of disk space ({str(e).splitlines()[0]}); free some, then {RERUN}")
         raise
-
-
-# Our GRPO loop's speed-ups, which TRL's GRPOTrainer does not have: with --trainer trl they must stay at
-# their defaults. Every other field the wm stage reads has a TRL counterpart (train_wm_trl).
-NO_TRL = ("shared_prompt_forward", "logits_chunk_size", "micro_batch_tokens")
-
-
-
-def check_trl(cfg, stage: str) -> None:
-    """--trainer trl: the wm stage (and the filter it runs), TRL installed, no field TRL would ignore."""
-    if stage not in ("wm", "filter"):
-        raise UserError(f"--trainer trl trains the wm stage only; `train.py {stage}` has our trainer alone")
-    for f in dataclasses.fields(cfg):
-        if f.name in NO_TRL and getattr(cfg, f.name) != f.default:
-            raise UserError(f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)!r} has no counterpart in "
-                            "TRL's GRPOTrainer; leave it out with --trainer trl")
-    if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
-        raise UserError("--trainer trl needs TRL: pip install --no-deps -r lab/bench/requirements.txt")
 
 
 # ------------------------------------------------------- `eval.py agent`'s episode log: an evaluation resumes
 
 def finished_episodes(path: Path, job: dict) -> dict[tuple, dict]:
-    """The episodes an interrupted evaluation finished, by (split, seed, game), from its log, whose first
-    line holds the settings `job` (other settings: none are reused)."""
+    """An interrupted evaluation's finished episodes by (split, seed, game), if its log's job is `job`."""
     rows = read_jsonl(path)
     done = rows[1:] if rows and rows[0] == dict(job=job) else []
     if len(rows) > 1 and not done:
@@ -1415,12 +1240,8 @@ def finished_episodes(path: Path, job: dict) -> dict[tuple, dict]:
 
 @contextlib.contextmanager
 def episode_log(path: Path, job: dict, done: dict):
-    """on_episode for `play`: each finished episode goes to the log at once. The file is first rewritten with
-    the settings and the `done` episodes (so no line cut short by an interrupt remains)."""
+    """on_episode for `play`, to the log rewritten first with `job` and the `done` episodes (no cut lines)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     write_jsonl(path, [dict(job=job), *done.values()], default=str)
     with open(path, "a") as f:
-        def write(summary):
-            f.write(json.dumps(summary, default=str) + "\n")
-            f.flush()
-        yield write
+        yield jsonl_writer(f)

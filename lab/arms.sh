@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
 # Every arm of the paper's comparison (METHOD.md §7 and Table 1), one command each, then one table:
 #   bash lab/arms.sh        (or: make arms)   ->  $OUT/results.md, $OUT/results_rewards.png, $OUT/results_success.png
-# The defaults are the small CPU version (SmolLM2-135M, a handful of games, a few steps per arm; about
-# half an hour on 2 cores). Scale with the variables below, e.g. on a GPU:
+# The defaults: the small CPU version (135M, a few games and steps; ~30 min on 2 cores). Scale, e.g. on a GPU:
 #   MODEL=Qwen/Qwen2.5-1.5B-Instruct GAMES=200 ROLLOUTS=3 TURNS=30 WM_STEPS=200 POLICY_STEPS=50 EVAL_GAMES=0 SEEDS=3 bash lab/arms.sh
-# Rerun after an interruption: collection continues, training resumes from its checkpoint, finished
-# evaluations are kept.
+# A rerun continues: collection, training from its checkpoint; finished evaluations are kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repo root: train.py, eval.py, .venv, runs/
 PY=${PY:-.venv/bin/python}

@@ -29,9 +29,8 @@ class CalibrateConfig(WMEvalConfig):
 
 def calibrate(reward: SimToRealReward, predictions: list[list[str]], targets: list[str],
               taus=(0.05, 0.1, 0.15, 0.2, 0.3, 0.4)) -> list[dict]:
-    """For each candidate tau_d: the mean reward and the share of GRPO groups (the predictions for one prompt)
-    whose rewards are all equal. The first row holds the share of predictions with a parseable <next_state>
-    and their mean cosine."""
+    """Per candidate tau_d: the mean reward and the share of GRPO groups whose rewards are all equal; first,
+    the share of predictions with a parseable <next_state> and their mean cosine."""
     flat = [p for group in predictions for p in group]
     flat_targets = [t for group, t in zip(predictions, targets) for _ in group]
     preds = [parse_next_state(p) for p in flat]
@@ -40,10 +39,8 @@ def calibrate(reward: SimToRealReward, predictions: list[list[str]], targets: li
                  mean_cosine=sum(sims) / max(len(sims), 1))]
     for tau in taus:
         r = [1.0 if p and 1.0 - s < tau else 0.0 for p, s in zip(preds, sims)]
-        groups, i = [], 0
-        for g in predictions:
-            groups.append(r[i:i + len(g)])
-            i += len(g)
+        flat_r = iter(r)
+        groups = [[next(flat_r) for _ in g] for g in predictions]
         rows.append(dict(tau_d=tau, mean_reward=sum(r) / max(len(r), 1),
                          frac_groups_all_equal=sum(len(set(g)) <= 1 for g in groups) / max(len(groups), 1)))
     return rows

@@ -1,8 +1,6 @@
-# Shared by sanity.sh and agent_sanity.sh (sourced): run independent jobs JOBS at a time, one thread each
-# (small matrices scale badly across threads), each logging to $LOGS/NAME.log and leaving $LOGS/NAME.done
-# (or NAME.failed); the first failure stops the others (a rerun must not race them) and names its log.
-# A job may wait for earlier ones with `after NAME...`: a pipeline is then one queue in dependency order (a
-# job waits only for jobs before it, so the slots never all wait), with no idle barrier between its stages.
+# Sourced by sanity.sh and agent_sanity.sh: jobs JOBS at a time, one thread each, logging to $LOGS/NAME.log,
+# leaving NAME.done or NAME.failed; the first failure stops the others and names its log. `after NAME...` waits
+# for earlier jobs of the queue (only earlier ones, so the slots never all wait).
 in_parallel() {  # in_parallel "NAME COMMAND..." ...
     local threads=$(($(nproc) / JOBS)) spec name pids=() names=()
     mkdir -p "$LOGS"
@@ -19,8 +17,7 @@ trap - EXIT; touch '$LOGS/$name.done'" > "$LOGS/$name.log" 2>&1 &
     done
     for i in "${!pids[@]}"; do
         wait "${pids[$i]}" || {
-            # `|| true`: under the callers' set -e a pkill that matches nothing would end the script here
-            # and leave the other jobs running
+            # `|| true`: under set -e a pkill that matches nothing would end the script, the jobs left running
             for p in $(jobs -rp); do pkill -P "$p" || true; kill "$p" || true; done 2>/dev/null
             echo "$(basename "$0"): ${names[$i]} failed, see $LOGS/${names[$i]}.log"; exit 1; }
         echo "done: ${names[$i]}"

@@ -1,14 +1,8 @@
 """Lab: the report generators (were eval.py's), Markdown tables and PNG plots of the results in run folders.
 
-    python lab/reports.py report runs/base runs/rwml ... --out results.md    # lab/arms.sh
+    python lab/reports.py report runs/base runs/rwml ... --out results.md    # lab/arms.sh: like Table 1
     python lab/reports.py sanity runs/sanity --split valid_unseen --out sanity.md    # lab/sanity.sh
     python lab/reports.py agent-table runs/agent_sanity --out agent_sanity.md     # lab/agent_sanity.sh
-
-report: the JSON of `eval.py agent`, `wm` and `weights` in each run folder -> one table laid out like the
-paper's Table 1, a tau2-bench table (average reward per domain and over the three), plots (reward curves,
-success by arm). sanity: stage 1's held-out world-model accuracy per arm over seeds, with the baselines and
-the training diagnostics. agent-table: stage 2's greedy success per arm on the dev and test games, and the
-dev curve. Only lab/ and tests/ import this module.
 """
 from __future__ import annotations
 
@@ -49,13 +43,11 @@ class SanityConfig:
 
 
 def read_run(folder: Path) -> dict:
-    """The results found in a run folder, recognised by their keys: agent evaluations (per split), a
-    world-model evaluation, a weight-change measure; and the training curve (metrics.jsonl)."""
+    """A run folder's results (`eval.py agent` per split, `wm`, `weights`, tau2), by their keys; its curve."""
     run = dict(name=folder.name, splits={}, tau2={}, wm=None, weights=None,
                curve=read_jsonl(folder / "metrics.jsonl"))
     for n, row in enumerate(run["curve"], 1):
-        problem = ("not a JSON object" if not isinstance(row, dict)
-                   else _numbers_problem(row, ("step", "reward")))
+        problem = _numbers_problem(row, ("step", "reward"))  # or "not a JSON object"
         if problem:
             raise UserError(f"{folder / 'metrics.jsonl'}, record {n}: {problem}; fix or remove that file")
     for f in sorted(folder.glob("*.json")):
@@ -113,9 +105,8 @@ def _pct(x, std=None) -> str:
 
 
 def report_table(runs: list[dict]) -> str:
-    """Markdown, laid out like the paper's Table 1: success (%) in distribution, out of distribution and
-    their average (over all episodes of both), mean ± std over seeds; then the action quality, world-model
-    accuracy and the share of parameters changed."""
+    """Markdown like the paper's Table 1: success (%) ID, OOD, over both (mean ± std over seeds);
+    invalid actions, world-model accuracy, the share of parameters changed."""
     lines = ["| arm | ALFWorld ID | OOD | AVG | invalid actions (%) | WM accuracy (%) | params changed (%) "
              "| episodes |",
              "|---|---|---|---|---|---|---|---|"]
@@ -141,9 +132,8 @@ TAU2_TABLE_DOMAINS = ("retail", "telecom", "airline")  # the paper's column orde
 
 
 def tau2_table(runs: list[dict]) -> str:
-    """Markdown, the tau2-bench columns of the paper's Table 1: average reward (%) per domain, mean ± std
-    over seeds; AVG, when all three domains are there, over all their tasks (so weighted by tasks, as the
-    paper's AVG is: retail 40, telecom 40, airline 20 test tasks); the agent's invalid tool calls."""
+    """Markdown, Table 1's tau2-bench columns: average reward (%) per domain (mean ± std over seeds); AVG over
+    all tasks of the three (weighted by tasks, as the paper's); the agent's invalid tool calls."""
     lines = ["| arm | tau2 retail | telecom | airline | AVG | invalid tool calls (%) | conversations |",
              "|---|---|---|---|---|---|---|"]
     for r in runs:
@@ -214,7 +204,6 @@ def report(cfg: ReportConfig, folders: list[str]) -> str:
     if cfg.plots:
         for png in report_plots(runs, out.with_suffix("")):
             text += f"\n![{png.stem}]({png.name})\n"
-    write_atomic(out, text)
     return text
 
 
@@ -240,8 +229,7 @@ def _spread(xs: list[float], fmt: str = ".3f") -> str:
 
 
 def variant_arms(seeds: list[Path]) -> list[tuple[str, str]]:
-    """sanity.sh's VARIANTS: RWML runs with other flags (seed*/rwml_<name>), each labelled by the flags in
-    which its config differs from the same seed's RWML run."""
+    """sanity.sh's VARIANTS (seed*/rwml_<name>), labelled by the flags in which they differ from RWML's."""
     def flag(key: str, value) -> str:
         name = key.replace("_", "-")
         if isinstance(value, bool):
@@ -263,9 +251,8 @@ def variant_arms(seeds: list[Path]) -> list[tuple[str, str]]:
 
 
 def nothing_rates(rows: list[dict], G: int) -> tuple[float | None, float | None, float, float]:
-    """From a GRPO run's metrics rows: the share of "Nothing happens." predictions on "Nothing happens."
-    targets and on the other targets, and the advantage those predictions got, summed over the run, in
-    groups whose target is "Nothing happens." (> 0: pushed up) and in the others (< 0: pushed down)."""
+    """From GRPO metrics rows: the share of "Nothing happens." predictions on its targets and on the others,
+    and their advantage summed in groups with that target (> 0: pushed up) and in the others (< 0: down)."""
     on = {True: [0.0, 0], False: [0.0, 0]}
     push = {True: 0.0, False: 0.0}
     for r in rows:
@@ -280,9 +267,8 @@ def nothing_rates(rows: list[dict], G: int) -> tuple[float | None, float | None,
 
 
 def filter_rows(seeds: list[Path]) -> list[str]:
-    """The easy filter against the target mix, per seed: how many triplets, and how many of them have a
-    "Nothing happens." target, in the collection, the warm-up's split, the RWML split and what the filter
-    kept; the warm-up's mean easiness of those targets and of the rest."""
+    """Per seed, the "Nothing happens." targets in the collection, the warm-up and RWML splits and the kept
+    triplets; the warm-up's mean easiness of those targets and of the rest."""
     lines = []
     for d in seeds:
         meta, rows = d / "filter" / "filter.json", read_jsonl(d / "filter" / "easiness.jsonl")
@@ -318,11 +304,8 @@ def filter_rows(seeds: list[Path]) -> list[str]:
 
 
 def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = None) -> str:
-    """The tables of `sanity.sh`, from its run folder: per held-out kind, the content-free baselines, the
-    base model, and per arm the mean ± sd over the independent seeds (each seed's value in brackets), the
-    paired RWML - warm-up gain, accuracy per observation kind; then the training diagnostics: the easy
-    filter's target mix and the "Nothing happens." predictions step by step (the drift, README). `png`: the
-    GRPO arms' held-out curves (their --eval-steps rows) per seed and mean ± sd."""
+    """`sanity.sh`'s tables: per held-out kind the baselines and each arm over seeds, RWML - warm-up
+    (paired), accuracy per observation kind; the training diagnostics; `png`: the GRPO arms' curves."""
     seeds = sorted(folder.glob("seed*"), key=lambda p: int(p.name[4:]))
     if not seeds:
         raise UserError(f"no seed*/ folders in {folder}: run sanity.sh first")
@@ -418,16 +401,13 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
         return (f"{sum(k == 'nothing_happens' for k in mixed) / len(mixed):.2f} of {len(mixed)}" if mixed
                 else "–")
 
-    # "Nothing happens." predictions on its targets and on the others, first -> last quarter
-    def drift(rows, G):
+    def drift(rows, G):  # "Nothing happens." predictions on its targets and on others, first -> last quarter
         rows = [r for r in rows if "group_nothing" in r]
         if not rows:
             return "–", "–", "–"
         (h_on, h_off, *_), (t_on, t_off, *_) = (nothing_rates(part, G) for part in quarter_rows(rows))
         _, _, up, down = nothing_rates(rows, G)
-
-        def fmt(a, b):
-            return f"{'–' if a is None else f'{a:.2f}'} -> {'–' if b is None else f'{b:.2f}'}"
+        fmt = lambda a, b: f"{'–' if a is None else f'{a:.2f}'} -> {'–' if b is None else f'{b:.2f}'}"  # noqa: E731
         return fmt(h_on, t_on), fmt(h_off, t_off), f"{up:+.1f} / {down:+.1f}"
 
     for d in seeds:
@@ -437,8 +417,7 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
             if arm != "rwml" and not rw:
                 continue
             G = (read(d / arm / "config.json") or {}).get("num_generations", 4)
-            # not the step-0 eval row
-            zs = [r["frac_reward_zero_std"] for r in rw if "frac_reward_zero_std" in r]
+            zs = [r["frac_reward_zero_std"] for r in rw if "frac_reward_zero_std" in r]  # not step 0's eval
             zero = f"{statistics.fmean(zs):.2f}" if zs else "–"
             label = "" if arm == "rwml" else f" ({name[len('+ RWML, '):]})"
             on, off, push = drift(rw, G)
@@ -460,11 +439,8 @@ AGENT_ARMS = (("base", "base"), ("rwml", "RWML"), ("policy", "policy RL"),
 
 
 def agent_report(folder: Path, png: Path | None = None) -> str:
-    """The table of `agent_sanity.sh`, from its run folder: greedy success (%) on the dev and test games per
-    arm, and on both splits pooled (stage-2 arms: mean ± sd over the seed*/ folders, each seed listed), the
-    random-admissible baseline, and the dev curve (`png`; step 0 is the start's evaluation: base, RWML or
-    WM SFT). A stage-2 arm's dev score is its final `eval.py agent` evaluation when that played the dev
-    games, else the curve's last point."""
+    """`agent_sanity.sh`'s table: greedy success (%) per arm on dev, test and both (stage 2: over seeds), the
+    random baseline; `png`: the dev curve. Stage 2's dev score: its final evaluation, else the curve's end."""
     seeds = sorted(folder.glob("seed*/"), key=lambda d: int(d.name[4:]) if d.name[4:].isdigit() else -1)
     if not seeds:
         raise UserError(f"no seed*/ folders in {folder}: run agent_sanity.sh first")
@@ -490,8 +466,7 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
         return sum(r[sp]["success_rate"] * r[sp]["num_episodes"] for sp in ("dev", "test")) / n
 
     def curve(d: Path, start: Path) -> list[dict]:
-        """Dev success against step: step 0 the start's evaluation, the last step the run's final one (both on
-        the table's games), any --eval-steps rows of the run in between (on its --eval-games)."""
+        """Dev success by step: 0 the start's evaluation, last the final one, --eval-steps rows between."""
         rows = read_jsonl(d / "metrics.jsonl")
         last = max((r["step"] for r in rows if "step" in r), default=None)
         final = split_rate(d / "eval_agent.json", "dev")
@@ -509,22 +484,19 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
     random_f = folder / "random" / "eval_agent.json"
     if random_f.is_file():
         r = per_split(random_f)
-        lines.append(f"| uniform random admissible | {100 * r['dev']['success_rate']:.1f} ± "
-                     f"{100 * r['dev']['success_rate_std']:.1f} | {100 * r['test']['success_rate']:.1f} ± "
-                     f"{100 * r['test']['success_rate_std']:.1f} | {100 * pooled(random_f):.1f} | "
-                     f"{episodes(random_f)} | {r['test']['num_episodes'] // r['test']['num_games']} |")
+        cells = [_pct(r[sp]["success_rate"], r[sp]["success_rate_std"]) for sp in ("dev", "test")]
+        lines.append(f"| uniform random admissible | {' | '.join(cells)} | {_pct(pooled(random_f))} | "
+                     f"{r['test']['num_episodes']} | {r['test']['num_episodes'] // r['test']['num_games']} |")
     curves, start = {}, dict(policy="base", rwml_policy="rwml", wm_sft_policy="wm_sft")
     for key, name in AGENT_ARMS:
         if key in ("base", "rwml"):  # one greedy evaluation: nothing to replicate
             f = folder / key / "eval_agent.json"
-            cells = [pct([] if x is None else [x])
-                     for x in (split_rate(f, "dev"), split_rate(f, "test"), pooled(f))]
+            cells = [_pct(x) for x in (split_rate(f, "dev"), split_rate(f, "test"), pooled(f))]
             lines.append(f"| {name} | {' | '.join(cells)} | {episodes(f)} | – |")
             continue
         runs = [d / key for d in seeds]
         curves[name] = [curve(d, folder / start[key]) for d in runs]
-        # the final evaluation's, where it played dev
-        dev = [c[-1]["eval_success"] for c in curves[name] if c]
+        dev = [c[-1]["eval_success"] for c in curves[name] if c]  # the final evaluation's, if on dev
         done = [d for d in runs if (d / "eval_agent.json").is_file()]
         test = [split_rate(d / "eval_agent.json", "test") for d in done]
         both = [x for d in done if (x := pooled(d / "eval_agent.json")) is not None]
@@ -541,8 +513,7 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
 
 def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], png: Path, *, xlabel: str, ylabel: str,
                 title: str) -> bool:
-    """Held-out score against step, per arm: each seed's curve (thin) and, at the steps every seed has, their
-    mean ± sd (bold, shaded). Returns whether there was anything to draw."""
+    """Score against step per arm: each seed thin, mean ± sd where all seeds have the step; whether drawn."""
     if not any(any(c) for cs in curves.values() for c in cs):
         return False
     import matplotlib
@@ -593,13 +564,13 @@ def main(argv: list[str] | None = None) -> None:
     cfg, rest = parse_config(config_cls, argv[1:], prog=f"lab/reports.py {command}", positional=positional)
     out = Path(cfg.out)
     check_writable(out, folder=False)
-    if command == "report":
-        print(report(cfg, rest["runs"]) + f"-> {cfg.out}")
-        return
     curve = out.with_name(out.stem + "_curve.png")
-    text = (sanity_report(Path(rest["run"]), cfg.split, curve) if command == "sanity"
-            else agent_report(Path(rest["run"]), curve))
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if command == "report":
+        text = report(cfg, rest["runs"])  # it makes out's folder, for its plots
+    else:
+        text = (sanity_report(Path(rest["run"]), cfg.split, curve) if command == "sanity"
+                else agent_report(Path(rest["run"]), curve))
+        out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, text)
     print(text + f"-> {cfg.out}" + (f" (+ {curve.name})" if command == "agent-table" else ""))
 

@@ -1,16 +1,11 @@
 #!/usr/bin/env bash
-# RWML learning on the bundled 135M model, measured over independent seeds (make sanity):
+# RWML learning on the bundled 135M model over independent seeds (make sanity):
 #   bash lab/sanity.sh                  ->  $OUT/sanity_valid_unseen.md (and lab/results/ when OUT is the default)
-#   SPLIT=valid_seen bash lab/sanity.sh     the same runs scored on the development split, where settings are chosen
-#                                       (training does not depend on the split: a second split only scores)
-# The test set, the same for every seed (paired comparison): HELD_GAMES games of SPLIT (valid_unseen, the test
-# split, by default), as two kinds of triplets: `explore` (the collection policy's, played once with seed 0)
-# and `purposeful` (the games' expert walkthroughs). Scored on it: the content-free baselines (template rule,
-# always "Nothing happens.", copy the observation), the base model, and per seed the warm-up, RWML from it and
-# the matched controls WM SFT (same triplets, order, number of updates and learning rate) and COIN (a fair
-# coin for a reward). Each seed is a replication: its own train games, collection, filter, warm-up and runs.
-# Jobs go JOBS at a time, one thread each, in one queue (jobs.sh). Logs: $OUT/logs/.
-# Reruns keep what is done.
+#   SPLIT=valid_seen bash lab/sanity.sh     the same runs scored on the dev split, where settings are chosen
+# Held out, the same for every seed: HELD_GAMES games of SPLIT as `explore` (the collection policy's, seed 0)
+# and `purposeful` (expert walkthroughs) triplets. Scored: the baselines, the base model, and per seed (its own
+# train games, collection, filter) the warm-up, RWML from it and the matched controls WM SFT and COIN.
+# Jobs go JOBS at a time, one thread each, in one queue (jobs.sh); logs in $OUT/logs/; reruns keep what is done.
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repo root: train.py, eval.py, .venv, runs/
 PY=${PY:-.venv/bin/python}
@@ -20,16 +15,12 @@ HELD_GAMES=${HELD_GAMES:-20}
 HELDOUT=${HELDOUT:-48}      # triplets of each held-out kind scored per arm (the same ones for every arm and seed)
 SEEDS=${SEEDS:-"0 1 2"}
 COIN_SEEDS=${COIN_SEEDS:-$SEEDS}  # seeds that also run the COIN control (none when SKIP names coin)
-VARIANTS=${VARIANTS:-}      # RWML with other flags beside it, "name=flags;name=flags" (e.g. "kl=--beta 1.0"): each
-#                             trains into seed*/rwml_<name> from the same warm-up and is scored as another arm;
-#                             {d} in the flags is the seed's folder (a variant that changes the filter needs its
-#                             own: "nofilter=--no-easy-filter --filter-dir {d}/filter_nofilter")
+VARIANTS=${VARIANTS:-}      # more RWML arms, "name=flags;..." (e.g. "kl=--beta 1.0") -> seed*/rwml_<name>, from the
+#                             same warm-up; {d} in the flags: the seed's folder (e.g. "--filter-dir {d}/filter_x")
 VARIANT_SEEDS=${VARIANT_SEEDS:-$SEEDS}  # the seeds that run the VARIANTS
-SKIP=${SKIP:-}              # arms neither trained nor scored (e.g. "base wm_sft coin": a quicker comparison on the
-#                             dev split; a later run without SKIP trains and scores them)
+SKIP=${SKIP:-}              # arms neither trained nor scored (e.g. "base wm_sft coin": a quicker dev comparison)
 COLLECT=${COLLECT:-}        # more flags for the seeds' train collections (e.g. "--num-games 48": more triplets)
-FLAGS=${FLAGS:-}            # more flags for every filter and training run (another recipe, e.g. "--config
-#                             configs/paper.json"); scores and collections keep theirs
+FLAGS=${FLAGS:-}            # more flags for every filter and training run (e.g. "--config configs/paper.json")
 STEPS=${STEPS:-20}          # GRPO steps of RWML and COIN; WM SFT updates
 CURVE_EVERY=${CURVE_EVERY:-0}  # the GRPO arms' held-out curve: CURVE triplets of SPLIT's explore set every this
 CURVE=${CURVE:-16}              # many steps, at the start and at the end (0: no curve); training is unchanged
@@ -52,8 +43,7 @@ score() {  # score NAME SEED OUT_STEM [eval.py flags]: held-out world-model accu
 
 export PY H HELDOUT KINDS SKIP
 export -f score
-# One queue in dependency order (jobs.sh: `after` waits for an earlier job): collections, filters, training,
-# scores; a seed's runs start as soon as its own filter is done.
+# One queue in dependency order (`after` waits for an earlier job): a seed's runs start once its filter is done
 he=heldout_explore_$SPLIT hp=heldout_purposeful_$SPLIT
 jobs=("$he $PY train.py collect --seed 0 --split $SPLIT --num-games $HELD_GAMES --out $H/heldout_explore")
 for s in $SEEDS; do  # each seed draws its own train games

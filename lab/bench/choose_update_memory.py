@@ -3,10 +3,9 @@
     python lab/bench/choose_update_memory.py 512    # micro_batch_tokens 512 (the default)
     python lab/bench/choose_update_memory.py 0      # rows only: micro_batch_size turns a micro-batch (before)
 
-One process per setting (peak RSS is per process). The bundled model with a fresh LoRA (r 16); one group of
-4 episodes of a TextWorld train game, 8 steps each, commands drawn uniformly (seeded) and recorded as
-`play(record_tokens=True, action_mode="choose")` records them; the first episode counts as won, so every
-turn trains. Prints the trained turns, the update's seconds and the process's peak RSS.
+One process per setting (peak RSS is per process). The bundled model, a fresh LoRA (r 16); one group of 4
+episodes of a TextWorld train game, 8 seeded uniform commands each, recorded as choose-mode `play` records
+them; the first episode counts as won, so every turn trains. Prints trained turns, seconds, peak RSS.
 """
 import json
 import random

@@ -3,11 +3,9 @@
     python lab/bench/choose_vs_generate.py [--env textworld] [--num-games 4] [--max-turns 6] [--repeats 2]
                                            [--adapter DIR]
 
-One model, the same games, the same step budget; the two modes alternate (`repeats` rounds each, the first
-round of each a warm-up) so that the machine's load falls on both alike. choose: one prefill of the agent
-prompt per turn and every admissible command scored on its cache (`choose.choose_actions`); generate: a
-free-form ReAct reply of at most `--max-new-tokens` tokens, sampled (`engine.sample_chat`). Prints seconds per
-episode step of each, their ratio, and each mode's invalid-action and format-error rates.
+One model, the same games and step budget; the modes alternate (`repeats` rounds, after a warm-up round).
+choose: every admissible command scored on one prefill (`choose.choose_actions`); generate: a sampled ReAct
+reply of <= `--max-new-tokens` tokens. Prints seconds per step, their ratio, invalid and format-error rates.
 """
 from __future__ import annotations
 

@@ -2,10 +2,8 @@
 
     python lab/bench/env_speed.py [--num-games 8] [--steps 20] [--repeats 3]
 
-Every game plays the same script: "go to" the receptacles of the first room listing (real engine work:
-each arrival derives a fresh observation), then its expert walkthrough, which wins. Timings cover steps
-and repeated resets only; the first load of each game is warm-up. Run on an idle machine: the worker
-comparison needs both cores.
+Every game plays "go to" its first room's receptacles, then its winning walkthrough; timed: steps and
+repeated resets (each game's first load is warm-up). Run on an idle machine: two workers need both cores.
 """
 from __future__ import annotations
 
@@ -32,19 +30,18 @@ def bench_engine(games: list[str], cache: bool, length: int, repeats: int) -> tu
     """(steps/s, resets/s) of one in-process game playing every script `repeats` times."""
     gamepool.use_engine_cache(cache)
     game, steps, step_time, resets, reset_time = envs.Game(max_turns=10 * length), 0, 0.0, 0, 0.0
-    plans = {}
     for g in games:
-        plans[g] = script(g, game.reset(g), length)  # warm-up: load the game once
+        plan = script(g, game.reset(g), length)  # warm-up: load the game once
         for _ in range(repeats):
             t = time.perf_counter()
             game.reset(g)
             reset_time += time.perf_counter() - t
             resets += 1
             t = time.perf_counter()
-            for command in plans[g]:
+            for command in plan:
                 game.step(command)
             step_time += time.perf_counter() - t
-            steps += len(plans[g])
+            steps += len(plan)
     gamepool.use_engine_cache(False)
     return steps / step_time, resets / reset_time
 
@@ -82,12 +79,10 @@ def main() -> None:
             sps, rps = bench_engine(games, cache, args.steps, args.repeats)
             rows[name].append(sps)
             resets[name].append(rps)
-        for w in (1, 2):
-            rows[f"{w} worker" + ("s" if w > 1 else "")].append(bench_pool(games, w, args.steps,
-                                                                           args.repeats))
+        for w, name in ((1, "1 worker"), (2, "2 workers")):
+            rows[name].append(bench_pool(games, w, args.steps, args.repeats))
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()),
               flush=True)
-
     med = {k: statistics.median(v) for k, v in rows.items()}
     print(f"\n{len(games)} {args.split} games, {args.steps} steps each, {args.repeats} repeats, "
           f"{args.rounds} rounds")

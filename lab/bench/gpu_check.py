@@ -4,12 +4,9 @@
     python lab/bench/gpu_check.py --device cpu --shapes tiny-llama   # the same checks on the CPU (the tests)
     python lab/bench/gpu_check.py --shapes tiny-qwen3,tiny-gemma2,tiny-gemma3   # other architectures
 
-Per shape: 4-bit NF4 load, LoRA on all linear layers, both fast paths of the log-probs taken
-(`engine.fast_paths`: in bf16 too), shared-prefill sampling against plain generate, one
-stage-1 GRPO step (world-model prompts, KL against the adapter-disabled base), the adapter saved, then a
-stage-2 update started from it (KL against its frozen copy "ref"), the adapter reloaded the peft way, and
-peak GPU memory. Prints one line per check and ends with "gpu-check: all passed" or the failures;
-`--out FILE` keeps the output (lab/results/gpu_check/gpu_check.txt on the GPU machine).
+Per shape: 4-bit load, LoRA, the log-prob fast paths, shared-prefill sampling vs generate, a stage-1 GRPO
+step, a stage-2 update from the saved adapter, the adapter reloaded the peft way, peak GPU memory. One line
+per check, then "gpu-check: all passed" or the failures.
 """
 from __future__ import annotations
 
@@ -55,8 +52,7 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
         if not ok:
             failures.append(f"{shape}: {name}")
 
-    cuda = device.startswith("cuda")
-    t0 = time.time()
+    cuda, t0 = device.startswith("cuda"), time.time()
     folder = build(work / shape, shape, dtype=torch.bfloat16 if cuda else None)
     log(f"{shape}: built in {time.time() - t0:.0f} s")
     if cuda:
@@ -83,7 +79,7 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
     with engine.checkpoint_generation_config_off(model):
         plain = model.generate(**batch, generation_config=cfg_plain)
     agree = (shared == plain).float().mean().item() if shared.shape == plain.shape else 0.0
-    # bf16 / 4-bit kernels may round a cached and an uncached forward apart: report agreement, require most
+    # bf16 / 4-bit kernels may round a cached and an uncached forward apart: require most tokens equal
     check("shared-prefill sampling vs plain generate (greedy)", agree > 0.9, f"{agree:.1%} of tokens equal")
 
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate)

@@ -3,14 +3,10 @@
     pip install --no-deps -r lab/bench/requirements.txt   # TRL and its data packages (the core needs neither)
     python lab/bench/grpo_vs_trl.py                       # --repeats 3 --steps 3 --model ... --out FILE
 
-The job: real world-model prompts (history + action -> next observation; ALFWorld expert walkthroughs
-stepped on the real engine), the same model, LoRA (r, alpha, q/k/v/o), num_generations, prompts per
-step, max_completion_length, temperature (plain sampling, no top-k), beta, loss_type, epsilon, learning
-rate, micro-batch (TRL: per_device_train_batch_size x gradient_accumulation_steps), no gradient
-checkpointing, the same reward function (reward.SimToRealReward) and number of optimizer steps. Every run
-is a fresh process, ours and TRL's alternating; each reports completions per second, trained completion
-tokens per second (model loading excluded) and its peak RSS (and peak GPU memory on a GPU). The table
-gives min / median / max over the repeats and the ratios of the medians, ours / TRL.
+The same real world-model prompts (ALFWorld walkthroughs), model, LoRA (q/k/v/o), sampling, GRPO settings,
+micro-batch, reward (reward.SimToRealReward) and optimizer steps; no gradient checkpointing. Every run is a
+fresh process, the arms alternating; each reports completions/s, trained completion tokens/s (loading
+excluded) and peak RSS (and GPU memory); the table: min / median / max and the ratio of medians, ours / TRL.
 """
 from __future__ import annotations
 
@@ -62,15 +58,6 @@ def job_triplets(cfg: BenchConfig) -> list[dict]:
     return trips[:need]
 
 
-def peak_memory() -> dict:
-    import torch
-
-    out = dict(peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # KiB on Linux
-    if torch.cuda.is_available():
-        out["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    return out
-
-
 def run_ours(cfg: BenchConfig) -> dict:
     import torch
 
@@ -91,8 +78,7 @@ def run_ours(cfg: BenchConfig) -> dict:
     t0 = time.perf_counter()
     for step in range(cfg.steps):
         batch = trips[step * cfg.prompts_per_step:(step + 1) * cfg.prompts_per_step]
-        # TRL's prompts: <think> too
-        res = rwml.grpo_step(model, tok, opt, batch, reward, tcfg, reasoning=True)
+        res = rwml.grpo_step(model, tok, opt, batch, reward, tcfg, reasoning=True)  # <think>, as TRL's
         n = len(batch) * cfg.num_generations
         completions, tokens = completions + n, tokens + res["completion_tokens"] * n
     return dict(seconds=time.perf_counter() - t0, completions=completions, tokens=tokens)
@@ -111,14 +97,11 @@ def run_trl(cfg: BenchConfig) -> dict:
     trips, reward = job_triplets(cfg), SimToRealReward()
     path = engine._bundled_smollm2() if cfg.model == engine.BUNDLED_MODEL else cfg.model
     cuda = torch.cuda.is_available()
-    extra = {}
-    if cfg.load_in_4bit:
-        extra = dict(quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                            bnb_4bit_compute_dtype=(torch.bfloat16 if cuda
-                                                                                    else torch.float32),
-                                                            bnb_4bit_use_double_quant=True))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if cuda else torch.float32,
-                                                 **extra)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    extra = dict(quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_use_double_quant=True)) if cfg.load_in_4bit else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -152,18 +135,10 @@ def run_trl(cfg: BenchConfig) -> dict:
                 tokens=sum(r["completions/mean_length"] * n for r in logs))
 
 
-def one_run(arm: str, cfg: BenchConfig) -> dict:
-    res = (run_ours if arm == "ours" else run_trl)(cfg)
-    res.update(peak_memory(), arm=arm, completions_per_s=res["completions"] / res["seconds"],
-               tokens_per_s=res["tokens"] / res["seconds"])
-    return res
-
-
 def machine() -> str:
     import os
 
     import torch
-
     cpu = (next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                  if line.startswith("model name")), "unknown CPU")
            if Path("/proc/cpuinfo").exists() else "unknown CPU")
@@ -179,18 +154,15 @@ def table(runs: list[dict], cfg: BenchConfig) -> str:
     med = {arm: {k: statistics.median(r[k] for r in runs if r["arm"] == arm) for k, _, _ in keys}
            for arm in ARMS}
     lines = [f"# python lab/bench/grpo_vs_trl.py --repeats {cfg.repeats} --steps {cfg.steps} "
-             f"(model {cfg.model}, "
-             f"{cfg.prompts_per_step} prompts x {cfg.num_generations} completions per step, "
-             f"max {cfg.max_completion_length} "
-             f"tokens, micro-batch {cfg.micro_batch_size}, beta {cfg.beta}, LoRA r={cfg.lora_r} on q/k/v/o"
+             f"(model {cfg.model}, {cfg.prompts_per_step} prompts x {cfg.num_generations} completions "
+             f"per step, max {cfg.max_completion_length} tokens, micro-batch {cfg.micro_batch_size}, "
+             f"beta {cfg.beta}, LoRA r={cfg.lora_r} on q/k/v/o"
              + (", 4-bit NF4" if cfg.load_in_4bit else "") + ")", f"# machine: {machine()}",
              "| arm | " + " | ".join(f"{name} min / median / max" for _, name, _ in keys) + " |",
              "|---|" + "---|" * len(keys)]
     for arm in ARMS:
-        cells = []
-        for k, _, fmt in keys:
-            xs = [r[k] for r in runs if r["arm"] == arm]
-            cells.append(" / ".join(fmt.format(x) for x in (min(xs), statistics.median(xs), max(xs))))
+        cells = [" / ".join(fmt.format(f(xs)) for f in (min, statistics.median, max))
+                 for k, _, fmt in keys for xs in [[r[k] for r in runs if r["arm"] == arm]]]
         lines.append(f"| {'ours (rwml.grpo_step)' if arm == 'ours' else 'TRL GRPOTrainer'} | "
                      + " | ".join(cells) + " |")
     lines.append("| **ours / TRL** (medians) | "
@@ -203,8 +175,15 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--run"]:  # a child process: one arm, one JSON line on stdout
-        cfg = BenchConfig(**json.loads(argv[2]))
-        print("RESULT " + json.dumps(one_run(argv[1], cfg)))
+        import torch
+
+        arm, cfg = argv[1], BenchConfig(**json.loads(argv[2]))
+        res = (run_ours if arm == "ours" else run_trl)(cfg)
+        gpu = dict(peak_gpu_gb=torch.cuda.max_memory_allocated() / 2**30) if torch.cuda.is_available() else {}
+        res.update(peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, **gpu,  # KiB
+                   arm=arm, completions_per_s=res["completions"] / res["seconds"],
+                   tokens_per_s=res["tokens"] / res["seconds"])
+        print("RESULT " + json.dumps(res))
         return
     cfg, _ = parse_config(BenchConfig, argv, prog="lab/bench/grpo_vs_trl.py")
     try:
@@ -222,8 +201,7 @@ def main(argv: list[str] | None = None) -> None:
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if proc.returncode or line is None:
                 sys.exit(f"error: the {arm} run failed:\n{proc.stderr[-3000:]}")
-            runs.append(json.loads(line[7:]))
-            r = runs[-1]
+            runs.append(r := json.loads(line[7:]))
             print(f"  {r['completions_per_s']:.3f} completions/s, {r['tokens_per_s']:.1f} tokens/s, "
                   f"peak RSS {r['peak_rss_gb']:.2f} GB, {r['seconds']:.1f} s", flush=True)
     text = table(runs, cfg)

@@ -3,20 +3,11 @@ the naive full-logits path (and, for SFT, TRL's SFTTrainer), on the same job.
 
     OMP_NUM_THREADS=1 python lab/bench/memory.py [--model bundled:SmolLM2-135M-Instruct] [--job sft|grpo|both]
 
-SFT job: one optimizer step on a batch of 8 (prompt, answer) pairs, the 8 longest real world-model prompts of
-the filter's warm-up (`envs.walkthrough_triplets`, history 1, no reasoning), loss the mean over answer tokens.
-  naive  the whole batch in one forward with the model's own logits for every token ([B, T, vocab] fp32),
-         log_softmax, masked mean: what a plain SFT loop does
-  ours   engine.sft: micro-batches of at most SFT_MAX_TOKENS padded tokens with gradient accumulation, the
-         vocabulary projection on answer tokens only, in checkpointed chunks
-  trl    TRL's SFTTrainer, prompt-completion data, completion_only_loss, the same batch, LoRA and learning
-         rate (fp32: bf16=False; TRL's own gradient checkpointing on)
-GRPO job: one update of `--sequences` random sequences of `--length` tokens (`--completion` of them sampled):
-  naive  one forward with full logits, as above; ours: rwml.grpo_update (micro_batch_size, micro_batch_tokens)
-Same model, LoRA (r 16, all-linear: train.py's default), AdamW. Each arm runs in a fresh process, so that
-its peak is its own: peak RSS is the process's high-water mark during the update (VmHWM, reset just before
-it), "+" what the update added over the memory held before it. The losses are printed to show the maths
-agree. tests/test_memory.py runs the child mode on a tiny model to hold the memory bound.
+SFT: one optimizer step on the 8 longest real world-model prompts of the warm-up (history 1, no reasoning).
+naive: one forward with [B, T, vocab] fp32 logits; ours: engine.sft (token-budget micro-batches, answer-only
+chunked projection); trl: SFTTrainer, completion_only_loss, fp32. GRPO: one update of `--sequences` random
+sequences, naive vs rwml.grpo_update. LoRA r 16 all-linear, AdamW; each arm in a fresh process; peak RSS is
+VmHWM reset just before the update, "+" what the update added. tests/test_memory.py runs the child mode.
 """
 from __future__ import annotations
 
@@ -32,40 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: t
 import engine  # noqa: E402
 
 
-def _rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _measure(fn):
-    """(fn(), peak RSS during fn, what fn added over the RSS before it, seconds)."""
-    import cost
-
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := RSS now (Linux); this process measures one step
-    before, t = _rss(), time.time()
-    out = fn()
-    seconds, peak = time.time() - t, cost._hwm_bytes()
-    return out, peak, peak - before, seconds
-
-
-def sft_job(tok, n: int = 8, history_len: int = 1):
-    """The SFT batch: the n longest real world-model prompts, chat-templated, and their answers + eos."""
-    import envs
-    import rwml
-
-    trips = envs.walkthrough_triplets(num_games=6, history_len=history_len)
-    trips = sorted(trips, key=lambda t: -len(rwml.wm_prompt(t, reasoning=False)))[:n]
-    system, prefix = rwml.wm_system(trips[0]), rwml.wm_prefix(False)
-    return ([rwml.wm_prompt(t, reasoning=False) for t in trips], [rwml.wm_answer(t) for t in trips],
-            [engine.chat(tok, rwml.wm_prompt(t, reasoning=False), system, prefix) for t in trips],
-            system, prefix)
-
-
 def one_step(job: str, arm: str, model_name: str, a) -> dict:
     import torch
 
+    import cost
+    import envs
     import rwml
 
     model, tok = engine.load_model(model_name)
@@ -74,7 +36,12 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
     engine.fast_paths(model)  # the once-per-model check, outside the measured update
     params = [p for p in model.parameters() if p.requires_grad]
     if job == "sft":
-        prompts, answers, texts, system, prefix = sft_job(tok)
+        trips = envs.walkthrough_triplets(num_games=6, history_len=1)  # the 8 longest world-model prompts
+        trips = sorted(trips, key=lambda t: -len(rwml.wm_prompt(t, reasoning=False)))[:8]
+        system, prefix = rwml.wm_system(trips[0]), rwml.wm_prefix(False)
+        prompts = [rwml.wm_prompt(t, reasoning=False) for t in trips]
+        answers = [rwml.wm_answer(t) for t in trips]
+        texts = [engine.chat(tok, p, system, prefix) for p in prompts]
         rows = [(tok(t, add_special_tokens=False)["input_ids"],
                  tok(x + tok.eos_token, add_special_tokens=False)["input_ids"])
                 for t, x in zip(texts, answers)]
@@ -122,7 +89,11 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
                 loss.backward()
                 opt.step()
                 return loss.item()
-    loss, peak, added, seconds = _measure(step)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := RSS now (Linux): the peak of this update alone
+    before, t = cost._rss_bytes(), time.time()
+    loss = step()
+    seconds, peak = time.time() - t, cost._hwm_bytes()
+    added = peak - before
     return dict(job=job, arm=arm, peak_rss_gb=round(peak / 2 ** 30, 3), added_gb=round(added / 2 ** 30, 3),
                 seconds=round(seconds, 2), tokens=tokens, tokens_per_s=round(tokens / seconds, 1), loss=loss,
                 threads=torch.get_num_threads())
@@ -137,8 +108,7 @@ def trl_sft_step(model, tok, prompts: list[str], completions: list[str], lr: flo
     from trl import SFTConfig, SFTTrainer
 
     tmp = tempfile.mkdtemp()
-    # bf16 off: SFTConfig turns bf16 mixed precision on by default, which on a CPU without bf16 units is slow
-    # and is not the fp32 arithmetic of the other arms; gradient checkpointing stays on, TRL's default
+    # bf16 off (SFTConfig turns it on: slow on a CPU, not the fp32 of the other arms); checkpointing on
     args = SFTConfig(output_dir=tmp, max_steps=1, bf16=False, per_device_train_batch_size=len(prompts),
                      gradient_accumulation_steps=1, learning_rate=lr, lr_scheduler_type="constant",
                      warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, completion_only_loss=True,
@@ -176,11 +146,10 @@ def main() -> None:
         job, arm = a.arm.split(":")
         print(json.dumps(one_step(job, arm, a.model, a)))
         return
-    argv = [x for x in sys.argv[1:]]
     for job in (("sft", "grpo") if a.job == "both" else (a.job,)):
         rows = {}
         for arm in ARMS[job]:
-            r = subprocess.run([sys.executable, __file__, "--arm", f"{job}:{arm}", *argv],
+            r = subprocess.run([sys.executable, __file__, "--arm", f"{job}:{arm}", *sys.argv[1:]],
                                capture_output=True, text=True)
             if r.returncode:
                 sys.exit(f"error: the {job} {arm} arm failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")

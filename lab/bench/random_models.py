@@ -1,7 +1,5 @@
-"""Random causal LMs built from a config, saved like a Hub checkpoint: for tests and for checks on machines
-without network (no download). A byte-level tokenizer built in code, padded to the model's vocabulary so
-that every sampled id decodes, with a chat template of the model family's shape (ChatML by default; Llama 3,
-Qwen2.5, Qwen3 with its thinking switch, Gemma 2 without a system role, Gemma 3) and its special tokens."""
+"""Random causal LMs built from a config, saved like a Hub checkpoint (no download), for tests and offline
+checks, with a byte-level tokenizer and the chat template and special tokens of the model family's shape."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,9 +35,8 @@ GEMMA3 = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
           "'<end_of_turn>\\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
 
-# family -> its template and special tokens: eos, pad (None: load_model pads with eos), bos, the other control
-# tokens, plain added tokens (Qwen3's <think> is one, not special: decoding keeps it), and every end-of-turn
-# id the checkpoint's generation_config lists
+# family -> template, eos, pad (None: load_model pads with eos), bos, other control tokens, plain added tokens
+# (Qwen3's <think>: decoding keeps it), every end-of-turn token the checkpoint's generation_config lists
 FAMILIES = {
     "chatml": dict(template=CHATML, eos="<|im_end|>", pad="<|im_end|>", specials=["<|im_start|>"]),
     "llama3": dict(template=LLAMA3, eos="<|eot_id|>", pad=None, bos="<|begin_of_text|>",
@@ -56,13 +53,10 @@ FAMILIES = {
 }
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32768)  # byte-level tokens: a tau2 prompt (~10 KB) is ~10k of them
+            num_key_value_heads=2, max_position_embeddings=32768)  # a tau2 prompt (~10 KB) is ~10k bytes
 ARCH = dict(TINY, initializer_range=0.1)  # weights large enough that a completion depends on its prompt
-# name -> (transformers config class, its arguments, chat family); the Qwen2.5 shapes are those of the real
-# checkpoints. The other tiny-* shapes are one per architecture the tests cover; Gemma 2's soft-caps are far
-# below the real 30 / 50 and Gemma's sliding window is 16 tokens, so that a tiny model's logits and prompts
-# reach them.
+# name -> (config class, its arguments, chat family); qwen2.5-*: the real shapes. Gemma's soft-caps (real
+# 30 / 50) and sliding window are small so that a tiny model's logits and prompts reach them.
 SHAPES = {
     "tiny-llama": ("LlamaConfig", TINY, "chatml"),
     "tiny-llama3": ("LlamaConfig", dict(ARCH, rope_theta=5e5), "llama3"),
@@ -89,9 +83,8 @@ SHAPES = {
 
 
 def byte_tokenizer(vocab_size: int | None = None, family: str = "chatml"):
-    """Byte-level BPE without merges (one token per byte) with `family`'s chat template and special tokens
-    (`FAMILIES`); `vocab_size` pads the vocabulary with plain tokens, so that a random model of a real
-    vocabulary size decodes whatever it samples."""
+    """Byte-level BPE without merges with `family`'s chat template and special tokens; `vocab_size` pads the
+    vocabulary with plain tokens, so that a random model of a real vocabulary size decodes all it samples."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -113,9 +106,8 @@ def byte_tokenizer(vocab_size: int | None = None, family: str = "chatml"):
 
 
 def build(folder: Path, shape: str = "tiny-llama", dtype=None, seed: int = 0, **overrides) -> Path:
-    """A random model of `shape` (config fields changed by `overrides`) and its tokenizer, saved in `folder`
-    (from_pretrained reads it). Biases are drawn like the weights (the initialiser zeroes them), so that
-    Qwen2's q/k/v biases count."""
+    """A random model of `shape` (config fields changed by `overrides`) and its tokenizer, saved in `folder`.
+    Biases are drawn like the weights (the initialiser zeroes them), so that Qwen2's q/k/v biases count."""
     import torch
     import transformers
 

@@ -3,10 +3,9 @@
     python lab/bench/size_table.py                       # the sizes of configs/gpu_24gb.json
     python lab/bench/size_table.py --prompt-tokens 1024  # longer prompts (history_len 2, tau2)
 
-Arithmetic from the models' published shapes, no download: 4-bit NF4 base weights (embeddings and an untied
-LM head stay bf16), LoRA r16 on all linear layers trained in fp32 with AdamW, the sampling key/value cache of
-a whole step (prompts_per_step x num_generations sequences), and the training micro-batch with gradient
-checkpointing. A measured run (make gpu-check, or a real run's peak) replaces these numbers where one exists.
+Arithmetic from the published shapes: NF4 base weights (bf16 embeddings), LoRA r16 all-linear in fp32 with
+AdamW, a step's sampling KV cache, the training micro-batch with gradient checkpointing. A measured peak
+(make gpu-check, a real run) replaces these numbers where one exists.
 """
 from __future__ import annotations
 

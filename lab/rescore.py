@@ -1,0 +1,239 @@
+"""Re-score committed world-model predictions with the strict metrics, no retraining (issue 36 items 4, 5).
+
+1. The test-split table's per-triplet archive (stage1_test_table/): per arm and seed the reward accuracy (as
+   recorded), exact match and item-set F1 (envs.exact_match, envs.item_f1), and RWML - warm-up / WM SFT / COIN
+   under each metric with a two-level bootstrap CI (3 seeds, then games; lab/stats.py).
+2. How often a REWARDED prediction is wrong under the strict metrics: the GRPO training groups the default
+   run's log shows (train_default/run_log.txt; no samples.jsonl is committed) and the held-out predictions.
+
+    python lab/rescore.py [--archive A] [--log L] [--out lab/results/strict_rescore]
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
+import envs  # noqa: E402
+import stats  # noqa: E402
+
+ARMS, BASELINES, SPLITS = ("warmup", "rwml", "wm_sft", "coin"), ("base", "template", "nothing", "copy"), \
+    ("explore", "purposeful")
+METRICS = dict(reward="reward accuracy", exact="exact match", item_f1="item F1")
+COMPARE = (("rwml", "warmup"), ("rwml", "wm_sft"), ("rwml", "coin"))
+WIDTH = 90  # plumbing.group_table cuts the log's targets and predictions to 90 characters
+
+
+def mean(xs):
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else None
+
+
+def read_archive(path: Path) -> dict:
+    """(seedN | baselines, arm, split) -> {(game, rollout, step): row}; checks the recorded summary."""
+    out, summaries = {}, {}
+    with tarfile.open(path) as tar:
+        for m in tar.getmembers():
+            hit = re.search(r"/(seed\d+|baselines)/(?:eval_)?(\w+?)_(explore|purposeful)"
+                            r"\.(triplets\.jsonl|json)$", m.name)
+            if hit:
+                text = tar.extractfile(m).read().decode()
+                if hit[4] == "json":
+                    summaries[hit.groups()[:3]] = json.loads(text)
+                else:
+                    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+                    out[hit.groups()[:3]] = {(r["game"], r["rollout"], r["step"]): score(r) for r in rows}
+    for key, rows in out.items():  # the re-scored reward and exact match are the recorded ones
+        s, preds = summaries[key], [r for r in rows.values()]
+        assert abs(mean(r["reward"] for r in preds) - s["wm_accuracy"]) < 1e-9, key
+        assert abs(mean(r["exact"] for r in preds) - s["exact_match"]) < 1e-9, key
+    return out
+
+
+def score(row: dict) -> dict:
+    """One triplet: each metric the mean over its k predictions; item_f1 None if the target lists nothing."""
+    preds, target = row["predictions"], row["target"]
+    f1 = [envs.item_f1(p, target) for p in preds]
+    return dict(game=row["game"], kind=row["kind"], reward=mean(row["rewards"]), rewards=row["rewards"],
+                exact=mean(envs.exact_match(p, target) for p in preds), exacts=[envs.exact_match(p, target)
+                                                                              for p in preds],
+                item_f1=None if f1[0] is None else mean(f1), f1s=f1)
+
+
+def pct(x, digits=3):
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def ci_text(ci):
+    return f"{ci['diff']:+.3f} [{ci['lo']:+.3f}, {ci['hi']:+.3f}]"
+
+
+def paired(data, seeds, x, y, split, metric, kinds=None):
+    """The two-level bootstrap of arm x - arm y on their common triplets (those the metric scores)."""
+    runs, pool = [], ([], [], [])
+    for seed in seeds:
+        run = ([], [], [])
+        for sp in (SPLITS if split is None else (split,)):
+            a, b = data[(seed, x, sp)], data[(seed, y, sp)]
+            keys = [k for k in sorted(a) if k in b and a[k][metric] is not None
+                    and (kinds is None or a[k]["kind"] in kinds)]
+            for r, v in zip(run, ([a[k][metric] for k in keys], [b[k][metric] for k in keys],
+                                  [a[k]["game"] for k in keys])):
+                r.extend(v)
+        if run[0]:
+            runs.append(run)
+            for r, v in zip(pool, run):
+                r.extend(v)
+    if not runs:
+        return None
+    ci = stats.two_level_bootstrap(runs, n_boot=2000, seed=0)
+    return dict(ci, items=len(runs[0][0]), smallest=stats.detectable(*pool))
+
+
+def arm_table(data, seeds) -> list[str]:
+    lines = ["| split | arm | " + " | ".join(f"{v} (seeds {'/'.join(s[4:] for s in seeds)}) [95 % CI]"
+                                            for v in METRICS.values()) + " | item n |", "|" + "---|" * 6]
+    for split in SPLITS:
+        for arm in ARMS:
+            cells = []
+            for metric in METRICS:
+                rows = [[r for r in data[(s, arm, split)].values() if r[metric] is not None] for s in seeds]
+                runs = [([r[metric] for r in rs], [0] * len(rs), [r["game"] for r in rs]) for rs in rows]
+                ci = stats.two_level_bootstrap(runs, 2000, 0)
+                cells.append(f"{ci['diff']:.3f} ({'/'.join(pct(v) for v in ci['per_seed'])}) "
+                             f"[{ci['lo']:.3f}, {ci['hi']:.3f}]")
+            n = sum(r["item_f1"] is not None for r in data[(seeds[0], arm, split)].values())
+            lines.append(f"| {split} | {arm} | " + " | ".join(cells) + f" | {n} |")
+        for arm in BASELINES:
+            rows = list(data.get(("baselines", arm, split), {}).values())
+            if rows:
+                lines.append(f"| {split} | {arm} (one run) | " + " | ".join(
+                    pct(mean(r[m] for r in rows if r[m] is not None)) for m in METRICS) + " | |")
+    return lines
+
+
+def comparison_table(data, seeds) -> tuple[list[str], list[dict]]:
+    lines = ["| split | comparison | metric | diff [95 % CI] | per seed | could detect (80 % power) "
+             "| verdict |", "|" + "---|" * 7]
+    found = []
+    for split in SPLITS:
+        for x, y in COMPARE:
+            for metric, name in METRICS.items():
+                c = paired(data, seeds, x, y, split, metric)
+                v = stats.verdict(c)
+                found.append(dict(split=split, x=x, y=y, metric=metric, verdict=v,
+                                  **{k: c[k] for k in ("diff", "lo", "hi", "per_seed", "smallest", "items")}))
+                lines.append(f"| {split} | {x} − {y} | {name} | {ci_text(c)} | "
+                             f"{'/'.join(f'{d:+.3f}' for d in c['per_seed'])} | {c['smallest']:.3f} | {v} |")
+    return lines, found
+
+
+def kind_table(data, seeds) -> list[str]:
+    """RWML - warm-up per observation kind, both held-out sets pooled: is the gain on facts or on form?"""
+    kinds = sorted({r["kind"] for (s, a, _), rows in data.items() if s in seeds for r in rows.values()})
+    lines = ["| kind | triplets (per seed) | " + " | ".join(METRICS.values()) + " |", "|" + "---|" * 5]
+    for kind in kinds:
+        cells, items = [], 0
+        for metric in METRICS:
+            c = paired(data, seeds, "rwml", "warmup", None, metric, kinds=(kind,))
+            cells.append("–" if c is None else f"{ci_text(c)} {'✓' if c['lo'] > 0 else ''}")
+            items = max(items, c["items"] if c else 0)
+        lines.append(f"| {kind} | {items} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def rewarded_wrong(preds: list[dict]) -> dict:
+    """Of the rewarded predictions: how many are not an exact match; (listing targets) have item F1 < 1."""
+    hit = [p for p in preds if p["reward"] >= 1]
+    listing = [p for p in hit if p["f1"] is not None]
+    return dict(rewarded=len(hit), of=len(preds), not_exact=sum(not p["exact"] for p in hit),
+                listing=len(listing), f1_below_1=sum(p["f1"] < 1 for p in listing))
+
+
+def heldout_rewarded(data, seeds) -> list[str]:
+    lines = ["| arm | kind | rewarded / predictions | not exact | listing targets: item F1 < 1 |",
+             "|" + "---|" * 5]
+    for arm in ("warmup", "rwml"):
+        preds = [dict(reward=rw, exact=ex, f1=f1, kind=r["kind"])
+                 for (s, a, _), rows in data.items() if s in seeds and a == arm for r in rows.values()
+                 for rw, ex, f1 in zip(r["rewards"], r["exacts"], r["f1s"])]
+        for kind in ["all"] + sorted({p["kind"] for p in preds}):
+            w = rewarded_wrong([p for p in preds if kind == "all" or p["kind"] == kind])
+            if w["rewarded"]:
+                share = w["not_exact"] / w["rewarded"]
+                lines.append(f"| {arm} | {kind} | {w['rewarded']} / {w['of']} | {w['not_exact']} "
+                             f"({share:.0%}) | {w['f1_below_1']} of {w['listing']} |")
+    return lines
+
+
+def training_groups(log: Path) -> list[dict]:
+    """The GRPO groups the run log shows (group 1 of every logged step), one row per completion."""
+    out, head = [], None
+    for line in log.read_text().splitlines():
+        m = re.match(r"\[step (\d+)\] group 1 of \d+: action (.*); real: (.*)$", line)
+        if m:
+            head = dict(step=int(m[1]), action=ast.literal_eval(m[2]), target=ast.literal_eval(m[3]))
+        elif head and (m := re.match(r"\s+(\d+\.\d+)\s+[+-]\d+\.\d+\s+(.*)$", line)):
+            pred, target = ast.literal_eval(m[2]), head["target"]
+            cut = max(len(pred), len(target)) >= WIDTH
+            out.append(dict(head, prediction=pred, reward=float(m[1]), cut=cut,
+                            kind=envs.observation_kind(target), exact=envs.exact_match(pred, target),
+                            f1=envs.item_f1(pred, target)))
+    return out
+
+
+def training_table(groups: list[dict]) -> list[str]:
+    lines = ["| kind | rewarded / predictions | not exact | listing targets: item F1 < 1 | examples |",
+             "|" + "---|" * 5]
+    usable = [g for g in groups if not g["cut"]]
+    for kind in ["all"] + sorted({g["kind"] for g in usable}):
+        rows = [g for g in usable if kind == "all" or g["kind"] == kind]
+        w = rewarded_wrong(rows)
+        ex = [f"{g['prediction']!r} for {g['target']!r}" for g in rows
+              if g["reward"] >= 1 and not g["exact"]][:1 if kind != "all" else 0]
+        lines.append(f"| {kind} | {w['rewarded']} / {w['of']} | {w['not_exact']} | {w['f1_below_1']} of "
+                     f"{w['listing']} | {'; '.join(ex)} |")
+    return lines
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    results = ROOT / "lab" / "results"
+    p.add_argument("--archive", type=Path,
+                   default=results / "stage1_test_table" / "sanity_valid_unseen_triplets.tar.xz")
+    p.add_argument("--log", type=Path, default=results / "train_default" / "run_log.txt")
+    p.add_argument("--out", type=Path, default=results / "strict_rescore")
+    args = p.parse_args(argv)
+    data = read_archive(args.archive)
+    seeds = sorted({s for s, _, _ in data if s.startswith("seed")})
+    comp, found = comparison_table(data, seeds)
+    groups = training_groups(args.log)
+    md = [f"# Strict re-score of `{args.archive.relative_to(ROOT)}` (valid_unseen, {', '.join(seeds)})", "",
+          "Rates: the mean over seeds, each seed's value in brackets; CI: two-level bootstrap (seeds, then "
+          "games), 2,000 draws. Item F1: over the triplets whose target lists items (item n per seed). "
+          "The recorded reward accuracy and exact match were re-derived from the predictions and match.", "",
+          *arm_table(data, seeds), "", "## RWML against each control, paired on the same triplets", "",
+          "could detect: (z 0.975 + z 0.8) x sd of the per-game mean differences (seeds pooled) / "
+          "sqrt(games).", "", *comp, "",
+          "## RWML − warm-up per observation kind (explore and purposeful pooled; ✓: CI excludes 0)", "",
+          *kind_table(data, seeds), "",
+          "## Rewarded held-out predictions that the strict metrics call wrong", "",
+          *heldout_rewarded(data, seeds), "",
+          f"## Rewarded GRPO training predictions (`{args.log.relative_to(ROOT)}`)", "",
+          "No samples.jsonl is committed; the run log shows group 1 of every 4th step (6 groups x 4). "
+          f"Rows whose target or prediction the log cut at {WIDTH} characters are left out "
+          f"({sum(g['cut'] for g in groups)} of {len(groups)}).", "", *training_table(groups), ""]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "rescore.md").write_text("\n".join(md))
+    (args.out / "rescore.json").write_text(json.dumps(dict(comparisons=found, training=groups), indent=1))
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

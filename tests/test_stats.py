@@ -1,0 +1,67 @@
+"""lab/stats.py on cases with known answers (issue 37 item 1)."""
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lab"))
+import stats  # noqa: E402
+
+
+def test_wilson_published_values():
+    # Newcombe (1998), Table I / any Wilson calculator: 0/10 -> (0, 0.2775), 5/10 -> (0.2366, 0.7634)
+    assert stats.wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert stats.wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert stats.wilson(10, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
+    assert stats.wilson(0, 0) == (0.0, 1.0)
+
+
+def test_constant_difference_has_a_zero_width_ci():
+    a, b = [1, 1, 0, 1, 1, 0] * 5, [0, 1, 0, 0, 1, 0] * 5  # + 1/3 in every game of 6 items
+    units = [g for g in range(5) for _ in range(6)]
+    ci = stats.paired_bootstrap(a, b, units, n_boot=300)
+    assert ci["diff"] == pytest.approx(1 / 3) and ci["lo"] == pytest.approx(ci["hi"]) == pytest.approx(1 / 3)
+    assert stats.detectable(a, b, units) == 0.0 and stats.verdict(ci) == "holds"
+    two = stats.two_level_bootstrap([(a, b, units)] * 3, n_boot=300)
+    assert two["lo"] == pytest.approx(two["hi"]) == pytest.approx(1 / 3) and len(two["per_seed"]) == 3
+
+
+def test_seeded_bootstrap_is_reproducible_and_paired():
+    rng = random.Random(1)
+    a = [rng.random() < 0.6 for _ in range(120)]
+    b = [rng.random() < 0.4 for _ in range(120)]
+    units = [i // 6 for i in range(120)]
+    one, again = stats.paired_bootstrap(a, b, units, seed=3), stats.paired_bootstrap(a, b, units, seed=3)
+    assert one == again and one["units"] == 20
+    assert one["diff"] == pytest.approx((sum(a) - sum(b)) / 120) and one["lo"] < one["diff"] < one["hi"]
+    assert stats.paired_bootstrap(a, a, units)["hi"] == 0.0  # an arm against itself
+    with pytest.raises(ValueError):
+        stats.paired_bootstrap(a, b[:-1], units)
+
+
+def test_coverage_on_a_simulated_case():
+    """Games with their own effect (sd 0.3), item noise: the 95 % CI covers the true 0.1 in ~95 % of draws."""
+    rng, hits, draws = random.Random(0), 0, 80
+    for d in range(draws):
+        a, b, units = [], [], []
+        for g in range(25):
+            effect = 0.1 + rng.gauss(0, 0.3)
+            for _ in range(4):
+                base = rng.gauss(0, 1)
+                a.append(base + effect + rng.gauss(0, 0.5))
+                b.append(base)
+                units.append(g)
+        ci = stats.paired_bootstrap(a, b, units, n_boot=300, seed=d)
+        hits += ci["lo"] <= 0.1 <= ci["hi"]
+    assert 0.85 <= hits / draws <= 1.0
+
+
+def test_detectable_and_verdict():
+    rng = random.Random(2)
+    a = [rng.gauss(0, 1) for _ in range(200)]
+    b = [x - 0.01 + rng.gauss(0, 1) for x in a]
+    units = [i // 10 for i in range(200)]
+    ci, smallest = stats.paired_bootstrap(a, b, units), stats.detectable(a, b, units)
+    assert 0 < smallest < 2  # (1.96 + 0.84) x sd(per-game means ~0.45) / sqrt(20) ~ 0.28
+    assert stats.verdict(ci, smallest).startswith("no difference detected; could detect >= ")
