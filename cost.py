@@ -16,7 +16,7 @@ counted apart (`workers_peak_rss_gb`: the largest worker that has ended, getrusa
 whose peak is reset at each boundary.
 
 Importing this module also tunes glibc's allocator (`tune_allocator`), and every stage boundary hands the
-heap's free pages back (`_trim`): without that, freed activations stay in RSS (results/README).
+heap's free pages back (`_trim`): without that, freed activations stay in RSS (lab/NOTEBOOK.md, the allocator)
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def _glibc():
 
 
 _LIBC = _glibc()
-MMAP_THRESHOLD = int(os.environ.get("RWML_MMAP", 1 << 20))  # bytes (results/README: the allocator)
+MMAP_THRESHOLD = int(os.environ.get("RWML_MMAP", 1 << 20))  # bytes (lab/NOTEBOOK.md: the allocator)
 
 
 def tune_allocator() -> None:
@@ -87,7 +87,7 @@ def tune_allocator() -> None:
 
 def _trim() -> None:
     """Give the heap's free pages back to the OS at a stage boundary, so that one stage's leftovers are not
-    counted in (or added to) the next one's peak. RWML_TRIM=0: off (results/README's table)."""
+    counted in (or added to) the next one's peak. RWML_TRIM=0: off (lab/NOTEBOOK.md's table)."""
     if _LIBC is not None and os.environ.get("RWML_TRIM", "1") == "1":
         _LIBC.malloc_trim(0)
 

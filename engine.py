@@ -360,7 +360,7 @@ def add_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0,
         raise UserError(f"cannot put LoRA on {target_modules!r}: {str(e).splitlines()[0]}") from None
 
 
-SFT_MAX_TOKENS = 512  # padded tokens per SFT forward/backward: ~2.6 MB each on SmolLM2-135M (results/)
+SFT_MAX_TOKENS = 512  # padded tokens per SFT forward/backward: ~2.6 MB each on SmolLM2-135M (bench_memory)
 
 
 def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str | None = None,

@@ -208,7 +208,7 @@ def template_prediction(action: str) -> str:
 def unseen_objects(triplet: dict) -> list[str]:
     """The objects the target lists ("..., you see a mug 1, and a knife 2.") that the world-model prompt
     (task, history, current observation, action) never names: what no model can read from its input, only
-    guess. A beyond-template target is nearly always such a list (README)."""
+    guess. A beyond-template target is nearly always such a list (lab/results/strict_rescore/)."""
     listed = re.findall(r"\ban? ([a-z]+ \d+)", str(triplet["next_obs"]).lower().partition("you see ")[2])
     seen = " ".join([str(triplet.get("task", "")), str(triplet.get("action", ""))]
                     + [f"{h.get('observation', '')} {h.get('action', '')}"

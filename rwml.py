@@ -399,7 +399,7 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, c
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if G > 1 else 0.0,
                 frac_reward_zero_std=float((grouped.std(1) == 0).float().mean()),
                 group_rewards=grouped.mean(1).tolist(),  # per prompt: which groups carry a gradient (mixed)
-                **nothing_by_group(states, advantages, G),  # the drift diagnostics (README)
+                **nothing_by_group(states, advantages, G),  # the drift diagnostics (lab/NOTEBOOK.md)
                 format_rate=sum(parse_next_state(t) is not None for t in roll.texts) / len(roll.texts),
                 completion_tokens=float(lengths.mean()), updates=stats, sample=roll.texts[0],
                 sample_target=triplets[0]["next_obs"], sample_reward=float(rewards[0]),
@@ -412,7 +412,7 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, c
 
 def nothing_by_group(states: list[str | None], advantages: torch.Tensor, G: int) -> dict:
     """The share of "Nothing happens." predictions and, per prompt, how many and the advantage they got (> 0:
-    pushed up): which groups move the share of that answer, the small model's most common drift (README)."""
+    pushed up): which groups move the share of that answer, the small model's most common drift (NOTEBOOK)."""
     nothing = torch.tensor([s == NOTHING for s in states], dtype=torch.float).view(-1, G)
     return dict(nothing_share=sum(s == NOTHING for s in states) / len(states),
                 group_nothing=nothing.sum(1).tolist(),
