@@ -430,9 +430,8 @@ def wm_prompt_fits(cfg):
     def problem(t: dict) -> str | None:
         prompts = [engine.chat(tok, rwml.wm_prompt(t, r), rwml.wm_system(t), rwml.wm_prefix(r))
                    for r in {cfg.wm_reasoning, False}]
-        answer = rwml.wm_answer(t)
-        if (max(len(p.encode()) for p in prompts) + max(len(answer.encode()), cfg.max_completion_length) + 16
-                <= ctx):
+        answer, size = rwml.wm_answer(t), lambda s: len(s.encode("utf-8", "surrogatepass"))  # lone surrogates
+        if max(map(size, prompts)) + max(size(answer), cfg.max_completion_length) + 16 <= ctx:
             return None  # a token is at least a byte (byte-level BPE): no need to tokenize
         n = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
         m = max(len(tok(answer, add_special_tokens=False)["input_ids"]) + 1, cfg.max_completion_length)

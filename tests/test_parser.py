@@ -72,3 +72,20 @@ def test_tau2_parser_never_raises_and_cleans_lone_surrogates():
     assert a == dict(kind="tool", name="get?", arguments={"id?": ["?x"]}, well_formed=True)
     assert parse_tau2_action("<think>a</think>hi\ud800<THINK>b</think>") == dict(kind="reply", content="hi?",
                                                                                   well_formed=False)
+
+
+def test_a_lone_surrogate_in_a_transitions_file_passes_the_context_check(tiny_model, tmp_path):
+    """Valid JSON can hold a lone surrogate ("\\ud800"); the context check measured prompts with str.encode,
+    which raised UnicodeEncodeError where the triplet had trained and scored before (issue 39, item 1)."""
+    import json
+
+    import plumbing
+    import train
+
+    t = dict(task="put a mug in the sink", history=[{"observation": "You are in a room."}], action="look",
+             next_obs="You see a mug\ud800 1.")
+    path = tmp_path / "transitions.jsonl"
+    path.write_text(json.dumps(t) + "\n")  # ensure_ascii: the file holds the escape, as a user's would
+    fits = plumbing.wm_prompt_fits(train.Settings(model=tiny_model))
+    assert fits is not None and fits(t) is None
+    assert [x["next_obs"] for x in plumbing.read_transitions(str(path), fits=fits)] == [t["next_obs"]]
