@@ -46,6 +46,7 @@ def read_run(folder: Path) -> dict:
     """A run folder's results (`eval.py agent` per split, `wm`, `weights`, tau2), by their keys; its curve."""
     run = dict(name=folder.name, splits={}, tau2={}, wm=None, weights=None,
                curve=read_jsonl(folder / "metrics.jsonl"))
+    wms = {}
     for n, row in enumerate(run["curve"], 1):
         problem = _numbers_problem(row, ("step", "reward"))  # or "not a JSON object"
         if problem:
@@ -77,12 +78,43 @@ def read_run(folder: Path) -> dict:
         if kind == "eval.py agent":
             run["splits"].update(parts)
         elif kind == "eval.py wm":
-            run["wm"] = data
+            wms[f.stem] = data
         elif kind == "eval.py weights":
             run["weights"] = data
         else:
             run["tau2"][data["domain"]] = data
+    run["wm"] = own_wm(folder, wms)
     return run
+
+
+def own_wm(folder: Path, wms: dict[str, dict]) -> dict | None:
+    """The run's own world-model accuracy, by file name, never a baseline's: {kind: (before, after)}.
+    `python train.py` writes wm_eval_{before,rwml,<baseline>}_{explore,purposeful}.json; eval.py wm, one."""
+    if not wms:
+        return None
+    ours = {stem: d for stem, d in wms.items() if not any(f"_{b}_" in f"{stem}_" for b in envs.BASELINES)}
+    pairs = {}
+    for stem, d in ours.items():
+        if stem.startswith("wm_eval_before_"):
+            continue
+        kind = stem.rsplit("_", 1)[-1] if stem.startswith("wm_eval_") else "all"
+        if kind in pairs:
+            raise UserError(f"{folder}: more than one world-model result for {kind} ({pairs[kind][2]}.json, "
+                            f"{stem}.json); keep one per run folder")
+        pairs[kind] = (ours.get(f"wm_eval_before_{kind}"), d, stem)
+    if not pairs:
+        raise UserError(f"{folder}: only baseline world-model results ({', '.join(sorted(wms))}); "
+                        "the run's own is wm_eval_rwml_<kind>.json or one `eval.py wm` result")
+    return {kind: (before, after) for kind, (before, after, _) in sorted(pairs.items())}
+
+
+def _wm_cell(wm: dict | None) -> str:
+    """"explore 35.9 → 46.4; purposeful 43.8 → 48.4" (%), or one number for a lone `eval.py wm` result."""
+    if not wm:
+        return "–"
+    return "; ".join(f"{'' if kind == 'all' else kind + ' '}"
+                     + (f"{_pct(before['wm_accuracy'])} → " if before else "") + _pct(after["wm_accuracy"])
+                     for kind, (before, after) in wm.items())
 
 
 AGENT_KEYS = ("success_rate", "num_episodes", "mean_steps", "invalid_action_rate")  # what the tables read
@@ -122,7 +154,7 @@ def report_table(runs: list[dict]) -> str:
         lines.append("| " + " | ".join([
             r["name"], _pct(ide and ide["success_rate"], ide and ide.get("success_rate_std")),
             _pct(ood and ood["success_rate"], ood and ood.get("success_rate_std")), _pct(avg), _pct(invalid),
-            _pct(r["wm"] and r["wm"]["wm_accuracy"]),
+            _wm_cell(r["wm"]),
             "–" if not r["weights"] else f"{100 * r['weights']['changed_share']:.2f}",
             str(n) if n else "–"]) + " |")
     return "\n".join(lines) + "\n"

@@ -89,3 +89,22 @@ def test_report_bad_input(tmp_path):
         reports.main(["report", str(tmp_path / "nope")])
     with pytest.raises(UserError, match="no results"):
         reports.main(["report", str(tmp_path)])
+
+
+def test_report_shows_the_runs_own_world_model_accuracy_not_a_baselines(tmp_path):
+    """A folder shaped like `python train.py`'s: the RWML row is wm_eval_rwml_<kind> after
+    wm_eval_before_<kind>, per kind; the baselines' files (the template rule's 66.7 %) never count."""
+    run = tmp_path / "rwml"
+    run.mkdir()
+    scores = dict(before_explore=0.359, rwml_explore=0.464, before_purposeful=0.438,
+                  rwml_purposeful=0.484, template_explore=0.75, template_purposeful=0.667,
+                  nothing_explore=0.125, copy_purposeful=0.0)
+    for name, acc in scores.items():
+        (run / f"wm_eval_{name}.json").write_text(json.dumps(dict(wm_accuracy=acc, per_kind={}, n=48)))
+    out = tmp_path / "r.md"
+    reports.main(["report", str(run), "--out", str(out), "--no-plots"])
+    row = next(line for line in out.read_text().splitlines() if line.startswith("| rwml"))
+    assert "explore 35.9 → 46.4; purposeful 43.8 → 48.4" in row and "66.7" not in row
+    (run / "wm_eval_rwml2_explore.json").write_text(json.dumps(dict(wm_accuracy=0.5, per_kind={})))
+    with pytest.raises(UserError, match="more than one world-model result for explore"):
+        reports.main(["report", str(run), "--out", str(out), "--no-plots"])
