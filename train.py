@@ -100,6 +100,7 @@ class Config(rwml.GRPOParams, WorldModelConfig, AgentConfig, ModelConfig):
     # --- stage 2: policy RL on task success (num_generations: episodes per game)
     init: str = "base"  # what --adapter holds: base (none) | rwml | wm-sft | rft; the KL reference, frozen
     games_per_step: int = 2  # games per policy step, drawn from the num_games train games
+    # --- the run
     out: str = "runs/rwml"  # the run's folder
 
 
@@ -475,14 +476,14 @@ def run_stage(stage: str, cfg: Settings, out: Path, t0: float, trips: list[dict]
             train_wm_sft(cfg, trips, out, load, make_reward(cfg))
         elif stage == "all":
             train_all(cfg, out, load, make_reward(cfg), t0)
+        elif stage == "export":  # the filter, then verl's train and held-out parquets
+            bridges.export_verl(cfg, trips, out, load, cfg.easy_filter and make_reward(cfg), filter_triplets)
         elif cfg.trainer == "trl":  # filter / wm in TRL's GRPOTrainer
             bridges.wm_trl(stage, cfg, trips, out, load, make_reward(cfg), filter_triplets, reward_control)
-        else:  # filter, wm, export
+        else:  # filter, wm
             reward_fn = make_reward(cfg)
             kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
-            if stage == "export":
-                bridges.export_verl(cfg, kept, out)
-            elif stage == "wm":
+            if stage == "wm":
                 with cost.stage("grpo"):
                     train_wm(cfg, kept, out, load, reward_fn, start, heldout=curve)
 

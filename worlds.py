@@ -10,6 +10,7 @@ import os
 import random
 import shutil
 import statistics
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -371,6 +372,26 @@ class Tau2:
 
 TW_SPLITS = {"train": 0, "dev": 1_000_000, "test": 2_000_000}  # game seeds of a split: offset + [0, TW_POOL)
 TW_POOL = 100_000
+# The generator's bounds: at all three ~9 s a game; 20 rooms (or 30-step quests) take ~27 s, 100 rooms minutes
+TW_MAX = dict(world_size=10, nb_objects=50, quest_length=10)
+TW_GAME_KEYS = ("KB", "world", "grammar", "quests", "infos")  # what textworld reads from game.json
+
+
+def tw_game_problem(path: Path) -> str | None:
+    """Why a cached game would not play, or None: game.z8 whole (its Z-machine header's length and checksum)
+    and game.json an object with the fields textworld reads."""
+    try:
+        z8 = path.read_bytes()
+        size = int.from_bytes(z8[0x1A:0x1C], "big") * 8
+        if z8[:1] != b"\x08" or not 0x40 <= size <= len(z8):
+            return f"{path.name} is cut or not a game"
+        if sum(z8[0x40:size]) % 0x10000 != int.from_bytes(z8[0x1C:0x1E], "big"):
+            return f"{path.name} fails its checksum"
+        meta = json.loads(path.with_name("game.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return f"a file cannot be read ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})"
+    whole = isinstance(meta, dict) and all(k in meta for k in TW_GAME_KEYS)
+    return None if whole else "game.json lacks the fields of a game"
 
 
 def textworld_game_path(split: str, game_seed: int, world_size: int, nb_objects: int,
@@ -414,18 +435,34 @@ def textworld_games(split: str, num_games: int | None, seed: int = 0, world_size
         raise UserError(f"unknown TextWorld split {split!r}; choose one of {', '.join(TW_SPLITS)}")
     if num_games is None:
         raise UserError("TextWorld games are generated: give their number, e.g. --num-games 20")
-    if num_games < 1:
-        raise UserError(f"the number of games must be at least 1, got {num_games}")
-    for name, v in (("world-size", world_size), ("nb-objects", nb_objects), ("quest-length", quest_length)):
-        if v < 1:
-            raise UserError(f"--{name} must be at least 1, got {v}")
+    if not 1 <= num_games <= TW_POOL:
+        raise UserError(f"the number of TextWorld games of a split must be between 1 and {TW_POOL}, got "
+                        f"{num_games}")
+    for name, v in (("world_size", world_size), ("nb_objects", nb_objects), ("quest_length", quest_length)):
+        if not 1 <= v <= TW_MAX[name]:
+            raise UserError(f"--{name.replace('_', '-')} {v}: must be between 1 and {TW_MAX[name]} (larger "
+                            "games take TextWorld's generator from half a minute to many minutes each)")
     seeds = sorted(TW_SPLITS[split] + i for i in random.Random(seed).sample(range(TW_POOL), num_games))
     paths = [textworld_game_path(split, s, world_size, nb_objects, quest_length) for s in seeds]
-    todo = [(p, s) for p, s in zip(paths, seeds) if not p.is_file()]
+    todo = [(p, s) for p, s in zip(paths, seeds) if not p.parent.is_dir() or tw_game_problem(p)]
     for p, s in tqdm(todo, desc=f"generating TextWorld {split} games", unit="game", dynamic_ncols=True,
                      disable=not todo):
-        p.parent.parent.mkdir(parents=True, exist_ok=True)
+        if p.parent.is_dir():  # damaged (cut, garbage, a file missing): a game is its seed's, made again
+            if not (problem := tw_game_problem(p)):
+                continue  # another process made it again meanwhile
+            tqdm.write(f"{p.parent}: {problem}; generating it again", file=sys.stderr)
+            shutil.rmtree(p.parent, ignore_errors=True)
+        try:
+            p.parent.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(p.parent.parent, os.W_OK | os.X_OK):
+                raise PermissionError(13, "read-only")
+        except OSError as e:
+            raise UserError(f"cannot write TextWorld games to {p.parent.parent} ({e.strerror}); point "
+                            "RWML_CACHE to a writable folder") from None
         make_textworld_game(p, s, world_size, nb_objects, quest_length)
+        if problem := tw_game_problem(p):
+            raise UserError(f"{p.parent}: {problem} right after generating it; delete that folder and check "
+                            "the disk")
     return [str(p) for p in paths]
 
 

@@ -132,6 +132,45 @@ def _numbers_problem(data, keys) -> str | None:
     return None if bad is None else f"{bad} is missing or not a number"
 
 
+def read_json(f: Path) -> dict | None:
+    """A report input's JSON object, None if there is no such file; a damaged one is named in one line."""
+    if not f.is_file():
+        return None
+    try:
+        data = json.loads(f.read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{f} does not read as JSON ({(str(e).splitlines() or [''])[0]}); "
+                        "write it again (rerun what wrote it), or remove it") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{f} holds a JSON {type(data).__name__}, not an object; write it again, "
+                        "or remove it")
+    return data
+
+
+def read_rows(f: Path, numbers: tuple[str, ...], needs_step: tuple[str, ...] = (),
+              lists: tuple[str, ...] = ()) -> list[dict]:
+    """A metrics.jsonl's rows, each a JSON object whose `numbers` are numbers and `lists` lists of numbers
+    where present, with a step where it has one of `needs_step`; else one line naming the file and record."""
+    rows = read_jsonl(f)
+    for n, row in enumerate(rows, 1):
+        keys = [k for k in numbers if isinstance(row, dict) and k in row]
+        keys += ["step"] if isinstance(row, dict) and any(k in row for k in needs_step) else []
+        problem = _numbers_problem({k: row.get(k) for k in keys} if isinstance(row, dict) else row, keys)
+        problem = problem or next((f"{k} is not a list of numbers" for k in lists if k in row and not (
+            isinstance(row[k], list) and all(not _numbers_problem(dict(x=x), ("x",)) for x in row[k]))), None)
+        if problem:
+            raise UserError(f"{f}, record {n}: {problem}; fix or remove that file")
+    return rows
+
+
+def seed_folders(folder: Path) -> list[Path]:
+    """The seed<N>/ folders, by N; any other seed*/ folder (a backup, seed1_old/) is left out with a note."""
+    found = [d for d in folder.glob("seed*") if d.is_dir()]
+    for d in sorted(d for d in found if not d.name[4:].isdigit()):
+        print(f"note: {d} is no seed folder (seed<N>/): left out of the table", file=sys.stderr)
+    return sorted((d for d in found if d.name[4:].isdigit()), key=lambda d: int(d.name[4:]))
+
+
 def _pct(x, std=None) -> str:
     return "–" if x is None else f"{100 * x:.1f}" + ("" if std is None else f" ± {100 * std:.1f}")
 
@@ -248,7 +287,31 @@ SANITY_COLUMNS = (("all targets", lambda r: r["wm_accuracy"]),
                   ("not \"Nothing happens.\"", lambda r: r["per_kind"]["change"]["wm_accuracy"]),
                   ("beyond the template rule", lambda r: r["per_kind"]["beyond_template"]["wm_accuracy"]),
                   ("mean cosine", lambda r: r["mean_cosine"]))
+SANITY_ROW_NUMBERS = ("step", "reward", "nothing_share", "frac_reward_zero_std", "eval_wm_accuracy")
+SANITY_ROW_LISTS = ("group_rewards", "group_nothing", "group_nothing_advantage")  # GRPO rows: per group
 MIN_RATE_N = 10  # a kind with fewer held-out triplets is listed, not quoted as a rate
+
+
+def _wm_problem(data: dict) -> str | None:
+    """What keeps an `eval.py wm` result from the sanity table (what its columns and kind table read)."""
+    pk, obs = data.get("per_kind"), data.get("per_observation_kind")
+    parts = [("", data, ("wm_accuracy", "mean_cosine", "n")), ("per_kind", pk, ()),
+             ("per_observation_kind", obs, ())]
+    if isinstance(pk, dict):
+        parts += [("per_kind.change", pk.get("change"), ("wm_accuracy",)),
+                  ("per_kind.beyond_template", pk.get("beyond_template"), ("wm_accuracy", "n"))]
+        parts += [(f"per_kind.{k}", pk[k], ("wm_accuracy",) if k == "within_template" else ())
+                  for k in ("within_template", "beyond_template_unseen") if k in pk]
+    if isinstance(obs, dict):
+        parts += [(f"per_observation_kind.{k}", x, ("wm_accuracy", "n")) for k, x in obs.items()]
+    if not isinstance(data.get("config", {}), dict):
+        return "config is not an object"
+    for where, x, keys in parts:
+        if not isinstance(x, dict):
+            return f"{where} is missing or not an object"
+        if problem := _numbers_problem(x, keys):
+            return f"{where + ': ' if where else ''}{problem}"
+    return None
 
 
 def _spread(xs: list[float], fmt: str = ".3f") -> str:
@@ -274,7 +337,7 @@ def variant_arms(seeds: list[Path]) -> list[tuple[str, str]]:
         for s in seeds:
             mine, rwml_cfg = s / name / "config.json", s / "rwml" / "config.json"
             if mine.is_file() and rwml_cfg.is_file():
-                a, b = json.loads(mine.read_text()), json.loads(rwml_cfg.read_text())
+                a, b = read_json(mine), read_json(rwml_cfg)
                 label = " ".join(flag(k, v) for k, v in a.items()
                                  if k not in RESUME_FREE and b.get(k) != v) or label
                 break
@@ -306,7 +369,7 @@ def filter_rows(seeds: list[Path]) -> list[str]:
         meta, rows = d / "filter" / "filter.json", read_jsonl(d / "filter" / "easiness.jsonl")
         if not rows or not meta.is_file():
             continue
-        info = json.loads(meta.read_text())
+        info = read_json(meta)
         nh = [envs.observation_kind(r["next_obs"]) == "nothing_happens" for r in rows]
         n_all, n_split = info["num_triplets"], info["num_filter_split"]
         coll = d / "collect" / "transitions.jsonl"
@@ -338,15 +401,26 @@ def filter_rows(seeds: list[Path]) -> list[str]:
 def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = None) -> str:
     """`sanity.sh`'s tables: per held-out kind the baselines and each arm over seeds, RWML - warm-up
     (paired), accuracy per observation kind; the training diagnostics; `png`: the GRPO arms' curves."""
-    seeds = sorted(folder.glob("seed*"), key=lambda p: int(p.name[4:]))
+    seeds = seed_folders(folder)
     if not seeds:
         raise UserError(f"no seed*/ folders in {folder}: run sanity.sh first")
     held = folder / split  # the held-out sets of this split and every score on them
+    if not held.is_dir():
+        present = sorted(d.name for d in folder.iterdir() if d.is_dir() and (
+            (d / "baselines").is_dir() or any(d.glob("seed*/eval_*.json"))))
+        raise UserError(f"no held-out split {split!r} in {folder}: the splits there are "
+                        f"{', '.join(present) or 'none (run sanity.sh first)'}; pass --split with one "
+                        "of them")
     variants = variant_arms(seeds)
     all_arms = (*SANITY_ARMS[:2], *variants, *SANITY_ARMS[2:])
 
-    def read(path: Path):
-        return json.loads(path.read_text()) if path.is_file() else None
+    def read(path: Path):  # a score the table cannot read: one line naming it
+        data = read_json(path)
+        problem = data is not None and path.name != "config.json" and _wm_problem(data)
+        if problem:
+            raise UserError(f"{path}: {problem}, so it is no result of `eval.py wm`; write it again, "
+                            "or remove it")
+        return data
 
     lines = []
     for kind in HELDOUT_KINDS:
@@ -443,12 +517,16 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
         return fmt(h_on, t_on), fmt(h_off, t_off), f"{up:+.1f} / {down:+.1f}"
 
     for d in seeds:
-        coin = read_jsonl(d / "coin" / "metrics.jsonl")
+        metrics = lambda f: read_rows(f, SANITY_ROW_NUMBERS, ("eval_wm_accuracy",), SANITY_ROW_LISTS)  # noqa: E731
+        coin = metrics(d / "coin" / "metrics.jsonl")
         for arm, name in (("rwml", "+ RWML"), *variants):
-            rw = read_jsonl(d / arm / "metrics.jsonl")
+            rw = metrics(d / arm / "metrics.jsonl")
             if arm != "rwml" and not rw:
                 continue
             G = (read(d / arm / "config.json") or {}).get("num_generations", 4)
+            if not (isinstance(G, int) and G > 0):
+                raise UserError(f"{d / arm / 'config.json'}: num_generations {G!r} is not a positive whole "
+                                "number; write it again, or remove it")
             zs = [r["frac_reward_zero_std"] for r in rw if "frac_reward_zero_std" in r]  # not step 0's eval
             zero = f"{statistics.fmean(zs):.2f}" if zs else "–"
             label = "" if arm == "rwml" else f" ({name[len('+ RWML, '):]})"
@@ -457,7 +535,8 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
                          f"{quarters(rw, 'nothing_share')} | {on} | {off} | {zero} | {mixed_nothing(rw)} | "
                          f"{push} | {quarters(coin, 'reward') if arm == 'rwml' else '–'} |")
     if png is not None:
-        curves = {name: [[(r["step"], r["eval_wm_accuracy"]) for r in read_jsonl(d / arm / "metrics.jsonl")
+        curves = {name: [[(r["step"], r["eval_wm_accuracy"]) for r in read_rows(
+                              d / arm / "metrics.jsonl", SANITY_ROW_NUMBERS, ("eval_wm_accuracy",))
                           if "eval_wm_accuracy" in r] for d in seeds]
                   for arm, name in all_arms if arm.startswith("rwml") or arm == "coin"}
         if plot_curves(curves, png, xlabel="GRPO step", ylabel="held-out world-model accuracy",
@@ -473,7 +552,7 @@ AGENT_ARMS = (("base", "base"), ("rwml", "RWML"), ("policy", "policy RL"),
 def agent_report(folder: Path, png: Path | None = None) -> str:
     """`agent_sanity.sh`'s table: greedy success (%) per arm on dev, test and both (stage 2: over seeds), the
     random baseline; `png`: the dev curve. Stage 2's dev score: its final evaluation, else the curve's end."""
-    seeds = sorted(folder.glob("seed*/"), key=lambda d: int(d.name[4:]) if d.name[4:].isdigit() else -1)
+    seeds = seed_folders(folder)
     if not seeds:
         raise UserError(f"no seed*/ folders in {folder}: run agent_sanity.sh first")
 
@@ -484,8 +563,15 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
         return (f"{statistics.fmean(xs):.1f} ± {statistics.stdev(xs):.1f} "
                 f"({' / '.join(f'{x:.0f}' for x in xs)})")
 
-    def per_split(f: Path) -> dict:
-        return json.loads(f.read_text())["per_split"] if f.is_file() else {}
+    def per_split(f: Path) -> dict:  # {split: its scores}; a result the table cannot read: one line
+        parts = (read_json(f) or dict(per_split={})).get("per_split")
+        problem = "per_split is missing or not an object" if not isinstance(parts, dict) else next(
+            (f"per_split.{sp}: {p}" for sp, x in parts.items()
+             if (p := _numbers_problem(x, ("success_rate", "num_episodes")))), None)
+        if problem:
+            raise UserError(f"{f}: {problem}, so it is no result of `eval.py agent`; write it again, "
+                            "or remove it")
+        return parts
 
     def split_rate(f: Path, split: str):
         return per_split(f).get(split, {}).get("success_rate")
@@ -495,11 +581,11 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
         if not ("dev" in r and "test" in r):
             return None
         n = r["dev"]["num_episodes"] + r["test"]["num_episodes"]
-        return sum(r[sp]["success_rate"] * r[sp]["num_episodes"] for sp in ("dev", "test")) / n
+        return sum(r[sp]["success_rate"] * r[sp]["num_episodes"] for sp in ("dev", "test")) / n if n else None
 
     def curve(d: Path, start: Path) -> list[dict]:
         """Dev success by step: 0 the start's evaluation, last the final one, --eval-steps rows between."""
-        rows = read_jsonl(d / "metrics.jsonl")
+        rows = read_rows(d / "metrics.jsonl", ("step", "eval_success"), needs_step=("eval_success",))
         last = max((r["step"] for r in rows if "step" in r), default=None)
         final = split_rate(d / "eval_agent.json", "dev")
         between = [r for r in rows if "eval_success" in r and (final is None or r["step"] < last)]
@@ -515,10 +601,16 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
              "|---|---|---|---|---|---|"]
     random_f = folder / "random" / "eval_agent.json"
     if random_f.is_file():
-        r = per_split(random_f)
-        cells = [_pct(r[sp]["success_rate"], r[sp]["success_rate_std"]) for sp in ("dev", "test")]
+        r = per_split(random_f)  # a split it did not play: "–"
+        cells = [_pct(r[sp]["success_rate"], r[sp].get("success_rate_std")) if sp in r else "–"
+                 for sp in ("dev", "test")]
+        test = r.get("test")
+        if test and not (isinstance(test.get("num_games"), int) and test["num_games"] > 0):
+            raise UserError(f"{random_f}: per_split.test.num_games is missing or not a positive whole "
+                            "number, so it is no result of `eval.py agent`; write it again, or remove it")
         lines.append(f"| uniform random admissible | {' | '.join(cells)} | {_pct(pooled(random_f))} | "
-                     f"{r['test']['num_episodes']} | {r['test']['num_episodes'] // r['test']['num_games']} |")
+                     + (f"{test['num_episodes']} | {test['num_episodes'] // test['num_games']} |" if test
+                        else "– | – |"))
     curves, start = {}, dict(policy="base", rwml_policy="rwml", wm_sft_policy="wm_sft")
     for key, name in AGENT_ARMS:
         if key in ("base", "rwml"):  # one greedy evaluation: nothing to replicate
@@ -538,14 +630,23 @@ def agent_report(folder: Path, png: Path | None = None) -> str:
     if png is not None:
         plot_curves({name: [[(r["step"], 100 * r["eval_success"]) for r in c] for c in cs]
                      for name, cs in curves.items()},
-                    png, xlabel="stage-2 step", ylabel="dev success (%), greedy",
+                    png, xlabel="stage-2 step", ylabel="dev success (%), greedy", top=100,
                     title="stage 2 on TextWorld (choose mode): held-out dev games")
     return "\n".join(lines) + "\n"
 
 
+FEW_POINTS = 3  # a curve of this many steps or fewer: markers (and error bars), no line joining them
+
+
+def clipped_band(mean: list[float], sd: list[float], top: float = 1.0) -> tuple[list[float], list[float]]:
+    """mean ± sd clipped to the score's range [0, top]: a rate's band never below 0 nor above its top."""
+    return [max(0.0, m - d) for m, d in zip(mean, sd)], [min(top, m + d) for m, d in zip(mean, sd)]
+
+
 def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], png: Path, *, xlabel: str, ylabel: str,
-                title: str) -> bool:
-    """Score against step per arm: each seed thin, mean ± sd where all seeds have the step; whether drawn."""
+                title: str, top: float = 1.0) -> bool:
+    """Score against step per arm: each seed thin, mean ± sd (clipped to [0, top]) where all seeds have the
+    step; a curve of FEW_POINTS steps or fewer as markers with error bars; whether drawn."""
     if not any(any(c) for cs in curves.values() for c in cs):
         return False
     import matplotlib
@@ -559,14 +660,19 @@ def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], png: Path, *, 
         if not cs:
             continue
         for c in cs:
-            ax.plot(list(c), list(c.values()), color=color, alpha=0.35, lw=0.8, marker="o", ms=2)
+            ax.plot(list(c), list(c.values()), color=color, alpha=0.35, lw=0.8, marker="o", ms=3,
+                    ls="-" if len(c) > FEW_POINTS else "none")
         steps = sorted(set.intersection(*(set(c) for c in cs)))
         mean = [statistics.fmean(c[x] for c in cs) for x in steps]
         sd = [statistics.stdev(c[x] for c in cs) if len(cs) > 1 else 0.0 for x in steps]
-        ax.plot(steps, mean, color=color, lw=2, marker="o", ms=4,
-                label=f"{name} (mean ± sd of {len(cs)} seeds)")
-        ax.fill_between(steps, [m - d for m, d in zip(mean, sd)], [m + d for m, d in zip(mean, sd)],
-                        color=color, alpha=0.15, lw=0)
+        low, high = clipped_band(mean, sd, top)
+        label = f"{name} (mean ± sd of {len(cs)} seeds)"
+        if len(steps) <= FEW_POINTS:
+            yerr = [[m - lo for m, lo in zip(mean, low)], [h - m for m, h in zip(mean, high)]]
+            ax.errorbar(steps, mean, yerr=yerr, color=color, fmt="o", ms=6, capsize=4, label=label)
+            continue
+        ax.plot(steps, mean, color=color, lw=2, marker="o", ms=4, label=label)
+        ax.fill_between(steps, low, high, color=color, alpha=0.15, lw=0)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.title.set_fontsize(9)
     ax.legend(fontsize=7)

@@ -7,6 +7,7 @@
    run's log shows (train_default/run_log.txt; no samples.jsonl is committed) and the held-out predictions.
 
     python lab/rescore.py [--archive A] [--log L] [--out lab/results/strict_rescore]
+    python lab/rescore.py --gains    # only the figure, gains.png, from the committed rescore.json
 """
 from __future__ import annotations
 
@@ -202,6 +203,35 @@ def training_table(groups: list[dict]) -> list[str]:
     return lines
 
 
+def plot_gains(comparisons: list[dict], png: Path) -> Path:
+    """The test-split table's gains as a figure: per metric, each comparison's paired difference per seed
+    (dots) and over seeds with its 95 % CI (bar); 0 is no gain."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(11, 3.6), sharey=True)
+    for ax, (metric, name) in zip(axes, METRICS.items()):
+        rows = [c for c in comparisons if c["metric"] == metric]
+        for i, c in enumerate(rows):
+            ax.errorbar([c["diff"]], [i], xerr=[[c["diff"] - c["lo"]], [c["hi"] - c["diff"]]], fmt="D",
+                        color="C0" if c["lo"] > 0 else "C7", ms=5, capsize=3,
+                        label="mean over seeds, 95 % CI" if i == 0 else None)
+            ax.plot(c["per_seed"], [i] * len(c["per_seed"]), "o", color="C1", ms=3, alpha=0.8,
+                    label="each seed" if i == 0 else None)
+        ax.axvline(0, color="k", lw=0.8)
+        ax.set(title=name, xlabel="paired difference (RWML − other)", yticks=range(len(rows)),
+               yticklabels=[f"{c['split']}: {c['x']} − {c['y']}" for c in rows])
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7)
+    fig.suptitle("test split (valid_unseen): RWML's paired gain per seed and over seeds (blue: CI above 0)",
+                 fontsize=9)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     results = ROOT / "lab" / "results"
@@ -209,7 +239,12 @@ def main(argv=None):
                    default=results / "stage1_test_table" / "sanity_valid_unseen_triplets.tar.xz")
     p.add_argument("--log", type=Path, default=results / "train_default" / "run_log.txt")
     p.add_argument("--out", type=Path, default=results / "strict_rescore")
+    p.add_argument("--gains", action="store_true", help="only draw <out>/gains.png from <out>/rescore.json")
     args = p.parse_args(argv)
+    if args.gains:
+        print(plot_gains(json.loads((args.out / "rescore.json").read_text())["comparisons"],
+                         args.out / "gains.png"))
+        return
     data = read_archive(args.archive)
     seeds = sorted({s for s, _, _ in data if s.startswith("seed")})
     comp, found = comparison_table(data, seeds)
@@ -232,6 +267,7 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "rescore.md").write_text("\n".join(md))
     (args.out / "rescore.json").write_text(json.dumps(dict(comparisons=found, training=groups), indent=1))
+    plot_gains(found, args.out / "gains.png")
     print("\n".join(md))
 
 

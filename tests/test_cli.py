@@ -155,3 +155,72 @@ def test_log_row_sends_train_and_eval_numbers_to_either_tracker(tmp_path):
     # TRL's name in the file too
     assert train.read_jsonl(tmp_path / "metrics.jsonl") == [dict(step=3, reward=0.5, eval_success=0.25,
                                                                  sample="text")] * 2
+
+
+def test_a_typed_flag_the_stage_does_not_read_warns_in_one_line(tmp_path, capsys):
+    plumbing.parse_stage(["collect", "--learning-rate", "3", "--num-games", "2"], plumbing.STAGES,
+                         train.Settings)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: --learning-rate is not read by `collect`")
+    config = tmp_path / "c.json"  # a config file may hold every field: no warning
+    config.write_text('{"learning_rate": 3}')
+    plumbing.parse_stage(["collect", "--config", str(config)], plumbing.STAGES, train.Settings)
+    assert capsys.readouterr().err == ""
+
+
+def test_help_prints_choices_and_groups_flags_as_the_config_is_grouped(capsys):
+    with pytest.raises(SystemExit):
+        plumbing.parse_stage(["wm", "--help"], plumbing.STAGES, train.Settings)
+    out = capsys.readouterr().out
+    assert "--loss-type {grpo,dapo,dr_grpo}" in out and "--trainer {ours,trl}" in out
+    assert "--loss-type STR" not in out
+    sections = [line for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert "ModelConfig:" in sections and "RunConfig: The run's settings (train.py flags):" in sections
+    assert any(s.startswith("RWML: GRPO") for s in sections) and len(sections) >= 8
+    assert out.index("the run:") < out.index("\n  --out STR") < out.index("RunConfig:")
+
+
+def test_every_field_of_every_config_has_help():
+    import dataclasses
+
+    import eval as ev
+
+    for cls in (train.Settings, ev.AgentEvalConfig, ev.WMEvalConfig, ev.WeightsConfig):
+        helps = plumbing.field_comments(cls)
+        assert not [f.name for f in dataclasses.fields(cls) if not helps.get(f.name, "").strip()], cls
+
+
+@pytest.mark.parametrize("flag, says, not_says", [
+    ("--num-train-epochs", "TRL's num_train_epochs: this project counts optimizer steps: --max-steps",
+     "num-iterations"),
+    ("--logging-steps", "metrics are logged every step", "did you mean"),
+    ("--output-dir", "TRL's output_dir: --out", "did you mean"),
+    ("--per-device-train-batch-size", "--prompts-per-step prompts x --num-generations", "did you mean")])
+def test_trainer_names_are_answered_from_the_alias_table(flag, says, not_says):
+    with pytest.raises(UserError) as e:
+        plumbing.parse_stage(["wm", flag, "1"], plumbing.STAGES, train.Settings)
+    assert says in str(e.value) and not_says not in str(e.value)
+
+
+def test_an_adapter_flag_naming_a_run_folder_points_to_its_adapter(tmp_path):
+    (tmp_path / "wm1" / "adapter").mkdir(parents=True)
+    (tmp_path / "wm1" / "adapter" / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    with pytest.raises(UserError, match=r"wm1 is a run folder.*give --adapter .*wm1/adapter"):
+        plumbing.check_adapter(str(tmp_path / "wm1"))
+
+
+def test_minor_cli_cases_one_line(tmp_path):  # issue 39 item 7
+    import eval as ev
+
+    with pytest.raises(UserError, match="--policy random draws among") as e:
+        ev.check_eval_config(ev.AgentEvalConfig(policy="random", env="tau2"))
+    assert "--action-mode" not in str(e.value)
+    with pytest.raises(UserError, match="--eval-steps 2: .*--trainer trl would log no held-out rows"):
+        plumbing.check_config(train.Settings(trainer="trl", eval_steps=2), "wm")
+    with pytest.raises(UserError, match="--eval-transitions .*add --eval-steps"):
+        plumbing.check_config(train.Settings(eval_transitions="held.jsonl"), "wm")
+    config = tmp_path / "big.json"
+    config.write_text('{"' + "k" * 1_000_000 + '": 1}')
+    with pytest.raises(UserError) as e:
+        plumbing.parse_config(train.Settings, ["--config", str(config)], prog="train.py")
+    assert len(str(e.value)) < 300 and "1,000,000 characters" in str(e.value)

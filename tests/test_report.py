@@ -108,3 +108,50 @@ def test_report_shows_the_runs_own_world_model_accuracy_not_a_baselines(tmp_path
     (run / "wm_eval_rwml2_explore.json").write_text(json.dumps(dict(wm_accuracy=0.5, per_kind={})))
     with pytest.raises(UserError, match="more than one world-model result for explore"):
         reports.main(["report", str(run), "--out", str(out), "--no-plots"])
+
+
+def test_the_default_runs_plot_shows_heldout_accuracy_before_and_after(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    import plumbing
+
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps(dict(step=s, reward=0.1 * s % 1, format_rate=1.0)) + "\n" for s in range(1, 9)))
+    for kind, before, after in (("explore", 0.3, 0.46), ("purposeful", 0.4, 0.48)):
+        (tmp_path / f"wm_eval_before_{kind}.json").write_text(json.dumps(dict(wm_accuracy=before)))
+        (tmp_path / f"wm_eval_rwml_{kind}.json").write_text(json.dumps(dict(wm_accuracy=after)))
+    drawn, plot = [], matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, *a, **k: drawn.append((a, k.get("label", ""))) or plot(self, *a, **k))
+    plumbing.plot_rewards(tmp_path / "metrics.jsonl", tmp_path / "reward_curve.png", "RWML")
+    heldout = {label.split(",")[1].split()[0]: a for a, label in drawn
+               if label.startswith("held-out accuracy,")}
+    assert heldout == {"explore": ([0, 8], [0.3, 0.46]), "purposeful": ([0, 8], [0.4, 0.48])}
+    assert (tmp_path / "reward_curve.png").stat().st_size > 10_000
+
+
+def test_curves_clip_their_bands_and_draw_few_points_as_markers(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    bands, bars = [], []
+    monkeypatch.setattr(matplotlib.axes.Axes, "fill_between",
+                        lambda self, x, lo, hi, **k: bands.append((lo, hi)))
+    errorbar = matplotlib.axes.Axes.errorbar
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar",
+                        lambda self, *a, **k: bars.append(k["yerr"]) or errorbar(self, *a, **k))
+    many = {"arm": [[(s, v) for s in range(5)] for v in (0.0, 0.0, 0.9)]}  # mean 0.3, sd 0.52
+    assert reports.plot_curves(many, tmp_path / "many.png", xlabel="x", ylabel="y", title="t")
+    (lo, hi), = bands
+    assert min(lo) == 0.0 and max(hi) <= 1.0 and not bars
+    few = {"arm": [[(1, v), (2, v)] for v in (0.0, 0.0, 90.0)]}  # two steps, percent
+    assert reports.plot_curves(few, tmp_path / "few.png", xlabel="x", ylabel="y", title="t", top=100)
+    assert len(bands) == 1 and len(bars) == 1 and bars[0][0] == pytest.approx([30.0, 30.0])  # down to 0
+    assert (tmp_path / "few.png").stat().st_size > 5_000
+
+
+def test_the_test_split_gains_figure_is_drawn(tmp_path):
+    import rescore
+
+    found = json.loads((rescore.ROOT / "lab/results/strict_rescore/rescore.json").read_text())["comparisons"]
+    png = rescore.plot_gains(found, tmp_path / "gains.png")
+    assert png.stat().st_size > 20_000

@@ -130,7 +130,7 @@ def test_verl_export_and_compute_score_reproduce_our_rewards(tiny_model, transit
 
     out = tmp_path / "verl"
     train.main(["export", "--format", "verl", "--model", tiny_model, "--transitions", transitions,
-                "--no-easy-filter", "--no-warmup", "--out", str(out)])
+                "--no-easy-filter", "--out", str(out)])
     rows = pq.read_table(out / "train.parquet").to_pylist()
     kept = train.read_jsonl(out / "filter" / "kept.jsonl")
     assert len(rows) == len(kept) > 3

@@ -7,6 +7,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 import engine
 import plumbing
@@ -131,3 +132,83 @@ def test_card_of_stage_2_and_of_all_says_held_out_before_and_after(tmp_path):
     assert "# RWML: world-model GRPO" in card and "control COIN" in card and "stage `train.py all`" in card
     assert "- explore: world-model accuracy 0.100 -> 0.200" in card and "Q4_1 GGUF" in card
     assert "[More Information Needed]" not in card
+
+
+@pytest.fixture
+def bundled_cards(tiny_model, tmp_path, monkeypatch):
+    """(the warm-up's card, the wm card) of a run on the bundled model: wm starts from the saved warm-up,
+    whose adapter_config.json already names the Hub id (as `wm` and `wm --trainer trl` load it)."""
+    from peft import PeftModel
+
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(engine, "MODEL_CACHE", cache)
+
+    def base():
+        model, _ = engine.load_model(tiny_model)
+        model.name_or_path = str(cache / "SmolLM2-135M-Instruct")  # as from_pretrained(the cache) sets it
+        return model
+    warm = train.save_adapter(engine.add_lora(base(), r=4, alpha=8), tmp_path, "warmup_adapter",
+                              cfg=train.Settings(), stage="filter")
+    wm = train.save_adapter(PeftModel.from_pretrained(base(), str(warm), is_trainable=True), tmp_path,
+                            cfg=train.Settings(), stage="wm")
+    return warm / "README.md", wm / "README.md"
+
+
+def test_every_card_of_a_bundled_run_says_q4_1(bundled_cards):
+    for card in reversed(bundled_cards):  # the wm card first: it lacked the note
+        assert "Q4_1 GGUF" in card.read_text(), card
+        assert "not these original weights" in card.read_text(), card
+
+
+def test_card_yaml_is_the_hubs_model_card_data(bundled_cards):
+    from huggingface_hub import ModelCard
+
+    for card in bundled_cards:
+        data = ModelCard.load(card).data
+        assert data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and data.library_name == "peft"
+        assert data.pipeline_tag == "text-generation" and {"rwml", "lora", "world-model"} <= set(data.tags)
+
+
+@pytest.mark.parametrize("stage, reasoning", [("wm", False), ("wm", True), ("filter", False)])
+def test_the_cards_query_snippet_runs_with_transformers_and_peft(stage, reasoning, tiny_model, tmp_path):
+    import rwml
+
+    cfg = train.Settings(model=tiny_model, max_completion_length=6, wm_reasoning=reasoning)
+    saved = train.save_adapter(engine.add_lora(engine.load_model(tiny_model)[0], r=4, alpha=8), tmp_path,
+                               cfg=cfg, stage=stage)
+    card = (saved / "README.md").read_text()
+    code = card.split("## Query this world model")[1].split("```python\n")[1].split("```")[0]
+    assert repr(rwml.WM_SYSTEM) in code and repr(rwml.WM_STOP) in code
+    assert repr(rwml.wm_prefix(reasoning and stage == "wm")) in code
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(code.replace("path/to/this/folder", str(saved)), {})  # noqa: S102 -- the card's own code
+    assert printed.getvalue().endswith("\n")  # a completion, printed (random weights: any text)
+    assert "The agent's task: {task}" in code and "[Action] {action}" in code and "task='put a vase" in code
+
+
+def test_the_checkpoint_has_a_real_card(run):
+    out, _ = run
+    card = (out / "checkpoint" / "README.md").read_text()
+    assert "[More Information Needed]" not in card and "# RWML: world-model GRPO" in card
+    assert "checkpoint at step 1: `--resume` continues from it" in card
+    assert "## Query this world model" in card
+
+
+def test_saving_an_adapter_makes_no_hub_lookup(tiny_model, tmp_path, monkeypatch):
+    """peft's save_embedding_layers="auto" checks a Hub id's config.json online (offline: a warning)."""
+    import warnings
+
+    import peft.utils.save_and_load as peft_save
+
+    def no_lookup(*args, **kwargs):
+        raise AssertionError("a Hub lookup on save")
+    monkeypatch.setattr(peft_save, "check_file_exists_on_hf_hub", no_lookup)
+    model = engine.add_lora(engine.load_model(tiny_model)[0], r=4, alpha=8)
+    model.peft_config["default"].base_model_name_or_path = "org/model"  # a Hub id, as a warm-up's config
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train.save_adapter(model, tmp_path, cfg=train.Settings(model=tiny_model))
+        train.save_checkpoint(tmp_path / "checkpoint", model, opt, dict(step=1, stage="wm"))
+    assert not [w for w in caught if "Could not find a config file" in str(w.message)]

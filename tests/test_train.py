@@ -1,6 +1,7 @@
 """Stage-1 training end to end on a tiny model: checkpoints, resume, skipped steps, 4-bit gradients."""
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def wm_direct(tiny_model, transitions, out, max_steps, resume=False):
 
 
 def final_state(out):
-    state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
+    state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=True)  # no pickled objects
     from safetensors.torch import load_file
 
     return state, load_file(out / "checkpoint" / "adapter_model.safetensors")
@@ -58,6 +59,23 @@ def test_resume_after_interrupt_equals_an_uninterrupted_run(tiny_model, transiti
             assert torch.equal(oa[k][name], ob[k][name])
     assert any(v.abs().sum() > 0 for k, v in wa.items() if "lora_B" in k)  # it did train
     assert any(r["loss"] != 0 for r in read_jsonl(tmp_path / "a" / "metrics.jsonl"))
+
+
+class _Payload:  # a pickled object that runs code when unpickled (weights_only=False would run it)
+    def __reduce__(self):
+        return exec, ("import os; os.environ['RWML_UNPICKLED'] = '1'",)
+
+
+def test_resume_refuses_a_checkpoint_with_pickled_objects(tiny_model, transitions, tmp_path, monkeypatch):
+    monkeypatch.delenv("RWML_UNPICKLED", raising=False)
+    wm_direct(tiny_model, transitions, tmp_path, 1)
+    path = tmp_path / "checkpoint" / "trainer_state.pt"
+    state = torch.load(path, weights_only=True)
+    torch.save(dict(state, payload=_Payload()), path)  # as an older release, or someone else, might write
+    with pytest.raises(UserError, match=r"trainer_state.pt holds pickled objects \(an older release wrote "
+                       r"it\); delete .*checkpoint to start the run over, or resume it with the release"):
+        wm_direct(tiny_model, transitions, tmp_path, 2, resume=True)
+    assert "RWML_UNPICKLED" not in os.environ
     drop = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
     assert (drop(read_jsonl(tmp_path / "a" / "metrics.jsonl"))
             == drop(read_jsonl(tmp_path / "b" / "metrics.jsonl")))

@@ -58,6 +58,8 @@ def test_trl_wm_from_the_warmup_saves_an_adapter_eval_reads(tiny_model, transiti
     warm = load_file(out / "filter" / "warmup_adapter" / "adapter_model.safetensors")
     trained = load_file(out / "adapter" / "adapter_model.safetensors")
     assert warm.keys() == trained.keys() and any((warm[k] != trained[k]).any() for k in warm)
+    card = (out / "adapter" / "README.md").read_text()  # our card, as our trainer's: the query snippet too
+    assert "in TRL's GRPOTrainer" in card and "## Query this world model" in card
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), out / "adapter")
     assert any("lora_A" in n for n, _ in model.named_parameters())
     evaluate.main(["wm", "--model", tiny_model, "--adapter", str(out / "adapter"), "--transitions",
