@@ -89,3 +89,19 @@ def test_a_lone_surrogate_in_a_transitions_file_passes_the_context_check(tiny_mo
     fits = plumbing.wm_prompt_fits(train.Settings(model=tiny_model))
     assert fits is not None and fits(t) is None
     assert [x["next_obs"] for x in plumbing.read_transitions(str(path), fits=fits)] == [t["next_obs"]]
+
+
+def test_a_transitions_file_with_a_lone_surrogate_trains(tiny_model, tmp_path):
+    """The regression end to end: `wm` on such a file trains its step, as it did before the context check."""
+    import json
+
+    import train
+
+    t = dict(task="put a mug in the sink", history=[{"observation": "You are in a room."}], action="look",
+             next_obs="You see a mug\ud800 1.")
+    path = tmp_path / "transitions.jsonl"
+    path.write_text("".join(json.dumps(dict(t, action=f"look {i}")) + "\n" for i in range(4)))
+    train.main(["wm", "--model", tiny_model, "--transitions", str(path), "--no-easy-filter", "--no-warmup",
+                "--max-steps", "1", "--prompts-per-step", "2", "--num-generations", "2",
+                "--max-completion-length", "4", "--filter-split", "0.25", "--out", str(tmp_path / "run")])
+    assert (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
