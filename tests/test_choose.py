@@ -262,21 +262,9 @@ def test_agent_table_gives_each_arm_and_the_spread_over_seeds_and_draws_the_curv
     """agent_sanity.sh's layout -> the five-arm table: single evaluations as they are, stage-2 arms as mean
     ± sd over seeds (dev = the final evaluation's, else the curve's last point), both splits pooled, the
     random baseline; the curve runs from the start's dev score to the final evaluation's."""
-    for arm, dev, test in (("base", 0.0, 0.1), ("rwml", 0.1, 0.2), ("wm_sft", 0.2, None)):
-        (tmp_path / arm).mkdir()
-        splits = dict(dev=(dev, 0.0, 10, 10), **({"test": (test, 0.0, 10, 10)} if test is not None else {}))
-        (tmp_path / arm / "eval_agent.json").write_text(_agent_eval(splits))
-    (tmp_path / "random").mkdir()
-    (tmp_path / "random" / "eval_agent.json").write_text(_agent_eval(dict(dev=(0.3, 0.05, 30, 10),
-                                                                          test=(0.4, 0.1, 30, 10))))
-    for s, (mid, end, test) in enumerate([(0.2, 0.5, 0.4), (0.1, 0.3, 0.2), (0.3, 0.4, 0.3)]):
-        for arm in ("policy", "rwml_policy", "wm_sft_policy"):
-            d = tmp_path / f"seed{s}" / arm
-            d.mkdir(parents=True)
-            rows = [dict(step=1, reward=0.1), dict(step=2, reward=0.2, eval_success=mid),
-                    dict(step=4, reward=0.3, eval_success=end)]
-            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            (d / "eval_agent.json").write_text(_agent_eval(dict(test=(test, 0.0, 10, 10))))
+    from test_reports_malformed import agent_folder  # the layout's builder, shared
+
+    agent_folder(tmp_path)
     png = tmp_path / "curve.png"
     text = reports.agent_report(tmp_path, png)
     assert "| uniform random admissible | 30.0 ± 5.0 | 40.0 ± 10.0 | 35.0 | 30 | 3 |" in text
