@@ -41,7 +41,6 @@ from plumbing import (CONTROLS, STAGES, TRIPLETS_KEPT, RunConfig, all_summary, b
                       save_checkpoint, save_filter, sft_adapter, split_games, stage_inputs, start_adapter,
                       start_run, swap_checkpoint, telling, use_4bit, walkthroughs, wm_row, write_eval,
                       write_jsonl)
-from plumbing import read_transitions  # noqa: F401 -- tests and lab scripts read triplets through train
 from reward import BUNDLED_EMBEDDER, SimToRealReward
 
 # ------------------------------------------------------- The configuration: what a user sets (each a flag)

@@ -215,3 +215,20 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
     assert "| 0 | 2 of 5 (40%) | 1 of 2 (50%) | 1 of 3 (33%) | 0 of 2 (0%) | 1.00 | 0.50 | 0.5 |" in text
     with pytest.raises(UserError, match="run sanity.sh first"):
         reports.sanity_report(tmp_path / "seed0")
+
+
+def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
+    """`python train.py` (stage all), small: train and held-out collections, filter and warm-up, RWML, the
+    held-out accuracy before -> after beside the baselines and the strict metrics, with per-triplet files."""
+    train.main(["--model", tiny_model, "--num-games", "2", "--max-turns", "3", "--heldout-games", "1",
+                "--eval-max-triplets", "3", "--eval-samples", "1", "--max-steps", "1", "--sft-epochs", "1",
+                "--num-generations", "2", "--prompts-per-step", "2", "--max-completion-length", "8",
+                "--out", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    for kind in train.HELDOUT_KINDS:
+        for label in ("before", "rwml", "template"):
+            summary = json.loads((tmp_path / "run" / f"wm_eval_{label}_{kind}.json").read_text())
+            assert {"wm_accuracy", "exact_match", "item_f1", "item_n"} <= summary.keys()
+            assert (tmp_path / "run" / f"wm_eval_{label}_{kind}.triplets.jsonl").is_file()
+        assert f"{kind}: world-model accuracy" in out
+    assert "strict: exact match" in out and (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()

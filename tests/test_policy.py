@@ -8,6 +8,7 @@ import engine
 import envs
 import rwml
 import train
+import plumbing
 from envs import UserError
 from plumbing import read_jsonl
 from reward import coin_reward, mis_targets
@@ -216,7 +217,7 @@ def test_mis_moves_every_target_to_another_text_where_it_can():
 
 
 def test_mis_scores_each_triplet_against_another_ones_target(tiny_model, transitions, tmp_path):
-    trips = train.read_transitions(transitions)
+    trips = plumbing.read_transitions(transitions)
     seen = []
 
     def recording_reward(completions, targets):

@@ -231,7 +231,7 @@ def test_resume_logs_every_step_once(tiny_model, transitions, tmp_path):
             raise KeyboardInterrupt
         return parity_reward(completions, targets)
 
-    trips, load = train.read_transitions(transitions), lambda: engine.load_model(tiny_model)
+    trips, load = plumbing.read_transitions(transitions), lambda: engine.load_model(tiny_model)
     with pytest.raises(KeyboardInterrupt):
         train.train_wm(wm_config(tiny_model, max_steps=4, save_steps=2), trips, tmp_path, load,
                        interrupted_in_step_4)
@@ -302,7 +302,7 @@ def test_a_save_stopped_at_any_point_loses_no_checkpoint(tiny_model, tmp_path):
 
 def test_a_leftover_checkpoint_old_is_used_or_removed(tiny_model, transitions, tmp_path):
     """checkpoint.old, as the two-rename swap of earlier versions left it: it blocked every later save."""
-    trips, load = train.read_transitions(transitions), lambda: engine.load_model(tiny_model)
+    trips, load = plumbing.read_transitions(transitions), lambda: engine.load_model(tiny_model)
     train.train_wm(wm_config(tiny_model, max_steps=1, save_steps=1), trips, tmp_path, load, parity_reward)
     shutil.copytree(tmp_path / "checkpoint", tmp_path / "checkpoint.old")
     train.train_wm(wm_config(tiny_model, max_steps=2, save_steps=1, resume=True), trips, tmp_path, load,

@@ -123,7 +123,7 @@ def test_resume_falls_back_to_the_last_whole_checkpoint(wm_run, tmp_path):
 
 def test_a_damaged_warmup_adapter_is_made_again_not_reused(tiny_model, transitions, tmp_path, capsys):
     cfg = train.Settings(model=tiny_model, easy_filter=False, sft_epochs=1)
-    trips, load = train.read_transitions(transitions), lambda: engine.load_model(tiny_model)
+    trips, load = plumbing.read_transitions(transitions), lambda: engine.load_model(tiny_model)
     _, warm = train.filter_triplets(cfg, trips, tmp_path, load, None)
     damage(warm / "adapter_model.safetensors", "truncated")
     capsys.readouterr()
@@ -268,7 +268,7 @@ def test_a_damaged_game_file_is_named(tmp_path):
 def test_a_utf8_bom_is_accepted(transitions, tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + Path(transitions).read_bytes())
-    assert train.read_transitions(str(path)) == train.read_transitions(transitions)
+    assert plumbing.read_transitions(str(path)) == plumbing.read_transitions(transitions)
     config = tmp_path / "cfg.json"
     config.write_bytes(b"\xef\xbb\xbf" + b'{"num_games": 3}')
     cfg, _ = plumbing.parse_config(train.Settings, ["--config", str(config)], prog="train.py")

@@ -33,7 +33,7 @@ def run(tiny_model, transitions, tmp_path_factory):
     argv, sys.argv = sys.argv, ["train.py", *ARGV, "--model", tiny_model, "--out", str(out)]
     try:
         with contextlib.redirect_stdout(printed):
-            train.train_wm(cfg, train.read_transitions(transitions), out,
+            train.train_wm(cfg, plumbing.read_transitions(transitions), out,
                            lambda: engine.load_model(tiny_model), parity_reward)
     finally:
         sys.argv = argv

@@ -8,6 +8,7 @@ import envs
 import worlds
 from envs import UserError
 import reports
+import plumbing
 
 
 def play_tau2(model, tok, domain: str, tasks: list, max_turns: int, **kw) -> list[dict]:
@@ -253,7 +254,7 @@ def test_tau2_cli_eval_collect_and_rwml_run(tiny_model, tmp_path):
     train.main(["collect", "--env", "tau2", "--domain", "retail", "--model", tiny_model, "--num-tasks", "2",
                 "--rollouts-per-game", "1", "--max-turns", "2", "--max-new-tokens", "6",
                 "--out", str(tmp_path / "c")])
-    trips = train.read_transitions(str(tmp_path / "c" / "transitions.jsonl"))
+    trips = plumbing.read_transitions(str(tmp_path / "c" / "transitions.jsonl"))
     assert len(trips) == 4 and all(t["env"] == "tau2" for t in trips)
     train.main(["wm", "--model", tiny_model, "--transitions", str(tmp_path / "c" / "transitions.jsonl"),
                 "--no-easy-filter", "--max-steps", "1", "--prompts-per-step", "2", "--num-generations", "2",
@@ -282,7 +283,7 @@ def test_telecom_cli_eval_collect_and_rwml_run(tiny_model, tmp_path):
     train.main(["collect", "--env", "tau2", "--domain", "telecom", "--model", tiny_model, "--num-tasks", "1",
                 "--rollouts-per-game", "1", "--max-turns", "2", "--max-new-tokens", "6",
                 "--out", str(tmp_path / "c")])
-    trips = train.read_transitions(str(tmp_path / "c" / "transitions.jsonl"))
+    trips = plumbing.read_transitions(str(tmp_path / "c" / "transitions.jsonl"))
     assert len(trips) == 2 and all(t["env"] == "tau2" and t["domain"] == "telecom" for t in trips)
     train.main(["wm", "--model", tiny_model, "--transitions", str(tmp_path / "c" / "transitions.jsonl"),
                 "--no-easy-filter", "--max-steps", "1", "--prompts-per-step", "2", "--num-generations", "2",

@@ -32,7 +32,7 @@ def wm_direct(tiny_model, transitions, out, max_steps, resume=False):
     cfg = train.Settings(model=tiny_model, max_steps=max_steps, save_steps=1, prompts_per_step=2,
                        num_generations=2, max_completion_length=8, micro_batch_size=2, learning_rate=1e-2,
                        beta=0.1, resume=resume)
-    train.train_wm(cfg, train.read_transitions(transitions), out, lambda: engine.load_model(tiny_model),
+    train.train_wm(cfg, plumbing.read_transitions(transitions), out, lambda: engine.load_model(tiny_model),
                    parity_reward)
 
 
@@ -103,7 +103,7 @@ def test_non_finite_loss_skips_the_step(tiny_model, transitions):
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     cfg = train.Settings(num_generations=2, max_completion_length=6, micro_batch_size=2)
-    trips = train.read_transitions(transitions)[:2]
+    trips = plumbing.read_transitions(transitions)[:2]
     res = rwml.grpo_step(model, tok, opt, trips, lambda c, t: [math.nan] * len(c), cfg, reasoning=False)
     assert res["updates"][0]["skipped"] and math.isnan(res["updates"][0]["loss"])
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
@@ -115,7 +115,7 @@ def test_filter_stage_drops_most_easy_triplets_and_logs_the_easy_share(tiny_mode
     share."""
     cfg = train.Settings(model=tiny_model, easy_filter=True, filter_samples=4, sft_epochs=1, filter_split=0.2,
                        max_completion_length=6)
-    trips = train.read_transitions(transitions)
+    trips = plumbing.read_transitions(transitions)
     kept, warm = train.filter_triplets(cfg, trips, tmp_path, lambda: engine.load_model(tiny_model),
                                        parity_reward)
     info = json.loads((tmp_path / "filter.json").read_text())
@@ -215,7 +215,7 @@ def test_num_iterations_reuses_one_batch_for_several_updates(tiny_model, transit
     cfg = train.Settings(num_generations=2, max_completion_length=6, micro_batch_size=2, num_iterations=3,
                        beta=0.1)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    res = rwml.grpo_step(model, tok, opt, train.read_transitions(transitions)[:2], parity_reward, cfg,
+    res = rwml.grpo_step(model, tok, opt, plumbing.read_transitions(transitions)[:2], parity_reward, cfg,
                          reasoning=False)
     assert len(res["updates"]) == 3 and not any(u["skipped"] for u in res["updates"])
     assert res["updates"][0]["clip_ratio"] == 0.0  # first update: pi_theta == pi_old
@@ -234,7 +234,7 @@ def test_shared_prompt_forward_gives_the_same_update_as_the_plain_path(lora_mode
         cfg = train.Settings(num_generations=3, max_completion_length=8, micro_batch_size=3, num_iterations=2,
                            beta=0.1, shared_prompt_forward=shared)
         torch.manual_seed(1)
-        res = rwml.grpo_step(model, tok, opt, train.read_transitions(transitions)[3:5], parity_reward, cfg,
+        res = rwml.grpo_step(model, tok, opt, plumbing.read_transitions(transitions)[3:5], parity_reward, cfg,
                              reasoning=False)
         results.append((res, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}))
     (a, wa), (b, wb) = results
@@ -262,7 +262,7 @@ def test_every_tensor_reaching_the_loss_is_on_the_models_device(tiny_model, tran
 
     model, tok = engine.load_model(tiny_model)
     model = engine.add_lora(model, r=4, alpha=8)
-    trips = train.read_transitions(transitions)[:2]
+    trips = plumbing.read_transitions(transitions)[:2]
     cfg = train.Settings(num_generations=2, max_completion_length=6, micro_batch_size=4, beta=0.1,
                        num_iterations=2)
     torch.manual_seed(0)
@@ -301,8 +301,8 @@ def test_coin_control_resumes_with_the_same_coins(tiny_model, transitions, tmp_p
         cfg = train.Settings(model=tiny_model, max_steps=steps, save_steps=1, prompts_per_step=2,
                            num_generations=2, max_completion_length=6, micro_batch_size=2, learning_rate=1e-2,
                            reward_control="coin", warmup=False, resume=resume)
-        train.train_wm(cfg, train.read_transitions(transitions), out, lambda: engine.load_model(tiny_model),
-                       None)
+        trips = plumbing.read_transitions(transitions)
+        train.train_wm(cfg, trips, out, lambda: engine.load_model(tiny_model), None)
 
     run(tmp_path / "a", 4)
     run(tmp_path / "b", 2)
@@ -326,7 +326,7 @@ def test_rwml_from_the_warmup_trains_it_on_and_keeps_it_as_the_reference(tiny_mo
     cfg = train.Settings(model=tiny_model, max_steps=2, save_steps=1, prompts_per_step=2, num_generations=2,
                        max_completion_length=6, micro_batch_size=2, learning_rate=5e-2, beta=0.5, lora_r=4,
                        lora_alpha=8)
-    peft = train.train_wm(cfg, train.read_transitions(transitions), tmp_path / "run",
+    peft = train.train_wm(cfg, plumbing.read_transitions(transitions), tmp_path / "run",
                           lambda: engine.load_model(tiny_model), parity_reward, start=tmp_path / "warm")
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-7) and rows[1]["kl"] > 0
@@ -342,7 +342,7 @@ def test_wm_sft_control_sees_rwmls_triplets_in_rwmls_order(tiny_model, transitio
     reward = lambda completions, targets: seen_rwml.extend(targets[::2]) or [0.0] * len(completions)  # noqa: E731
     args = dict(model=tiny_model, max_steps=3, prompts_per_step=2, num_generations=2, max_completion_length=4,
                 save_steps=10, easy_filter=False, sft_epochs=1, filter_dir=str(tmp_path / "filter"))
-    trips = train.read_transitions(transitions)
+    trips = plumbing.read_transitions(transitions)
     kept, start = train.filter_triplets(train.Settings(**args), trips, tmp_path / "filter",
                                         lambda: engine.load_model(tiny_model), reward)
     train.train_wm(train.Settings(**args), kept, tmp_path / "rwml", lambda: engine.load_model(tiny_model),
