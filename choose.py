@@ -47,11 +47,16 @@ def choice_logprobs(scores: torch.Tensor, temperature: float = 1.0) -> torch.Ten
 @torch.no_grad()
 def choose_actions(model, tokenizer, prompts: list[str], admissible: list[list[str]], *, system: str | None,
                    temperature: float = 1.0) -> list[Choice]:
-    """One command per prompt, drawn from pi(a|s) (greedy at temperature 0)."""
-    out = []
+    """One command per prompt, drawn from pi(a|s) (greedy at temperature 0). A state that several episodes
+    share (a game's sampled episodes all start alike) is scored once."""
+    out, scored = [], {}
     for prompt, commands in zip(prompts, admissible):
-        prompt_ids, candidate_ids = choice_inputs(tokenizer, prompt, commands, system)
-        logp = choice_logprobs(candidate_scores(model, prompt_ids, candidate_ids), temperature)
+        key = (prompt, tuple(commands))
+        if key not in scored:
+            prompt_ids, candidate_ids = choice_inputs(tokenizer, prompt, commands, system)
+            scored[key] = prompt_ids, candidate_ids, choice_logprobs(
+                candidate_scores(model, prompt_ids, candidate_ids), temperature)
+        prompt_ids, candidate_ids, logp = scored[key]
         k = int(logp.argmax()) if temperature <= 0 else int(torch.multinomial(logp.exp().float(), 1))
         out.append(Choice(k, f"{CHOICE_PREFIX}{commands[k]}{CHOICE_END}", prompt_ids, candidate_ids,
                           logp.tolist()))

@@ -6,8 +6,8 @@ projection, shared-prompt forward), each fast path checked once per model agains
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
+import inspect
 import logging
 import math
 import os
@@ -246,23 +246,28 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
                f"a prompt of {ids.shape[1]} tokens and {max_new_tokens} new ones")
     gen = dict(generation_config=sampling_config(model, tokenizer, temperature=temperature, top_p=top_p,
                                                  max_new_tokens=max_new_tokens))
-    if stop:
+    if stop and DECODER == "generate":
         gen["generation_config"].stop_strings = [stop]
         gen["tokenizer"] = tokenizer
     with checkpoint_generation_config_off(model):
         if n > 1 and ids.shape[1] > 1 and fast_paths(model).shared_prompt:
             # the decoder alone: only its cache is needed, never the prompt's vocabulary-sized logits
-            gen["cache"] = bare_model(model).get_decoder()(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
-                                                           position_ids=position_ids_from(attn)[:, :-1],
-                                                           use_cache=True).cache
-            gen["cache"].batch_repeat_interleave(n)
+            cache = bare_model(model).get_decoder()(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
+                                                    position_ids=position_ids_from(attn)[:, :-1],
+                                                    use_cache=True).cache
+            cache.batch_repeat_interleave(n)
         else:
             from transformers import DynamicCache
 
-            gen["cache"] = DynamicCache(config=bare_model(model).config)
-        growing_cache(gen["cache"], max_new_tokens)
+            cache = DynamicCache(config=bare_model(model).config)
         batch = {k: v.repeat_interleave(n, 0) for k, v in batch.items()}
-        out = model.generate(**batch, **gen)
+        if DECODER == "generate":  # transformers' loop: the reference of lab/bench/decoding.py
+            out = model.generate(**batch, **gen, cache=cache)
+        else:
+            from transformers.generation.stopping_criteria import StopStringCriteria
+
+            out = decode(model, batch["input_ids"], batch["attention_mask"], cache, gen["generation_config"],
+                         stop and StopStringCriteria(tokenizer, [stop]))
     P = batch["input_ids"].shape[1]
     completion_ids = out[:, P:]
     ends = stop_string_ends(tokenizer, stop, out, P) if stop else None
@@ -277,30 +282,47 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
                    completion_ids=[row[m.bool()].tolist() for row, m in zip(completion_ids, mask)])
 
 
-def growing_cache(cache, headroom: int):
-    """Full-attention layers grow in place: buffers with room for `headroom` more positions, so a decoding
-    step writes its position instead of copying the cache (DynamicLayer concatenates: a third of a CPU step).
-    Same values; a layer whose tensors were replaced (repeated, selected) gets a new buffer."""
-    from transformers.cache_utils import DynamicLayer
+DECODER = "compact"  # or "generate" (transformers' loop): lab/bench/decoding.py measures both
 
-    def update(layer, key_states, value_states, *args, **kwargs):
-        if not layer.is_initialized:
-            layer.lazy_initialization(key_states, value_states)
-        n, m, buf = layer.get_seq_length(), key_states.shape[-2], getattr(layer, "buffers", None)
-        if buf is None or n + m > buf[0].shape[-2] or buf[0].shape[:-2] != key_states.shape[:-2] \
-                or (n and layer.keys.data_ptr() != buf[0].data_ptr()):
-            shape = (*key_states.shape[:-2], n + m + headroom, key_states.shape[-1])
-            buf = layer.buffers = key_states.new_empty(shape), value_states.new_empty(shape)
-            if n:
-                buf[0][..., :n, :], buf[1][..., :n, :] = layer.keys, layer.values
-        buf[0][..., n:n + m, :], buf[1][..., n:n + m, :] = key_states, value_states
-        layer.keys, layer.values = buf[0][..., :n + m, :], buf[1][..., :n + m, :]
-        return layer.keys, layer.values
 
-    for layer in getattr(cache, "layers", []):
-        if type(layer) is DynamicLayer:  # sliding-window and other layers keep their own update
-            layer.update = functools.partial(update, layer)
-    return cache
+@torch.no_grad()
+def decode(model, ids: torch.Tensor, attn: torch.Tensor, cache, gen, criteria=None) -> torch.Tensor:
+    """generate's sampling (softmax(logits / T), top_p; argmax at T 0) with each row dropped from the batch
+    once it ends: generate runs every row to the longest, and completions' lengths vary several-fold.
+    Returns [prompt | completion] as generate does, pad after each row's end."""
+    eos = torch.tensor(gen.eos_token_id, device=ids.device)
+    B, P = ids.shape
+    seq = torch.full((B, P + gen.max_new_tokens), gen.pad_token_id, dtype=ids.dtype, device=ids.device)
+    seq[:, :P] = ids
+    rows, mask = torch.arange(B, device=ids.device), attn
+    step_ids = ids[:, cache.get_seq_length():]  # what the cache lacks: the prompt, or its last token
+    keep_one = "logits_to_keep" in inspect.signature(bare_model(model).forward).parameters
+    for t in range(gen.max_new_tokens):
+        pos = (mask.cumsum(1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+        logits = model(input_ids=step_ids, attention_mask=mask, position_ids=pos, cache=cache,
+                       use_cache=True, **dict(logits_to_keep=1) if keep_one else {}).logits[:, -1].float()
+        if gen.do_sample:
+            probs = torch.softmax(logits / gen.temperature, -1)
+            if gen.top_p < 1:  # nucleus: the smallest set of most likely tokens with mass >= top_p
+                sorted_p, order = probs.sort(-1, descending=True)
+                drop = sorted_p.cumsum(-1) - sorted_p >= gen.top_p
+                probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0))
+            token = torch.multinomial(probs, 1).squeeze(1)
+        else:
+            token = logits.argmax(-1)
+        seq[rows, P + t] = token
+        done = torch.isin(token, eos)
+        if criteria is not None:
+            done |= criteria(seq[rows, :P + t + 1], None)
+        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], 1)
+        if done.all():
+            break
+        if done.any():  # the cache, masks and rows of the rows still going
+            live = (~done).nonzero().squeeze(1)
+            cache.batch_select_indices(live)
+            rows, mask, token = rows[live], mask[live], token[live]
+        step_ids = token[:, None]
+    return seq[:, :P + t + 1]
 
 
 def check_fits(model, tokens: int, what: str) -> None:

@@ -37,7 +37,7 @@ from envs import UserError
 from plumbing import (check_adapter, check_at_least, check_choices, check_context, check_seeds,
                       check_writable, commands_help, episode_log, finished_episodes, parse_config,
                       read_transitions, run_cli, sample_triplets, wm_prompt_fits, write_atomic, write_eval)
-from train import AgentConfig, ModelConfig, WorldModelConfig, make_reward
+from train import AgentConfig, ModelConfig, WorldModelConfig, env_default, make_reward
 
 COMMANDS = {  # name -> its line in `eval.py --help`
     "agent": "success rate of the model (+ adapter) playing held-out games, over seeds",
@@ -60,6 +60,8 @@ class AgentEvalConfig(AgentConfig, worlds.WorldConfig, ModelConfig):
     top_p: float = 1.0  # nucleus sampling of the agent's replies
     seeds: int = 3  # independent runs of every game; reported as mean and std (seed draws games and sampling)
     policy: str = "model"  # or random: a uniform admissible command each turn (a baseline; no model loads)
+    sampled: bool = False  # choose mode: draw at --temperature (the policy stage 2 trains), --seeds episodes
+    #                        per game played side by side; off: greedy, one episode per game
     out: str = "results.json"  # the result file (its episodes inside)
 
 
@@ -71,7 +73,7 @@ class WMEvalConfig(WorldModelConfig, ModelConfig):
     eval_max_triplets: int = 48  # held-out triplets scored, a seeded sample (0 = all);
     #                              train.py's field and default
     baseline: str | None = None  # wm: score a content-free rule instead of a model: template | nothing | copy
-    max_completion_length: int = rwml.GRPOConfig.max_completion_length  # tokens per prediction (train.py's)
+    max_completion_length: int | None = None  # tokens per prediction; None: the environment's (train.py's)
     temperature: float = rwml.GRPOConfig.temperature  # sampling temperature of the predictions (train.py's)
     out: str = "wm.json"  # the result file (each triplet's outputs beside it: wm.triplets.jsonl)
 
@@ -116,6 +118,7 @@ def wm_accuracy(cfg: WMEvalConfig) -> dict:
     """`eval.py wm`: rwml.evaluate_wm on a transitions file, the base model or base + adapter."""
     import torch
 
+    cfg = with_env_defaults(cfg)
     # the draw is fixed (not the run's seed), as train.py's held-out set: every seed scores the same triplets
     trips = sample_triplets(read_transitions(cfg.transitions, wm_prompt_fits(cfg)), cfg.eval_max_triplets, 0)
     reward_fn = make_reward(cfg)
@@ -130,12 +133,19 @@ def wm_accuracy(cfg: WMEvalConfig) -> dict:
     return dict(result, model=cfg.adapter or cfg.model, **info)
 
 
-def collection_split(transitions: str) -> str | None:
-    """The split a transitions file was collected on, from the collect.json beside it (None if unknown)."""
+def collection_split(transitions: str, key: str = "split", default=None):
+    """The split (or `key`) a transitions file was collected with, from the collect.json beside it."""
     meta = Path(transitions).with_name("collect.json")
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        return json.loads(meta.read_text()).get("split")
-    return None
+        return json.loads(meta.read_text()).get(key, default)
+    return default
+
+
+def with_env_defaults(cfg: WMEvalConfig) -> WMEvalConfig:
+    """tau_d and the cap where unset: those of the environment the transitions were collected in."""
+    env = collection_split(cfg.transitions, "env", "alfworld") if cfg.transitions else "alfworld"
+    return replace(cfg, **{k: env_default(env, k) for k in ("tau_d", "max_completion_length")
+                           if getattr(cfg, k) is None})
 
 
 # ----------------------------------------------------------------------------- the agent
@@ -169,7 +179,7 @@ def _summarize(episodes: list[dict], seeds: int) -> dict:
 
 EPISODE_JOB = ("model", "adapter", "env", "domain", "user_model", "split", "num_games", "num_tasks", "seed",
                "max_turns", "history_len", "temperature", "top_p", "max_new_tokens", "action_mode", "policy",
-               "world_size", "nb_objects", "quest_length")  # the settings under which logged episodes count
+               "world_size", "nb_objects", "quest_length", "sampled")  # what logged episodes count under
 
 
 def evaluate_agent(cfg: AgentEvalConfig) -> dict:
@@ -179,7 +189,7 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
 
     tau2 = cfg.env == "tau2"
     mode = "random" if cfg.policy == "random" else cfg.action_mode
-    if mode == "choose" and cfg.seeds > 1:  # greedy on deterministic games: every seed plays the same
+    if mode == "choose" and cfg.seeds > 1 and not cfg.sampled:  # greedy: every seed plays the same
         print(f"eval: --action-mode choose evaluates greedily, so every seed plays the same episodes; "
               f"1 seed, not {cfg.seeds}")
         cfg = replace(cfg, seeds=1)
@@ -190,7 +200,8 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
     t0 = time.time()
     log, job = Path(cfg.out + ".episodes.jsonl"), {k: getattr(cfg, k) for k in EPISODE_JOB}
     done = finished_episodes(log, job)  # an interrupted run's
-    every = [dict(game=g, split=sp, seed=s) for s in range(cfg.seeds) for sp in splits for g in games[sp]]
+    # a game's episodes side by side: they start in one state, scored once (choose.choose_actions)
+    every = [dict(game=g, split=sp, seed=s) for sp in splits for g in games[sp] for s in range(cfg.seeds)]
     key = lambda ep: (ep["split"], ep["seed"], envs.game_name(ep["game"]))  # noqa: E731
     todo = [ep for ep in every if key(ep) not in done]
     if todo:
@@ -204,7 +215,7 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
             with episode_log(log, job, done) as on_episode:
                 played = rwml.play(
                     model, tok, env, todo, history_len=cfg.history_len, top_p=cfg.top_p,
-                    temperature=0.0 if mode == "choose" else cfg.temperature,  # choose: greedy at evaluation
+                    temperature=0.0 if mode == "choose" and not cfg.sampled else cfg.temperature,
                     max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, on_episode=on_episode,
                     user_model=user[0], user_tokenizer=user[1],
                     desc=f"eval {cfg.domain if tau2 else ','.join(splits)}",
@@ -304,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     command = argv[0]
     config_cls = dict(agent=AgentEvalConfig, wm=WMEvalConfig, weights=WeightsConfig)[command]
     cfg, _ = parse_config(config_cls, argv[1:], prog=f"eval.py {command}")
+    cfg = with_env_defaults(cfg) if command == "wm" else cfg
     check_eval_config(cfg)
     check_context(cfg)
     check_adapter(cfg.adapter)

@@ -1072,8 +1072,8 @@ def make_env(cfg, episodes: int | None = None):
                      at_once=None if episodes is None else min(cfg.num_envs, episodes))  # <= one per game
 
 
-def collection_todo(cfg, out: Path, games: list) -> tuple[list[dict], int]:
-    """A collection's settings (collect.json) and finished episodes kept: (episodes to play, number done)."""
+def collect_job(cfg) -> dict:
+    """A collection's settings, as its collect.json holds them."""
     job = {k: getattr(cfg, k) for k in ("model", "adapter", "seed", "split", "num_games", "rollouts_per_game",
                                         "max_turns", "history_len", "temperature", "top_p", "max_new_tokens",
                                         "explore_prob")}
@@ -1084,6 +1084,12 @@ def collection_todo(cfg, out: Path, games: list) -> tuple[list[dict], int]:
     elif cfg.env != "alfworld":  # tau2: the model's own actions only
         del job["num_games"], job["explore_prob"]
         job.update(env=cfg.env, domain=cfg.domain, num_tasks=cfg.num_tasks, user_model=cfg.user_model)
+    return job
+
+
+def collection_todo(cfg, out: Path, games: list) -> tuple[list[dict], int]:
+    """A collection's settings (collect.json) and finished episodes kept: (episodes to play, number done)."""
+    job = collect_job(cfg)
     meta = out / "collect.json"
     if (old := collect_meta(meta)) is not None and old != job:
         diff = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in job.items() if old.get(k) != v)
@@ -1294,14 +1300,62 @@ def save_filter(out: Path, job: dict, info: dict, kept: list[dict]) -> None:
                                  for k, v in info.items() if k not in ("sft_losses", "easiness_counts")))
 
 
+HELDOUT_FILES = ("collect.json", "transitions.jsonl", "episodes.jsonl")
+
+
+def heldout_key(cfg) -> str:
+    """Everything that determines the held-out explore set: the collection's settings, the games, the
+    engine (workers, batch), the library versions and the code that plays (rwml, envs, engine, worlds)."""
+    import hashlib
+
+    import transformers
+
+    model = Path(cfg.model)
+    weights = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in model.iterdir()
+                     if f.is_file()) if model.is_dir() else None
+    code = [hashlib.sha256(Path(m.__file__).read_bytes()).hexdigest() for m in (rwml, envs, engine, worlds)]
+    games = [envs.game_id(g) for g in split_games(cfg)]
+    key = dict(job=collect_job(cfg), env=cfg.env, num_envs=cfg.num_envs, games=games, weights=weights,
+               torch=torch.__version__, transformers=transformers.__version__,
+               threads=torch.get_num_threads(),
+               code=code)
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cached_heldout(cfg, out: Path, load, collect) -> Path:
+    """The held-out explore collection, played once per `heldout_key` and copied from $RWML_CACHE/heldout
+    after that (settings and seed are the same for every run: replaying costs minutes, changes nothing)."""
+    cache = engine.MODEL_CACHE / "heldout" / heldout_key(cfg)
+    fresh = not (out / "transitions.jsonl").exists()  # a resumed collection draws other samples: not cached
+    if fresh and all((cache / f).is_file() for f in HELDOUT_FILES):
+        out.mkdir(parents=True, exist_ok=True)
+        for f in HELDOUT_FILES:
+            shutil.copyfile(cache / f, out / f)
+        print(f"collect: reused the held-out explore triplets from {cache} (the same settings, games, model "
+              "and code played them before; delete the folder to play them again)")
+    path = collect(cfg, out, load)
+    if fresh and not cache.exists():
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        with contextlib.suppress(OSError):  # a read-only cache only costs the next run the collection
+            tmp.mkdir(parents=True, exist_ok=True)
+            for f in HELDOUT_FILES:
+                shutil.copyfile(out / f, tmp / f)
+            os.replace(tmp, cache)  # whole or not at all
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
 def heldout_triplets(cfg, out: Path, load, collect) -> dict[str, dict]:
     """`all`'s held-out sets, explore and purposeful, of the same games for every seed (seed 0)."""
     held = dataclasses.replace(cfg, split=cfg.heldout_split, num_games=cfg.heldout_games, rollouts_per_game=1,
                                seed=0, adapter=None)
     sets = {}
     for kind in ("purposeful", "explore"):  # the walkthroughs first: they need no model
-        path = collect(dataclasses.replace(held, walkthrough=kind == "purposeful"),
-                       out / ("heldout_purposeful" if kind == "purposeful" else "heldout"), load)
+        if kind == "purposeful":
+            path = collect(dataclasses.replace(held, walkthrough=True), out / "heldout_purposeful", load)
+        else:
+            path = cached_heldout(dataclasses.replace(held, walkthrough=False), out / "heldout", load,
+                                  collect)
         if not (trips := read_jsonl(path)):
             raise UserError(f"the held-out {kind} triplets ({path}) are empty; use more --heldout-games")
         sets[kind] = dict(triplets=sample_triplets(trips, cfg.eval_max_triplets), file=str(path))

@@ -68,11 +68,22 @@ class AgentConfig:
 class WorldModelConfig:
     """The world model's answer and its reward: 1 iff 1 - cos(E(prediction), E(real)) < tau_d."""
     embedder: str = BUNDLED_EMBEDDER  # any sentence-transformers model id or folder
-    tau_d: float = 0.1  # passes paraphrases, fails a wrong object or event (tests/test_reward.py)
+    tau_d: float | None = None  # None: the environment's (ENV_DEFAULTS; lab/results/reward_audit)
     reward_metric: str = "embedding"  # or "rouge" (ablation)
     reward_binary: bool = True  # False = the continuous-cosine ablation
     wm_reasoning: bool = False  # <think> then <next_state> (paper: True); off: reply from <next_state> on
     eval_samples: int = 4  # held-out predictions per triplet, sampled at `temperature` (0 = one greedy)
+
+
+# Where the flag is unset, per environment (departures table): tau_d = the largest that, on the reward
+# audit's dev half, rewards >= 90 % of fact-keeping rewrites of real observations and refuses >= 90 % of
+# one-fact edits (0.1 refused half); the cap = the observations' 95th-percentile length + 10 %, to 16s.
+ENV_DEFAULTS = dict(alfworld=dict(tau_d=0.01, max_completion_length=64),
+                    textworld=dict(tau_d=0.02, max_completion_length=128))  # tau2: not audited, 0.1 and 64
+
+
+def env_default(env: str, name: str):
+    return ENV_DEFAULTS.get(env, {}).get(name, dict(tau_d=0.1, max_completion_length=64)[name])
 
 
 @dataclass
@@ -99,8 +110,14 @@ class Config(rwml.GRPOParams, WorldModelConfig, AgentConfig, ModelConfig):
     # --- stage 2: policy RL on task success (num_generations: episodes per game)
     init: str = "base"  # what --adapter holds: base (none) | rwml | wm-sft | rft; the KL reference, frozen
     games_per_step: int = 2  # games per policy step, drawn from the num_games train games
+    max_completion_length: int | None = None  # tokens per world-model prediction; None: the environment's
     # --- the run
     out: str = "runs/rwml"  # the run's folder
+
+    def __post_init__(self):
+        for name in ("tau_d", "max_completion_length"):
+            if getattr(self, name) is None:
+                setattr(self, name, env_default(self.env, name))
 
 
 @dataclass

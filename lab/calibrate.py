@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 import engine
 import rwml
-from eval import WMEvalConfig, check_eval_config
+from eval import WMEvalConfig, check_eval_config, with_env_defaults
 from plumbing import (check_adapter, check_at_least, check_context, check_writable, parse_config,
                       read_transitions, run_cli, sample_triplets, wm_prompt_fits, write_atomic)
 from reward import SimToRealReward, parse_next_state
@@ -49,6 +49,7 @@ def calibrate(reward: SimToRealReward, predictions: list[list[str]], targets: li
 def calibrate_tau(cfg: CalibrateConfig) -> dict:
     import torch
 
+    cfg = with_env_defaults(cfg)
     trips = sample_triplets(read_transitions(cfg.transitions, wm_prompt_fits(cfg)),
                             cfg.eval_max_triplets or 32, cfg.seed)
     reward_fn = make_reward(cfg)
@@ -65,6 +66,7 @@ def calibrate_tau(cfg: CalibrateConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     cfg, _ = parse_config(CalibrateConfig, sys.argv[1:] if argv is None else argv, prog="lab/calibrate.py")
+    cfg = with_env_defaults(cfg)
     check_eval_config(cfg)
     check_at_least(cfg, dict(num_generations=1))
     check_context(cfg)

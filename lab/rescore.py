@@ -3,10 +3,10 @@
 1. The test-split table's per-triplet archive (stage1_test_table/): per arm and seed the reward accuracy (as
    recorded), exact match and item-set F1 (envs.exact_match, envs.item_f1), and RWML - warm-up / WM SFT / COIN
    under each metric with a two-level bootstrap CI (3 seeds, then games; lab/stats.py).
-2. How often a REWARDED prediction is wrong under the strict metrics: the GRPO training groups the default
-   run's log shows (train_default/run_log.txt; no samples.jsonl is committed) and the held-out predictions.
+2. How often a REWARDED prediction is wrong under the strict metrics: the GRPO training groups of the default
+   run (train_default/samples.jsonl: every 4th step's whole groups) and the held-out predictions.
 
-    python lab/rescore.py [--archive A] [--log L] [--out lab/results/strict_rescore]
+    python lab/rescore.py [--archive A] [--samples S | --log L] [--out lab/results/strict_rescore]
     python lab/rescore.py --gains    # only the figure, gains.png, from the committed rescore.json
 """
 from __future__ import annotations
@@ -189,16 +189,44 @@ def training_groups(log: Path) -> list[dict]:
     return out
 
 
+def training_samples(path: Path) -> list[dict]:
+    """Every completion of the whole GRPO groups in a run's samples.jsonl (each logged step), a row each."""
+    from reward import parse_next_state
+
+    out = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        for g in row["groups"]:
+            for text, reward in zip(g["completions"], g["rewards"]):
+                pred = parse_next_state(text) or ""
+                out.append(dict(step=row["step"], action=g["action"], target=g["target"], prediction=pred,
+                                reward=float(reward), cut=False, kind=envs.observation_kind(g["target"]),
+                                exact=envs.exact_match(pred, g["target"]),
+                                f1=envs.item_f1(pred, g["target"])))
+    return out
+
+
+def form_only(pred: str, target: str) -> bool:
+    """Equal once articles and punctuation are dropped: the words differ in form, not in a fact."""
+    words = lambda t: [w for w in re.findall(r"\w+", t.lower()) if w not in ("the", "a", "an")]  # noqa: E731
+    return words(pred) == words(target)
+
+
 def training_table(groups: list[dict]) -> list[str]:
-    lines = ["| kind | rewarded / predictions | not exact | listing targets: item F1 < 1 | examples |",
-             "|" + "---|" * 5]
+    lines = ["| kind | rewarded / predictions | not exact | of those, a fact wrong (not only articles, "
+             "punctuation) | listing targets: item F1 < 1 | examples |", "|" + "---|" * 6]
     usable = [g for g in groups if not g["cut"]]
     for kind in ["all"] + sorted({g["kind"] for g in usable}):
         rows = [g for g in usable if kind == "all" or g["kind"] == kind]
         w = rewarded_wrong(rows)
         ex = [f"{g['prediction']!r} for {g['target']!r}" for g in rows
               if g["reward"] >= 1 and not g["exact"]][:1 if kind != "all" else 0]
-        lines.append(f"| {kind} | {w['rewarded']} / {w['of']} | {w['not_exact']} | {w['f1_below_1']} of "
+        lo, hi = stats.wilson(w["not_exact"], w["rewarded"]) if w["rewarded"] else (0, 0)
+        share = f" ({w['not_exact'] / w['rewarded']:.0%} [{lo:.0%}, {hi:.0%}])" if w["rewarded"] else ""
+        facts = sum(g["reward"] >= 1 and not g["exact"] and not form_only(g["prediction"], g["target"])
+                    for g in rows)
+        lines.append(f"| {kind} | {w['rewarded']} / {w['of']} | {w['not_exact']}{share} | {facts} | "
+                     f"{w['f1_below_1']} of "
                      f"{w['listing']} | {'; '.join(ex)} |")
     return lines
 
@@ -238,6 +266,8 @@ def main(argv=None):
     p.add_argument("--archive", type=Path,
                    default=results / "stage1_test_table" / "sanity_valid_unseen_triplets.tar.xz")
     p.add_argument("--log", type=Path, default=results / "train_default" / "run_log.txt")
+    p.add_argument("--samples", type=Path, default=results / "train_default" / "samples.jsonl",
+                   help="a run's samples.jsonl (every logged step's whole groups); else the log's groups")
     p.add_argument("--out", type=Path, default=results / "strict_rescore")
     p.add_argument("--gains", action="store_true", help="only draw <out>/gains.png from <out>/rescore.json")
     args = p.parse_args(argv)
@@ -248,7 +278,8 @@ def main(argv=None):
     data = read_archive(args.archive)
     seeds = sorted({s for s, _, _ in data if s.startswith("seed")})
     comp, found = comparison_table(data, seeds)
-    groups = training_groups(args.log)
+    source = args.samples if args.samples.is_file() else args.log
+    groups = training_samples(source) if source == args.samples else training_groups(source)
     md = [f"# Strict re-score of `{args.archive.relative_to(ROOT)}` (valid_unseen, {', '.join(seeds)})", "",
           "Rates: the mean over seeds, each seed's value in brackets; CI: two-level bootstrap (seeds, then "
           "games), 2,000 draws. Item F1: over the triplets whose target lists items (item n per seed). "
@@ -260,10 +291,13 @@ def main(argv=None):
           *kind_table(data, seeds), "",
           "## Rewarded held-out predictions that the strict metrics call wrong", "",
           *heldout_rewarded(data, seeds), "",
-          f"## Rewarded GRPO training predictions (`{args.log.relative_to(ROOT)}`)", "",
-          "No samples.jsonl is committed; the run log shows group 1 of every 4th step (6 groups x 4). "
-          f"Rows whose target or prediction the log cut at {WIDTH} characters are left out "
-          f"({sum(g['cut'] for g in groups)} of {len(groups)}).", "", *training_table(groups), ""]
+          f"## Rewarded GRPO training predictions (`{source.relative_to(ROOT)}`)", "",
+          (f"Every completion of the whole groups of every logged step ({len({g['step'] for g in groups})} "
+           f"steps, {len(groups)} completions); not exact: the share of the rewarded with its Wilson 95 % CI."
+           if source == args.samples else
+           "The run log shows group 1 of every 4th step. Rows whose target or prediction the log cut at "
+           f"{WIDTH} characters are left out ({sum(g['cut'] for g in groups)} of {len(groups)})."), "",
+          *training_table(groups), ""]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "rescore.md").write_text("\n".join(md))
     (args.out / "rescore.json").write_text(json.dumps(dict(comparisons=found, training=groups), indent=1))

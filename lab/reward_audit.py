@@ -42,7 +42,7 @@ RULE = (f"the largest tau_d of the grid that, on the dev half, rewards >= {SHARE
         f"refuses >= {SHARE:.0%} of the negatives (each pooled over its kinds); none if no tau_d does")
 FIELDS = dict(env=str, game=str, half=str, kind=str, label=int, target=str, candidate=str)
 NOTHING = "Nothing happens."  # ALFWorld's answer to any command without effect
-CAP = 64  # rwml.GRPOConfig.max_completion_length, the completion cap of the default run
+CAP = 64  # the default run's completion cap before this audit (train.ENV_DEFAULTS now sizes it per env)
 
 
 @dataclass

@@ -93,10 +93,12 @@ def test_load_and_lora_targets(arch, four_bit):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_shared_prefill_sampling_equals_plain_generate(arch, temperature):
+def test_shared_prefill_sampling_equals_plain_generate(arch, temperature, monkeypatch):
     """The n completions of a prompt that share one prefill (its key/value cache repeated n times) are token
     for token those of plain generate on n copies, greedy and sampled with one seed (prompts of different
-    lengths, longer than Gemma's 16-token window)."""
+    lengths, longer than Gemma's 16-token window). Through generate's loop: ours (engine.decode) draws
+    fewer random numbers once a row ends (tests/test_grpo.py compares the two)."""
+    monkeypatch.setattr(engine, "DECODER", "generate")
     name, folder = arch
     model, tok = engine.load_model(folder, device="cpu")
     texts = [engine.chat(tok, p, rwml.WM_SYSTEM, rwml.WM_PREFIX) for p in PROMPTS[:2]]
@@ -115,37 +117,22 @@ def test_shared_prefill_sampling_equals_plain_generate(arch, temperature):
         assert len({tuple(r) for r in plain[:, P:].tolist()}) > 1
 
 
-def test_a_growing_cache_decodes_as_the_plain_one(arch):
-    """`engine.growing_cache` (keys and values written into buffers in place) gives the logits of
-    transformers' own cache, step by step, also when its room runs out (headroom 2: a new buffer every other
-    step), and single-prompt sampling (its own cache) is plain generate's token for token."""
+def test_compact_decoding_is_generates_on_every_architecture(arch, monkeypatch):
+    """engine.decode (each row leaves the batch as it ends, its cache rows dropped, sliding-window layers
+    included) writes generate's greedy tokens; made to end early, rows end at different steps."""
     name, folder = arch
     model, tok = engine.load_model(folder, device="cpu")
-    batch = tok([engine.chat(tok, p, rwml.WM_SYSTEM, rwml.WM_PREFIX) for p in PROMPTS[:2]],
-                return_tensors="pt", padding=True, add_special_tokens=False)
-    steps = []
-    for grow in (False, True):
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=model.config)
-        if grow:
-            engine.growing_cache(cache, 2)
-        ids, attn, logits = batch["input_ids"], batch["attention_mask"], []
-        with torch.no_grad():
-            for _ in range(6):
-                out = model(input_ids=ids, attention_mask=attn, cache=cache, use_cache=True)
-                logits.append(out.logits[:, -1])
-                ids, attn = out.logits[:, -1:].argmax(-1), torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
-        steps.append(torch.stack(logits))
-    assert torch.allclose(steps[0], steps[1], atol=1e-5)
-    torch.manual_seed(0)
-    ours = engine.sample(model, tok, [tok.decode(r[m.bool()]) for r, m in zip(batch["input_ids"],
-                                                                            batch["attention_mask"])],
-                       max_new_tokens=8, temperature=1.0).input_ids
-    cfg = engine.sampling_config(model, tok, temperature=1.0, top_p=1.0, max_new_tokens=8)
-    torch.manual_seed(0)
-    with engine.checkpoint_generation_config_off(model):
-        assert torch.equal(ours, model.generate(**batch, generation_config=cfg))
+    texts = [engine.chat(tok, p, rwml.WM_SYSTEM, rwml.WM_PREFIX) for p in PROMPTS[:2]]
+    monkeypatch.setattr(engine, "DECODER", "generate")
+    first = engine.sample(model, tok, texts, n=2, max_new_tokens=10, temperature=0.0)
+    end = int(torch.bincount(first.input_ids[:, -10:].flatten()).argmax())  # a token rows write
+    monkeypatch.setattr(engine, "stop_token_ids", lambda model, tokenizer: [end])
+    rolls = []
+    for decoder in ("generate", "compact"):
+        monkeypatch.setattr(engine, "DECODER", decoder)
+        rolls.append(engine.sample(model, tok, texts, n=2, max_new_tokens=10, temperature=0.0))
+    assert torch.equal(rolls[0].input_ids, rolls[1].input_ids)
+    assert torch.equal(rolls[0].completion_mask, rolls[1].completion_mask)
 
 
 @pytest.mark.parametrize("four_bit", [False, True], ids=["fp32", "nf4"])

@@ -283,6 +283,44 @@ def test_shared_prefill_gives_the_same_tokens_as_plain_generate(tiny_model):
     assert len({tuple(r) for r in out[:3, -10:].tolist()}) > 1
 
 
+def test_compact_decoding_equals_generate_as_rows_end_at_different_steps(tiny_model, monkeypatch):
+    """engine.decode drops each row from the batch once it ends; generate runs every row to the longest. Made
+    to end early (a frequent token counts as end-of-turn, and a stop string), the greedy tokens, the returned
+    width and the completion masks are generate's; sampled rows end at their end token (or the cap)."""
+    model, tok = engine.load_model(tiny_model)
+    texts = [engine.chat(tok, p) for p in ("go to desk 1", "open the drawer 2, then look", "take the apple")]
+    monkeypatch.setattr(engine, "DECODER", "generate")
+    first = engine.sample(model, tok, texts, n=2, max_new_tokens=12, temperature=0.0)
+    sampled = {}
+    for decoder in ("generate", "compact"):  # while no row ends, both draw the same random numbers
+        monkeypatch.setattr(engine, "DECODER", decoder)
+        torch.manual_seed(1)
+        sampled[decoder] = engine.sample(model, tok, texts, n=2, max_new_tokens=6, temperature=1.0, top_p=0.9)
+    assert sampled["compact"].completion_mask.all()
+    assert torch.equal(sampled["compact"].input_ids, sampled["generate"].input_ids)
+    monkeypatch.setattr(engine, "DECODER", "generate")
+    counts = torch.bincount(first.input_ids[:, -12:].flatten())
+    end = int(counts.argmax())  # a token most rows write, at different steps
+    monkeypatch.setattr(engine, "stop_token_ids", lambda model, tokenizer: [end])
+    rolls = {}
+    for decoder in ("generate", "compact"):
+        monkeypatch.setattr(engine, "DECODER", decoder)
+        rolls[decoder] = [engine.sample(model, tok, texts, n=2, max_new_tokens=12, temperature=0.0, stop=stop)
+                          for stop in (None, tok.decode(first.completion_ids[0][2:4]))]
+    for ours, ref in zip(rolls["compact"], rolls["generate"]):
+        assert torch.equal(ours.input_ids, ref.input_ids)
+        assert torch.equal(ours.completion_mask, ref.completion_mask)
+        assert ours.texts == ref.texts
+    lengths = rolls["compact"][0].completion_mask.sum(1)
+    assert lengths.min() < lengths.max()  # rows did end at different steps
+    monkeypatch.setattr(engine, "DECODER", "compact")
+    torch.manual_seed(0)
+    roll = engine.sample(model, tok, texts, n=4, max_new_tokens=12, temperature=1.0, top_p=0.9)
+    for ids, m in zip(roll.input_ids[:, -roll.completion_mask.shape[1]:], roll.completion_mask):
+        n = int(m.sum())
+        assert n == m.shape[0] or int(ids[n - 1]) == end  # a row stops at its end token, or at the cap
+
+
 # ------------------------------------------------------- clip ratio, micro-batches, sampling distribution
 
 def test_clip_ratio_counts_only_tokens_where_the_clip_acts():

@@ -232,3 +232,30 @@ def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
             assert (tmp_path / "run" / f"wm_eval_{label}_{kind}.triplets.jsonl").is_file()
         assert f"{kind}: world-model accuracy" in out
     assert "strict: exact match" in out and (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_the_heldout_explore_set_is_played_once_then_reused(tiny_model, tmp_path, monkeypatch, capsys):
+    """The held-out explore collection (seed 0, the same for every run) is played by the first run and copied
+    from $RWML_CACHE/heldout by the next; a setting that changes it (the step budget) plays it again."""
+    import dataclasses
+
+    import engine
+    import plumbing
+
+    monkeypatch.setattr(engine, "MODEL_CACHE", tmp_path / "cache")
+    loads = []
+
+    def load():
+        loads.append(1)
+        return engine.load_model(tiny_model)
+
+    cfg = train.Settings(model=tiny_model, heldout_games=1, max_turns=2, eval_max_triplets=0)
+    first = plumbing.heldout_triplets(cfg, tmp_path / "a", load, train.collect)
+    assert len(loads) == 1 and "reused" not in capsys.readouterr().out
+    second = plumbing.heldout_triplets(cfg, tmp_path / "b", load, train.collect)
+    assert len(loads) == 1 and "reused the held-out explore triplets" in capsys.readouterr().out
+    assert first["explore"]["triplets"] == second["explore"]["triplets"]
+    assert (tmp_path / "a" / "heldout" / "episodes.jsonl").read_bytes() == \
+        (tmp_path / "b" / "heldout" / "episodes.jsonl").read_bytes()
+    plumbing.heldout_triplets(dataclasses.replace(cfg, max_turns=3), tmp_path / "c", load, train.collect)
+    assert len(loads) == 2 and len(list((tmp_path / "cache" / "heldout").iterdir())) == 2

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-READER = dict(rwml=650, reward=180, envs=500, train=500, eval=350)  # the reader's path, in lines
+READER = dict(rwml=650, reward=180, envs=500, train=510, eval=350)  # the reader's path, in lines
 READER_TOTAL = 2200
 ORDER = ("envs", "reward", "rwml", "train", "eval")  # each may import only those before it
 SUPPORT = ("engine", "plumbing", "cost", "worlds", "choose", "bridges", "gamepool")

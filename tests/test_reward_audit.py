@@ -3,6 +3,7 @@ own, not the generator's), the halves share no game, the audit runs with the bun
 one line."""
 import collections
 import json
+import math
 import re
 import subprocess
 import sys
@@ -171,3 +172,39 @@ def test_a_bad_tau_is_one_line_on_the_command_line(tmp_path):
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         "error: every tau_d must be in (0, 2), got '2.5'"]
+
+
+def test_tau_d_and_the_cap_default_to_the_audits_per_environment(tmp_path):
+    """Unset, tau_d and the completion cap are the environment's (chosen on the audit's dev half); a value
+    given on the command line or in code wins; eval.py wm takes the environment of the transitions."""
+    import eval as evaluate
+    import plumbing
+    import train
+
+    cfg = train.Config()
+    assert (cfg.tau_d, cfg.max_completion_length) == (0.01, 64)
+    tw = train.Config(env="textworld")
+    assert (tw.tau_d, tw.max_completion_length) == (0.02, 128)
+    assert train.Config(env="tau2").tau_d == 0.1
+    assert train.Config(env="textworld", tau_d=0.3, max_completion_length=32).tau_d == 0.3
+    _, parsed = plumbing.parse_stage(["wm", "--env", "textworld", "--tau-d", "0.05"], train.STAGES,
+                                     train.Settings)
+    assert (parsed.tau_d, parsed.max_completion_length) == (0.05, 128)
+    assert plumbing.parse_stage([], train.STAGES, train.Settings)[1].tau_d == 0.01
+    # the committed audit's choices and lengths: tau_d as chosen, the cap = 95th percentile + 10 %, to 16s
+    text = (ROOT / "lab" / "results" / "reward_audit" / "audit.txt").read_text()
+    found = re.findall(r"(\w+): chosen tau_d ([\d.]+);", text)
+    assert {env for env, _ in found} == {"alfworld", "textworld"}
+    for env, tau in found:
+        p95 = int(re.search(rf"{env}\s+\d+ observations: .*?95th pct (\d+)", text)[1])
+        cap = 16 * math.ceil(p95 * 1.1 / 16)
+        assert train.ENV_DEFAULTS[env] == dict(tau_d=float(tau), max_completion_length=cap), env
+    trips = tmp_path / "tw" / "transitions.jsonl"
+    trips.parent.mkdir()
+    trips.write_text("")
+    (trips.parent / "collect.json").write_text(json.dumps(dict(env="textworld", split="test")))
+    wm = evaluate.with_env_defaults(evaluate.WMEvalConfig(transitions=str(trips)))
+    assert (wm.tau_d, wm.max_completion_length) == (0.02, 128)
+    wm = evaluate.with_env_defaults(evaluate.WMEvalConfig(transitions=str(trips), tau_d=0.2))
+    assert wm.tau_d == 0.2
+    assert evaluate.with_env_defaults(evaluate.WMEvalConfig()).tau_d == 0.01

@@ -1,0 +1,112 @@
+"""The agent table with its intervals (issue 37): `python lab/agent_stats.py RUNS [--out TABLE.md]`.
+
+Reads what lab/stage2_test.sh writes: random/sampled.json, base/{greedy,sampled}.json and per seed
+seedN/policy/{greedy,sampled}.json (eval.py agent results, every episode inside). Every arm plays the same
+games;
+a game's success is the mean over its episodes. Rates: one run's with a 95 % CI from a bootstrap over games (a
+game's episodes move together), several seeds' by the two-level bootstrap
+(seeds, then games). Differences are paired on games (lab/stats.py); "holds" only where the CI excludes 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stats  # noqa: E402
+
+
+def per_game(path: Path) -> dict[str, float]:
+    """game -> mean success of its episodes."""
+    wins = defaultdict(list)
+    for e in json.loads(path.read_text())["episodes"]:
+        wins[f"{e['split']}/{e['game']}"].append(float(e["won"]))
+    return {g: sum(w) / len(w) for g, w in wins.items()}
+
+
+def episodes(path: Path) -> int:
+    return len(json.loads(path.read_text())["episodes"])
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def rate(runs: list[dict], games: list[str]) -> str:
+    """The mean over seeds of the per-game mean success, with its CI; each seed's value when several."""
+    zero = [0.0] * len(games)
+    ci = stats.two_level_bootstrap([([r[g] for g in games], zero, games) for r in runs])
+    seeds = f" ({' / '.join(pct(v) for v in ci['per_seed'])})" if len(runs) > 1 else ""
+    return f"{pct(ci['diff'])} [{pct(ci['lo'])}, {pct(ci['hi'])}]{seeds}"
+
+
+def compare(xs: list[dict], ys: list[dict], games: list[str]) -> dict:
+    """x - y paired on games; x over its seeds (y: one run, or one per seed of x)."""
+    ys = ys if len(ys) == len(xs) else ys * len(xs)
+    runs = [([x[g] for g in games], [y[g] for g in games], games) for x, y in zip(xs, ys)]
+    ci = stats.two_level_bootstrap(runs)
+    pooled = ([v for a, _, _ in runs for v in a], [v for _, b, _ in runs for v in b],
+              [g for _, _, units in runs for g in units])
+    ci["could_detect"] = stats.detectable(*pooled)
+    return ci
+
+
+def table(root: Path) -> tuple[list[str], dict]:
+    seeds = sorted(root.glob("seed*/policy/sampled.json"))
+    arms = {"random (uniform admissible)": dict(sampled=[per_game(root / "random" / "sampled.json")]),
+            "base model": {k: [per_game(root / "base" / f"{k}.json")] for k in ("greedy", "sampled")},
+            "policy RL from the base": {k: [per_game(p.with_name(f"{k}.json")) for p in seeds]
+                                        for k in ("greedy", "sampled")}}
+    games = sorted(arms["base model"]["sampled"][0])
+    for arm in arms.values():
+        for runs in arm.values():
+            assert all(sorted(r) == games for r in runs), "every arm must play the same games"
+    n = dict(random=episodes(root / "random" / "sampled.json") // len(games),
+             sampled=episodes(root / "base" / "sampled.json") // len(games))
+    lines = [f"TextWorld test games: {len(games)}, 8 steps, choose mode. Sampled: T 1, {n['sampled']} "
+             f"episodes per game and model (random: {n['random']} per game); greedy: one episode per game. "
+             "Success in %, 95 % "
+             f"CI (bootstrap over games; over seeds, then games, for policy RL: {len(seeds)} seeds, each "
+             "value in brackets).", "",
+             "| arm | sampled success | greedy success |", "|---|---|---|"]
+    for name, arm in arms.items():
+        lines.append(f"| {name} | {rate(arm['sampled'], games)} | "
+                     f"{rate(arm['greedy'], games) if 'greedy' in arm else '—'} |")
+    rnd, base = arms["random (uniform admissible)"]["sampled"], arms["base model"]
+    pol = arms["policy RL from the base"]
+    rows = [("policy RL − base", "sampled", pol["sampled"], base["sampled"]),
+            ("policy RL − random", "sampled", pol["sampled"], rnd),
+            ("base − random", "sampled", base["sampled"], rnd),
+            ("policy RL − base", "greedy", pol["greedy"], base["greedy"]),
+            ("policy RL − random", "greedy", pol["greedy"], rnd)]
+    lines += ["", "| comparison (paired on games) | evaluation | difference, points [95 % CI] | each seed | "
+              "verdict |", "|---|---|---|---|---|"]
+    found = []
+    for name, how, xs, ys in rows:
+        c = compare(xs, ys, games)
+        found.append(dict(c, comparison=name, evaluation=how))
+        lines.append(f"| {name} | {how} | {100 * c['diff']:+.1f} "
+                     f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] | "
+                     f"{' / '.join(f'{100 * v:+.1f}' for v in c['per_seed'])} | "
+                     f"{stats.verdict(c).replace('holds', 'holds (CI excludes 0)')}; could detect >= "
+                     f"{100 * c['could_detect']:.1f} points |")
+    return lines, dict(games=games, comparisons=found)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("root", type=Path)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    lines, data = table(args.root)
+    print("\n".join(lines))
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+        args.out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+
+
+if __name__ == "__main__":
+    main()
