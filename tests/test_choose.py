@@ -217,6 +217,14 @@ def test_textworld_choose_mode_and_random_baseline_end_to_end(tiny_model, tmp_pa
                    "--num-games", "2", "--max-turns", "3", "--num-workers", "0", "--out", str(out)])
     r = json.loads(out.read_text())
     assert r["num_episodes"] == 2 and r["invalid_action_rate"] == 0 and r["format_error_rate"] == 0
+    greedy = [(e["game"], e["steps"], e["won"]) for e in r["episodes"]]
+    out = tmp_path / "sampled.json"  # --sampled: the policy stage 2 trains, --seeds episodes of every game
+    evaluate.main(["agent", "--env", "textworld", "--action-mode", "choose", "--model", tiny_model,
+                   "--num-games", "2", "--max-turns", "3", "--num-workers", "0", "--sampled", "--temperature",
+                   "1.0", "--seeds", "4", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["num_episodes"] == 8 and sorted({e["seed"] for e in r["episodes"]}) == [0, 1, 2, 3]
+    assert sorted({e["game"] for e in r["episodes"]}) == sorted({g for g, _, _ in greedy})
 
 
 def test_policy_stage_in_choose_mode_on_textworld_with_its_learning_curve(tiny_model, tmp_path):

@@ -1,12 +1,13 @@
 """Peak RAM and speed of one training update, side by side: the warm-up SFT step and the GRPO step, ours vs
 the naive full-logits path (and, for SFT, TRL's SFTTrainer), on the same job.
 
-    OMP_NUM_THREADS=1 python lab/bench/memory.py [--model bundled:SmolLM2-135M-Instruct] [--job sft|grpo|both]
+    OMP_NUM_THREADS=1 python lab/bench/memory.py [--model bundled:SmolLM2-135M-Instruct] [--job JOB|both]
 
 SFT: one optimizer step on the 8 longest real world-model prompts of the warm-up (history 1, no reasoning).
 naive: one forward with [B, T, vocab] fp32 logits; ours: engine.sft (token-budget micro-batches, answer-only
 chunked projection); trl: SFTTrainer, completion_only_loss, fp32. GRPO: one update of `--sequences` random
-sequences, naive vs rwml.grpo_update. LoRA r 16 all-linear, AdamW; each arm in a fresh process; peak RSS is
+sequences, naive vs rwml.grpo_update. sample: the held-out evaluation's sampling batch (4 prompts x 4 at 64
+tokens), model.generate vs ours. LoRA r 16 all-linear, AdamW; each arm in a fresh process; peak RSS is
 VmHWM reset just before the update, "+" what the update added. tests/test_memory.py runs the child mode.
 """
 from __future__ import annotations
@@ -66,6 +67,22 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
                 return loss.item()
         else:
             step = trl_sft_step(model, tok, texts, [x + tok.eos_token for x in answers], a.lr)
+    elif job == "sample":  # the held-out evaluation's batch: the 4 longest prompts x 4 samples, 64 tokens
+        trips = envs.walkthrough_triplets(num_games=6, history_len=1)
+        trips = sorted(trips, key=lambda t: -len(rwml.wm_prompt(t, reasoning=False)))[:4]
+        tokens = 16 * 64
+        if arm == "ours":
+            def step():
+                roll = rwml.sample_predictions(model, tok, trips, reasoning=False, n=4, max_new_tokens=64)
+                return float(roll.completion_mask.sum())
+        else:  # transformers' generate on the 16 rows, every prompt run in full
+            def step():
+                texts = [engine.chat(tok, rwml.wm_prompt(t, False), rwml.wm_system(t), rwml.wm_prefix(False))
+                         for t in trips for _ in range(4)]
+                batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+                gen = engine.sampling_config(model, tok, temperature=1.0, top_p=1.0, max_new_tokens=64)
+                with torch.no_grad(), engine.checkpoint_generation_config_off(model):
+                    return float(model.generate(**batch, generation_config=gen).shape[1])
     else:
         ids = torch.randint(100, len(tok) - 100, (a.sequences, a.length))
         cmask = torch.ones(a.sequences, a.completion, dtype=torch.long)
@@ -123,7 +140,7 @@ def trl_sft_step(model, tok, prompts: list[str], completions: list[str], lr: flo
     return step
 
 
-ARMS = dict(sft=("naive", "ours", "trl"), grpo=("naive", "ours"))
+ARMS = dict(sft=("naive", "ours", "trl"), grpo=("naive", "ours"), sample=("generate", "ours"))
 
 
 def main() -> None:
@@ -131,7 +148,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--model", default="bundled:SmolLM2-135M-Instruct")
-    p.add_argument("--job", choices=("sft", "grpo", "both"), default="both")
+    p.add_argument("--job", choices=("sft", "grpo", "sample", "both"), default="both")
     p.add_argument("--lr", type=float, default=5e-4, help="SFT learning rate (train.py's sft_learning_rate)")
     p.add_argument("--max-tokens", type=int, default=engine.SFT_MAX_TOKENS,
                    help="ours: SFT tokens per micro-batch")
@@ -146,7 +163,7 @@ def main() -> None:
         job, arm = a.arm.split(":")
         print(json.dumps(one_step(job, arm, a.model, a)))
         return
-    for job in (("sft", "grpo") if a.job == "both" else (a.job,)):
+    for job in (("sft", "grpo", "sample") if a.job == "both" else (a.job,)):
         rows = {}
         for arm in ARMS[job]:
             r = subprocess.run([sys.executable, __file__, "--arm", f"{job}:{arm}", *sys.argv[1:]],
@@ -162,8 +179,10 @@ def main() -> None:
             o = rows[other]
             print(f"{job:>4} ours / {other}: peak RSS {ours['peak_rss_gb'] / o['peak_rss_gb']:.2f}, "
                   f"added {ours['added_gb'] / max(o['added_gb'], 1e-9):.2f}, "
-                  f"tokens/s {ours['tokens_per_s'] / o['tokens_per_s']:.2f}, "
-                  f"same loss {abs(ours['loss'] - o['loss']) < 1e-4 * max(1.0, abs(o['loss']))}", flush=True)
+                  f"tokens/s {ours['tokens_per_s'] / o['tokens_per_s']:.2f}"
+                  + ("" if job == "sample" else  # sample: no loss to compare
+                     f", same loss {abs(ours['loss'] - o['loss']) < 1e-4 * max(1.0, abs(o['loss']))}"),
+                  flush=True)
     print(f"\n{a.model}, LoRA r 16 all-linear, {ours['threads']} thread(s); "
           "SFT: 8 longest real world-model prompts, "
           f"ours in micro-batches of <= {a.max_tokens} tokens; GRPO: {a.sequences} x {a.length} tokens "
