@@ -4,7 +4,7 @@
    recorded), exact match and item-set F1 (envs.exact_match, envs.item_f1), and RWML - warm-up / WM SFT / COIN
    under each metric with a two-level bootstrap CI (3 seeds, then games; lab/stats.py).
 2. How often a REWARDED prediction is wrong under the strict metrics: the GRPO training groups of the default
-   run (train_default/samples.jsonl: every 4th step's whole groups) and the held-out predictions.
+   run at tau_d 0.1 (strict_rescore/train_samples.jsonl: every 4th step's whole groups), the held-out ones.
 
     python lab/rescore.py [--archive A] [--samples S | --log L] [--out lab/results/strict_rescore]
     python lab/rescore.py --gains    # only the figure, gains.png, from the committed rescore.json
@@ -266,7 +266,7 @@ def main(argv=None):
     p.add_argument("--archive", type=Path,
                    default=results / "stage1_test_table" / "sanity_valid_unseen_triplets.tar.xz")
     p.add_argument("--log", type=Path, default=results / "train_default" / "run_log.txt")
-    p.add_argument("--samples", type=Path, default=results / "train_default" / "samples.jsonl",
+    p.add_argument("--samples", type=Path, default=results / "strict_rescore" / "train_samples.jsonl",
                    help="a run's samples.jsonl (every logged step's whole groups); else the log's groups")
     p.add_argument("--out", type=Path, default=results / "strict_rescore")
     p.add_argument("--gains", action="store_true", help="only draw <out>/gains.png from <out>/rescore.json")
@@ -278,8 +278,9 @@ def main(argv=None):
     data = read_archive(args.archive)
     seeds = sorted({s for s, _, _ in data if s.startswith("seed")})
     comp, found = comparison_table(data, seeds)
-    source = args.samples if args.samples.is_file() else args.log
-    groups = training_samples(source) if source == args.samples else training_groups(source)
+    whole = args.samples.is_file()  # else the log's groups
+    source = (args.samples if whole else args.log).resolve()
+    groups = training_samples(source) if whole else training_groups(source)
     md = [f"# Strict re-score of `{args.archive.relative_to(ROOT)}` (valid_unseen, {', '.join(seeds)})", "",
           "Rates: the mean over seeds, each seed's value in brackets; CI: two-level bootstrap (seeds, then "
           "games), 2,000 draws. Item F1: over the triplets whose target lists items (item n per seed). "
@@ -294,7 +295,7 @@ def main(argv=None):
           f"## Rewarded GRPO training predictions (`{source.relative_to(ROOT)}`)", "",
           (f"Every completion of the whole groups of every logged step ({len({g['step'] for g in groups})} "
            f"steps, {len(groups)} completions); not exact: the share of the rewarded with its Wilson 95 % CI."
-           if source == args.samples else
+           if whole else
            "The run log shows group 1 of every 4th step. Rows whose target or prediction the log cut at "
            f"{WIDTH} characters are left out ({sum(g['cut'] for g in groups)} of {len(groups)})."), "",
           *training_table(groups), ""]
