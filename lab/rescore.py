@@ -8,6 +8,7 @@
 
     python lab/rescore.py [--archive A] [--samples S | --log L] [--out lab/results/strict_rescore]
     python lab/rescore.py --gains    # only the figure, gains.png, from the committed rescore.json
+    python lab/rescore.py --run lab/results/train_default   # one run's RWML − warm-up with CIs
 """
 from __future__ import annotations
 
@@ -260,6 +261,24 @@ def plot_gains(comparisons: list[dict], png: Path) -> Path:
     return png
 
 
+def run_gain(run: Path) -> list[str]:
+    """One run's RWML − warm-up (`python train.py`'s wm_eval_{before,rwml}_*.triplets.jsonl), paired on
+    triplets, CI over games: under the reward and exact match."""
+    lines = []
+    for kind in ("explore", "purposeful"):
+        rows = {arm: {(r["game"], r["rollout"], r["step"]): score(r) for r in
+                      map(json.loads, (run / f"wm_eval_{arm}_{kind}.triplets.jsonl").read_text().splitlines())
+                      }
+                for arm in ("before", "rwml")}
+        keys = sorted(rows["before"])
+        for metric in ("reward", "exact"):
+            c = stats.paired_bootstrap([rows["rwml"][k][metric] for k in keys],
+                                       [rows["before"][k][metric] for k in keys], [k[0] for k in keys])
+            lines.append(f"{kind} {metric}: RWML − warm-up {ci_text(c)} "
+                         f"({c['units']} games): {stats.verdict(c)}")
+    return lines
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     results = ROOT / "lab" / "results"
@@ -270,7 +289,11 @@ def main(argv=None):
                    help="a run's samples.jsonl (every logged step's whole groups); else the log's groups")
     p.add_argument("--out", type=Path, default=results / "strict_rescore")
     p.add_argument("--gains", action="store_true", help="only draw <out>/gains.png from <out>/rescore.json")
+    p.add_argument("--run", type=Path, help="only a `python train.py` run's paired RWML − warm-up, with CIs")
     args = p.parse_args(argv)
+    if args.run:
+        print("\n".join(run_gain(args.run)))
+        return
     if args.gains:
         print(plot_gains(json.loads((args.out / "rescore.json").read_text())["comparisons"],
                          args.out / "gains.png"))

@@ -155,3 +155,21 @@ def test_the_test_split_gains_figure_is_drawn(tmp_path):
     found = json.loads((rescore.ROOT / "lab/results/strict_rescore/rescore.json").read_text())["comparisons"]
     png = rescore.plot_gains(found, tmp_path / "gains.png")
     assert png.stat().st_size > 20_000
+
+
+def test_one_runs_gain_is_paired_with_a_ci_and_an_honest_verdict(tmp_path):
+    """`lab/rescore.py --run`: RWML − warm-up per held-out set under the reward and exact match, paired on
+    triplets with a CI over games; RWML predictions equal to the warm-up's show +0.000, not detected."""
+    import shutil
+
+    import rescore
+
+    lines = rescore.run_gain(rescore.ROOT / "lab" / "results" / "train_default")
+    assert len(lines) == 4 and lines[0].startswith("explore reward: RWML − warm-up +0.021 [")
+    assert all("no difference detected" in line for line in lines)
+    for kind in ("explore", "purposeful"):
+        src = rescore.ROOT / "lab" / "results" / "train_default" / f"wm_eval_before_{kind}.triplets.jsonl"
+        shutil.copy(src, tmp_path / src.name)
+        shutil.copy(src, tmp_path / f"wm_eval_rwml_{kind}.triplets.jsonl")
+    same = rescore.run_gain(tmp_path)
+    assert all("RWML − warm-up +0.000 [+0.000, +0.000]" in line for line in same)

@@ -65,3 +65,33 @@ def test_detectable_and_verdict():
     ci, smallest = stats.paired_bootstrap(a, b, units), stats.detectable(a, b, units)
     assert 0 < smallest < 2  # (1.96 + 0.84) x sd(per-game means ~0.45) / sqrt(20) ~ 0.28
     assert stats.verdict(ci, smallest).startswith("no difference detected; could detect >= ")
+
+
+def test_the_agent_table_pairs_arms_on_games(tmp_path):
+    """lab/agent_stats.py on eval.py-shaped results of known success: per-game means, every arm on the same
+    games, policy RL − base paired over seeds and games, and a difference no CI can separate from 0."""
+    import json
+
+    import agent_stats
+
+    def write(path, wins):  # wins: game -> list of 0/1, one per episode
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dict(episodes=[dict(split="test", game=g, won=w, seed=i)
+                                                  for g, ws in wins.items() for i, w in enumerate(ws)])))
+
+    games = [f"g{i}" for i in range(10)]
+    write(tmp_path / "random" / "sampled.json", {g: [0, 1] * 10 for g in games})  # 50 %
+    for name in ("greedy", "sampled"):
+        write(tmp_path / "base" / f"{name}.json", {g: [0] * (4 if name == "sampled" else 1) for g in games})
+        for s in (1, 2):
+            write(tmp_path / f"seed{s}" / "policy" / f"{name}.json",
+                  {g: [1] * (4 if name == "sampled" else 1) for g in games})
+    lines, data = agent_stats.table(tmp_path)
+    found = {(c["comparison"], c["evaluation"]): c for c in data["comparisons"]}
+    rl_base = found[("policy RL − base", "sampled")]
+    assert rl_base["diff"] == 1.0 and rl_base["lo"] == 1.0 and "holds" in lines[-5]
+    assert found[("base − random", "sampled")]["diff"] == -0.5
+    assert any(line.startswith("| random (uniform admissible) | 50.0 [50.0, 50.0]") for line in lines)
+    write(tmp_path / "base" / "greedy.json", {g: [0] for g in games[:5]})  # another set of games: refused
+    with pytest.raises(AssertionError, match="same games"):
+        agent_stats.table(tmp_path)
