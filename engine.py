@@ -250,7 +250,7 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
     if stop and DECODER == "generate":
         gen["generation_config"].stop_strings = [stop]
         gen["tokenizer"] = tokenizer
-    with checkpoint_generation_config_off(model), lora_folded(model):
+    with checkpoint_generation_config_off(model):
         if n > 1 and ids.shape[1] > 1 and fast_paths(model).shared_prompt:
             # the decoder alone: only its cache is needed, never the prompt's vocabulary-sized logits
             cache = bare_model(model).get_decoder()(input_ids=ids[:, :-1], attention_mask=attn[:, :-1],
@@ -285,31 +285,6 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
 
 
 DECODER = "compact"  # or "generate" (transformers' loop): lab/bench/decoding.py measures both
-
-
-@contextmanager
-def lora_folded(model):
-    """While a peft model samples (no gradients), its active LoRA adapter folded into new weight tensors W + s·BA,
-    the adapter layers off: a layer's forward is one matmul, not three (lab/results/bench_decoding/). The base
-    weights are swapped back untouched, bit for bit. Plain nn.Linear bases only (not 4-bit, not DoRA)."""
-    from peft.tuners.lora import LoraLayer
-
-    active = getattr(model, "active_adapters", [])
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and type(m.base_layer) is torch.nn.Linear
-              and not m.merged and not any(m.use_dora.get(a) for a in active)]
-    if torch.is_grad_enabled() or not layers or not hasattr(model, "disable_adapter"):
-        yield
-        return
-    saved = [m.base_layer.weight.data for m in layers]
-    try:
-        for m in layers:
-            if delta := [m.get_delta_weight(a) for a in active if a in m.lora_A]:
-                m.base_layer.weight.data = m.base_layer.weight.data + sum(delta)
-        with model.disable_adapter():
-            yield
-    finally:
-        for m, w in zip(layers, saved):
-            m.base_layer.weight.data = w
 
 
 def reserve(cache, length: int) -> None:

@@ -1,8 +1,8 @@
 """The agent table with its intervals (issue 37): `python lab/agent_stats.py RUNS [--out TABLE.md]`.
 
 Reads what lab/stage2_test.sh writes: random/sampled.json, base/{greedy,sampled}.json and per seed
-seedN/policy/{greedy,sampled}.json (eval.py agent results, every episode inside). Every arm plays the same
-games;
+seedN/policy/{greedy,sampled}.json (eval.py agent results, every episode inside; other folders: --random, --base,
+--policy, as lab/stage2_dev.sh passes them; a greedy file may be missing). Every arm plays the same games;
 a game's success is the mean over its episodes. Rates: one run's with a 95 % CI from a bootstrap over games (a
 game's episodes move together), several seeds' by the two-level bootstrap
 (seeds, then games). Differences are paired on games (lab/stats.py); "holds" only where the CI excludes 0.
@@ -54,19 +54,24 @@ def compare(xs: list[dict], ys: list[dict], games: list[str]) -> dict:
     return ci
 
 
-def table(root: Path) -> tuple[list[str], dict]:
-    seeds = sorted(root.glob("seed*/policy/sampled.json"))
-    arms = {"random (uniform admissible)": dict(sampled=[per_game(root / "random" / "sampled.json")]),
-            "base model": {k: [per_game(root / "base" / f"{k}.json")] for k in ("greedy", "sampled")},
-            "policy RL from the base": {k: [per_game(p.with_name(f"{k}.json")) for p in seeds]
-                                        for k in ("greedy", "sampled")}}
+def table(root: Path, random: str = "random", base: str = "base", policy: str = "seed*/policy",
+          split: str = "test") -> tuple[list[str], dict]:
+    seeds = sorted(root.glob(f"{policy}/sampled.json"))
+    if not seeds:
+        raise SystemExit(f"no {root}/{policy}/sampled.json")
+
+    def runs(paths, k):
+        return [per_game(p) for p in (q.with_name(f"{k}.json") for q in paths) if p.is_file()]
+    arms = {"random (uniform admissible)": dict(sampled=[per_game(root / random / "sampled.json")]),
+            "base model": {k: runs([root / base / "sampled.json"], k) for k in ("greedy", "sampled")},
+            "policy RL from the base": {k: runs(seeds, k) for k in ("greedy", "sampled")}}
     games = sorted(arms["base model"]["sampled"][0])
     for arm in arms.values():
         for runs in arm.values():
             assert all(sorted(r) == games for r in runs), "every arm must play the same games"
-    n = dict(random=episodes(root / "random" / "sampled.json") // len(games),
-             sampled=episodes(root / "base" / "sampled.json") // len(games))
-    lines = [f"TextWorld test games: {len(games)}, 8 steps, choose mode. Sampled: T 1, {n['sampled']} "
+    n = dict(random=episodes(root / random / "sampled.json") // len(games),
+             sampled=episodes(root / base / "sampled.json") // len(games))
+    lines = [f"TextWorld {split} games: {len(games)}, 8 steps, choose mode. Sampled: T 1, {n['sampled']} "
              f"episodes per game and model (random: {n['random']} per game); greedy: one episode per game. "
              "Success in %, 95 % "
              f"CI (bootstrap over games; over seeds, then games, for policy RL: {len(seeds)} seeds, each "
@@ -74,7 +79,7 @@ def table(root: Path) -> tuple[list[str], dict]:
              "| arm | sampled success | greedy success |", "|---|---|---|"]
     for name, arm in arms.items():
         lines.append(f"| {name} | {rate(arm['sampled'], games)} | "
-                     f"{rate(arm['greedy'], games) if 'greedy' in arm else '—'} |")
+                     f"{rate(arm['greedy'], games) if arm.get('greedy') else '—'} |")
     rnd, base = arms["random (uniform admissible)"]["sampled"], arms["base model"]
     pol = arms["policy RL from the base"]
     rows = [("policy RL − base", "sampled", pol["sampled"], base["sampled"]),
@@ -86,6 +91,8 @@ def table(root: Path) -> tuple[list[str], dict]:
               "verdict |", "|---|---|---|---|---|"]
     found = []
     for name, how, xs, ys in rows:
+        if not (xs and ys):
+            continue
         c = compare(xs, ys, games)
         found.append(dict(c, comparison=name, evaluation=how))
         lines.append(f"| {name} | {how} | {100 * c['diff']:+.1f} "
@@ -100,8 +107,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("root", type=Path)
     p.add_argument("--out", type=Path)
+    p.add_argument("--random", default="random", help="the random policy's folder under root")
+    p.add_argument("--base", default="base", help="the base model's folder under root")
+    p.add_argument("--policy", default="seed*/policy", help="the policy runs' folders under root (a glob)")
+    p.add_argument("--split", default="test", help="the games' split, for the table's first line")
     args = p.parse_args(argv)
-    lines, data = table(args.root)
+    lines, data = table(args.root, args.random, args.base, args.policy, args.split)
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

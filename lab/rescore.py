@@ -9,6 +9,7 @@
     python lab/rescore.py [--archive A] [--samples S | --log L] [--out lab/results/strict_rescore]
     python lab/rescore.py --gains    # only the figure, gains.png, from the committed rescore.json
     python lab/rescore.py --run lab/results/train_default   # one run's RWML − warm-up with CIs
+    python lab/rescore.py --evals runs/tw_wm/eval_dev --out runs/tw_wm/tw_wm_dev.md   # lab/tw_wm.sh's tables
 """
 from __future__ import annotations
 
@@ -98,11 +99,11 @@ def paired(data, seeds, x, y, split, metric, kinds=None):
     return dict(ci, items=len(runs[0][0]), smallest=stats.detectable(*pool))
 
 
-def arm_table(data, seeds) -> list[str]:
+def arm_table(data, seeds, splits=SPLITS, arms=ARMS) -> list[str]:
     lines = ["| split | arm | " + " | ".join(f"{v} (seeds {'/'.join(s[4:] for s in seeds)}) [95 % CI]"
                                             for v in METRICS.values()) + " | item n |", "|" + "---|" * 6]
-    for split in SPLITS:
-        for arm in ARMS:
+    for split in splits:
+        for arm in arms:
             cells = []
             for metric in METRICS:
                 rows = [[r for r in data[(s, arm, split)].values() if r[metric] is not None] for s in seeds]
@@ -120,12 +121,12 @@ def arm_table(data, seeds) -> list[str]:
     return lines
 
 
-def comparison_table(data, seeds) -> tuple[list[str], list[dict]]:
+def comparison_table(data, seeds, splits=SPLITS, compare=COMPARE) -> tuple[list[str], list[dict]]:
     lines = ["| split | comparison | metric | diff [95 % CI] | per seed | could detect (80 % power) "
              "| verdict |", "|" + "---|" * 7]
     found = []
-    for split in SPLITS:
-        for x, y in COMPARE:
+    for split in splits:
+        for x, y in compare:
             for metric, name in METRICS.items():
                 c = paired(data, seeds, x, y, split, metric)
                 v = stats.verdict(c)
@@ -279,6 +280,34 @@ def run_gain(run: Path) -> list[str]:
     return lines
 
 
+def read_evals(folder: Path) -> dict:
+    """`eval.py wm` results laid out as lab/tw_wm.sh writes them: <folder>/seedN/<arm>.triplets.jsonl and the
+    one-run baselines <folder>/<base|template|nothing|copy>.triplets.jsonl -> read_archive's dict."""
+    def rows(f):
+        return {(r["game"], r["rollout"], r["step"]): score(r)
+                for r in map(json.loads, f.read_text().splitlines())}
+    split = folder.name.removeprefix("eval_")
+    data = {(f.parent.name, f.name.split(".")[0], split): rows(f) for f in folder.glob("seed*/*.triplets.jsonl")}
+    data.update({("baselines", f.name.split(".")[0], split): rows(f) for f in folder.glob("*.triplets.jsonl")})
+    return data
+
+
+def evals_report(folder: Path) -> list[str]:
+    """The tables of lab/tw_wm.sh's evaluations: each arm with its CI (every seed shown), the baselines, and
+    RWML against the warm-up and WM SFT, WM SFT against the warm-up, paired on triplets."""
+    data = read_evals(folder)
+    seeds = sorted({s for s, _, _ in data if s.startswith("seed")})
+    split = folder.name.removeprefix("eval_")
+    arms = [a for a in ("warmup", "rwml", "wm_sft") if all((s, a, split) in data for s in seeds)]
+    comp, _ = comparison_table(data, seeds, (split,), [c for c in (("rwml", "warmup"), ("rwml", "wm_sft"),
+                                                                   ("wm_sft", "warmup"))
+                                                       if c[0] in arms and c[1] in arms])
+    return [f"# World-model accuracy on `{folder}` ({', '.join(seeds)})", "",
+            "Rates: the mean over seeds, each seed's value in brackets, 4 predictions per triplet; CI: two-level "
+            "bootstrap (seeds, then games), 2,000 draws; the baselines are one run each.", "",
+            *arm_table(data, seeds, (split,), arms), "", "## Paired on the same triplets", "", *comp, ""]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     results = ROOT / "lab" / "results"
@@ -287,10 +316,20 @@ def main(argv=None):
     p.add_argument("--log", type=Path, default=results / "train_default" / "run_log.txt")
     p.add_argument("--samples", type=Path, default=results / "strict_rescore" / "train_samples.jsonl",
                    help="a run's samples.jsonl (every logged step's whole groups); else the log's groups")
-    p.add_argument("--out", type=Path, default=results / "strict_rescore")
+    p.add_argument("--out", type=Path, help="the tables' folder (default lab/results/strict_rescore); "
+                   "with --evals: a markdown file")
     p.add_argument("--gains", action="store_true", help="only draw <out>/gains.png from <out>/rescore.json")
     p.add_argument("--run", type=Path, help="only a `python train.py` run's paired RWML − warm-up, with CIs")
+    p.add_argument("--evals", type=Path, help="only the tables of a lab/tw_wm.sh evaluation folder (eval_SPLIT)")
     args = p.parse_args(argv)
+    if args.evals:
+        md = "\n".join(evals_report(args.evals))
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(md)
+        print(md)
+        return
+    args.out = args.out or results / "strict_rescore"
     if args.run:
         print("\n".join(run_gain(args.run)))
         return

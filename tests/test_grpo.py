@@ -1,5 +1,4 @@
 """GRPO maths against hand-computed values, the log-prob path against a naive one, the easy filter."""
-import contextlib
 import math
 
 import pytest
@@ -320,29 +319,6 @@ def test_compact_decoding_equals_generate_as_rows_end_at_different_steps(tiny_mo
     for ids, m in zip(roll.input_ids[:, -roll.completion_mask.shape[1]:], roll.completion_mask):
         n = int(m.sum())
         assert n == m.shape[0] or int(ids[n - 1]) == end  # a row stops at its end token, or at the cap
-
-
-def test_sampling_with_the_adapter_folded_equals_the_adapter_applied_and_leaves_the_base_untouched(lora_model,
-                                                                                                  monkeypatch):
-    """engine.lora_folded: greedy samples of a LoRA model are those of the unfolded adapter (which does change
-    them), the base weights come back bit for bit, and the adapter is live again for training."""
-    model, tok = lora_model(seed=3, std=0.3)
-    texts = [engine.chat(tok, p) for p in ("go to desk 1", "open the drawer 2, then look")]
-    base = {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
-    folded = engine.sample(model, tok, texts, n=2, max_new_tokens=10, temperature=0.0)
-    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if "base_layer" in n)
-    monkeypatch.setattr(engine, "lora_folded", lambda model: contextlib.nullcontext())
-    applied = engine.sample(model, tok, texts, n=2, max_new_tokens=10, temperature=0.0)
-    with model.disable_adapter():
-        bare = engine.sample(model, tok, texts, n=2, max_new_tokens=10, temperature=0.0)
-    assert torch.equal(folded.input_ids, applied.input_ids)
-    assert not torch.equal(applied.input_ids, bare.input_ids)  # the adapter matters here
-    ids = applied.input_ids[:1]
-    with torch.no_grad():
-        on, off = model(input_ids=ids).logits, None
-        with model.disable_adapter():
-            off = model(input_ids=ids).logits
-    assert not torch.allclose(on, off)  # after folding the adapter still acts
 
 
 def test_reserved_cache_layer_matches_dynamic_layer():

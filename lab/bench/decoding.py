@@ -5,12 +5,16 @@
 
 Variants, each sampling the same distribution from the same prompts:
   generate   plain `model.generate` (do_sample, DynamicCache; every row's prompt run in full)
+  static     `model.generate` with transformers' own preallocated cache (cache_implementation="static")
   prefill    transformers' loop after our shared prefill (a group's prompt runs once): `engine.DECODER =
              "generate"`, the engine before issue 40 less its growing cache (rejected: lab/NOTEBOOK.md)
-  compact    ours (`engine.decode`): the shared prefill, then each row leaves the batch as it ends
+  dynamic    ours (`engine.decode`: the shared prefill, then each row leaves the batch as it ends) on
+             transformers' DynamicCache, which concatenates every layer's keys and values at every step
+  compact    ours as the engine runs it: `engine.decode` on `engine.reserve`'s layers (written in place)
 Shapes (bundled SmolLM2-135M, + ADAPTER; prompts: ALFWorld valid_unseen world-model prompts of walkthrough
 triplets, 4 timed batches after one untimed, seeds 0-4):
-  wm     4 prompts x 4 samples at T 1, 64 tokens: train.py's held-out evaluation batch and a GRPO step
+  grpo   4 prompts x 4 samples at T 1, 64 tokens: a GRPO step's group sampling
+  eval   8 prompts x 4 samples at T 1, 64 tokens: train.py's held-out evaluation batch (rwml.evaluate_wm)
   agent  16 distinct prompts x 1 at T 1, 64 tokens: collection's batch of games
 The warm-up adapter gives the lengths the run meets (the base model rambles to the cap). Tokens/s counts the
 sampled tokens (to each row's end: a loop that computes past a row's end is slower); ours draws other random
@@ -28,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the repo root: the project's modules
 
-SHAPES = dict(wm=(4, 4), agent=(16, 1))  # (prompts, samples per prompt)
-VARIANTS = ("generate", "prefill", "compact")
+SHAPES = dict(grpo=(4, 4), eval=(8, 4), agent=(16, 1))  # (prompts, samples per prompt)
+VARIANTS = ("generate", "static", "prefill", "dynamic", "compact")
 
 
 @functools.cache
@@ -52,14 +56,16 @@ def one(shape: str, variant: str, adapter: str | None = None) -> dict:
 
     model, tok = engine.load_model(engine.BUNDLED_MODEL, adapter)
     k, n = SHAPES[shape]
-    engine.DECODER = "compact" if variant == "compact" else "generate"
+    engine.DECODER = "compact" if variant in ("compact", "dynamic") else "generate"
+    if variant == "dynamic":
+        engine.reserve = lambda cache, length: None
     tokens, seconds = 0, 0.0
     for rep in range(5):  # the first one warms up, untimed
         trips = triplets()[rep * k:(rep + 1) * k]
         torch.manual_seed(rep)
         t0 = time.perf_counter()
-        if variant == "generate":
-            roll = plain_generate(model, tok, trips, n)
+        if variant in ("generate", "static"):
+            roll = plain_generate(model, tok, trips, n, static=variant == "static")
         else:
             roll = rwml.sample_predictions(model, tok, trips, reasoning=False, n=n, max_new_tokens=64,
                                            temperature=1.0)
@@ -71,7 +77,7 @@ def one(shape: str, variant: str, adapter: str | None = None) -> dict:
                 peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3))
 
 
-def plain_generate(model, tok, trips, n):
+def plain_generate(model, tok, trips, n, static=False):
     """model.generate as a user writes it: the chat texts, repeated n times, one call."""
     import engine
     import rwml
@@ -81,6 +87,8 @@ def plain_generate(model, tok, trips, n):
     batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     gen = engine.sampling_config(model, tok, temperature=1.0, top_p=1.0, max_new_tokens=64)
     gen.stop_strings = [rwml.WM_STOP]
+    if static:
+        gen.cache_implementation = "static"
     with engine.checkpoint_generation_config_off(model):
         out = model.generate(**{k: v.repeat_interleave(n, 0) for k, v in batch.items()},
                              generation_config=gen, tokenizer=tok)
@@ -106,13 +114,13 @@ def main() -> None:
             rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), file=sys.stderr)
     print(f"{'shape':<6} {'variant':<14} {'tokens':>6} {'s':>7} {'tokens/s':>9} {'x generate':>10} "
-          f"{'x prefill':>9} {'peak RSS GB':>11}")
+          f"{'x dynamic':>9} {'peak RSS GB':>11}")
     for r in rows:
         ref = {v: next(x for x in rows if x["shape"] == r["shape"] and x["variant"] == v)["tokens_per_s"]
-               for v in ("generate", "prefill")}
+               for v in ("generate", "dynamic")}
         print(f"{r['shape']:<6} {r['variant']:<14} {r['tokens']:>6} {r['seconds']:>7.1f} "
               f"{r['tokens_per_s']:>9.1f} "
-              f"{r['tokens_per_s'] / ref['generate']:>10.2f} {r['tokens_per_s'] / ref['prefill']:>9.2f} "
+              f"{r['tokens_per_s'] / ref['generate']:>10.2f} {r['tokens_per_s'] / ref['dynamic']:>9.2f} "
               f"{r['peak_rss_gb']:>11.3f}")
 
 
