@@ -318,7 +318,8 @@ def _reserved_layer():
             n, m = self.get_seq_length(), key_states.shape[-2]
             if self.buffers is None or n + m > self.buffers[0].shape[-2]:  # first use, or out of room
                 old, room = (self.keys, self.values), max(self.length, n + m)
-                self.buffers = [x.new_empty(*x.shape[:2], room, x.shape[-1]) for x in (key_states, value_states)]
+                self.buffers = [x.new_empty(*x.shape[:2], room, x.shape[-1])
+                                for x in (key_states, value_states)]
                 if n:
                     for buf, x in zip(self.buffers, old):
                         buf[:, :, :n] = x

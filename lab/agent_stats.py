@@ -1,10 +1,10 @@
 """The agent table with its intervals (issue 37): `python lab/agent_stats.py RUNS [--out TABLE.md]`.
 
 Reads what lab/stage2_test.sh writes: random/sampled.json, base/{greedy,sampled}.json and per seed
-seedN/policy/{greedy,sampled}.json (eval.py agent results, every episode inside; other folders: --random, --base,
---policy, as lab/stage2_dev.sh passes them; a greedy file may be missing). Every arm plays the same games;
-a game's success is the mean over its episodes. Rates: one run's with a 95 % CI from a bootstrap over games (a
-game's episodes move together), several seeds' by the two-level bootstrap
+seedN/policy/{greedy,sampled}.json (eval.py agent results, every episode inside; other folders:
+--random, --base, --policy, as lab/stage2_dev.sh passes them; a greedy file may be missing). Every arm
+plays the same games; a game's success is the mean over its episodes. Rates: one run's with a 95 % CI
+from a bootstrap over games (a game's episodes move together), several seeds' by the two-level bootstrap
 (seeds, then games). Differences are paired on games (lab/stats.py); "holds" only where the CI excludes 0.
 """
 from __future__ import annotations

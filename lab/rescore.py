@@ -287,8 +287,10 @@ def read_evals(folder: Path) -> dict:
         return {(r["game"], r["rollout"], r["step"]): score(r)
                 for r in map(json.loads, f.read_text().splitlines())}
     split = folder.name.removeprefix("eval_")
-    data = {(f.parent.name, f.name.split(".")[0], split): rows(f) for f in folder.glob("seed*/*.triplets.jsonl")}
-    data.update({("baselines", f.name.split(".")[0], split): rows(f) for f in folder.glob("*.triplets.jsonl")})
+    data = {(f.parent.name, f.name.split(".")[0], split): rows(f)
+            for f in folder.glob("seed*/*.triplets.jsonl")}
+    data.update({("baselines", f.name.split(".")[0], split): rows(f)
+                 for f in folder.glob("*.triplets.jsonl")})
     return data
 
 
@@ -303,8 +305,8 @@ def evals_report(folder: Path) -> list[str]:
                                                                    ("wm_sft", "warmup"))
                                                        if c[0] in arms and c[1] in arms])
     return [f"# World-model accuracy on `{folder}` ({', '.join(seeds)})", "",
-            "Rates: the mean over seeds, each seed's value in brackets, 4 predictions per triplet; CI: two-level "
-            "bootstrap (seeds, then games), 2,000 draws; the baselines are one run each.", "",
+            "Rates: the mean over seeds, each seed's value in brackets, 4 predictions per triplet; "
+            "CI: two-level bootstrap (seeds, then games), 2,000 draws; the baselines are one run each.", "",
             *arm_table(data, seeds, (split,), arms), "", "## Paired on the same triplets", "", *comp, ""]
 
 
@@ -320,7 +322,8 @@ def main(argv=None):
                    "with --evals: a markdown file")
     p.add_argument("--gains", action="store_true", help="only draw <out>/gains.png from <out>/rescore.json")
     p.add_argument("--run", type=Path, help="only a `python train.py` run's paired RWML − warm-up, with CIs")
-    p.add_argument("--evals", type=Path, help="only the tables of a lab/tw_wm.sh evaluation folder (eval_SPLIT)")
+    p.add_argument("--evals", type=Path,
+                   help="only the tables of a lab/tw_wm.sh evaluation folder (eval_SPLIT)")
     args = p.parse_args(argv)
     if args.evals:
         md = "\n".join(evals_report(args.evals))
