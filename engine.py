@@ -6,7 +6,6 @@ projection, shared-prompt forward), each fast path checked once per model agains
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import inspect
 import logging
@@ -267,7 +266,6 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
         else:
             from transformers.generation.stopping_criteria import StopStringCriteria
 
-            reserve(cache, ids.shape[1] + max_new_tokens)
             out = decode(model, batch["input_ids"], batch["attention_mask"], cache, gen["generation_config"],
                          stop and StopStringCriteria(tokenizer, [stop]))
     P = batch["input_ids"].shape[1]
@@ -285,65 +283,6 @@ def sample(model, tokenizer, texts: list[str], *, n: int = 1, prefix: str = "", 
 
 
 DECODER = "compact"  # or "generate" (transformers' loop): lab/bench/decoding.py measures both
-
-
-def reserve(cache, length: int) -> None:
-    """Give each full-attention layer of a DynamicCache room for `length` tokens (`_reserved_layer`)."""
-    from transformers.cache_utils import DynamicLayer
-
-    cache.layers = [_reserved_layer().of(layer, length) if type(layer) is DynamicLayer else layer
-                    for layer in cache.layers]
-
-
-@functools.cache
-def _reserved_layer():
-    from transformers.cache_utils import DynamicLayer
-
-    class ReservedLayer(DynamicLayer):
-        """A DynamicLayer whose keys and values are views of buffers with room to grow: a decoding step writes
-        its token in place, where DynamicLayer concatenates, i.e. reallocates and copies every layer's whole
-        cache at every step (lab/results/bench_decoding/: most of a step's time on a 2-core CPU)."""
-
-        @classmethod
-        def of(cls, layer, length: int):
-            new = cls()
-            new.length, new.buffers = length, None
-            if layer.is_initialized and layer.get_seq_length():
-                new.update(layer.keys, layer.values)
-            return new
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            n, m = self.get_seq_length(), key_states.shape[-2]
-            if self.buffers is None or n + m > self.buffers[0].shape[-2]:  # first use, or out of room
-                old, room = (self.keys, self.values), max(self.length, n + m)
-                self.buffers = [x.new_empty(*x.shape[:2], room, x.shape[-1])
-                                for x in (key_states, value_states)]
-                if n:
-                    for buf, x in zip(self.buffers, old):
-                        buf[:, :, :n] = x
-            for buf, x in zip(self.buffers, (key_states, value_states)):
-                buf[:, :, n:n + m] = x
-            self._views(n + m)
-            return self.keys, self.values
-
-        def _views(self, n: int) -> None:
-            self.keys, self.values = (buf[:, :, :n] for buf in self.buffers)
-
-        def batch_select_indices(self, indices: torch.Tensor) -> None:
-            if self.buffers is not None:
-                n = self.get_seq_length()
-                self.buffers = [buf[indices] for buf in self.buffers]
-                self._views(n)
-
-        def batch_repeat_interleave(self, repeats: int) -> None:
-            if self.buffers is not None:
-                n = self.get_seq_length()
-                self.buffers = [buf.repeat_interleave(repeats, 0) for buf in self.buffers]
-                self._views(n)
-
-    return ReservedLayer
 
 
 @torch.no_grad()

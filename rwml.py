@@ -560,7 +560,7 @@ def policy_update(model, tokenizer, optimizer, turns: list[Triplet], summaries: 
 # ======================================================================== §8 Evaluation: world-model accuracy
 
 def evaluate_wm(model, tokenizer, triplets: list[Triplet], reward_fn, *, max_new_tokens: int = 96,
-                batch_size: int = 32, reasoning: bool = True, samples: int = 0,
+                batch_size: int = 16, reasoning: bool = True, samples: int = 0,
                 temperature: float = 1.0) -> dict:
     """World-model accuracy on held-out triplets: the share of predictions with r_WM = 1, mean cosine,
     exact match and format rate, overall, on real changes vs "Nothing happens.", on the targets the

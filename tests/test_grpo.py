@@ -321,27 +321,6 @@ def test_compact_decoding_equals_generate_as_rows_end_at_different_steps(tiny_mo
         assert n == m.shape[0] or int(ids[n - 1]) == end  # a row stops at its end token, or at the cap
 
 
-def test_reserved_cache_layer_matches_dynamic_layer():
-    """engine.reserve: keys and values written in place into buffers with room are DynamicLayer's
-    concatenations, through growing past the room, dropping rows and repeating them."""
-    from transformers.cache_utils import DynamicLayer
-
-    ref, ours = DynamicLayer(), engine._reserved_layer().of(DynamicLayer(), 5)
-    torch.manual_seed(0)
-    for step, m in enumerate((3, 1, 1, 4, 1)):  # 3 + 1 + 1 fits the room of 5; then it grows
-        k, v = torch.randn(4, 2, m, 8), torch.randn(4, 2, m, 8)
-        if step == 3:
-            idx = torch.tensor([0, 2])
-            ref.batch_select_indices(idx), ours.batch_select_indices(idx)
-            k, v = k[:2], v[:2]
-        if step == 4:
-            ref.batch_repeat_interleave(2), ours.batch_repeat_interleave(2)
-            k, v = torch.randn(4, 2, m, 8), torch.randn(4, 2, m, 8)
-        for a, b in zip(ref.update(k, v), ours.update(k, v)):
-            assert torch.equal(a, b)
-    assert ours.get_seq_length() == ref.get_seq_length() == 10
-
-
 # ------------------------------------------------------- clip ratio, micro-batches, sampling distribution
 
 def test_clip_ratio_counts_only_tokens_where_the_clip_acts():

@@ -173,3 +173,32 @@ def test_one_runs_gain_is_paired_with_a_ci_and_an_honest_verdict(tmp_path):
         shutil.copy(src, tmp_path / f"wm_eval_rwml_{kind}.triplets.jsonl")
     same = rescore.run_gain(tmp_path)
     assert all("RWML − warm-up +0.000 [+0.000, +0.000]" in line for line in same)
+
+
+def test_the_tw_wm_tables_pair_arms_on_triplets_with_every_seed_shown(tmp_path):
+    """`lab/rescore.py --evals`: lab/tw_wm.sh's layout (seedN/<arm>.triplets.jsonl, one-run baselines beside)
+    -> each arm's mean reward with its seeds, the baselines, and paired differences: RWML = the run's after,
+    warm-up and WM SFT = its before in both seeds, so RWML − warm-up is the run's own paired gain in each
+    seed and WM SFT − warm-up exactly 0, not detected."""
+    import shutil
+
+    import rescore
+
+    src = rescore.ROOT / "lab" / "results" / "train_default"
+    folder = tmp_path / "eval_dev"
+    for seed in ("seed0", "seed1"):
+        (folder / seed).mkdir(parents=True)
+        for arm, run in (("warmup", "before"), ("wm_sft", "before"), ("rwml", "rwml")):
+            shutil.copy(src / f"wm_eval_{run}_explore.triplets.jsonl",
+                        folder / seed / f"{arm}.triplets.jsonl")
+    shutil.copy(src / "wm_eval_template_explore.triplets.jsonl", folder / "template.triplets.jsonl")
+    rows = [json.loads(x) for x in (src / "wm_eval_before_explore.triplets.jsonl").read_text().splitlines()]
+    before = sum(sum(r["rewards"]) / len(r["rewards"]) for r in rows) / len(rows)
+    md = "\n".join(rescore.evals_report(folder))
+    warm = next(line for line in md.splitlines() if line.startswith("| dev | warmup |"))
+    assert f"{before:.3f} ({before:.3f}/{before:.3f})" in warm
+    assert any(line.startswith("| dev | template (one run) | 0.729") for line in md.splitlines())
+    same = next(line for line in md.splitlines() if "| wm_sft − warmup | reward accuracy |" in line)
+    assert "+0.000 [+0.000, +0.000]" in same and "no difference detected" in same
+    gain = next(line for line in md.splitlines() if "| rwml − warmup | reward accuracy |" in line)
+    assert "+0.021/+0.021" in gain

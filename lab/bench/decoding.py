@@ -1,6 +1,7 @@
 """Decoding speed and memory on the run's real shapes (issue 40): our sampler against transformers' generate.
 
     python lab/bench/decoding.py [--adapter runs/rwml/filter/warmup_adapter]   # the table; a process a cell
+    python lab/bench/decoding.py --variants generate,compact ...                # some variants only
     python lab/bench/decoding.py --one SHAPE VARIANT [ADAPTER]                  # one cell (json)
 
 Variants, each sampling the same distribution from the same prompts:
@@ -8,13 +9,12 @@ Variants, each sampling the same distribution from the same prompts:
   static     `model.generate` with transformers' own preallocated cache (cache_implementation="static")
   prefill    transformers' loop after our shared prefill (a group's prompt runs once): `engine.DECODER =
              "generate"`, the engine before issue 40 less its growing cache (rejected: lab/NOTEBOOK.md)
-  dynamic    ours (`engine.decode`: the shared prefill, then each row leaves the batch as it ends) on
-             transformers' DynamicCache, which concatenates every layer's keys and values at every step
-  compact    ours as the engine runs it: `engine.decode` on `engine.reserve`'s layers (written in place)
+  compact    ours as the engine runs it (`engine.decode`: the shared prefill, then each row leaves the batch
+             as it ends), on transformers' DynamicCache
 Shapes (bundled SmolLM2-135M, + ADAPTER; prompts: ALFWorld valid_unseen world-model prompts of walkthrough
 triplets, 4 timed batches after one untimed, seeds 0-4):
-  grpo   4 prompts x 4 samples at T 1, 64 tokens: a GRPO step's group sampling
-  eval   8 prompts x 4 samples at T 1, 64 tokens: train.py's held-out evaluation batch (rwml.evaluate_wm)
+  wm     4 prompts x 4 samples at T 1, 64 tokens: a GRPO step's group sampling, and the held-out
+         evaluation's batch of 16 rows (rwml.evaluate_wm)
   agent  16 distinct prompts x 1 at T 1, 64 tokens: collection's batch of games
 The warm-up adapter gives the lengths the run meets (the base model rambles to the cap). Tokens/s counts the
 sampled tokens (to each row's end: a loop that computes past a row's end is slower); ours draws other random
@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the repo root: the project's modules
 
-SHAPES = dict(grpo=(4, 4), eval=(8, 4), agent=(16, 1))  # (prompts, samples per prompt)
-VARIANTS = ("generate", "static", "prefill", "dynamic", "compact")
+SHAPES = dict(wm=(4, 4), agent=(16, 1))  # (prompts, samples per prompt)
+VARIANTS = ("generate", "static", "prefill", "compact")
 
 
 @functools.cache
@@ -56,9 +56,7 @@ def one(shape: str, variant: str, adapter: str | None = None) -> dict:
 
     model, tok = engine.load_model(engine.BUNDLED_MODEL, adapter)
     k, n = SHAPES[shape]
-    engine.DECODER = "compact" if variant in ("compact", "dynamic") else "generate"
-    if variant == "dynamic":
-        engine.reserve = lambda cache, length: None
+    engine.DECODER = "compact" if variant == "compact" else "generate"
     tokens, seconds = 0, 0.0
     for rep in range(5):  # the first one warms up, untimed
         trips = triplets()[rep * k:(rep + 1) * k]
@@ -103,10 +101,13 @@ def main() -> None:
         print(json.dumps(one(*sys.argv[2:5])))
         return
     adapter = sys.argv[sys.argv.index("--adapter") + 1:][:1] if "--adapter" in sys.argv else []
+    variants = sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv else VARIANTS
+    if not {"generate"} <= set(variants) <= set(VARIANTS):
+        sys.exit(f"--variants: a comma-separated subset of {','.join(VARIANTS)} with generate")
     triplets()  # before the cells
     rows = []
     for shape in SHAPES:
-        for variant in VARIANTS:
+        for variant in variants:
             r = subprocess.run([sys.executable, __file__, "--one", shape, variant, *adapter],
                                capture_output=True, text=True)
             if r.returncode:
@@ -114,13 +115,13 @@ def main() -> None:
             rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), file=sys.stderr)
     print(f"{'shape':<6} {'variant':<14} {'tokens':>6} {'s':>7} {'tokens/s':>9} {'x generate':>10} "
-          f"{'x dynamic':>9} {'peak RSS GB':>11}")
+          f"{'x compact':>9} {'peak RSS GB':>11}")
     for r in rows:
-        ref = {v: next(x for x in rows if x["shape"] == r["shape"] and x["variant"] == v)["tokens_per_s"]
-               for v in ("generate", "dynamic")}
+        ref = {v: next((x["tokens_per_s"] for x in rows if x["shape"] == r["shape"] and x["variant"] == v),
+                       float("nan")) for v in ("generate", "compact")}
         print(f"{r['shape']:<6} {r['variant']:<14} {r['tokens']:>6} {r['seconds']:>7.1f} "
               f"{r['tokens_per_s']:>9.1f} "
-              f"{r['tokens_per_s'] / ref['generate']:>10.2f} {r['tokens_per_s'] / ref['dynamic']:>9.2f} "
+              f"{r['tokens_per_s'] / ref['generate']:>10.2f} {r['tokens_per_s'] / ref['compact']:>9.2f} "
               f"{r['peak_rss_gb']:>11.3f}")
 
 

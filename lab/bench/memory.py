@@ -6,7 +6,7 @@ the naive full-logits path (and, for SFT, TRL's SFTTrainer), on the same job.
 SFT: one optimizer step on the 8 longest real world-model prompts of the warm-up (history 1, no reasoning).
 naive: one forward with [B, T, vocab] fp32 logits; ours: engine.sft (token-budget micro-batches, answer-only
 chunked projection); trl: SFTTrainer, completion_only_loss, fp32. GRPO: one update of `--sequences` random
-sequences, naive vs rwml.grpo_update. sample: the held-out evaluation's sampling batch (8 prompts x 4 at 64
+sequences, naive vs rwml.grpo_update. sample: the held-out evaluation's sampling batch (4 prompts x 4 at 64
 tokens), model.generate vs ours. LoRA r 16 all-linear, AdamW; each arm in a fresh process; peak RSS is
 VmHWM reset just before the update, "+" what the update added. tests/test_memory.py runs the child mode.
 """
@@ -67,10 +67,10 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
                 return loss.item()
         else:
             step = trl_sft_step(model, tok, texts, [x + tok.eos_token for x in answers], a.lr)
-    elif job == "sample":  # the held-out evaluation's batch (rwml.evaluate_wm's 32 rows): the 8 longest
-        trips = envs.walkthrough_triplets(num_games=6, history_len=1)  # prompts x 4 samples, 64 tokens
-        trips = sorted(trips, key=lambda t: -len(rwml.wm_prompt(t, reasoning=False)))[:8]
-        tokens = 32 * 64
+    elif job == "sample":  # the held-out evaluation's batch: the 4 longest prompts x 4 samples, 64 tokens
+        trips = envs.walkthrough_triplets(num_games=6, history_len=1)
+        trips = sorted(trips, key=lambda t: -len(rwml.wm_prompt(t, reasoning=False)))[:4]
+        tokens = 16 * 64
         if arm == "ours":
             def step():
                 roll = rwml.sample_predictions(model, tok, trips, reasoning=False, n=4, max_new_tokens=64)
