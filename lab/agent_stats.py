@@ -2,7 +2,8 @@
 
 Reads what lab/stage2_test.sh writes: random/sampled.json, base/{greedy,sampled}.json and per seed
 seedN/policy/{greedy,sampled}.json (eval.py agent results, every episode inside; other folders:
---random, --base, --policy, as lab/stage2_dev.sh passes them; a greedy file may be missing). Every arm
+--random, --base, --policy, as lab/stage2_dev.sh passes them; a greedy file may be missing; `--arm NAME=GLOB
+--file F`: several arms of one evaluation each, as lab/agent_sanity.sh writes them). Every arm
 plays the same games; a game's success is the mean over its episodes. Rates: one run's with a 95 % CI
 from a bootstrap over games (a game's episodes move together), several seeds' by the two-level bootstrap
 (seeds, then games). Differences are paired on games (lab/stats.py); "holds" only where the CI excludes 0.
@@ -19,11 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stats  # noqa: E402
 
 
-def per_game(path: Path) -> dict[str, float]:
-    """game -> mean success of its episodes."""
+def per_game(path: Path, split: str | None = None) -> dict[str, float]:
+    """game -> mean success of its episodes (of the comma-separated splits only, when given)."""
     wins = defaultdict(list)
     for e in json.loads(path.read_text())["episodes"]:
-        wins[f"{e['split']}/{e['game']}"].append(float(e["won"]))
+        if split is None or e["split"] in split.split(","):
+            wins[f"{e['split']}/{e['game']}"].append(float(e["won"]))
     return {g: sum(w) / len(w) for g, w in wins.items()}
 
 
@@ -55,7 +57,7 @@ def compare(xs: list[dict], ys: list[dict], games: list[str]) -> dict:
 
 
 def table(root: Path, random: str = "random", base: str = "base", policy: str = "seed*/policy",
-          split: str = "test") -> tuple[list[str], dict]:
+          split: str = "test", name: str = "policy RL") -> tuple[list[str], dict]:
     seeds = sorted(root.glob(f"{policy}/sampled.json"))
     if not seeds:
         raise SystemExit(f"no {root}/{policy}/sampled.json")
@@ -64,7 +66,7 @@ def table(root: Path, random: str = "random", base: str = "base", policy: str = 
         return [per_game(p) for p in (q.with_name(f"{k}.json") for q in paths) if p.is_file()]
     arms = {"random (uniform admissible)": dict(sampled=[per_game(root / random / "sampled.json")]),
             "base model": {k: runs([root / base / "sampled.json"], k) for k in ("greedy", "sampled")},
-            "policy RL from the base": {k: runs(seeds, k) for k in ("greedy", "sampled")}}
+            name: {k: runs(seeds, k) for k in ("greedy", "sampled")}}
     games = sorted(arms["base model"]["sampled"][0])
     for arm in arms.values():
         for runs in arm.values():
@@ -74,19 +76,19 @@ def table(root: Path, random: str = "random", base: str = "base", policy: str = 
     lines = [f"TextWorld {split} games: {len(games)}, 8 steps, choose mode. Sampled: T 1, {n['sampled']} "
              f"episodes per game and model (random: {n['random']} per game); greedy: one episode per game. "
              "Success in %, 95 % "
-             f"CI (bootstrap over games; over seeds, then games, for policy RL: {len(seeds)} seeds, each "
+             f"CI (bootstrap over games; over seeds, then games, for {name}: {len(seeds)} seeds, each "
              "value in brackets).", "",
              "| arm | sampled success | greedy success |", "|---|---|---|"]
     for name, arm in arms.items():
         lines.append(f"| {name} | {rate(arm['sampled'], games)} | "
                      f"{rate(arm['greedy'], games) if arm.get('greedy') else '—'} |")
     rnd, base = arms["random (uniform admissible)"]["sampled"], arms["base model"]
-    pol = arms["policy RL from the base"]
-    rows = [("policy RL − base", "sampled", pol["sampled"], base["sampled"]),
-            ("policy RL − random", "sampled", pol["sampled"], rnd),
+    pol = arms[name]
+    rows = [(f"{name} − base", "sampled", pol["sampled"], base["sampled"]),
+            (f"{name} − random", "sampled", pol["sampled"], rnd),
             ("base − random", "sampled", base["sampled"], rnd),
-            ("policy RL − base", "greedy", pol["greedy"], base["greedy"]),
-            ("policy RL − random", "greedy", pol["greedy"], rnd)]
+            (f"{name} − base", "greedy", pol["greedy"], base["greedy"]),
+            (f"{name} − random", "greedy", pol["greedy"], rnd)]
     lines += ["", "| comparison (paired on games) | evaluation | difference, points [95 % CI] | each seed | "
               "verdict |", "|---|---|---|---|---|"]
     found = []
@@ -103,6 +105,40 @@ def table(root: Path, random: str = "random", base: str = "base", policy: str = 
     return lines, dict(games=games, comparisons=found)
 
 
+def arms_table(root: Path, arms: dict[str, str], file: str = "eval_agent.json", random: str = "random",
+               base: str = "base", split: str = "test") -> tuple[list[str], dict]:
+    """Several arms with one evaluation each (lab/agent_sanity.sh's greedy eval_agent.json), arm name ->
+    folder glob under root: each arm's rate with its CI, and its difference from the base and from random,
+    paired on the games of `split`."""
+    def load(glob):
+        paths = sorted(root.glob(f"{glob}/{file}"))
+        if not paths:
+            raise SystemExit(f"no {root}/{glob}/{file}")
+        return [per_game(p, split) for p in paths]
+    rnd, bas = load(random), load(base)
+    games = sorted(bas[0])
+    runs = {name: load(glob) for name, glob in arms.items()}
+    for r in [*rnd, *bas, *(x for rs in runs.values() for x in rs)]:
+        assert sorted(r) == games, "every arm must play the same games"
+    lines = [f"TextWorld {split} games: {len(games)}; {file}. Success in %, 95 % CI (bootstrap over games; "
+             "over seeds, then games, for several seeds, each value in brackets); differences in points, "
+             "paired on games.", "",
+             "| arm | success | − base [95 % CI] | − random [95 % CI] | verdict (− base; − random) |",
+             "|---|---|---|---|---|", f"| random (uniform admissible) | {rate(rnd, games)} | | | |",
+             f"| base model | {rate(bas, games)} | | | |"]
+    found = []
+    for name, xs in runs.items():
+        cells, verdicts = [], []
+        for other, ys in (("base", bas), ("random", rnd)):
+            c = compare(xs, ys, games)
+            found.append(dict(c, comparison=f"{name} − {other}"))
+            cells.append(f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]")
+            verdicts.append(stats.verdict(c).replace("holds", "holds (CI excludes 0)")
+                            + f"; could detect >= {100 * c['could_detect']:.1f}")
+        lines.append(f"| {name} | {rate(xs, games)} | {cells[0]} | {cells[1]} | {'; '.join(verdicts)} |")
+    return lines, dict(games=games, comparisons=found)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("root", type=Path)
@@ -111,8 +147,16 @@ def main(argv=None):
     p.add_argument("--base", default="base", help="the base model's folder under root")
     p.add_argument("--policy", default="seed*/policy", help="the policy runs' folders under root (a glob)")
     p.add_argument("--split", default="test", help="the games' split, for the table's first line")
+    p.add_argument("--name", default="policy RL", help="the --policy arm's name in the tables (e.g. warm-up)")
+    p.add_argument("--arm", action="append", metavar="NAME=GLOB",
+                   help="instead of --policy: arms of one evaluation file (--file) each")
+    p.add_argument("--file", default="eval_agent.json", help="the --arm folders' evaluation file")
     args = p.parse_args(argv)
-    lines, data = table(args.root, args.random, args.base, args.policy, args.split)
+    if args.arm:
+        lines, data = arms_table(args.root, dict(a.split("=", 1) for a in args.arm), args.file, args.random,
+                                 args.base, args.split)
+    else:
+        lines, data = table(args.root, args.random, args.base, args.policy, args.split, args.name)
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

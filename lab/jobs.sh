@@ -1,8 +1,9 @@
-# Sourced by sanity.sh and agent_sanity.sh: jobs JOBS at a time, one thread each, logging to $LOGS/NAME.log,
-# leaving NAME.done or NAME.failed; the first failure stops the others and names its log. `after NAME...` waits
-# for earlier jobs of the queue (only earlier ones, so the slots never all wait).
+# Sourced by the lab scripts: jobs JOBS at a time, nproc/JOBS threads each (THREADS overrides it, for two
+# drivers at once), logging to $LOGS/NAME.log, leaving NAME.done or NAME.failed; the first failure stops the
+# others and names its log. `after NAME...` waits for earlier jobs of the queue (only earlier ones, so the
+# slots never all wait).
 in_parallel() {  # in_parallel "NAME COMMAND..." ...
-    local threads=$(($(nproc) / JOBS)) spec name pids=() names=()
+    local threads=${THREADS:-$(($(nproc) / JOBS))} spec name pids=() names=()
     mkdir -p "$LOGS"
     export LOGS
     for spec in "$@"; do rm -f "$LOGS/${spec%% *}".{done,failed}; done

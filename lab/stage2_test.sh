@@ -13,9 +13,10 @@ JOBS=${JOBS:-1}
 EVAL_GAMES=${EVAL_GAMES:-20}    # test games, the same for every arm (eval.py draws them with its seed 0)
 EPISODES=${EPISODES:-4}         # sampled episodes per game and model
 RANDOM_STREAMS=${RANDOM_STREAMS:-20}
+STEPS=${STEPS:-3}               # stage-2 steps (3: agent_sanity.sh's; 6: chosen on the dev games, stage2_dev.sh)
 TW="--env textworld --action-mode choose --max-turns 8 --num-workers 0"
-RECIPE="--loss-type grpo --scale-rewards group --num-games 16 --games-per-step 2 --num-generations 4 --max-steps 3 \
---beta 0.0 --learning-rate 1e-3 --temperature 1.0"  # agent_sanity.sh's stage 2
+RECIPE="--loss-type grpo --scale-rewards group --num-games 16 --games-per-step 2 --num-generations 4 --max-steps $STEPS \
+--beta 0.0 --learning-rate 1e-3 --temperature 1.0"  # agent_sanity.sh's stage 2 (STEPS apart)
 LOGS=$OUT/logs
 source lab/jobs.sh  # in_parallel
 ev="$PY eval.py agent $TW --split test --num-games $EVAL_GAMES"

@@ -92,6 +92,26 @@ def test_the_agent_table_pairs_arms_on_games(tmp_path):
     assert rl_base["diff"] == 1.0 and rl_base["lo"] == 1.0 and "holds" in lines[-5]
     assert found[("base − random", "sampled")]["diff"] == -0.5
     assert any(line.startswith("| random (uniform admissible) | 50.0 [50.0, 50.0]") for line in lines)
+    _, named = agent_stats.table(tmp_path, name="warm-up")  # another arm in the --policy folders
+    assert ("warm-up − base", "sampled") in {(c["comparison"], c["evaluation"]) for c in named["comparisons"]}
     write(tmp_path / "base" / "greedy.json", {g: [0] for g in games[:5]})  # another set of games: refused
     with pytest.raises(AssertionError, match="same games"):
         agent_stats.table(tmp_path)
+
+
+def test_the_committed_agent_and_textworld_tables_are_what_their_files_give():
+    """The issue-37 tables in lab/results/ recomputed from the per-episode and per-triplet files committed
+    beside them (seeded bootstraps): a number edited by hand, or a file replaced, fails here."""
+    import agent_stats
+    import rescore
+
+    res = Path(__file__).resolve().parents[1] / "lab" / "results"
+    for study in ("stage2_test", "stage2_test_6steps"):
+        lines, _ = agent_stats.table(res / study)
+        assert lines == (res / study / f"{study}.md").read_text().splitlines(), study
+    dev = (res / "stage2_dev" / "stage2_dev.md").read_text().split("## after ")
+    for n, section in ((3, dev[1]), (6, dev[2])):
+        lines, _ = agent_stats.table(res / "stage2_dev", policy=f"seed*/step{n}", split="dev")
+        assert lines == section.strip().splitlines()[1:], n
+    wm = (res / "tw_wm_test" / "tw_wm_test.md").read_text().splitlines()
+    assert "\n".join(rescore.evals_report(res / "tw_wm_test" / "eval_test")).splitlines()[1:] == wm[1:]
