@@ -45,6 +45,13 @@ def rate(runs: list[dict], games: list[str]) -> str:
     return f"{pct(ci['diff'])} [{pct(ci['lo'])}, {pct(ci['hi'])}]{seeds}"
 
 
+def said(c: dict) -> tuple[str, str]:
+    """A comparison's cells: the difference in points with its CI; the verdict with what it could detect."""
+    return (f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]",
+            f"{stats.verdict(c).replace('holds', 'holds (CI excludes 0)')}; could detect >= "
+            f"{100 * c['could_detect']:.1f} points")
+
+
 def compare(xs: list[dict], ys: list[dict], games: list[str]) -> dict:
     """x - y paired on games; x over its seeds (y: one run, or one per seed of x)."""
     ys = ys if len(ys) == len(xs) else ys * len(xs)
@@ -97,11 +104,9 @@ def table(root: Path, random: str = "random", base: str = "base", policy: str = 
             continue
         c = compare(xs, ys, games)
         found.append(dict(c, comparison=name, evaluation=how))
-        lines.append(f"| {name} | {how} | {100 * c['diff']:+.1f} "
-                     f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] | "
-                     f"{' / '.join(f'{100 * v:+.1f}' for v in c['per_seed'])} | "
-                     f"{stats.verdict(c).replace('holds', 'holds (CI excludes 0)')}; could detect >= "
-                     f"{100 * c['could_detect']:.1f} points |")
+        diff, verdict = said(c)
+        lines.append(f"| {name} | {how} | {diff} | {' / '.join(f'{100 * v:+.1f}' for v in c['per_seed'])} | "
+                     f"{verdict} |")
     return lines, dict(games=games, comparisons=found)
 
 
@@ -128,14 +133,10 @@ def arms_table(root: Path, arms: dict[str, str], file: str = "eval_agent.json", 
              f"| base model | {rate(bas, games)} | | | |"]
     found = []
     for name, xs in runs.items():
-        cells, verdicts = [], []
-        for other, ys in (("base", bas), ("random", rnd)):
-            c = compare(xs, ys, games)
-            found.append(dict(c, comparison=f"{name} − {other}"))
-            cells.append(f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]")
-            verdicts.append(stats.verdict(c).replace("holds", "holds (CI excludes 0)")
-                            + f"; could detect >= {100 * c['could_detect']:.1f}")
-        lines.append(f"| {name} | {rate(xs, games)} | {cells[0]} | {cells[1]} | {'; '.join(verdicts)} |")
+        found += [dict(compare(xs, ys, games), comparison=f"{name} − {other}")
+                  for other, ys in (("base", bas), ("random", rnd))]
+        (to_base, v_base), (to_random, v_random) = said(found[-2]), said(found[-1])
+        lines.append(f"| {name} | {rate(xs, games)} | {to_base} | {to_random} | {v_base}; {v_random} |")
     return lines, dict(games=games, comparisons=found)
 
 

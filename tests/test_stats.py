@@ -113,5 +113,11 @@ def test_the_committed_agent_and_textworld_tables_are_what_their_files_give():
     for n, section in ((3, dev[1]), (6, dev[2])):
         lines, _ = agent_stats.table(res / "stage2_dev", policy=f"seed*/step{n}", split="dev")
         assert lines == section.strip().splitlines()[1:], n
+    arms = {"RWML": "rwml", "policy RL": "seed*/policy", "RWML + policy RL": "seed*/rwml_policy",
+            "WM SFT + policy RL": "seed*/wm_sft_policy",
+            "policy RL, seeds 1-2 (not the recipe's)": "seed[12]/policy",
+            "WM SFT + policy RL, seeds 1-2": "seed[12]/wm_sft_policy"}
+    lines, _ = agent_stats.arms_table(res / "agent_sanity", arms, random="random20")
+    assert lines == (res / "agent_sanity" / "agent_stats_test.md").read_text().splitlines()
     wm = (res / "tw_wm_test" / "tw_wm_test.md").read_text().splitlines()
     assert "\n".join(rescore.evals_report(res / "tw_wm_test" / "eval_test")).splitlines()[1:] == wm[1:]
