@@ -16,15 +16,20 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import lzma
+import math
 import re
 import sys
 import tarfile
+import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 import envs  # noqa: E402
 import stats  # noqa: E402
+from envs import UserError  # noqa: E402
+from repo_path import repo_path  # noqa: E402
 
 ARMS, BASELINES, SPLITS = ("warmup", "rwml", "wm_sft", "coin"), ("base", "template", "nothing", "copy"), \
     ("explore", "purposeful")
@@ -38,24 +43,107 @@ def mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def triplet_problem(row) -> str | None:
+    """What keeps a per-triplet row (`eval.py wm`'s <out>.triplets.jsonl) from being re-scored, or None."""
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    for k in ("game", "kind", "target"):
+        if not isinstance(row.get(k), str):
+            return f"{k} is missing or not text"
+    for k in ("rollout", "step"):
+        if k not in row or not (row[k] is None or isinstance(row[k], (int, str))):
+            return f"{k} is missing or not a number"
+    preds, rewards = row.get("predictions"), row.get("rewards")
+    if not (isinstance(preds, list) and preds and all(p is None or isinstance(p, str) for p in preds)):
+        return "predictions is missing or not a list of texts"
+    if not (isinstance(rewards, list) and len(rewards) == len(preds) and all(map(is_number, rewards))):
+        return "rewards is missing or not one number per prediction"
+    return None
+
+
+def read_rows(path: Path, fix: str, problem=None, text: str | None = None, name: str | None = None) -> list:
+    """A JSON-lines file's rows (`text`: its content, read from an archive), each checked by `problem`; a
+    missing, cut or malformed file, or one without rows: one line naming the file, the line and `fix`."""
+    name = name or str(path)
+    if text is None:
+        if not path.is_file():
+            raise UserError(f"{name} is missing; {fix}")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read {name} ({e}); {fix}") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise UserError(f"{name}, line {n}: not JSON (a cut or damaged file); {fix}") from None
+        if p := (problem or (lambda r: None if isinstance(r, dict) else "not a JSON object"))(row):
+            raise UserError(f"{name}, line {n}: {p}; {fix}")
+        rows.append(row)
+    if not rows:
+        raise UserError(f"{name} holds no rows; {fix}")
+    return rows
+
+
+def triplet_rows(path: Path, fix: str, text: str | None = None, name: str | None = None) -> dict:
+    """{(game, rollout, step): score(row)} of a per-triplet file, every row checked first."""
+    return {(r["game"], r["rollout"], r["step"]): score(r)
+            for r in read_rows(path, fix, triplet_problem, text, name)}
+
+
+ARCHIVE_FIX = "restore it (git checkout lab/results/stage1_test_table/), or give another --archive"
+
+
 def read_archive(path: Path) -> dict:
     """(seedN | baselines, arm, split) -> {(game, rollout, step): row}; checks the recorded summary."""
+    if not path.is_file():
+        raise UserError(f"--archive {path} is missing; {ARCHIVE_FIX}")
     out, summaries = {}, {}
-    with tarfile.open(path) as tar:
-        for m in tar.getmembers():
-            hit = re.search(r"/(seed\d+|baselines)/(?:eval_)?(\w+?)_(explore|purposeful)"
-                            r"\.(triplets\.jsonl|json)$", m.name)
-            if hit:
-                text = tar.extractfile(m).read().decode()
-                if hit[4] == "json":
-                    summaries[hit.groups()[:3]] = json.loads(text)
-                else:
-                    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-                    out[hit.groups()[:3]] = {(r["game"], r["rollout"], r["step"]): score(r) for r in rows}
+    try:
+        with tarfile.open(path) as tar:
+            for m in tar.getmembers():
+                hit = re.search(r"/(seed\d+|baselines)/(?:eval_)?(\w+?)_(explore|purposeful)"
+                                r"\.(triplets\.jsonl|json)$", m.name)
+                if hit:
+                    text = tar.extractfile(m).read().decode()
+                    name = f"{path}: {m.name}"
+                    if hit[4] == "json":
+                        try:
+                            summaries[hit.groups()[:3]] = json.loads(text)
+                        except ValueError:
+                            raise UserError(f"{name} does not read as JSON; {ARCHIVE_FIX}") from None
+                    else:
+                        out[hit.groups()[:3]] = triplet_rows(path, ARCHIVE_FIX, text, name)
+    except (tarfile.TarError, lzma.LZMAError, zlib.error, EOFError, OSError, UnicodeDecodeError) as e:
+        why = (str(e).splitlines() or [""])[0]
+        what = ("is not a tar archive (.tar, .tar.gz, .tar.xz)" if isinstance(e, tarfile.ReadError)
+                and "opened" in why else f"is a cut or damaged archive ({why})")
+        raise UserError(f"--archive {path} {what}; {ARCHIVE_FIX}") from None
+    if not out:
+        raise UserError(f"--archive {path} holds no per-triplet results (.../seedN/eval_<arm>_<explore|"
+                        f"purposeful>.triplets.jsonl, as lab/sanity.sh writes them); {ARCHIVE_FIX}")
+    seeds = sorted({s for s, _, _ in out if s.startswith("seed")})
+    if lost := [f"{s}/eval_{a}_{k}" for s in seeds for a in ARMS for k in SPLITS if (s, a, k) not in out]:
+        raise UserError(f"--archive {path} lacks {len(lost)} per-triplet results, e.g. "
+                        f"{lost[0]}.triplets.jsonl (each seed needs every arm: {', '.join(ARMS)}); "
+                        f"{ARCHIVE_FIX}")
     for key, rows in out.items():  # the re-scored reward and exact match are the recorded ones
-        s, preds = summaries[key], [r for r in rows.values()]
-        assert abs(mean(r["reward"] for r in preds) - s["wm_accuracy"]) < 1e-9, key
-        assert abs(mean(r["exact"] for r in preds) - s["exact_match"]) < 1e-9, key
+        s, preds = summaries.get(key), list(rows.values())
+        for metric, recorded in (("reward", "wm_accuracy"), ("exact", "exact_match")):
+            if not (isinstance(s, dict) and is_number(s.get(recorded))):
+                raise UserError(f"--archive {path}: {'/'.join(key)}'s summary (.json) is missing or has no "
+                                f"{recorded}; {ARCHIVE_FIX}")
+            if abs((got := mean(r[metric] for r in preds)) - s[recorded]) >= 1e-9:
+                raise UserError(f"--archive {path}: {'/'.join(key)}'s triplets give {recorded} {got:.6f}, "
+                                f"its summary records {s[recorded]:.6f} (a damaged or edited archive); "
+                                f"{ARCHIVE_FIX}")
     return out
 
 
@@ -107,6 +195,9 @@ def arm_table(data, seeds, splits=SPLITS, arms=ARMS) -> list[str]:
             cells = []
             for metric in METRICS:
                 rows = [[r for r in data[(s, arm, split)].values() if r[metric] is not None] for s in seeds]
+                if not any(rows):  # no triplet this metric scores (item F1: no target lists items)
+                    cells.append("–")
+                    continue
                 runs = [([r[metric] for r in rs], [0] * len(rs), [r["game"] for r in rs]) for rs in rows]
                 ci = stats.two_level_bootstrap(runs, 2000, 0)
                 cells.append(f"{ci['diff']:.3f} ({'/'.join(pct(v) for v in ci['per_seed'])}) "
@@ -130,6 +221,10 @@ def comparison_table(data, seeds, splits=SPLITS, compare=COMPARE) -> tuple[list[
             for metric, name in METRICS.items():
                 c = paired(data, seeds, x, y, split, metric)
                 v = stats.verdict(c)
+                if c is None:  # no common triplet this metric scores
+                    found.append(dict(split=split, x=x, y=y, metric=metric, verdict=v))
+                    lines.append(f"| {split} | {x} − {y} | {name} | – | – | – | {v} |")
+                    continue
                 found.append(dict(split=split, x=x, y=y, metric=metric, verdict=v,
                                   **{k: c[k] for k in ("diff", "lo", "hi", "per_seed", "smallest", "items")}))
                 lines.append(f"| {split} | {x} − {y} | {name} | {ci_text(c)} | "
@@ -177,17 +272,35 @@ def heldout_rewarded(data, seeds) -> list[str]:
 
 def training_groups(log: Path) -> list[dict]:
     """The GRPO groups the run log shows (group 1 of every logged step), one row per completion."""
+    fix = "give a `train.py` run log (what it printed), or --samples"
+    if not log.is_file():
+        raise UserError(f"--log {log} is missing; {fix}")
+    try:
+        text = log.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read --log {log} ({e}); {fix}") from None
     out, head = [], None
-    for line in log.read_text().splitlines():
-        m = re.match(r"\[step (\d+)\] group 1 of \d+: action (.*); real: (.*)$", line)
-        if m:
-            head = dict(step=int(m[1]), action=ast.literal_eval(m[2]), target=ast.literal_eval(m[3]))
-        elif head and (m := re.match(r"\s+(\d+\.\d+)\s+[+-]\d+\.\d+\s+(.*)$", line)):
+    for n, line in enumerate(text.splitlines(), 1):
+        try:
+            m = re.match(r"\[step (\d+)\] group 1 of \d+: action (.*); real: (.*)$", line)
+            if m:
+                head = dict(step=int(m[1]), action=ast.literal_eval(m[2]), target=ast.literal_eval(m[3]))
+                continue
+            if not (head and (m := re.match(r"\s+(\d+\.\d+)\s+[+-]\d+\.\d+\s+(.*)$", line))):
+                continue
             pred, target = ast.literal_eval(m[2]), head["target"]
-            cut = max(len(pred), len(target)) >= WIDTH
-            out.append(dict(head, prediction=pred, reward=float(m[1]), cut=cut,
-                            kind=envs.observation_kind(target), exact=envs.exact_match(pred, target),
-                            f1=envs.item_f1(pred, target)))
+        except (ValueError, SyntaxError):
+            raise UserError(f"{log}, line {n}: a GRPO group's line whose text does not read (a cut or edited "
+                            f"log); {fix}") from None
+        if not (isinstance(pred, str) and isinstance(target, str)):
+            raise UserError(f"{log}, line {n}: a GRPO group's prediction or target is not text; {fix}")
+        cut = max(len(pred), len(target)) >= WIDTH
+        out.append(dict(head, prediction=pred, reward=float(m[1]), cut=cut,
+                        kind=envs.observation_kind(target), exact=envs.exact_match(pred, target),
+                        f1=envs.item_f1(pred, target)))
+    if not out:
+        raise UserError(f"--log {log} shows no GRPO group (\"[step N] group 1 of G: ...\" and its "
+                        f"predictions); {fix}")
     return out
 
 
@@ -196,8 +309,8 @@ def training_samples(path: Path) -> list[dict]:
     from reward import parse_next_state
 
     out = []
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
+    fix = "give a run's samples.jsonl (train.py wm writes it), or --log"
+    for row in read_rows(path, fix, samples_problem):
         for g in row["groups"]:
             for text, reward in zip(g["completions"], g["rewards"]):
                 pred = parse_next_state(text) or ""
@@ -206,6 +319,26 @@ def training_samples(path: Path) -> list[dict]:
                                 exact=envs.exact_match(pred, g["target"]),
                                 f1=envs.item_f1(pred, g["target"])))
     return out
+
+
+def samples_problem(row) -> str | None:
+    """What keeps a samples.jsonl row (a logged step's whole groups) from the training table, or None."""
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    if not is_number(row.get("step")):
+        return "step is missing or not a number"
+    groups = row.get("groups")
+    if not isinstance(groups, list):
+        return "groups is missing or not a list"
+    for i, g in enumerate(groups, 1):
+        if not (isinstance(g, dict) and all(isinstance(g.get(k), str) for k in ("action", "target"))):
+            return f"group {i}: action or target is missing or not text"
+        texts, rewards = g.get("completions"), g.get("rewards")
+        if not (isinstance(texts, list) and all(isinstance(t, str) for t in texts)
+                and isinstance(rewards, list) and len(rewards) == len(texts)
+                and all(map(is_number, rewards))):
+            return f"group {i}: completions and rewards are not one text and one number each"
+    return None
 
 
 def form_only(pred: str, target: str) -> bool:
@@ -243,7 +376,7 @@ def plot_gains(comparisons: list[dict], png: Path) -> Path:
 
     fig, axes = plt.subplots(1, len(METRICS), figsize=(11, 3.6), sharey=True)
     for ax, (metric, name) in zip(axes, METRICS.items()):
-        rows = [c for c in comparisons if c["metric"] == metric]
+        rows = [c for c in comparisons if c["metric"] == metric and "diff" in c]  # not those without data
         for i, c in enumerate(rows):
             ax.errorbar([c["diff"]], [i], xerr=[[c["diff"] - c["lo"]], [c["hi"] - c["diff"]]], fmt="D",
                         color="C0" if c["lo"] > 0 else "C7", ms=5, capsize=3,
@@ -265,13 +398,19 @@ def plot_gains(comparisons: list[dict], png: Path) -> Path:
 def run_gain(run: Path) -> list[str]:
     """One run's RWML − warm-up (`python train.py`'s wm_eval_{before,rwml}_*.triplets.jsonl), paired on
     triplets, CI over games: under the reward and exact match."""
+    if not run.is_dir():
+        raise UserError(f"--run {run} is not a folder; give a `python train.py` run folder (e.g. runs/rwml)")
+    fix = "give a `python train.py` run folder (its wm_eval_{before,rwml}_<kind>.triplets.jsonl)"
+    files = {(arm, kind): run / f"wm_eval_{arm}_{kind}.triplets.jsonl" for kind in ("explore", "purposeful")
+             for arm in ("before", "rwml")}
+    data = {key: triplet_rows(f, fix) for key, f in files.items()}  # every file checked first
     lines = []
     for kind in ("explore", "purposeful"):
-        rows = {arm: {(r["game"], r["rollout"], r["step"]): score(r) for r in
-                      map(json.loads, (run / f"wm_eval_{arm}_{kind}.triplets.jsonl").read_text().splitlines())
-                      }
-                for arm in ("before", "rwml")}
+        rows = {arm: data[(arm, kind)] for arm in ("before", "rwml")}
         keys = sorted(rows["before"])
+        if set(keys) != set(rows["rwml"]):
+            raise UserError(f"{files[('rwml', kind)]} scores other triplets than {files[('before', kind)]}; "
+                            "both come from one run: score them again on the same held-out set")
         for metric in ("reward", "exact"):
             c = stats.paired_bootstrap([rows["rwml"][k][metric] for k in keys],
                                        [rows["before"][k][metric] for k in keys], [k[0] for k in keys])
@@ -283,12 +422,19 @@ def run_gain(run: Path) -> list[str]:
 def read_evals(folder: Path) -> dict:
     """`eval.py wm` results laid out as lab/tw_wm.sh writes them: <folder>/seedN/<arm>.triplets.jsonl and the
     one-run baselines <folder>/<base|template|nothing|copy>.triplets.jsonl -> read_archive's dict."""
+    fix = "write it again with `eval.py wm --out` (lab/tw_wm.sh), or remove it"
+    if not folder.is_dir():
+        raise UserError(f"--evals {folder} is not a folder; give lab/tw_wm.sh's evaluation folder (e.g. "
+                        "runs/tw_wm/eval_dev)")
+
     def rows(f):
-        return {(r["game"], r["rollout"], r["step"]): score(r)
-                for r in map(json.loads, f.read_text().splitlines())}
+        return triplet_rows(f, fix)
     split = folder.name.removeprefix("eval_")
     data = {(f.parent.name, f.name.split(".")[0], split): rows(f)
             for f in folder.glob("seed*/*.triplets.jsonl")}
+    if not data:
+        raise UserError(f"--evals {folder}: no seed*/<arm>.triplets.jsonl in it; give lab/tw_wm.sh's "
+                        "evaluation folder (e.g. runs/tw_wm/eval_dev)")
     data.update({("baselines", f.name.split(".")[0], split): rows(f)
                  for f in folder.glob("*.triplets.jsonl")})
     return data
@@ -304,10 +450,36 @@ def evals_report(folder: Path) -> list[str]:
     comp, _ = comparison_table(data, seeds, (split,), [c for c in (("rwml", "warmup"), ("rwml", "wm_sft"),
                                                                    ("wm_sft", "warmup"))
                                                        if c[0] in arms and c[1] in arms])
-    return [f"# World-model accuracy on `{folder}` ({', '.join(seeds)})", "",
+    if not arms:
+        raise UserError(f"--evals {folder}: no arm (warmup, rwml, wm_sft) scored by every seed "
+                        f"({', '.join(seeds)}); score the missing ones (lab/tw_wm.sh reruns what is missing)")
+    return [f"# World-model accuracy on `{repo_path(folder)}` ({', '.join(seeds)})", "",
             "Rates: the mean over seeds, each seed's value in brackets, 4 predictions per triplet; "
             "CI: two-level bootstrap (seeds, then games), 2,000 draws; the baselines are one run each.", "",
             *arm_table(data, seeds, (split,), arms), "", "## Paired on the same triplets", "", *comp, ""]
+
+
+def read_gains(path: Path) -> list[dict]:
+    """The comparisons of a rescore.json (what --gains draws), each with what the figure reads."""
+    fix = "write it again with `python lab/rescore.py --out FOLDER`, or give the --out that holds it"
+    if not path.is_file():
+        raise UserError(f"{path} is missing; {fix}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} does not read as JSON ({(str(e).splitlines() or [''])[0]}); {fix}") from None
+    found = data.get("comparisons") if isinstance(data, dict) else None
+    if not isinstance(found, list) or not found:
+        raise UserError(f"{path} holds no `comparisons` list; {fix}")
+    for n, c in enumerate(found, 1):
+        if not (isinstance(c, dict) and all(isinstance(c.get(k), str) for k in ("split", "x", "y",
+                                                                               "metric"))):
+            raise UserError(f"{path}, comparison {n}: split, x, y or metric is missing or not text; {fix}")
+        seeds = c.get("per_seed")
+        if "diff" in c and not (all(is_number(c.get(k)) for k in ("diff", "lo", "hi"))
+                                and isinstance(seeds, list) and all(map(is_number, seeds))):
+            raise UserError(f"{path}, comparison {n}: diff, lo, hi or per_seed is not a number; {fix}")
+    return found
 
 
 def main(argv=None):
@@ -315,9 +487,10 @@ def main(argv=None):
     results = ROOT / "lab" / "results"
     p.add_argument("--archive", type=Path,
                    default=results / "stage1_test_table" / "sanity_valid_unseen_triplets.tar.xz")
-    p.add_argument("--log", type=Path, default=results / "train_default" / "run_log.txt")
-    p.add_argument("--samples", type=Path, default=results / "strict_rescore" / "train_samples.jsonl",
-                   help="a run's samples.jsonl (every logged step's whole groups); else the log's groups")
+    p.add_argument("--log", type=Path, help="a `train.py` run log: its GRPO groups (default, without "
+                   "--samples: lab/results/train_default/run_log.txt)")
+    p.add_argument("--samples", type=Path, help="a run's samples.jsonl (every logged step's whole groups; "
+                   "default lab/results/strict_rescore/train_samples.jsonl); else the log's groups")
     p.add_argument("--out", type=Path, help="the tables' folder (default lab/results/strict_rescore); "
                    "with --evals: a markdown file")
     p.add_argument("--gains", action="store_true", help="only draw <out>/gains.png from <out>/rescore.json")
@@ -325,28 +498,40 @@ def main(argv=None):
     p.add_argument("--evals", type=Path,
                    help="only the tables of a lab/tw_wm.sh evaluation folder (eval_SPLIT)")
     args = p.parse_args(argv)
+    from plumbing import check_writable  # (torch) after the flags: --help stays quick
+
+    modes = [f for f, v in (("--gains", args.gains), ("--run", args.run), ("--evals", args.evals)) if v]
+    if len(modes) > 1:
+        raise UserError(f"{' and '.join(modes)} are different commands; give one of them")
+    if args.samples and args.log:
+        raise UserError("--samples and --log are two sources of the training groups; give one of them")
     if args.evals:
+        if args.out:
+            check_writable(args.out, folder=False)
         md = "\n".join(evals_report(args.evals))
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(md)
         print(md)
         return
-    args.out = args.out or results / "strict_rescore"
     if args.run:
         print("\n".join(run_gain(args.run)))
         return
+    args.out = args.out or results / "strict_rescore"
+    check_writable(args.out)
     if args.gains:
-        print(plot_gains(json.loads((args.out / "rescore.json").read_text())["comparisons"],
-                         args.out / "gains.png"))
+        found = read_gains(args.out / "rescore.json")
+        print(repo_path(plot_gains(found, args.out / "gains.png"), None))
         return
+    # every input read and checked before the archive and the bootstraps (minutes): a bad one fails at once
+    default = results / "strict_rescore" / "train_samples.jsonl"
+    whole = bool(args.samples) or (not args.log and default.is_file())  # else the log's groups
+    source = (args.samples or default) if whole else (args.log or results / "train_default" / "run_log.txt")
+    groups = training_samples(source) if whole else training_groups(source)
     data = read_archive(args.archive)
     seeds = sorted({s for s, _, _ in data if s.startswith("seed")})
     comp, found = comparison_table(data, seeds)
-    whole = args.samples.is_file()  # else the log's groups
-    source = (args.samples if whole else args.log).resolve()
-    groups = training_samples(source) if whole else training_groups(source)
-    md = [f"# Strict re-score of `{args.archive.relative_to(ROOT)}` (valid_unseen, {', '.join(seeds)})", "",
+    md = [f"# Strict re-score of `{repo_path(args.archive)}` (valid_unseen, {', '.join(seeds)})", "",
           "Rates: the mean over seeds, each seed's value in brackets; CI: two-level bootstrap (seeds, then "
           "games), 2,000 draws. Item F1: over the triplets whose target lists items (item n per seed). "
           "The recorded reward accuracy and exact match were re-derived from the predictions and match.", "",
@@ -357,7 +542,7 @@ def main(argv=None):
           *kind_table(data, seeds), "",
           "## Rewarded held-out predictions that the strict metrics call wrong", "",
           *heldout_rewarded(data, seeds), "",
-          f"## Rewarded GRPO training predictions (`{source.relative_to(ROOT)}`)", "",
+          f"## Rewarded GRPO training predictions (`{repo_path(source)}`)", "",
           (f"Every completion of the whole groups of every logged step ({len({g['step'] for g in groups})} "
            f"steps, {len(groups)} completions); not exact: the share of the rewarded with its Wilson 95 % CI."
            if whole else
@@ -372,4 +557,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from plumbing import run_cli  # bad input: one line ("error: ..."), exit status 1
+
+    run_cli(main)

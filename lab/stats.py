@@ -7,7 +7,8 @@
   games with replacement (one draw of games shared by the drawn seeds: our seeds play the same games).
 - `detectable(...)`: the smallest difference a table could detect: (z_{1-alpha/2} + z_{power}) x the paired
   sd over units / sqrt(units), two-sided 5 %, 80 % power (not the CI's half-width).
-- `verdict(ci, smallest)`: "holds" only where the CI excludes 0, else "no difference detected".
+- `verdict(ci, smallest)`: "holds" only where the CI excludes 0, else "no difference detected"; no data
+  (None: no items to compare) says so.
 """
 from __future__ import annotations
 
@@ -81,8 +82,14 @@ def detectable(a, b, units, alpha: float = 0.05, power: float = 0.8) -> float:
     return (Z(1 - alpha / 2) + Z(power)) * statistics.stdev(per) / math.sqrt(len(per))
 
 
-def verdict(ci: dict, smallest: float | None = None) -> str:
-    """"holds (CI excludes 0)" or "no difference detected", with what the table could detect."""
+NO_DATA = "no data (nothing to compare)"
+
+
+def verdict(ci: dict | None, smallest: float | None = None) -> str:
+    """"holds (CI excludes 0)" or "no difference detected", with what the table could detect; NO_DATA for a
+    comparison without items (None, or a CI without bounds)."""
+    if not isinstance(ci, dict) or not all(isinstance(ci.get(k), (int, float)) for k in ("lo", "hi")):
+        return NO_DATA
     if ci["lo"] > 0 or ci["hi"] < 0:
         return "holds" if ci["lo"] > 0 else "reversed"
     return "no difference detected" + (f"; could detect >= {smallest:.3f}" if smallest is not None else "")

@@ -95,7 +95,10 @@ def test_the_agent_table_pairs_arms_on_games(tmp_path):
     _, named = agent_stats.table(tmp_path, name="warm-up")  # another arm in the --policy folders
     assert ("warm-up − base", "sampled") in {(c["comparison"], c["evaluation"]) for c in named["comparisons"]}
     write(tmp_path / "base" / "greedy.json", {g: [0] for g in games[:5]})  # another set of games: refused
-    with pytest.raises(AssertionError, match="same games"):
+    from envs import UserError
+
+    with pytest.raises(UserError, match=r"base/greedy.json plays other games than .*base/sampled.json \(5 "
+                                        r"missing, e.g. test/g5\): every arm must play the same games"):
         agent_stats.table(tmp_path)
 
 
