@@ -47,8 +47,9 @@ def read_run(folder: Path) -> dict:
     run = dict(name=folder.name, splits={}, tau2={}, wm=None, weights=None,
                curve=read_jsonl(folder / "metrics.jsonl"))
     wms = {}
-    for n, row in enumerate(run["curve"], 1):
-        problem = _numbers_problem(row, ("step", "reward"))  # or "not a JSON object"
+    for n, row in enumerate(run["curve"], 1):  # every row shape train.py writes (CURVE_ROWS)
+        problem = _numbers_problem(row, ("step",)) or _numbers_problem(
+            row, [k for k in ("reward", *CURVE_EVALS) if k in row])  # or "not a JSON object"
         if problem:
             raise UserError(f"{folder / 'metrics.jsonl'}, record {n}: {problem}; fix or remove that file")
     for f in sorted(folder.glob("*.json")):
@@ -117,6 +118,11 @@ def _wm_cell(wm: dict | None) -> str:
                      for kind, (before, after) in wm.items())
 
 
+# metrics.jsonl's rows, as train.py writes them: a training step's (`wm` / `all`: plumbing.wm_row; `policy`:
+# its stats; `--trainer trl`: TRL's log_history) has step and reward, and the held-out evaluation's numbers on
+# the --eval-steps steps; an --eval-on-start run's step-0 row holds only step and the evaluation (no reward)
+CURVE_EVALS = ("eval_wm_accuracy", "eval_mean_cosine", "eval_beyond_template",  # wm, all
+               "eval_success", "eval_mean_steps", "eval_invalid")  # policy
 AGENT_KEYS = ("success_rate", "num_episodes", "mean_steps", "invalid_action_rate")  # what the tables read
 TAU2_KEYS = ("average_reward", "num_tasks", "num_episodes", "tool_calls", "invalid_tool_call_rate")
 
@@ -227,12 +233,12 @@ def report_plots(runs: list[dict], stem: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
-    curves = [r for r in runs if r["curve"]]
-    if curves:
+    # the training reward: rows that have one (an --eval-on-start run's step-0 row holds only its evaluation)
+    trained = {r["name"]: rows for r in runs if (rows := [x for x in r["curve"] if "reward" in x])}
+    if trained:
         fig, ax = plt.subplots(figsize=(6.5, 3.5))
-        for r in curves:
-            ax.plot([x["step"] for x in r["curve"]], [x["reward"] for x in r["curve"]], marker=".",
-                    label=r["name"])
+        for name, rows in trained.items():
+            ax.plot([x["step"] for x in rows], [x["reward"] for x in rows], marker=".", label=name)
         ax.set(xlabel="optimizer step", ylabel="mean reward", title="training reward per step",
                ylim=(-0.02, 1.02))
         ax.legend(fontsize=7, loc="best")
