@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."  # the repo root: train.py, eval.py, .venv, runs/
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/agent_sanity}
+OUT=${OUT#"$PWD/"}  # under the repo: relative, as the results record it (not this machine's path)
 SEEDS=${SEEDS:-"0 1 2"}
 JOBS=${JOBS:-2}
 GAMES=${GAMES:-16}              # train games: stage 1's triplets, and the pool stage 2 draws from

@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."  # the repo root: train.py, eval.py, .venv, runs/
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/arms}
+OUT=${OUT#"$PWD/"}  # under the repo: relative, as the results record it (not this machine's path)
 MODEL=${MODEL:-bundled:SmolLM2-135M-Instruct}
 GAMES=${GAMES:-4}                 # train games the base model plays for triplets (paper: all 3553)
 ROLLOUTS=${ROLLOUTS:-1}           # paper: 3

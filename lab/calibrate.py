@@ -18,6 +18,7 @@ import rwml
 from eval import WMEvalConfig, check_eval_config, with_env_defaults
 from plumbing import (check_adapter, check_at_least, check_context, check_writable, parse_config,
                       read_transitions, run_cli, sample_triplets, wm_prompt_fits, write_atomic)
+from repo_path import repo_path, stored_config
 from reward import SimToRealReward, parse_next_state
 from train import make_reward
 
@@ -61,7 +62,8 @@ def calibrate_tau(cfg: CalibrateConfig) -> dict:
                                         max_new_tokens=cfg.max_completion_length).texts
         groups += [texts[j:j + k] for j in range(0, len(texts), k)]
     rows = calibrate(reward_fn, groups, [t["next_obs"] for t in trips])
-    return dict(rows=rows, n=len(trips), num_generations=cfg.num_generations, config=asdict(cfg))
+    return dict(rows=rows, n=len(trips), num_generations=cfg.num_generations,
+                config=stored_config(asdict(cfg)))  # its paths relative to the repository, or <path>
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(result, indent=2))
     print(f"{'tau_d':>6} {'mean reward':>12} {'groups all equal':>17}   ({result['n']} triplets x "
-          f"{result['num_generations']} predictions) -> {out}")
+          f"{result['num_generations']} predictions) -> {repo_path(out, None)}")
     first, *rows = result["rows"]
     for r in rows:
         print(f"{r['tau_d']:>6.2f} {r['mean_reward']:>12.3f} {r['frac_groups_all_equal']:>17.3f}")

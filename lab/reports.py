@@ -20,6 +20,7 @@ import envs
 from envs import UserError
 from plumbing import (RESUME_FREE, check_writable, commands_help, parse_config, read_jsonl, run_cli,
                       write_atomic)
+from repo_path import repo_path
 from train import HELDOUT_KINDS
 
 ID_SPLIT, OOD_SPLIT = "valid_seen", "valid_unseen"  # the paper's in-distribution, out-of-distribution games
@@ -439,8 +440,10 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
         cfg = first.get("config", {})
         beyond_n = first["per_kind"]["beyond_template"]["n"]
         unseen_n = first["per_kind"].get("beyond_template_unseen", {}).get("n")
+        held_file = first.get("transitions")  # as the table records it: relative to the repository
+        held_file = repo_path(held_file) if isinstance(held_file, str) else held_file
         lines += [f"### {kind} triplets: {first['n']} of `{first.get('split') or '?'}` "
-                  f"(`{first.get('transitions')}`), {beyond_n} beyond the template rule"
+                  f"(`{held_file}`), {beyond_n} beyond the template rule"
                   + (f" ({unseen_n} of them list objects the prompt never names)" if unseen_n is not None
                      else ""), "",
                   f"{cfg.get('eval_samples', 0) or 1} predictions per triplet sampled at T "
@@ -716,7 +719,7 @@ def main(argv: list[str] | None = None) -> None:
                 else agent_report(Path(rest["run"]), curve))
         out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, text)
-    print(text + f"-> {cfg.out}" + (f" (+ {curve.name})" if command == "agent-table" else ""))
+    print(text + f"-> {repo_path(out, None)}" + (f" (+ {curve.name})" if command == "agent-table" else ""))
 
 
 if __name__ == "__main__":

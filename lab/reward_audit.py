@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import envs
 from envs import UserError
 from plumbing import check_writable, commands_help, parse_config, run_cli, write_atomic
+from repo_path import is_local_path, repo_path
 
 POSITIVE = ("exact", "reorder", "case", "spacing", "punct")
 NEGATIVE = dict(alfworld=("rename", "object_number", "receptacle_number", "missing", "added", "state",
@@ -465,7 +466,8 @@ def token_lengths(pairs: list[dict], cap: int) -> list[str]:
 
 def audit(pairs: list[dict], cfg: AuditConfig, taus: list[float]) -> str:
     ds = distances(pairs, cfg.embedder)
-    lines = [f"reward audit: {len(pairs)} pairs, embedder {cfg.embedder}, tau_d grid "
+    embedder = repo_path(cfg.embedder) if is_local_path(cfg.embedder) else cfg.embedder  # a folder: relative
+    lines = [f"reward audit: {len(pairs)} pairs, embedder {embedder}, tau_d grid "
              + ", ".join(map(str, taus)),
              f"rule (stated before looking): {RULE}", ""]
     verdict = []
@@ -511,7 +513,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             write_atomic(Path(cfg.out), text)
         counts = {e: sum(p["env"] == e for p in pairs) for e in sorted({p["env"] for p in pairs})}
-        print(f"pairs: {len(pairs)} ({', '.join(f'{e} {n}' for e, n in counts.items())}) -> {cfg.out}")
+        print(f"pairs: {len(pairs)} ({', '.join(f'{e} {n}' for e, n in counts.items())}) -> "
+              f"{repo_path(cfg.out, None)}")
         return
     if command == "lengths":
         if cfg.cap < 1:

@@ -10,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."  # the repo root: train.py, eval.py, .venv, runs/
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/sanity}
+OUT=${OUT#"$PWD/"}  # under the repo: relative, as the results record it (not this machine's path)
 SPLIT=${SPLIT:-valid_unseen}
 HELD_GAMES=${HELD_GAMES:-20}
 HELDOUT=${HELDOUT:-48}      # triplets of each held-out kind scored per arm (the same ones for every arm and seed)

@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."  # the repo root: train.py, eval.py, .venv, runs/
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/stage2_dev}
+OUT=${OUT#"$PWD/"}  # under the repo: relative, as the results record it (not this machine's path)
 SEEDS=${SEEDS:-"20 21"}
 JOBS=${JOBS:-2}
 STEPS=${STEPS:-"3 6 12"}        # stage-2 steps after which the adapter is scored (one run, continued)

@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."  # the repo root: train.py, eval.py, .venv, runs/
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/stage2_test}
+OUT=${OUT#"$PWD/"}  # under the repo: relative, as the results record it (not this machine's path)
 SEEDS=${SEEDS:-"10 11 12"}
 JOBS=${JOBS:-1}
 EVAL_GAMES=${EVAL_GAMES:-20}    # test games, the same for every arm (eval.py draws them with its seed 0)

@@ -11,6 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."  # the repo root: train.py, eval.py, .venv, runs/
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/tw_wm}
+OUT=${OUT#"$PWD/"}  # under the repo: relative, as the results record it (not this machine's path)
 SPLIT=${SPLIT:-dev}
 SEEDS=${SEEDS:-"0 1 2"}
 JOBS=${JOBS:-2}

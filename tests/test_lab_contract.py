@@ -140,13 +140,16 @@ def triplet(game: str, step: int, reward: float, target: str = "You pick up the 
                 predictions=[pred, pred], rewards=[reward, reward])
 
 
+LISTING = "You arrive at shelf 1. On the shelf 1, you see a mug 1."  # a target that lists items: item F1
+
+
 def tiny_archive(path: Path, change=None) -> Path:
     """lab/sanity.sh's per-triplet results as the test-split archive holds them: one seed, every arm, both
     held-out kinds, 4 triplets of 2 games each, with the summaries their triplets give."""
     files = {}
     for i, arm in enumerate(rescore.ARMS):
         for kind in rescore.SPLITS:
-            rows = [triplet(f"g{j % 2}", j, float((i + j) % 2)) for j in range(4)]
+            rows = [triplet(f"g{j % 2}", j, float((i + j) % 2), LISTING, "arrive") for j in range(4)]
             stem = f"runs/sanity/valid_unseen/seed0/eval_{arm}_{kind}"
             files[f"{stem}.triplets.jsonl"] = "".join(json.dumps(r) + "\n" for r in rows)
             files[f"{stem}.json"] = json.dumps(dict(wm_accuracy=sum(r["rewards"][0] for r in rows) / 4,
