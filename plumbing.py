@@ -74,7 +74,7 @@ STAGES = {  # name -> its line in `train.py --help`
     "rft": "baseline: SFT on the model's own successful episodes (METHOD.md §7)",
     "policy": "stage 2: multi-turn GRPO on task success, from base / RWML / WM SFT / RFT (METHOD.md §6)",
     "export": ("verl's GRPO parquets: the kept triplets and the held-out filter split (runs filter first, "
-               "no warm-up); reward: bridges.compute_score"),
+               "no warm-up); reward: verl_reward.compute_score"),
 }
 CHOICES = dict(env=("alfworld", "textworld", "tau2"), action_mode=envs.ACTION_MODES,
                policy=("model", "random"), domain=worlds.TAU2_DOMAINS, init=("base", "rwml", "wm-sft", "rft"),

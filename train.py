@@ -462,7 +462,8 @@ def train_rft(cfg: Settings, out: Path, load):
 def main(argv: list[str] | None = None) -> None:
     stage, cfg = parse_stage(sys.argv[1:] if argv is None else argv, STAGES, Settings)
     out, t0 = Path(cfg.out), time.time()
-    check_run(cfg, stage, dict(policy=check_init, all=check_heldout).get(stage))  # before anything slow
+    check_run(cfg, stage, dict(policy=check_init, all=check_heldout,  # before anything slow
+                               export=bridges.check_export).get(stage))
     trips, curve = stage_inputs(cfg, stage)  # the triplets it trains on and, wm --eval-steps, scores
     claim_out(cfg, out, stage)  # the --out lock, and --resume's checks
     with cost.run(out):  # at the end: the cost line, and out/cost.json

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 READER = dict(rwml=650, reward=180, envs=500, train=510, eval=350)  # the reader's path, in lines
 READER_TOTAL = 2200
 ORDER = ("envs", "reward", "rwml", "train", "eval")  # each may import only those before it
-SUPPORT = ("engine", "plumbing", "cost", "worlds", "choose", "bridges", "gamepool")
+SUPPORT = ("engine", "plumbing", "cost", "worlds", "choose", "bridges", "gamepool", "verl_reward")
 LAB = ("reports", "bench", "lab")
 
 

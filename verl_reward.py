@@ -1,0 +1,190 @@
+"""Support (skip on a first read): the reward file verl loads by path (`custom_reward_function.path=<this
+folder>/verl_reward.py custom_reward_function.name=compute_score`), for the parquets `train.py export` writes.
+
+Made for how verl loads it: verl >= 0.7 executes the file without registering it in `sys.modules` (older verl
+registers it as `custom_module` first), from whatever folder the trainer runs in, with nothing on
+`sys.path`. So this file defines no dataclass, and it loads the repository's reward.py (and the sibling
+modules that reward.py imports, whichever they are) under private names, leaving `sys.path` and the host's
+modules of the same names (`envs`, `reward`, `engine`, ...) as they were. verl's reward loop calls
+`compute_score` from several threads: the reward (its embedder) is built once per setting, under a lock.
+
+Reward managers: `naive` (verl's default; one response per call) and `batch` (lists: `data_sources`,
+`solution_strs`, `ground_truths`, `extra_infos`; verl <= 0.7, whose trainer still offers it) both work.
+"""
+import importlib
+import importlib.abc
+import importlib.util
+import math
+import sys
+import threading
+import types
+from collections.abc import Mapping
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+_PRIVATE = "_rwml_verl_"  # the repository's modules as this file loads them: _rwml_verl_reward, ...
+
+
+class _RepoFinder(importlib.abc.MetaPathFinder):
+    """While the reward module loads: a top-level import of one of the repository's own modules finds the
+    repository's file, whatever the host has on sys.path or in sys.modules under that name."""
+
+    def __init__(self, names: set[str]):
+        self.names = names
+
+    def find_spec(self, fullname, path=None, target=None):
+        if path is None and fullname in self.names:
+            return importlib.util.spec_from_file_location(fullname, _HERE / f"{fullname}.py")
+        return None
+
+
+def _load_private(name: str):
+    """The repository's module `name`, and the repository modules it imports, executed from this folder and
+    then kept under private names only (`_rwml_verl_<name>`): afterwards `sys.modules` holds the host's
+    modules of those names again (or none), and `sys.path` is untouched. Loaded once per process."""
+    done = sys.modules.get(_PRIVATE + name)
+    if done is not None and getattr(done, "__file__", None) == str(_HERE / f"{name}.py"):
+        return done
+    names = {p.stem for p in _HERE.glob("*.py")} - {Path(__file__).stem}
+    hidden = {n: sys.modules.pop(n) for n in names if n in sys.modules}  # the host's, back afterwards
+    finder = _RepoFinder(names)
+    sys.meta_path.insert(0, finder)
+    try:
+        importlib.import_module(name)
+    finally:
+        sys.meta_path.remove(finder)
+        ours = {n: sys.modules.pop(n) for n in names if n in sys.modules}
+        sys.modules.update(hidden)
+    for n, module in ours.items():  # private names: what pickle or typing finds via obj.__module__
+        module.__name__ = _PRIVATE + n
+        for obj in list(vars(module).values()):
+            if getattr(obj, "__module__", None) == n:
+                try:
+                    obj.__module__ = _PRIVATE + n
+                except (AttributeError, TypeError):
+                    pass
+        sys.modules[_PRIVATE + n] = module
+    return ours[name]
+
+
+_reward = _load_private("reward")
+
+_FLAGS = {"true": True, "1": True, "false": False, "0": False}
+# setting -> (SimToRealReward, the lock its calls take), shared by every load of this file in the process
+# (verl 0.5 and 0.7 load it twice: the train and the validation reward managers)
+_CACHE = sys.modules.setdefault(_PRIVATE + "cache", types.ModuleType(_PRIVATE + "cache"))
+_LOCK = _CACHE.__dict__.setdefault("lock", threading.Lock())
+_REWARDS: dict[tuple, tuple] = _CACHE.__dict__.setdefault("rewards", {})
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _text(value, what: str, fix: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"compute_score: {what} is {_show(value)} ({type(value).__name__}), not text; {fix}")
+    return value
+
+
+def _setting(info: Mapping, kwargs: dict, where: str) -> tuple[tuple, str]:
+    """(embedder, tau_d, metric, binary) and the reply prefix of one row: reward_kwargs first, then the row's
+    extra_info (as `train.py export` writes it), then SimToRealReward's defaults."""
+    def get(key, default):
+        if key in kwargs:
+            return kwargs[key], f"reward_kwargs {key}"
+        return info.get(key, default), f"{where}[{key!r}]"
+
+    embedder, src = get("embedder", _reward.BUNDLED_EMBEDDER)
+    _text(embedder, src, f"give a sentence-transformers folder or Hub id, or {_reward.BUNDLED_EMBEDDER}")
+    metric, src = get("reward_metric", "embedding")
+    if metric not in ("embedding", "rouge"):
+        raise ValueError(f"compute_score: {src} is {_show(metric)}; use embedding or rouge")
+    tau, src = get("tau_d", 0.1)
+    tau = tau.item() if hasattr(tau, "item") and not isinstance(tau, str) else tau  # numpy scalars
+    try:
+        tau_d = float(tau) if isinstance(tau, (int, float, str)) and not isinstance(tau, bool) else math.nan
+    except ValueError:
+        tau_d = math.nan
+    if not 0 < tau_d <= 2:  # also NaN
+        raise ValueError(f"compute_score: {src} is {_show(tau)}, not a number in (0, 2]; set it to the "
+                         "distance threshold, e.g. 0.1 (train.py export writes --tau-d)")
+    flag, src = get("reward_binary", True)
+    flag = flag.item() if hasattr(flag, "item") and not isinstance(flag, str) else flag
+    if isinstance(flag, str) and flag.strip().lower() in _FLAGS:
+        binary = _FLAGS[flag.strip().lower()]
+    elif isinstance(flag, int) and flag in (0, 1):  # bool too
+        binary = bool(flag)
+    else:
+        raise ValueError(f"compute_score: {src} is {_show(flag)}; use true or false (or 1 / 0)")
+    prefix, src = get("assistant_prefix", "")
+    _text(prefix, src, 'the reply prefix our trainer writes, e.g. "<next_state>" (train.py export writes it)')
+    return (embedder, tau_d, metric, binary), prefix
+
+
+def _reward_for(key: tuple):
+    """One SimToRealReward per setting in this process, even when verl's threads ask for it at once."""
+    with _LOCK:
+        if key not in _REWARDS:
+            _REWARDS[key] = (_reward.SimToRealReward(*key), threading.Lock())
+        return _REWARDS[key]
+
+
+def _scores(solutions, truths, infos, kwargs: dict, batch: bool) -> list[float]:
+    n = len(solutions)
+    if len(truths) != n or len(infos) != n:
+        raise ValueError(f"compute_score: {n} solution_strs, {len(truths)} ground_truths and {len(infos)} "
+                         "extra_infos; the batch manager passes one of each per response")
+    groups: dict[tuple, list[int]] = {}
+    texts = []
+    for i, (solution, truth, info) in enumerate(zip(solutions, truths, infos)):
+        sol, gt, ei = (f"solution_strs[{i}]", f"ground_truths[{i}]", f"extra_infos[{i}]") if batch else (
+            "solution_str", "ground_truth", "extra_info")
+        if info is None:
+            info = {}
+        if not isinstance(info, Mapping):
+            raise TypeError(f"compute_score: {ei} is {_show(info)} ({type(info).__name__}), not a dict; pass "
+                            "the row's extra_info as train.py export writes it (or None)")
+        _text(solution, sol, "the reward manager passes each decoded response as a string")
+        _text(truth, gt, "each row needs its real next observation as text in reward_model.ground_truth "
+              "(train.py export writes it)")
+        key, prefix = _setting(info, kwargs, ei)
+        groups.setdefault(key, []).append(i)
+        texts.append(prefix + solution)
+    scores = [0.0] * n
+    for key, rows in groups.items():
+        reward, lock = _reward_for(key)
+        with lock:  # one scoring at a time per embedder: a fast tokenizer is not safe across threads
+            got = reward([texts[i] for i in rows], [truths[i] for i in rows])
+        for i, s in zip(rows, got):
+            scores[i] = float(s)
+    return scores
+
+
+def compute_score(data_source=None, solution_str=None, ground_truth=None, extra_info=None, *,
+                  data_sources=None, solution_strs=None, ground_truths=None, extra_infos=None, **kwargs):
+    """r_WM of verl responses, exactly as `SimToRealReward` scores our completions. verl's naive manager
+    passes one response (`solution_str`, ...; returns a float), its batch manager lists (`solution_strs`,
+    `ground_truths`, `extra_infos`, `data_sources`; returns a list). The reply prefix our trainer writes for
+    the model (`extra_info["assistant_prefix"]`, e.g. "<next_state>") is put back in front; embedder, tau_d,
+    metric and binarisation are the row's (`train.py export` writes them) unless verl's
+    `custom_reward_function.reward_kwargs` set them. verl's other keyword arguments (reward_router_address,
+    reward_model_tokenizer, ...) and `data_source(s)` are not used."""
+    if solution_strs is not None or ground_truths is not None or extra_infos is not None:
+        if solution_str is not None or ground_truth is not None or extra_info is not None:
+            raise TypeError("compute_score: got both one response (solution_str, ...) and lists "
+                            "(solution_strs, ...); verl's naive manager passes the first, its batch manager "
+                            "the second")
+        solutions = _listed(solution_strs, "solution_strs")
+        truths = _listed(ground_truths, "ground_truths")
+        infos = [None] * len(solutions) if extra_infos is None else _listed(extra_infos, "extra_infos")
+        return _scores(solutions, truths, infos, kwargs, batch=True)
+    return _scores([solution_str], [ground_truth], [extra_info], kwargs, batch=False)[0]
+
+
+def _listed(value, what: str) -> list:
+    if value is None or isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__len__"):
+        raise TypeError(f"compute_score: {what} is {_show(value)}, not a list; the batch manager passes one "
+                        "item per response")
+    return list(value)
