@@ -6,7 +6,8 @@ seedN/policy/{greedy,sampled}.json (eval.py agent results, every episode inside;
 --file F`: several arms of one evaluation each, as lab/agent_sanity.sh writes them). Every arm
 plays the same games; a game's success is the mean over its episodes. Rates: one run's with a 95 % CI
 from a bootstrap over games (a game's episodes move together), several seeds' by the two-level bootstrap
-(seeds, then games). Differences are paired on games (lab/stats.py); "holds" only where the CI excludes 0.
+(seeds, then games). Differences are paired on games (lab/stats.py); "holds" only where the CI excludes 0
+beyond its Monte-Carlo error (stats.verdict; 200,000 draws: a table takes 5-15 s).
 """
 from __future__ import annotations
 
@@ -93,6 +94,9 @@ def rate(runs: list[dict], games: list[str]) -> str:
     return f"{pct(ci['diff'])} [{pct(ci['lo'])}, {pct(ci['hi'])}]{seeds}"
 
 
+RULE = stats.RULE[0].upper() + stats.RULE[1:].replace("could detect", "could detect (points)") + "."
+
+
 def said(c: dict) -> tuple[str, str]:
     """A comparison's cells: the difference in points with its CI; the verdict with what it could detect."""
     return (f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]",
@@ -105,9 +109,7 @@ def compare(xs: list[dict], ys: list[dict], games: list[str]) -> dict:
     ys = ys if len(ys) == len(xs) else ys * len(xs)
     runs = [([x[g] for g in games], [y[g] for g in games], games) for x, y in zip(xs, ys)]
     ci = stats.two_level_bootstrap(runs)
-    pooled = ([v for a, _, _ in runs for v in a], [v for _, b, _ in runs for v in b],
-              [g for _, _, units in runs for g in units])
-    ci["could_detect"] = stats.detectable(*pooled)
+    ci["could_detect"] = stats.detectable(ci)  # from the CI's own replicates: seeds, then games
     return ci
 
 
@@ -137,7 +139,7 @@ def table(root: Path, random: str = "random", base: str = "base", policy: str = 
              f"episodes per game and model (random: {n['random']} per game); greedy: one episode per game. "
              "Success in %, 95 % "
              f"CI (bootstrap over games; over seeds, then games, for {name}: {len(seeds)} seeds, each "
-             "value in brackets).", "",
+             f"value in brackets; {stats.N_BOOT:,} draws). {RULE}", "",
              "| arm | sampled success | greedy success |", "|---|---|---|"]
     for name, arm in arms.items():
         lines.append(f"| {name} | {rate(arm['sampled'], games)} | "
@@ -184,8 +186,8 @@ def arms_table(root: Path, arms: dict[str, str], file: str = "eval_agent.json", 
     runs = {name: load(glob, f"--arm {name}={glob}") for name, glob in arms.items()}
     same_games(files, games, first)
     lines = [f"TextWorld {split} games: {len(games)}; {file}. Success in %, 95 % CI (bootstrap over games; "
-             "over seeds, then games, for several seeds, each value in brackets); differences in points, "
-             "paired on games.", "",
+             "over seeds, then games, for several seeds, each value in brackets; "
+             f"{stats.N_BOOT:,} draws); differences in points, paired on games. {RULE}", "",
              "| arm | success | − base [95 % CI] | − random [95 % CI] | verdict (− base; − random) |",
              "|---|---|---|---|---|", f"| random (uniform admissible) | {rate(rnd, games)} | | | |",
              f"| base model | {rate(bas, games)} | | | |"]

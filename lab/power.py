@@ -2,10 +2,13 @@
 
 From the laptop comparison's measured spread (RUNS = lab/results/agent_sanity: per arm and seed the success
 over its dev + test games, greedy): the seed-to-seed variance of an arm's success splits into a binomial part,
-p (1 - p) / games, and what training adds, sigma_t^2 = var - binomial. Two arms trained from their own seeds
-differ by delta with 80 % power at two-sided 5 % when seeds per arm >= 2 (z_0.975 + z_0.8)^2 (sigma_t^2 +
-p (1 - p) / games) / delta^2; more games shrink only the binomial part. Printed for the laptop table's
-differences and the paper's RWML + policy RL − policy RL on ALFWorld (87.9 − 81.0 = 6.9 points).
+p (1 - p) / games, and what training adds, sigma_t^2 = var - binomial. Two arms of n seeds each, trained from
+their own seeds, are compared by a two-sample t test on their n + n success rates (2 (n - 1) degrees of
+freedom: the variance is estimated from the seeds, so with 3 seeds Student's t, not the normal): they differ
+by delta with 80 % power at two-sided 5 % when n >= 2 (t_0.975 + t_0.8)^2 (sigma_t^2 + p (1 - p) / games) /
+delta^2, t at 2 (n - 1) df (the smallest such n); more games shrink only the binomial part. Printed for the
+laptop table's differences and the paper's RWML + policy RL − policy RL on ALFWorld (87.9 − 81.0 = 6.9
+points).
 """
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from scipy.stats import t as student_t
+
 ROOT = Path(__file__).resolve().parents[1]
-Z = statistics.NormalDist().inv_cdf
 ARMS = ("policy", "rwml_policy", "wm_sft_policy")
 
 
@@ -31,8 +35,25 @@ def spread(root: Path) -> dict:
     return dict(var=var, p=p, games=games, binomial=p * (1 - p) / games, rates=rates)
 
 
+def quantiles(n: int, power: float = 0.8, alpha: float = 0.05) -> float:
+    """t_{1 - alpha/2} + t_power at 2 (n - 1) degrees of freedom: two arms of n seeds each."""
+    df = 2 * (n - 1)
+    return float(student_t.ppf(1 - alpha / 2, df) + student_t.ppf(power, df))
+
+
+def smallest(var: float, n: int, power: float = 0.8) -> float:
+    """The smallest difference two arms of n seeds each detect (80 % power, two-sided 5 %), from the
+    seed-to-seed variance of one arm's success: (t_0.975 + t_0.8) x sqrt(2 var / n), t at 2 (n - 1) df."""
+    return quantiles(n, power) * math.sqrt(2 * var / n)
+
+
 def seeds_needed(delta: float, sigma_t2: float, p: float, games: int, power: float = 0.8) -> int:
-    return math.ceil(2 * (Z(0.975) + Z(power)) ** 2 * (sigma_t2 + p * (1 - p) / games) / delta ** 2)
+    """The smallest n (seeds per arm) with n >= 2 (t_0.975 + t_0.8)^2 var / delta^2 at 2 (n - 1) df."""
+    var = sigma_t2 + p * (1 - p) / games
+    n = 2
+    while n < 2 * quantiles(n, power) ** 2 * var / delta ** 2:
+        n += 1
+    return n
 
 
 def main(argv=None):
@@ -42,8 +63,8 @@ def main(argv=None):
     print(f"{root}: arms {', '.join(f'{a} {[round(x, 3) for x in v]}' for a, v in s['rates'].items())}")
     print(f"seed-to-seed sd {math.sqrt(s['var']):.3f} over {s['games']} games (mean success {s['p']:.3f}): "
           f"binomial {math.sqrt(s['binomial']):.3f}, training {math.sqrt(sigma_t2):.3f}")
-    smallest = (Z(0.975) + Z(0.8)) * math.sqrt(2 * s["var"] / 3)
-    print(f"3 seeds per arm detect (80 % power) differences >= {100 * smallest:.0f} points")
+    print(f"3 seeds per arm detect (80 % power, t at 4 df) differences >= {100 * smallest(s['var'], 3):.0f} "
+          "points")
     print(f"{'difference':>10} {'games':>6} {'seeds per arm':>14}")
     for delta in (0.35, 0.15, 0.069):
         for games in (40, 140, 1000):

@@ -405,6 +405,49 @@ def filter_rows(seeds: list[Path]) -> list[str]:
             "easiness, other | tau_easy |", "|---|---|---|---|---|---|---|---|", *lines, ""]
 
 
+def _tau(value) -> str:
+    return "not recorded" if value is None else f"{value}"
+
+
+def tau_d_used(scores: dict[str, list[dict]]) -> str:
+    """The tau_d the table's scores used, read from each result's own config (eval.py wm records the one it
+    applied): "tau_d X" when they agree, else each value with the rows scored at it."""
+    rows = {}  # tau_d -> row names
+    for name, results in scores.items():
+        for r in results:
+            v = (r.get("config") or {}).get("tau_d") if isinstance(r.get("config"), dict) else None
+            rows.setdefault(v, [])
+            if name not in rows[v]:
+                rows[v].append(name)
+    if len(rows) == 1:
+        return f"tau_d {_tau(next(iter(rows)))} (every score's config)"
+    return "tau_d " + "; ".join(f"{_tau(v)} ({', '.join(names)})" for v, names in rows.items()) + \
+        " (each score's config: the rows were scored at different tau_d)"
+
+
+def tau_d_trained(seeds: list[Path], arms) -> str:
+    """The tau_d the reward-trained arms (RWML, its variants, COIN) trained with, from each run's
+    config.json; empty when no such run records a config."""
+    found = {}  # tau_d -> arm names
+    for a, name in arms:
+        if a not in ("rwml", "coin") and not a.startswith("rwml_"):
+            continue
+        for d in seeds:
+            cfg = read_json(d / a / "config.json")
+            if isinstance(cfg, dict):
+                found.setdefault(cfg.get("tau_d"), [])
+                if name not in found[cfg.get("tau_d")]:
+                    found[cfg.get("tau_d")].append(name)
+    if not found:
+        return ""
+    if len(found) == 1:
+        return f"Trained (RWML's reward) at tau_d {_tau(next(iter(found)))} (every run's config.json)."
+    return ("Trained (RWML's reward) at tau_d "
+            + "; ".join(f"{_tau(v)} ({', '.join(n.lstrip('+ ') for n in names)})"
+                        for v, names in found.items())
+            + " (each run's config.json).")
+
+
 def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = None) -> str:
     """`sanity.sh`'s tables: per held-out kind the baselines and each arm over seeds, RWML - warm-up
     (paired), accuracy per observation kind; the training diagnostics; `png`: the GRPO arms' curves."""
@@ -442,14 +485,17 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
         unseen_n = first["per_kind"].get("beyond_template_unseen", {}).get("n")
         held_file = first.get("transitions")  # as the table records it: relative to the repository
         held_file = repo_path(held_file) if isinstance(held_file, str) else held_file
+        scores = {**{n: [base[b]] for b, n in SANITY_BASELINES if base[b]},
+                  **{n: arms[a] for a, n in all_arms if arms[a]}}
         lines += [f"### {kind} triplets: {first['n']} of `{first.get('split') or '?'}` "
                   f"(`{held_file}`), {beyond_n} beyond the template rule"
                   + (f" ({unseen_n} of them list objects the prompt never names)" if unseen_n is not None
                      else ""), "",
                   f"{cfg.get('eval_samples', 0) or 1} predictions per triplet sampled at T "
-                  f"{cfg.get('temperature', 0)} (the rules: one), reward 1 iff 1 - cos < tau_d "
-                  f"{cfg.get('tau_d')}; the share of predictions with reward 1. Arms: mean ± sd over "
-                  f"{len(seeds)} independent seeds (each seed's value in brackets).", "",
+                  f"{cfg.get('temperature', 0)} (the rules: one), reward 1 iff 1 - cos < "
+                  f"{tau_d_used(scores)}; the share of predictions with reward 1. Arms: mean ± sd over "
+                  f"{len(seeds)} independent seeds (each seed's value in brackets)."
+                  + (f" {trained}" if (trained := tau_d_trained(seeds, all_arms)) else ""), "",
                   "| | " + " | ".join(c for c, _ in SANITY_COLUMNS) + " |",
                   "|---|" + "---|" * len(SANITY_COLUMNS)]
         for b, name in SANITY_BASELINES:

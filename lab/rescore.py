@@ -35,6 +35,7 @@ ARMS, BASELINES, SPLITS = ("warmup", "rwml", "wm_sft", "coin"), ("base", "templa
     ("explore", "purposeful")
 METRICS = dict(reward="reward accuracy", exact="exact match", item_f1="item F1")
 COMPARE = (("rwml", "warmup"), ("rwml", "wm_sft"), ("rwml", "coin"))
+MARK = {"holds": "✓", "reversed": "✗", "no difference detected (borderline)": "(borderline)"}  # kind table
 WIDTH = 90  # plumbing.group_table cuts the log's targets and predictions to 90 characters
 
 
@@ -166,8 +167,9 @@ def ci_text(ci):
 
 
 def paired(data, seeds, x, y, split, metric, kinds=None):
-    """The two-level bootstrap of arm x - arm y on their common triplets (those the metric scores)."""
-    runs, pool = [], ([], [], [])
+    """The two-level bootstrap of arm x - arm y on their common triplets (those the metric scores), with the
+    smallest difference it could detect (from the same replicates); None without such triplets."""
+    runs = []
     for seed in seeds:
         run = ([], [], [])
         for sp in (SPLITS if split is None else (split,)):
@@ -179,12 +181,10 @@ def paired(data, seeds, x, y, split, metric, kinds=None):
                 r.extend(v)
         if run[0]:
             runs.append(run)
-            for r, v in zip(pool, run):
-                r.extend(v)
     if not runs:
         return None
-    ci = stats.two_level_bootstrap(runs, n_boot=2000, seed=0)
-    return dict(ci, items=len(runs[0][0]), smallest=stats.detectable(*pool))
+    ci = stats.two_level_bootstrap(runs)
+    return dict(ci, items=len(runs[0][0]), smallest=stats.detectable(ci))
 
 
 def arm_table(data, seeds, splits=SPLITS, arms=ARMS) -> list[str]:
@@ -199,7 +199,7 @@ def arm_table(data, seeds, splits=SPLITS, arms=ARMS) -> list[str]:
                     cells.append("–")
                     continue
                 runs = [([r[metric] for r in rs], [0] * len(rs), [r["game"] for r in rs]) for rs in rows]
-                ci = stats.two_level_bootstrap(runs, 2000, 0)
+                ci = stats.two_level_bootstrap(runs)
                 cells.append(f"{ci['diff']:.3f} ({'/'.join(pct(v) for v in ci['per_seed'])}) "
                              f"[{ci['lo']:.3f}, {ci['hi']:.3f}]")
             n = sum(r["item_f1"] is not None for r in data[(seeds[0], arm, split)].values())
@@ -240,7 +240,8 @@ def kind_table(data, seeds) -> list[str]:
         cells, items = [], 0
         for metric in METRICS:
             c = paired(data, seeds, "rwml", "warmup", None, metric, kinds=(kind,))
-            cells.append("–" if c is None else f"{ci_text(c)} {'✓' if c['lo'] > 0 else ''}")
+            v = stats.verdict(c)
+            cells.append("–" if c is None else f"{ci_text(c)} {MARK.get(v, '')}".rstrip())
             items = max(items, c["items"] if c else 0)
         lines.append(f"| {kind} | {items} | " + " | ".join(cells) + " |")
     return lines
@@ -379,7 +380,8 @@ def plot_gains(comparisons: list[dict], png: Path) -> Path:
         rows = [c for c in comparisons if c["metric"] == metric and "diff" in c]  # not those without data
         for i, c in enumerate(rows):
             ax.errorbar([c["diff"]], [i], xerr=[[c["diff"] - c["lo"]], [c["hi"] - c["diff"]]], fmt="D",
-                        color="C0" if c["lo"] > 0 else "C7", ms=5, capsize=3,
+                        color="C0" if c.get("verdict", "holds" if c["lo"] > 0 else "") == "holds" else "C7",
+                        ms=5, capsize=3,
                         label="mean over seeds, 95 % CI" if i == 0 else None)
             ax.plot(c["per_seed"], [i] * len(c["per_seed"]), "o", color="C1", ms=3, alpha=0.8,
                     label="each seed" if i == 0 else None)
@@ -387,7 +389,8 @@ def plot_gains(comparisons: list[dict], png: Path) -> Path:
         ax.set(title=name, xlabel="paired difference (RWML − other)", yticks=range(len(rows)),
                yticklabels=[f"{c['split']}: {c['x']} − {c['y']}" for c in rows])
     fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7)
-    fig.suptitle("test split (valid_unseen): RWML's paired gain per seed and over seeds (blue: CI above 0)",
+    fig.suptitle("test split (valid_unseen): RWML's paired gain per seed and over seeds (blue: the verdict "
+                 "holds)",
                  fontsize=9)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(png, dpi=110)
@@ -455,8 +458,9 @@ def evals_report(folder: Path) -> list[str]:
                         f"({', '.join(seeds)}); score the missing ones (lab/tw_wm.sh reruns what is missing)")
     return [f"# World-model accuracy on `{repo_path(folder)}` ({', '.join(seeds)})", "",
             "Rates: the mean over seeds, each seed's value in brackets, 4 predictions per triplet; "
-            "CI: two-level bootstrap (seeds, then games), 2,000 draws; the baselines are one run each.", "",
-            *arm_table(data, seeds, (split,), arms), "", "## Paired on the same triplets", "", *comp, ""]
+            f"CI: two-level bootstrap (seeds, then games), {stats.N_BOOT:,} draws; the baselines are one run "
+            "each.", "", *arm_table(data, seeds, (split,), arms), "", "## Paired on the same triplets", "",
+            stats.RULE + ".", "", *comp, ""]
 
 
 def read_gains(path: Path) -> list[dict]:
@@ -533,12 +537,13 @@ def main(argv=None):
     comp, found = comparison_table(data, seeds)
     md = [f"# Strict re-score of `{repo_path(args.archive)}` (valid_unseen, {', '.join(seeds)})", "",
           "Rates: the mean over seeds, each seed's value in brackets; CI: two-level bootstrap (seeds, then "
-          "games), 2,000 draws. Item F1: over the triplets whose target lists items (item n per seed). "
+          f"games), {stats.N_BOOT:,} draws. Item F1: over the triplets whose target lists items (item n per "
+          "seed). "
           "The recorded reward accuracy and exact match were re-derived from the predictions and match.", "",
           *arm_table(data, seeds), "", "## RWML against each control, paired on the same triplets", "",
-          "could detect: (z 0.975 + z 0.8) x sd of the per-game mean differences (seeds pooled) / "
-          "sqrt(games).", "", *comp, "",
-          "## RWML − warm-up per observation kind (explore and purposeful pooled; ✓: CI excludes 0)", "",
+          stats.RULE + ".", "", *comp, "",
+          "## RWML − warm-up per observation kind (explore and purposeful pooled; ✓: the verdict holds, "
+          "(borderline): a bound is 0 within its Monte-Carlo error)", "",
           *kind_table(data, seeds), "",
           "## Rewarded held-out predictions that the strict metrics call wrong", "",
           *heldout_rewarded(data, seeds), "",

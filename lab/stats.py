@@ -1,23 +1,33 @@
-"""Intervals and paired comparisons for the lab's tables (issue 37 item 1); the standard library only.
+"""Intervals and paired comparisons for the lab's tables (issue 37 item 1; issue 47 item 6).
 
 - `wilson(k, n)`: the 95 % Wilson score interval of one rate (one run).
 - `paired_bootstrap(a, b, units)`: the difference of two arms' mean outcomes on the same items (triplets or
   episodes), with a percentile bootstrap CI that resamples units (games): the items of a game move together.
 - `two_level_bootstrap(runs)`: the same over several seeds: each replicate draws seeds with replacement, then
   games with replacement (one draw of games shared by the drawn seeds: our seeds play the same games).
-- `detectable(...)`: the smallest difference a table could detect: (z_{1-alpha/2} + z_{power}) x the paired
-  sd over units / sqrt(units), two-sided 5 %, 80 % power (not the CI's half-width).
-- `verdict(ci, smallest)`: "holds" only where the CI excludes 0, else "no difference detected"; no data
-  (None: no items to compare) says so.
+  N_BOOT (200,000) replicates by default; besides the CI it returns the replicates' sd and how many
+  replicates lie below, at or below, at or above, above 0 (what places a bound on either side of 0).
+- `detectable(ci)`: the smallest difference a table could detect: (z_{1-alpha/2} + z_{power}) x the sd of
+  the CI's own bootstrap replicates (two-sided 5 %, 80 % power): seed-to-seed and game-to-game spread both
+  count, so it sits at about 1.4 x the CI's half-width, never far below it.
+- `verdict(ci)`: "holds" only where the CI excludes 0 by more than its Monte-Carlo error (another RNG seed
+  prints the same verdict), "no difference detected (borderline)" where a bound is 0 within that error (a
+  CI that touches 0, or one whose bound no count of replicates would settle), else "no difference
+  detected"; no data (None) says so.
 """
 from __future__ import annotations
 
 import math
-import random
 import statistics
 from collections import defaultdict
 
+import numpy as np
+
 Z = statistics.NormalDist().inv_cdf
+N_BOOT = 200_000  # replicates of every printed CI (2,000 left verdicts to the RNG seed: issue 47 item 6)
+CHUNK = 25_000  # replicates drawn at a time (memory: a few MB per 10 units)
+RNG_SEED = 0  # the bootstrap's RNG seed where none is given (lab/rng_check.py varies it)
+MC_Z = Z(0.995)  # a bound's Monte-Carlo error: 2.576 sd of the count of replicates below it (99 %)
 
 
 def wilson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
@@ -40,56 +50,119 @@ def _by_unit(a, b, units) -> dict:
     return dict(out)
 
 
-def _percentile(values: list[float], level: float) -> tuple[float, float]:
-    v = sorted(values)
+def _percentile(v, level: float) -> tuple[float, float]:
+    """The percentile interval of sorted values (the lower rank rounded down, the upper up)."""
     lo, hi = (1 - level) / 2, (1 + level) / 2
-    return v[int(lo * (len(v) - 1))], v[math.ceil(hi * (len(v) - 1))]
+    return float(v[int(lo * (len(v) - 1))]), float(v[math.ceil(hi * (len(v) - 1))])
 
 
-def paired_bootstrap(a, b, units, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
-    """mean(a) - mean(b) over paired items, with a bootstrap CI over units: dict(diff, lo, hi, units)."""
+def mc_margin(n: int, level: float = 0.95) -> float:
+    """The Monte-Carlo error, in replicates, of the count that places a percentile bound: the count of n
+    replicates below the true q-quantile is Binomial(n, q), q = (1 - level) / 2; 2.576 sd (99 %)."""
+    q = (1 - level) / 2
+    return MC_Z * math.sqrt(n * q * (1 - q))
+
+
+def paired_bootstrap(a, b, units, n_boot: int = N_BOOT, seed: int | None = None, level: float = 0.95) -> dict:
+    """mean(a) - mean(b) over paired items, with a bootstrap CI over units: dict(diff, lo, hi, units, ...)."""
     return two_level_bootstrap([(a, b, units)], n_boot, seed, level)
 
 
-def two_level_bootstrap(runs, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
+def _estimate(seeds: list[dict], names: list[str]) -> float:
+    """The mean over seeds of each seed's paired difference on the given units (those it has)."""
+    per = []
+    for s in seeds:
+        d = [s[u] for u in names if u in s]
+        if d:
+            per.append(sum(x for x, _ in d) / sum(n for _, n in d))
+    return sum(per) / len(per) if per else 0.0
+
+
+def two_level_bootstrap(runs, n_boot: int = N_BOOT, seed: int | None = None, level: float = 0.95) -> dict:
     """runs: one (a, b, units) per seed. The mean over seeds of each seed's paired difference, with a CI from
-    resampling seeds, then games: dict(diff, lo, hi, per_seed, units)."""
+    resampling seeds (when there are several), then games (RNG seed `seed`, default RNG_SEED): dict(diff,
+    lo, hi, per_seed, units, sd: the replicates' sd, n_boot, level, and the replicates below / at most /
+    at least / above 0, which `verdict` reads)."""
     seeds = [_by_unit(*r) for r in runs]
     names = sorted({u for s in seeds for u in s})
-
-    def estimate(drawn_seeds, drawn_units):
-        per = []
-        for s in drawn_seeds:
-            d = [s[u] for u in drawn_units if u in s]
-            if d:
-                per.append(sum(x for x, _ in d) / sum(n for _, n in d))
-        return sum(per) / len(per) if per else 0.0
-
-    rng = random.Random(seed)
-    reps = [estimate([seeds[rng.randrange(len(seeds))] for _ in seeds] if len(seeds) > 1 else seeds,
-                     [names[rng.randrange(len(names))] for _ in names]) for _ in range(n_boot)]
+    total = np.array([[s.get(n, (0.0, 0))[0] for n in names] for s in seeds], dtype=float)  # seed x unit
+    items = np.array([[s.get(n, (0.0, 0))[1] for n in names] for s in seeds], dtype=float)
+    rng = np.random.default_rng(RNG_SEED if seed is None else seed)
+    reps = np.concatenate([_replicates(total, items, min(CHUNK, n_boot - start), rng)
+                           for start in range(0, n_boot, CHUNK)])
+    reps.sort()
     lo, hi = _percentile(reps, level)
-    per_seed = [estimate([s], names) for s in seeds]
-    return dict(diff=sum(per_seed) / len(per_seed), lo=lo, hi=hi, per_seed=per_seed, units=len(names))
+    each = [_estimate([s], names) for s in seeds]
+    return dict(diff=sum(each) / len(each), lo=lo, hi=hi, per_seed=each, units=len(names),
+                sd=float(reps.std(ddof=1)) if n_boot > 1 else 0.0, n_boot=n_boot, level=level,
+                below_0=int(np.count_nonzero(reps < 0)), at_most_0=int(np.count_nonzero(reps <= 0)),
+                at_least_0=int(np.count_nonzero(reps >= 0)), above_0=int(np.count_nonzero(reps > 0)))
 
 
-def detectable(a, b, units, alpha: float = 0.05, power: float = 0.8) -> float:
-    """The smallest true difference this table detects with the given power (two-sided alpha): from the sd of
-    the per-unit mean differences, (z_{1-alpha/2} + z_power) x sd / sqrt(units)."""
-    per = [x / n for x, n in _by_unit(a, b, units).values()]
-    if len(per) < 2:
+def _replicates(total: np.ndarray, items: np.ndarray, n: int, rng) -> np.ndarray:
+    """n bootstrap replicates of the mean over seeds of each seed's paired difference: seeds drawn with
+    replacement (when there are several), then units (one draw shared by the drawn seeds); a seed without
+    any drawn unit is left out, a replicate without any seed is 0. total, items: seed x unit sums, counts."""
+    k, u = total.shape
+    drawn_seeds = rng.integers(k, size=(n, k)) if k > 1 else np.zeros((n, 1), dtype=int)
+    drawn_units = rng.integers(max(u, 1), size=(n, u))  # no units: no draw, every replicate 0
+    counts = np.bincount((drawn_units + u * np.arange(n)[:, None]).ravel(),
+                         minlength=n * u).reshape(n, u).astype(float)  # replicate x unit: times drawn
+    num, den = counts @ total.T, counts @ items.T  # replicate x seed
+    per_seed = np.divide(num, den, out=np.full_like(num, np.nan), where=den > 0)
+    taken = np.take_along_axis(per_seed, drawn_seeds, axis=1)  # replicate x drawn seed
+    present = ~np.isnan(taken)
+    return np.where(present.any(axis=1),
+                    np.where(present, taken, 0.0).sum(axis=1) / np.maximum(present.sum(axis=1), 1), 0.0)
+
+
+def detectable(ci: dict, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The smallest true difference the table detects with the given power (two-sided alpha), from the
+    resampling that gave its CI: (z_{1-alpha/2} + z_power) x the sd of the bootstrap replicates (seeds, then
+    games); infinite for fewer than 2 units (nothing to resample)."""
+    if ci.get("units", 0) < 2:
         return math.inf
-    return (Z(1 - alpha / 2) + Z(power)) * statistics.stdev(per) / math.sqrt(len(per))
+    return (Z(1 - alpha / 2) + Z(power)) * ci["sd"]
 
 
 NO_DATA = "no data (nothing to compare)"
 
 
+RULE = ("verdict: \"holds\" only where the CI excludes 0 by more than its Monte-Carlo error (the count of "
+        "replicates on the far side of 0 below 2.5 % by more than 2.576 sd), \"(borderline)\" where a bound "
+        "is 0 within that error; could detect: (z 0.975 + z 0.8) x the sd of the same replicates (80 % "
+        "power, two-sided 5 %); lab/stats.py")
+COUNTS = ("below_0", "at_most_0", "at_least_0", "above_0")
+
+
 def verdict(ci: dict | None, smallest: float | None = None) -> str:
-    """"holds (CI excludes 0)" or "no difference detected", with what the table could detect; NO_DATA for a
-    comparison without items (None, or a CI without bounds)."""
+    """"holds" where the CI's lower bound is above 0 by more than its Monte-Carlo error ("reversed": the
+    upper bound below 0), "no difference detected (borderline)" where one bound is 0 within that error,
+    else "no difference detected" (with what the table could detect, when given); NO_DATA for a comparison
+    without items (None, or no bounds).
+
+    With n replicates and q = (1 - level) / 2, the lower bound is the replicate of rank about n q: it is
+    above 0 when fewer than n q replicates are <= 0, below 0 when more than n q are < 0, and 0 itself in
+    between (replicates piled up at 0). Each count is known to m = mc_margin(n) (2.576 sd): the bound holds
+    when fewer than n q - m replicates are <= 0, and is 0 within its error when at most n q + m are < 0 and
+    at least n q - m are <= 0 (the upper bound: the same with > and >=). Both bounds at 0 (a CI [0, 0]: no
+    difference at all) is no borderline. A CI without these counts (not from two_level_bootstrap) is judged
+    on its bounds alone."""
     if not isinstance(ci, dict) or not all(isinstance(ci.get(k), (int, float)) for k in ("lo", "hi")):
         return NO_DATA
-    if ci["lo"] > 0 or ci["hi"] < 0:
-        return "holds" if ci["lo"] > 0 else "reversed"
-    return "no difference detected" + (f"; could detect >= {smallest:.3f}" if smallest is not None else "")
+    if all(isinstance(ci.get(k), int) for k in ("n_boot", *COUNTS)):
+        n, level = ci["n_boot"], ci.get("level", 0.95)
+        edge, m = n * (1 - level) / 2, mc_margin(n, level)
+        if ci["at_most_0"] < edge - m:
+            return "holds"
+        if ci["at_least_0"] < edge - m:
+            return "reversed"
+        lo_at_0 = ci["below_0"] <= edge + m and ci["at_most_0"] >= edge - m
+        hi_at_0 = ci["above_0"] <= edge + m and ci["at_least_0"] >= edge - m
+        borderline = lo_at_0 != hi_at_0
+    else:
+        if ci["lo"] > 0 or ci["hi"] < 0:
+            return "holds" if ci["lo"] > 0 else "reversed"
+        borderline = False
+    return ("no difference detected" + (" (borderline)" if borderline else "")
+            + (f"; could detect >= {smallest:.3f}" if smallest is not None else ""))

@@ -4,7 +4,8 @@
 # held-out explore triplets of SPLIT's games (20, drawn with seed 0, the same for every seed), 4 predictions at
 # T 1, beside the base model and the content-free rules; then the tables with paired CIs (lab/rescore.py --evals).
 # The recipe is stage 1's (train.py's defaults, chosen on ALFWorld's valid_seen; TextWorld's tau_d 0.02 and
-# completion cap 128 from the reward audit). Choices are made with SPLIT=dev; SPLIT=test scores frozen adapters.
+# completion cap 128 from the reward audit, whose dev half is 10 TextWorld *test* games). Choices are made with
+# SPLIT=dev; SPLIT=test scores frozen adapters, on games that chose tau_d.
 #   bash lab/tw_wm.sh                  -> $OUT/tw_wm_$SPLIT.md
 #   SPLIT=test bash lab/tw_wm.sh       (the same adapters: only the held-out set and the evaluations are new)
 set -euo pipefail

@@ -217,6 +217,39 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
         reports.sanity_report(tmp_path / "seed0")
 
 
+def test_the_sanity_heading_states_the_tau_d_its_runs_used(tmp_path):
+    """Issue 47 item 6: the table's heading named the tau_d of the first score it read (a baseline's), so a
+    folder whose arms were scored (and RWML trained) at another tau_d was headed with the wrong one; it now
+    reads every score's config and every reward-trained run's config.json."""
+    held = tmp_path / "valid_unseen"
+    (held / "baselines").mkdir(parents=True)
+    kinds = dict(arrive=(0.5, 30))
+
+    def score(tau_d, acc=0.4):
+        r = _wm(acc, acc, acc, kinds)
+        r["config"]["tau_d"] = tau_d
+        return json.dumps(r)
+    for kind in train.HELDOUT_KINDS:
+        (held / "baselines" / f"template_{kind}.json").write_text(score(0.1, 0.85))  # kept from an older run
+    for s in range(2):
+        d = tmp_path / f"seed{s}"
+        (d / "rwml").mkdir(parents=True)
+        (d / "rwml" / "config.json").write_text(json.dumps(dict(beta=0.1, tau_d=0.01, out="x")))
+        (d / "rwml" / "metrics.jsonl").write_text(json.dumps(dict(reward=0.2)) + "\n")
+        (held / d.name).mkdir()
+        for kind in train.HELDOUT_KINDS:
+            for arm in ("warmup", "rwml"):
+                (held / d.name / f"eval_{arm}_{kind}.json").write_text(score(0.01))
+    text = reports.sanity_report(tmp_path)
+    assert ("reward 1 iff 1 - cos < tau_d 0.1 (template rule); 0.01 (warm-up, + RWML) (each score's config: "
+            "the rows were scored at different tau_d)") in text
+    assert "Trained (RWML's reward) at tau_d 0.01 (every run's config.json)." in text
+    for kind in train.HELDOUT_KINDS:  # all at one tau_d: one value
+        (held / "baselines" / f"template_{kind}.json").write_text(score(0.01, 0.85))
+    text = reports.sanity_report(tmp_path)
+    assert "reward 1 iff 1 - cos < tau_d 0.01 (every score's config);" in text and "tau_d 0.1" not in text
+
+
 def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
     """`python train.py` (stage all), small: train and held-out collections, filter and warm-up, RWML, the
     held-out accuracy before -> after beside the baselines and the strict metrics, with per-triplet files."""

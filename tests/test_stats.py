@@ -1,4 +1,5 @@
-"""lab/stats.py on cases with known answers (issue 37 item 1)."""
+"""lab/stats.py on cases with known answers (issue 37 item 1; issue 47 item 6: the smallest detectable
+difference from the CI's own resampling, power's t quantiles, verdicts that do not hang on the RNG seed)."""
 import random
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ def test_constant_difference_has_a_zero_width_ci():
     units = [g for g in range(5) for _ in range(6)]
     ci = stats.paired_bootstrap(a, b, units, n_boot=300)
     assert ci["diff"] == pytest.approx(1 / 3) and ci["lo"] == pytest.approx(ci["hi"]) == pytest.approx(1 / 3)
-    assert stats.detectable(a, b, units) == 0.0 and stats.verdict(ci) == "holds"
+    assert stats.detectable(ci) == 0.0 and stats.verdict(ci) == "holds"
     two = stats.two_level_bootstrap([(a, b, units)] * 3, n_boot=300)
     assert two["lo"] == pytest.approx(two["hi"]) == pytest.approx(1 / 3) and len(two["per_seed"]) == 3
 
@@ -62,9 +63,83 @@ def test_detectable_and_verdict():
     a = [rng.gauss(0, 1) for _ in range(200)]
     b = [x - 0.01 + rng.gauss(0, 1) for x in a]
     units = [i // 10 for i in range(200)]
-    ci, smallest = stats.paired_bootstrap(a, b, units), stats.detectable(a, b, units)
+    ci = stats.paired_bootstrap(a, b, units)
+    smallest = stats.detectable(ci)
+    assert smallest == pytest.approx((stats.Z(0.975) + stats.Z(0.8)) * ci["sd"])
     assert 0 < smallest < 2  # (1.96 + 0.84) x sd(per-game means ~0.45) / sqrt(20) ~ 0.28
+    assert smallest >= (ci["hi"] - ci["lo"]) / 2  # ~1.4 x the half-width: from the same replicates
     assert stats.verdict(ci, smallest).startswith("no difference detected; could detect >= ")
+    assert stats.detectable(stats.paired_bootstrap([1.0], [0.0], ["g"])) == float("inf")  # one game
+
+
+def test_detectable_counts_the_spread_between_seeds():
+    """Issue 47 item 6: two seeds of opposite sign (+0.3 and -0.3 on every game). Pooling the seeds' items
+    per game gave a paired sd of 0, "could detect >= 0", beside a CI of +-0.3; the figure now comes from the
+    CI's own two-level replicates, so it is never far below the CI's half-width."""
+    import agent_stats
+
+    games = [f"g{i}" for i in range(20)]
+    up, down = {g: 0.3 for g in games}, {g: 0.0 for g in games}
+    ci = agent_stats.compare([up, down], [down, up], games)  # seed 1: +0.3, seed 2: -0.3
+    half = (ci["hi"] - ci["lo"]) / 2
+    assert ci["diff"] == 0.0 and ci["lo"] == pytest.approx(-0.3) and ci["hi"] == pytest.approx(0.3)
+    assert ci["could_detect"] >= half  # the old figure: 0.000
+    assert ci["could_detect"] == pytest.approx(2.8 * 0.3 / 2 ** 0.5, rel=0.02)  # sd of {+-0.3, 0, 0}
+    assert stats.verdict(ci) == "no difference detected"
+
+
+def test_power_uses_student_t_with_the_seeds_degrees_of_freedom(capsys):
+    """Issue 47 item 6: 3 seeds per arm are a two-sample t test at 2 (3 - 1) = 4 df, not the normal: the
+    committed agent_sanity spread (sd 15.6 points) detects >= 47 points with 3 seeds (the normal said 36)."""
+    import power
+    from scipy.stats import t
+
+    assert power.quantiles(3) == pytest.approx(t.ppf(0.975, 4) + t.ppf(0.8, 4))
+    assert power.quantiles(3) == pytest.approx(3.717, abs=1e-3)
+    assert power.quantiles(1000) == pytest.approx(stats.Z(0.975) + stats.Z(0.8), abs=0.01)
+    assert power.smallest(0.156 ** 2, 3) == pytest.approx(3.717 * 0.156 * (2 / 3) ** 0.5, abs=1e-3)
+    for delta in (0.35, 0.15, 0.069):
+        n = power.seeds_needed(delta, 0.0196, 0.24, 140)
+        var = 0.0196 + 0.24 * 0.76 / 140
+        assert n >= 2 * power.quantiles(n) ** 2 * var / delta ** 2  # enough
+        assert n == 2 or n - 1 < 2 * power.quantiles(n - 1) ** 2 * var / delta ** 2  # the smallest
+    power.main([str(Path(__file__).resolve().parents[1] / "lab" / "results" / "agent_sanity")])
+    out = capsys.readouterr().out
+    assert "3 seeds per arm detect (80 % power, t at 4 df) differences >= 47 points" in out
+
+
+def test_a_ci_that_touches_0_is_borderline_and_zero_width_is_not():
+    """The verdict's rule (lab/stats.py verdict): a bound that is 0 within its Monte-Carlo error is
+    "(borderline)"; a CI [0, 0] (no difference at all) is plain "no difference detected"; bounds without the
+    replicate counts (a CI from elsewhere) are judged as they are."""
+    units = list(range(20))
+    touch = stats.paired_bootstrap([1.0] * 2 + [0.0] * 18, [0.0] * 20, units)  # >= 0, 0 in 12 % of draws
+    assert touch["lo"] == 0.0 and touch["hi"] > 0
+    assert stats.verdict(touch) == "no difference detected (borderline)"
+    assert stats.verdict(stats.paired_bootstrap([0.0] * 20, [0.0] * 20, units)) == "no difference detected"
+    clear = stats.paired_bootstrap([1.0] * 10 + [0.0] * 10, [0.0] * 20, units)
+    assert stats.verdict(clear) == "holds"
+    flip = stats.paired_bootstrap([0.0] * 20, [1.0] * 10 + [0.0] * 10, units)
+    assert stats.verdict(flip) == "reversed"
+    assert stats.verdict(dict(lo=0.01, hi=0.2)) == "holds" and stats.verdict(dict(lo=0.0, hi=0.2)) == \
+        "no difference detected"
+
+
+def test_the_strict_rescore_verdict_does_not_hang_on_the_bootstrap_seed(monkeypatch):
+    """Issue 47 item 6: purposeful RWML − WM SFT under exact match (lab/rescore.py's re-score of the committed
+    stage1_test_table) "held" at 2,000 draws in 6 of 20 RNG seeds: its lower bound is 0 (the replicates pile
+    up there). At N_BOOT draws every one of 20 seeds prints the same verdict, "(borderline)"; every cell of
+    the committed tables: lab/rng_check.py (recorded in lab/results/strict_rescore/README.md)."""
+    import rescore
+
+    data = rescore.read_archive(Path(__file__).resolve().parents[1] / "lab" / "results" / "stage1_test_table"
+                                / "sanity_valid_unseen_triplets.tar.xz")
+    seeds = sorted({s for s, _, _ in data if s.startswith("seed")})
+    found = set()
+    for rng_seed in range(20):
+        monkeypatch.setattr(stats, "RNG_SEED", rng_seed)
+        found.add(stats.verdict(rescore.paired(data, seeds, "rwml", "wm_sft", "purposeful", "exact")))
+    assert found == {"no difference detected (borderline)"}
 
 
 def test_the_agent_table_pairs_arms_on_games(tmp_path):
