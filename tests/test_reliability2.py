@@ -257,7 +257,7 @@ def test_a_damaged_game_file_is_named(tmp_path):
     copy = tmp_path / game.parent.parent.name / game.parent.name
     shutil.copytree(game.parent, copy)
     damage(copy / "game.tw-pddl", "truncated")
-    with gamepool.EnvPool(num_workers=1) as pool, pytest.raises(envs.UserError) as e:
+    with gamepool.EnvPool(num_workers=1, game_cls=envs.Game) as pool, pytest.raises(envs.UserError) as e:
         pool.reset({0: str(copy / "game.tw-pddl")})
     assert one_line(e).startswith(f"game file {copy / 'game.tw-pddl'} does not load (")
     assert "it may be damaged" in str(e.value)

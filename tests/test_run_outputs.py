@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import engine
+import envs
 import plumbing
 import train
 from plumbing import read_jsonl
@@ -174,11 +175,12 @@ def test_the_cards_query_snippet_runs_with_transformers_and_peft(stage, reasonin
     import rwml
 
     cfg = train.Settings(model=tiny_model, max_completion_length=6, wm_reasoning=reasoning)
-    saved = train.save_adapter(engine.add_lora(engine.load_model(tiny_model)[0], r=4, alpha=8), tmp_path,
-                               cfg=cfg, stage=stage)
+    with train.card_run(stage, cfg, train.wm_texts):  # a run's cards: the world-model prompt it trained on
+        saved = train.save_adapter(engine.add_lora(engine.load_model(tiny_model)[0], r=4, alpha=8), tmp_path,
+                                   cfg=cfg, stage=stage)
     card = (saved / "README.md").read_text()
     code = card.split("## Query this world model")[1].split("```python\n")[1].split("```")[0]
-    assert repr(rwml.WM_SYSTEM) in code and repr(rwml.WM_STOP) in code
+    assert repr(envs.Alfworld.wm_system) in code and repr(rwml.WM_STOP) in code
     assert repr(rwml.wm_prefix(reasoning and stage == "wm")) in code
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
