@@ -25,24 +25,16 @@ from transformers import HfArgumentParser
 from common import RERUN, UserError, clip, closest, did_you_mean
 
 
-class _Help(argparse.HelpFormatter):
-    """--help names each flag once, dashed (`--num-games`; `--num_games` parses too)."""
-
-    def _format_action_invocation(self, action):
-        dashed = copy.copy(action)
-        dashed.option_strings = [o for o in action.option_strings if "_" not in o] or action.option_strings
-        return super()._format_action_invocation(dashed)
-
-
 class _Parser(HfArgumentParser):
     """transformers' HfArgumentParser (TRL's scripts parse with it) over one settings class, with this
     project's habits: a --help section per setting group (its `_argument_group_name`), `none` for an
     Optional setting, `--x / --no-x` for every bool (HfArgumentParser gives --no-x only to a default of True),
-    choices shown (checked by `check_fields`, with a did-you-mean), and settings outside `shown` hidden."""
+    choices shown (checked by `check_fields`, with a did-you-mean), settings outside `shown` hidden, and each
+    flag named dashed (`--num-games`) in --help and errors, though `--num_games` parses too."""
 
     def __init__(self, cls, shown=None, **kwargs):
         self.cls, self.shown, self.sections = cls, shown, {}
-        super().__init__(cls, formatter_class=_Help, allow_abbrev=False, **kwargs)
+        super().__init__(cls, formatter_class=argparse.HelpFormatter, allow_abbrev=False, **kwargs)
 
     def _add_dataclass_arguments(self, dtype):
         for klass in dtype.__mro__:  # the sections in the order of the class's bases
@@ -59,13 +51,16 @@ class _Parser(HfArgumentParser):
         text = text if self.shown is None or field.name in self.shown else argparse.SUPPRESS
         flags = [f"--{field.name.replace('_', '-')}", f"--{field.name}"][:1 + ("_" in field.name)]
         if typ is bool:
-            parser.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction, help=text)
+            action = parser.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction,
+                                         help=text)
+            action.option_strings = [flags[0], "--no-" + flags[0][2:]]  # what --help and errors name
             return
         choices = field.metadata.get("choices")
         metavar = ("{" + ",".join(choices) + "}" if choices else typ.__name__.upper()) + "|none" * optional
         f = copy.copy(field)
         f.type, f.metadata = _or_none(typ) if optional else typ, dict(help=text, metavar=metavar)
         HfArgumentParser._parse_dataclass_field(parser, f)
+        self._actions[-1].option_strings = flags[:1]  # the action just added: named dashed in --help, errors
 
 
 _UNSET = object()  # a setting no flag gave
