@@ -46,8 +46,8 @@ def utf8_clean(text: str) -> str:
 def arg(default, help: str, *, choices: tuple | None = None, min: float | None = None, check=None,
         why: str | None = None, resume_free: bool = False):
     """A setting: a dataclass field that is also a flag (`num_games` -> `--num-games`) and a `--config` key.
-    Its help, choices and bounds live here, on the field, and nowhere else: `plumbing.parse_args` shows
-    them, `plumbing.check_fields` enforces them (`check(value)` false: "--name value: `why`"; None, a
+    Its help, choices and bounds live here, on the field, and nowhere else: `cli.parse_config` shows them,
+    `cli.check_fields` enforces them (`check(value)` false: "--name value: `why`"; None, a
     setting left out, always passes). `resume_free`: changes no trained weight, so --resume takes another
     value (evaluations, speed, the step budget)."""
     meta = dict(help=help, choices=choices, min=min, check=check, why=why, resume_free=resume_free)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import cli
 import engine
 import envs
 import gamepool
@@ -271,7 +272,7 @@ def test_a_utf8_bom_is_accepted(transitions, tmp_path):
     assert plumbing.read_transitions(str(path)) == plumbing.read_transitions(transitions)
     config = tmp_path / "cfg.json"
     config.write_bytes(b"\xef\xbb\xbf" + b'{"num_games": 3}')
-    cfg, _ = plumbing.parse_config(train.Settings, ["--config", str(config)], prog="train.py")
+    cfg, _ = cli.parse_config(train.Settings, ["--config", str(config)], prog="train.py")
     assert cfg.num_games == 3
 
 

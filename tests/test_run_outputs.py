@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import cli
 import engine
 import envs
 import plumbing
@@ -28,8 +29,8 @@ def parity_reward(completions, targets):
 def run(tiny_model, transitions, tmp_path_factory):
     """(the run folder, what it printed): one step, the reward a fixed function of the text."""
     out = tmp_path_factory.mktemp("wm")
-    cfg, _ = plumbing.parse_config(train.Settings, ARGV[1:] + ["--model", tiny_model, "--out", str(out)],
-                                   prog="t")
+    cfg, _ = cli.parse_config(train.Settings, ARGV[1:] + ["--model", tiny_model, "--out", str(out)],
+                              prog="t")
     printed = io.StringIO()
     argv, sys.argv = sys.argv, ["train.py", *ARGV, "--model", tiny_model, "--out", str(out)]
     try:
