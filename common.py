@@ -51,7 +51,7 @@ def arg(default, help: str, *, choices: tuple | None = None, min: float | None =
     setting left out, always passes). `resume_free`: changes no trained weight, so --resume takes another
     value (evaluations, speed, the step budget)."""
     meta = dict(help=help, choices=choices, min=min, check=check, why=why, resume_free=resume_free)
-    meta = {k: v for k, v in meta.items() if v not in (None, False)}
+    meta = {k: v for k, v in meta.items() if v is not None and v is not False}  # min=0 stays
     return dataclasses.field(default=default, metadata=meta)
 
 
