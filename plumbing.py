@@ -20,6 +20,7 @@ import random
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -281,13 +282,17 @@ def claim_out(cfg, out: Path, stage: str) -> None:
         except OSError as e:  # a folder, or no permission
             raise UserError(f"cannot open the run lock {out / '.lock'} ({e.strerror}); remove it (it holds "
                             "only the pid of the run using the folder), or use another --out") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # BlockingIOError: another process holds it
-            pid = os.read(fd, 20).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise UserError(f"another run is using {out} (pid {pid}); wait for it to end, or use another "
-                            "--out") from None
+        for tries in range(41):  # a run killed a moment ago: its game workers hold its lock until they end
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:  # BlockingIOError: another process holds it
+                pid = os.pread(fd, 20, 0).decode(errors="replace").strip() or "?"
+                if tries == 40 or Path(f"/proc/{pid}").exists():  # its writer still runs
+                    os.close(fd)
+                    raise UserError(f"another run is using {out} (pid {pid}); wait for it to end, or use "
+                                    "another --out") from None
+                time.sleep(0.05)
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         _LOCKS[key] = fd
