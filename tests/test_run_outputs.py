@@ -34,7 +34,7 @@ def run(tiny_model, transitions, tmp_path_factory):
     printed = io.StringIO()
     argv, sys.argv = sys.argv, ["train.py", *ARGV, "--model", tiny_model, "--out", str(out)]
     try:
-        with contextlib.redirect_stdout(printed):
+        with contextlib.redirect_stdout(printed), train.card_run("wm", cfg, train.wm_texts):  # as run_stage
             train.train_wm(cfg, plumbing.read_transitions(transitions), out,
                            lambda: engine.load_model(tiny_model), parity_reward)
     finally:
