@@ -1,6 +1,7 @@
 """Support (skip on a first read): the bridges to TRL (`train.py wm --trainer trl`: the same stage in TRL's
-GRPOTrainer) and to verl (`train.py export`: the kept triplets as verl's GRPO parquet; the reward verl loads:
-verl_reward.py's `compute_score`).
+GRPOTrainer) and to verl (`train.py export`: the kept triplets as verl's GRPO parquet; the reward verl
+loads: verl_reward.py's `compute_score`). The method's parts they use (the filter, the world-model prompt:
+`wm(triplet, reasoning)` -> system prompt, prompt, reply prefix, stop) come from train.py as arguments.
 """
 from __future__ import annotations
 
@@ -20,23 +21,30 @@ from tqdm.auto import tqdm
 
 import cost
 import engine
-import rwml
-from envs import UserError
+from common import UserError, arg, write_atomic, write_jsonl
 from plumbing import (PROMPT_TAIL, TRIPLETS_KEPT, check_settings, filter_dir, group_table, plot_rewards,
-                      process_state, run_header, save_adapter, write_atomic, write_jsonl)
-from reward import BUNDLED_EMBEDDER
+                      process_state, run_header, save_adapter)
+from reward import BUNDLED_EMBEDDER, parse_next_state
 
 
 @dataclass
-class BridgeConfig:
-    """The bridges' settings (train.py flags)."""
-    trainer: str = "ours"  # ours | trl: stage wm in TRL's GRPOTrainer, also under accelerate launch (README)
-    use_vllm: bool = False  # --trainer trl: generation in vLLM, colocated (TRL's use_vllm; needs vllm)
-    format: str = "verl"  # `export`: the filtered triplets as verl's GRPO parquet (reward: compute_score)
-    export_warmup: bool = False  # `export`: also train and save the warm-up adapter (verl does not use it)
+class TRLArgs:
+    _argument_group_name = "TRL (filter, wm)"
+    trainer: str = arg("ours", "ours | trl: stage wm in TRL's GRPOTrainer, also under accelerate launch "
+                               "(README)", choices=("ours", "trl"))
+    use_vllm: bool = arg(False, "--trainer trl: generation in vLLM, colocated (TRL's use_vllm; needs vllm)")
 
 
-def wm_trl(stage: str, cfg, trips: list[dict], out: Path, load, reward_fn, filter_triplets, reward_control):
+@dataclass
+class VerlArgs:
+    _argument_group_name = "verl (export)"
+    format: str = arg("verl", "the filtered triplets as verl's GRPO parquet (reward: compute_score)",
+                      choices=("verl",))
+    export_warmup: bool = arg(False, "also train and save the warm-up adapter (verl does not use it)")
+
+
+def wm_trl(stage: str, cfg, trips: list[dict], out: Path, load, reward_fn, filter_triplets, reward_control,
+           wm, advantages):
     """`train.py filter|wm --trainer trl`, in every process of `accelerate launch`: the filter (the main
     process first; the others reuse its cache), then the reward control and `train_wm_trl`."""
     with process_state().main_process_first():
@@ -45,17 +53,18 @@ def wm_trl(stage: str, cfg, trips: list[dict], out: Path, load, reward_fn, filte
         with process_state().main_process_first():  # mis.json: one writer at a time
             kept, reward_fn = reward_control(cfg, kept, reward_fn, out)
         with cost.stage("grpo"):
-            train_wm_trl(cfg, kept, out, load, reward_fn, start)
+            train_wm_trl(cfg, kept, out, load, reward_fn, start, wm, advantages)
 
 
-def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: Path | None = None):
+def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: Path | None, wm, advantages):
     """RWML through TRL's GRPOTrainer (--trainer trl), in one process or in each of `accelerate launch`'s:
-    the same triplets (filter output, after any reward control: `plumbing.reward_control`), prompts, reward,
+    the same triplets (filter output, after any reward control: `train.reward_control`), prompts, reward,
     start (the warm-up adapter or a fresh LoRA) and KL reference, and the same fields under TRL's names.
     Differences: TRL's own data order; the prompt is tokenized by TRL (a tokenizer that adds BOS to text gets
     a second one after the template's); without vLLM, generation stops at end of turn only, so the tokens
     after </next_state> train too (the reward reads the text up to the first </next_state>, as ours).
-    Checkpoints: TRL's, in <out>/trl. Returns the peft model."""
+    Checkpoints: TRL's, in <out>/trl. `advantages`: rwml.group_advantages, for the logged groups. Returns
+    the peft model."""
     from datasets import Dataset
     from peft import PeftModel
     from transformers.trainer_utils import get_last_checkpoint
@@ -82,15 +91,14 @@ def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: P
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
-    prefix, stop = rwml.wm_prefix(cfg.wm_reasoning), rwml.WM_STOP
+    chats = [wm(t, cfg.wm_reasoning) for t in triplets]  # (system prompt, prompt, reply prefix, stop)
+    prefix, stop = chats[0][2:]
     model, tok = load()
     # our prompt text: chat template, system prompt and the reply's prefix, which TRL's completions then lack
-    prompts = [engine.chat(tok, rwml.wm_prompt(t, cfg.wm_reasoning), rwml.wm_system(t), prefix)
-               for t in triplets]
+    prompts = [engine.chat(tok, user, system, prefix) for system, user, _, _ in chats]
     data = Dataset.from_dict(dict(prompt=prompts, targets=[t["next_obs"] for t in triplets],
                                   action=[t["action"] for t in triplets],
-                                  prompt_tail=[rwml.wm_prompt(t, cfg.wm_reasoning)[-PROMPT_TAIL:]
-                                               for t in triplets]))
+                                  prompt_tail=[user[-PROMPT_TAIL:] for _, user, _, _ in chats]))
     G = cfg.num_generations
 
     def reward(completions, targets, action, prompt_tail, trainer_state, **_):
@@ -102,7 +110,7 @@ def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: P
             # (the main process's share of them under accelerate; advantages as TRL computes them on one
             # process)
             k = len(texts) // G * G
-            adv = rwml.group_advantages(torch.tensor(rewards[:k]), G, cfg.scale_rewards).tolist() if k else []
+            adv = advantages(torch.tensor(rewards[:k]), G, cfg.scale_rewards).tolist() if k else []
             groups = [dict(prompt_tail=prompt_tail[i], action=action[i], target=targets[i],
                            completions=texts[i:i + G], rewards=rewards[i:i + G],
                            advantages=[round(a, 4) for a in adv[i:i + G]])
@@ -111,7 +119,7 @@ def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: P
                 f.write(json.dumps(dict(step=step, action=action[0], completion=texts[0], target=targets[0],
                                         reward=rewards[0], groups=groups)) + "\n")
             if groups:
-                tqdm.write(group_table(step, groups))
+                tqdm.write(group_table(step, groups, parse_next_state))
         return rewards
 
     reward.__name__ = getattr(reward_fn, "__name__", "reward")  # TRL logs rewards/<name>/mean
@@ -150,14 +158,6 @@ def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: P
     return model
 
 
-def check_export(cfg) -> None:
-    """`train.py export`, before anything runs: the parquet files it writes are not folders."""
-    for name in ("train.parquet", "test.parquet", "train.parquet.tmp", "test.parquet.tmp"):
-        if (path := Path(cfg.out) / name).is_dir():
-            raise UserError(f"export writes the file {path}, which is a folder; remove it or use another "
-                            "--out")
-
-
 def _utf8(value) -> tuple:
     """(value, lone surrogates replaced): every string as envs.utf8_clean writes it ("\\ud800" -> "?")."""
     if isinstance(value, str):
@@ -174,31 +174,32 @@ def _utf8(value) -> tuple:
     return value, 0
 
 
-def export_verl(cfg, trips: list[dict], out: Path, load, reward_fn, filter_triplets) -> tuple[Path, Path]:
+def export_verl(cfg, trips: list[dict], out: Path, load, reward_fn, filter_triplets, split_triplets,
+                wm) -> tuple[Path, Path]:
     """`train.py export`: the filter (its warm-up adapter only with --export-warmup: verl starts from the
     base), then verl's GRPO parquets: train.parquet, the kept triplets (data.train_files), and test.parquet,
     the filter split (data.val_files: triplets RWML never trains on; any whose prompt is also in
     train.parquet dropped). One row per triplet: `prompt` the world-model chat (system, user),
     `reward_model.ground_truth` the real next observation, and in `extra_info` what `compute_score` needs to
     score a response as our trainer does (the reply prefix, embedder, tau_d). verl cannot start the reply
-    for the model: the prefix is put back at scoring."""
+    for the model: the prefix is put back at scoring. `split_triplets`: the filter's split (rwml's)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     cfg = dataclasses.replace(cfg, warmup=cfg.export_warmup)
     kept, _ = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
-    seed, seen = cfg.seed if cfg.filter_seed is None else cfg.filter_seed, {rwml.wm_prompt(t) for t in kept}
-    held = [t for t in rwml.split_triplets(trips, cfg.filter_split, seed)[1]  # the filter's own split
-            if rwml.wm_prompt(t) not in seen]
+    seed, seen = cfg.seed if cfg.filter_seed is None else cfg.filter_seed, {wm(t, True)[1] for t in kept}
+    held = [t for t in split_triplets(trips, cfg.filter_split, seed)[1]  # the filter's own split
+            if wm(t, True)[1] not in seen]
     if not held:
         raise UserError("export: every triplet of the filter split has a prompt train.parquet holds too, so "
                         "there is no held-out test.parquet; raise --filter-split or collect more games")
-    prefix, paths, replaced = rwml.wm_prefix(cfg.wm_reasoning), [], 0
+    prefix, paths, replaced = wm(held[0], cfg.wm_reasoning)[2], [], 0
     out.mkdir(parents=True, exist_ok=True)
     for split, triplets in (("train", kept), ("test", held)):
         rows = [dict(data_source=f"rwml_{t.get('env', 'alfworld')}", ability="world_model",
-                     prompt=[dict(role="system", content=rwml.wm_system(t)),
-                             dict(role="user", content=rwml.wm_prompt(t, cfg.wm_reasoning))],
+                     prompt=[dict(role="system", content=wm(t, cfg.wm_reasoning)[0]),
+                             dict(role="user", content=wm(t, cfg.wm_reasoning)[1])],
                      reward_model=dict(style="rule", ground_truth=t["next_obs"]),
                      extra_info=dict(split=split, index=i, game=str(t.get("game")), step=t.get("step"),
                                      assistant_prefix=prefix, embedder=cfg.embedder, tau_d=cfg.tau_d,

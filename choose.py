@@ -1,18 +1,16 @@
-"""Support (skip on a first read): choose mode, the policy as a softmax over a turn's admissible commands
-(`rwml.play`'s action_mode choose, and random: a uniform admissible command, a baseline), and its stage 2.
+"""Support (skip on a first read): choose mode, the policy as a softmax over a turn's admissible
+commands, and random, a uniform admissible command (a baseline): two actors that `rwml.play` and stage 2's
+update are given instead of the paper's free-form replies (`rwml.GENERATE`), one object each (`CHOOSE`,
+`RANDOM`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
 import torch
 
+from common import UserError
 from engine import chat, group_logprobs
-from envs import UserError
-
-if TYPE_CHECKING:
-    from rwml import Batch, Triplet
 
 # ================================================= §6 Stage 2, choose mode: a policy over admissible commands
 # Small LMs act without invalid actions when the policy is the LM's likelihood of each admissible command,
@@ -63,24 +61,6 @@ def choose_actions(model, tokenizer, prompts: list[str], admissible: list[list[s
     return out
 
 
-def choice_batch(turns: list[Triplet], advantages: torch.Tensor, loss_type: str,
-                 keep_zero_advantage: bool = True) -> Batch:
-    """Choose-mode turns (`play(record_tokens=True, action_mode="choose")`) -> one update's batch: per turn
-    its (prompt, candidates, choice), its episode's advantage, and a single "token" (the choice) whose
-    loss weight follows `token_weights` as in generate mode."""
-    from rwml import Batch, token_weights  # (rwml imports this module)
-
-    adv = advantages[torch.tensor([t["episode"] for t in turns], dtype=torch.long)]
-    cmask = torch.ones(len(turns), 1, dtype=torch.long)
-    choices, weights = [(t["prompt_ids"], t["candidate_ids"], t["choice"]) for t in turns], \
-        token_weights(cmask, loss_type, 1)
-    if not keep_zero_advantage:
-        keep = adv != 0
-        choices = [c for c, k in zip(choices, keep.tolist()) if k]
-        cmask, adv, weights = cmask[keep], adv[keep], weights[keep]
-    return Batch(choices=choices, completion_mask=cmask, advantages=adv, weights=weights)
-
-
 def choice_inputs(tokenizer, prompt: str, commands: list[str], system: str | None) -> tuple[list, list]:
     """(prompt token ids up to the reply's "<action>", one token list per "<command></action>")."""
     text = chat(tokenizer, prompt, system, CHOICE_PREFIX)
@@ -102,33 +82,85 @@ def candidate_scores(model, prompt_ids: list[int], candidate_ids: list[list[int]
 
 
 def chosen_logprobs(model, choices: list, temperature: float, chunk_size: int = 512) -> torch.Tensor:
-    """[B, 1]: log pi(a|s) of each row's choice (`Batch.choices`: prompt ids, candidate ids, the chosen
-    index), with gradients: `rwml.batch_logprobs` in choose mode."""
+    """[B, 1]: log pi(a|s) of each row's choice (`ChoiceBatch.choices`: prompt ids, candidate ids, the chosen
+    index), with gradients: what stage 2 trains in choose mode (`Choose.logprobs`)."""
     return torch.stack([choice_logprobs(candidate_scores(model, p, c, chunk_size=chunk_size), temperature)[k]
                         for p, c, k in choices]).unsqueeze(1)
 
 
-# ------------------------------------------------------------------------ `play` outside generate mode
-def check_mode(env, action_mode: str) -> None:
-    """`play`'s action mode: generate (the paper's), choose, or random (a uniform admissible command: a
-    baseline); the last two need an environment that lists a turn's admissible commands."""
-    if action_mode not in ("generate", "choose", "random"):
-        raise UserError(f"unknown action mode {action_mode!r}; choose generate, choose or random")
-    if action_mode != "generate" and not getattr(env, "can_choose", False):
-        raise UserError(f"--action-mode {action_mode} picks among a turn's admissible commands, which this "
-                        "environment does not list; use --action-mode generate")
+# ------------------------------------------------------------------------ the actors `play` is given
+@dataclass
+class ChoiceBatch:
+    """One stage-2 update's data in choose mode (`rwml.grpo_update`): per row a turn's (prompt ids,
+    candidate ids, chosen index), its episode's advantage, and a single "token", the choice."""
+    choices: list  # (prompt ids, candidate ids, chosen index) per row
+    completion_mask: torch.Tensor  # [B, 1]
+    advantages: torch.Tensor  # [B]
+    weights: torch.Tensor  # [B, 1]
 
 
-def act(model, tokenizer, env, asked: list[int], recent: dict, action_mode: str, temperature: float,
-        rng) -> tuple[dict, dict]:
-    """One round of `play` in choose or random mode: (reply, recorded tokens) of each `asked` slot. choose:
-    a command drawn from pi(a|s) (`choose_actions`; greedy at temperature 0), recorded with every
-    admissible command's tokens (`candidate_ids`) and the `choice`; random: `rng`'s pick, nothing recorded."""
-    if action_mode == "random":
-        return {s: f"{CHOICE_PREFIX}{rng.choice(env.admissible(s))}{CHOICE_END}" for s in asked}, {}
-    prompts = {s: env.choice_prompt(s, recent[s]) for s in asked}
-    picks = choose_actions(model, tokenizer, list(prompts.values()), [env.admissible(s) for s in asked],
-                           system=env.system, temperature=temperature)
-    tokens = {s: dict(prompt=prompts[s], prompt_ids=c.prompt_ids, candidate_ids=c.candidate_ids,
-                      choice=c.index, completion_ids=c.candidate_ids[c.index]) for s, c in zip(asked, picks)}
-    return {s: c.reply for s, c in zip(asked, picks)}, tokens
+class Choose:
+    """The choose-mode actor: `act` draws each asked slot's command from pi(a|s) (`choose_actions`; greedy at
+    temperature 0) and records every admissible command's tokens (`candidate_ids`) and the `choice`; stage 2
+    trains log pi(a|s) of the choices (`batch`, `micro_batches`, `logprobs`)."""
+
+    def act(self, model, tokenizer, env, slots: list[int], recent: dict, *, temperature: float, rng,
+            **_) -> tuple[dict, dict]:
+        check_admissible(env)
+        prompts = {s: env.choice_prompt(s, recent[s]) for s in slots}
+        picks = choose_actions(model, tokenizer, list(prompts.values()), [env.admissible(s) for s in slots],
+                               system=env.system, temperature=temperature)
+        tokens = {s: dict(prompt=prompts[s], prompt_ids=c.prompt_ids, candidate_ids=c.candidate_ids,
+                          choice=c.index, completion_ids=c.candidate_ids[c.index])
+                  for s, c in zip(slots, picks)}
+        return {s: c.reply for s, c in zip(slots, picks)}, tokens
+
+    @staticmethod
+    def batch(turns: list[dict], advantages: torch.Tensor, cfg, tokenizer=None) -> ChoiceBatch:
+        """Choose-mode turns (`play(record_tokens=True)`) -> one update's batch, each turn with its episode's
+        advantage. A row has one "token", so every loss type's weight (`rwml.token_weights`) is 1 / B."""
+        adv = advantages[torch.tensor([t["episode"] for t in turns], dtype=torch.long)]
+        cmask = torch.ones(len(turns), 1, dtype=torch.long)
+        choices = [(t["prompt_ids"], t["candidate_ids"], t["choice"]) for t in turns]
+        weights = cmask.float() / len(turns)
+        if not cfg.beta:  # turns with advantage 0 add nothing to the loss (as rwml.policy_batch drops them)
+            keep = adv != 0
+            choices = [c for c, k in zip(choices, keep.tolist()) if k]
+            cmask, adv, weights = cmask[keep], adv[keep], weights[keep]
+        return ChoiceBatch(choices=choices, completion_mask=cmask, advantages=adv, weights=weights)
+
+    @staticmethod
+    def micro_batches(batch: ChoiceBatch, size: int, max_tokens: int = 0) -> list[ChoiceBatch]:
+        """Consecutive rows: at most `size` and, with `max_tokens`, at most that many tokens (a turn's prompt
+        and every candidate); a turn that needs more goes alone."""
+        B = len(batch.advantages)
+        cost = [len(p) + sum(map(len, c)) for p, c, _ in batch.choices]
+        bounds, start = [], 0
+        for i in range(1, B + 1):
+            if i == B or i - start >= max(size, 1) or 0 < max_tokens < sum(cost[start:i + 1]):
+                bounds.append((start, i))
+                start = i
+        return [replace(batch, choices=batch.choices[i:j], completion_mask=batch.completion_mask[i:j],
+                        advantages=batch.advantages[i:j], weights=batch.weights[i:j]) for i, j in bounds]
+
+    @staticmethod
+    def logprobs(model, mb: ChoiceBatch, cfg) -> torch.Tensor:
+        return chosen_logprobs(model, mb.choices, cfg.temperature, cfg.logits_chunk_size)
+
+
+class Random:
+    """The random actor (a baseline, never trained): a uniform admissible command per asked slot."""
+
+    def act(self, model, tokenizer, env, slots: list[int], recent: dict, *, rng, **_) -> tuple[dict, dict]:
+        check_admissible(env)
+        return {s: f"{CHOICE_PREFIX}{rng.choice(env.admissible(s))}{CHOICE_END}" for s in slots}, {}
+
+
+def check_admissible(env) -> None:
+    """Choose and random pick among a turn's admissible commands, which tau2 does not list."""
+    if not getattr(env, "can_choose", False):
+        raise UserError("--action-mode choose (or --policy random) picks among a turn's admissible commands, "
+                        "which this environment does not list; use --action-mode generate")
+
+
+CHOOSE, RANDOM = Choose(), Random()

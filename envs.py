@@ -1,4 +1,4 @@
-"""The environments the agent plays, behind one interface (`make`, `games`); ALFWorld (the paper's, Sec. 4).
+"""The environments the agent plays, behind one interface; ALFWorld (the paper's, Sec. 4), here.
 
 Nothing here simulates a game: every observation comes from `textworld`'s engine running the official ALFWorld
 game files (as `alfworld.agents.environment.AlfredTWEnv` does). What we add is
@@ -6,13 +6,13 @@ game files (as `alfworld.agents.environment.AlfredTWEnv` does). What we add is
   - clean observations (no banner), the task sentence, our own step budget (the paper: 30);
   - the action parser for model text, with "invalid" and "format error" counted apart, and the admissible
     commands that choose mode picks from;
-  - the content-free baselines a world model must beat, and the expert walkthroughs as triplets.
-The other environments (TextWorld's generated games, tau2-bench) are in worlds.py; the worker processes and
-the engine caches, which only make the games faster, in gamepool.py.
+  - the content-free baselines a world model must beat, and the expert walkthroughs as triplets;
+  - `Alfworld`: the interface's ALFWorld, whose class holds its facts (tau_d, prompts, reply cap, splits).
+The other environments and the registry of all three (`worlds.ENVIRONMENTS`, `make`, `games`): worlds.py;
+the worker processes and engine caches, which only make the games faster: gamepool.py.
 """
 from __future__ import annotations
 
-import difflib
 import functools
 import json
 import os
@@ -21,29 +21,15 @@ import re
 import sys
 from pathlib import Path
 
+import gamepool
+from common import UserError, utf8_clean
+
 SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")  # valid_seen = ID, valid_unseen = OOD
 TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
               "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place")
 INEFFICIENT = ("look", "examine", "inventory", "help")  # paper Sec. 5: actions that gather no progress
 DATA_HINT = ("set ALFWORLD_DATA to the folder that holds json_2.1.1/ (run `alfworld-download`, or "
              "`make data` to unpack an archive), see README")
-RERUN = "rerun the same command to continue (with --resume for train.py wm and policy)"
-
-
-class UserError(Exception):
-    """Bad input or a failure the user can fix; the command-line tools print it as one line
-    ("error: ...") and exit with status 1 (train.run_cli)."""
-
-
-def closest(value: str, options) -> str | None:
-    """The option a typo most likely meant, or None: the hint of every "unknown ..." error."""
-    close = difflib.get_close_matches(str(value), list(options), n=1)
-    return close[0] if close else None
-
-
-def did_you_mean(value: str, options) -> str:
-    return f" (did you mean {c!r}?)" if (c := closest(value, options)) else ""
-
 
 # ----------------------------------------------------------------------------- games on disk
 
@@ -104,11 +90,6 @@ def tag_blocks(text: str, name: str) -> list[tuple[int, int, str]]:
         blocks.append((o.start(), c.end(), text[o.end():c.start()]))
         pos = c.end()
     return blocks
-
-
-def utf8_clean(text: str) -> str:
-    """Text that encodes as UTF-8: a lone surrogate ("\\ud800") becomes "?" (tokenizers raise on them)."""
-    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def normalize(command: str) -> str:
@@ -332,8 +313,6 @@ def walkthrough_triplets(split: str = "train", num_games: int | None = 3, histor
     there too (tests, benchmarks); without it, the "purposeful" held-out triplets: what an agent pursuing
     its task sees (object lists, take / move / heat / cool / clean), unlike the exploration policy's.
     `cache`: the engine caches (gamepool.use_engine_cache; the same triplets, 2.5x faster)."""
-    import gamepool  # support: the engine caches
-
     gamepool.use_engine_cache(cache)
     out, game = [], Game(max_turns=100)
     for path in games if games is not None else list_games(split, num_games, seed):
@@ -353,58 +332,22 @@ def walkthrough_triplets(split: str = "train", num_games: int | None = 3, histor
 
 # ============================================================================ the agent's view: one interface
 # `rwml.play` drives every environment through the same calls, for many episodes at once (slots):
-#   env.reset({slot: episode}, customer) -> {slot: {"obs", "game", "task", "task_type"}}
-#   env.prompt(slot, recent)             -> the agent's prompt (`recent`: its last H (observation, action))
-#   env.explore(slot, rng)               -> a reply written without the model (if `can_explore`)
-#   env.step({slot: reply}, customer)    -> {slot: {"action", "obs", "valid", "format_ok", "won", "done",
-#                                                   "counts"}}
-#   env.finish(slot)                     -> what the episode's summary adds (tau2: the official grading)
-# plus `system` (the agent's system prompt), `stop` (where a reply ends), `counters` (the summary's counts)
-# and `turn_fields` (what each triplet adds). `customer(chats) -> texts` writes tau2's customer messages in
-# one batch (worlds.simulated_customer); ALFWorld needs none.
+#   env.bind_model(model, tokenizer, ...)  -> once per `play`: the model it plays (tau2: for its customer)
+#   env.reset({slot: episode})             -> {slot: {"obs", "game", "task", "task_type"}}
+#   env.prompt(slot, recent)               -> the agent's prompt (`recent`: its last H (observation, action))
+#   env.explore(slot, rng)                 -> a reply written without the model (if `can_explore`)
+#   env.step({slot: reply})                -> {slot: {"action", "obs", "valid", "format_ok", "won", "done",
+#                                                     "counts"}}
+#   env.finish(slot)                       -> what the episode's summary adds (tau2: the official grading)
+# plus `system` (the agent's system prompt), `stop` (where a reply ends), `counters` (the summary's counts),
+# `turn_fields` (what each triplet adds) and, where `can_choose`, `admissible(slot)` and `choice_prompt`; and
+# its facts: the world model's prompt (`wm_system`, `wm_ask`) and cap, tau_d, `splits`.
 
 AGENT_PREFIX = "<think>"  # the start of every agent reply, written for the model: small models keep format
 
 
-def make(env: str = "alfworld", *, domain: str = "retail", num_workers: int = 2, max_turns: int = 30,
-         at_once: int | None = None):
-    """The environment the agent plays: ALFWorld or TextWorld games in `num_workers` processes, or a tau2
-    domain. `at_once`: the most episodes that run together; more workers than that would only idle."""
-    workers = num_workers if at_once is None else min(num_workers, max(at_once, 1))
-    if env in ("tau2", "textworld"):  # the other environments (worlds.py)
-        import worlds
-
-        return worlds.Tau2(domain, max_turns) if env == "tau2" else worlds.TextWorld(workers, max_turns)
-    if env != "alfworld":
-        raise UserError(f"unknown env {env!r}; choose alfworld, textworld or tau2")
-    return Alfworld(workers, max_turns)
-
-
-def games(env: str, split: str, num: int | None, seed: int = 0, domain: str = "retail",
-          sizes: tuple[int, int, int] = (2, 4, 2)) -> list:
-    """What the agent plays: ALFWorld game files, TextWorld games generated at `sizes` (world size, objects,
-    quest length), or tau2 tasks (each a seeded subset of a split)."""
-    if env == "alfworld":
-        return list_games(split, num, seed)
-    import worlds
-
-    return worlds.textworld_games(split, num, seed, *sizes) if env == "textworld" else worlds.tau2_tasks(
-        domain, split, num, seed)
-
-
-ACTION_MODES = ("generate", "choose")
-
-
-def check_action_mode(env: str, mode: str) -> None:
-    """`choose` picks among the turn's admissible commands, which tau2 does not have: one line, before any
-    model loads."""
-    if mode == "choose" and env == "tau2":
-        raise UserError("--action-mode choose picks among a turn's admissible commands, and tau2 has no such "
-                        "list; use --action-mode generate with --env tau2")
-
-
 def game_name(game) -> str:
-    """A stable name of what `games` gives: `<task folder>/<trial folder>`, or the tau2 task id."""
+    """A stable name of what `worlds.games` gives: `<task folder>/<trial folder>`, or the tau2 task id."""
     return game_id(game) if isinstance(game, str) else game.id
 
 
@@ -417,14 +360,31 @@ class Alfworld:
     turn_fields: dict = {}
     game_cls = Game  # one game of a slot (worlds.TextWorld: TwGame)
     can_choose, example_action = True, "go to countertop 1"  # `--action-mode choose`: picks from `admissible`
+    splits = dict(train="train", dev="valid_seen", test="valid_unseen")  # dev chooses settings, test reports
+    eval_split = "valid_seen"  # `eval.py agent`'s default: the paper's in-distribution games
+    # The world model's prompt (rwml.wm_prompt): its system prompt, and (question, what to write, an example)
+    wm_system = ("You are a world model of a text-based household simulator (ALFWorld): you predict what the "
+                 "game says next.")
+    wm_ask = ("What does the game answer to this action?", "the game's answer",
+              "<think>Going somewhere lists what is there.</think><next_state>You arrive at shelf 1. On the "
+              "shelf 1, you see a vase 2.</next_state>")
+    # Where the flag is unset (departures table): tau_d = the largest that, on the reward audit's dev half,
+    # rewards >= 90 % of fact-keeping rewrites of real observations and refuses >= 90 % of one-fact edits
+    # (0.1 refused half: lab/results/reward_audit); the cap = the observations' 95th-percentile length + 10 %.
+    tau_d, max_completion_length = 0.01, 64
 
-    def __init__(self, num_workers: int = 2, max_turns: int = 30):
-        import gamepool  # support: the games in worker processes (imported here: it imports this module)
-
+    def __init__(self, *, num_workers: int = 2, max_turns: int = 30, **_):
         self.pool = gamepool.EnvPool(num_workers, max_turns, game_cls=self.game_cls)
         self.max_turns, self.state = max_turns, {}
 
-    def reset(self, episodes: dict[int, dict], customer=None) -> dict[int, dict]:
+    @staticmethod
+    def games(split: str, num: int | None, seed: int = 0, **_) -> list[str]:
+        return list_games(split, num, seed)
+
+    def bind_model(self, model, tokenizer, **sampling) -> None:
+        pass  # the game answers by itself
+
+    def reset(self, episodes: dict[int, dict]) -> dict[int, dict]:
         out = self.pool.reset({slot: ep["game"] for slot, ep in episodes.items()})
         self.state.update({slot: dict(r, name=game_id(episodes[slot]["game"])) for slot, r in out.items()})
         return {slot: dict(obs=s["obs"], game=game_id(episodes[slot]["game"]), task=s["task"],
@@ -465,7 +425,7 @@ class Alfworld:
             f"Reply with exactly one admissible action inside <action> </action>, for example:\n"
             f"<action>{self.example_action}</action>")
 
-    def step(self, replies: dict[int, str], customer=None) -> dict[int, dict]:
+    def step(self, replies: dict[int, str]) -> dict[int, dict]:
         parsed = {slot: parse_action(r) for slot, r in replies.items()}
         out = self.pool.step({slot: command for slot, (command, _) in parsed.items()})
         results = {}

@@ -15,8 +15,7 @@ wm: world-model accuracy on held-out triplets (share with r_WM = 1, mean cosine,
 observation kind and beyond the template rule; on games never trained on (valid_seen: the dev split, for
 choosing settings; valid_unseen: the test split, for reporting).
 weights: the paper's weight-change measure of an adapter against its base model, per layer and module type.
-Every value and path is checked before anything loads. The lab's tables of these results are made by
-lab/reports.py; tau_d's calibration is lab/calibrate.py.
+Every value and path is checked before anything loads. Tables of these results: lab/reports.py.
 """
 from __future__ import annotations
 
@@ -29,15 +28,18 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import choose
 import engine
 import envs
 import rwml
 import worlds
-from envs import UserError
-from plumbing import (check_adapter, check_at_least, check_choices, check_context, check_seeds,
-                      check_writable, commands_help, episode_log, finished_episodes, parse_config,
-                      read_transitions, run_cli, sample_triplets, wm_prompt_fits, write_atomic, write_eval)
-from train import AgentConfig, ModelConfig, WorldModelConfig, env_default, make_reward
+from cli import check_fields, commands_help, parse_config, run_cli
+from common import UserError, again, arg, write_atomic
+from plumbing import (check_adapter, check_cache, check_context, check_writable, read_transitions,
+                      sample_triplets, write_eval)
+from runs import check_play, episode_log, finished_episodes
+from train import (ACTORS, AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs, make_reward,
+                   triplet_problem)
 
 COMMANDS = {  # name -> its line in `eval.py --help`
     "agent": "success rate of the model (+ adapter) playing held-out games, over seeds",
@@ -47,71 +49,67 @@ COMMANDS = {  # name -> its line in `eval.py --help`
 
 
 @dataclass
-class AgentEvalConfig(AgentConfig, worlds.WorldConfig, ModelConfig):
-    """The agent's fields of train.py's settings, with the paper's evaluation protocol as defaults."""
-    split: str | None = None  # ALFWorld: valid_seen (ID, the default), valid_unseen (OOD), or both: a,b;
-    #                           tau2: test
-    num_games: int | None = None  # per split; None = the whole split (140 seen, 134 unseen)
-    num_tasks: int | None = None  # tau2: None = the whole split (test: retail 40, telecom 40, airline 20)
-    max_turns: int = 30
-    max_new_tokens: int = 128
-    num_envs: int = 10
-    temperature: float = 0.7  # the agent's sampling temperature (0 = greedy)
-    top_p: float = 1.0  # nucleus sampling of the agent's replies
-    seeds: int = 3  # independent runs of every game; reported as mean and std (seed draws games and sampling)
-    policy: str = "model"  # or random: a uniform admissible command each turn (a baseline; no model loads)
-    sampled: bool = False  # choose mode: draw at --temperature (the policy stage 2 trains), --seeds episodes
-    #                        per game played side by side; off: greedy, one episode per game
-    out: str = "results.json"  # the result file (its episodes inside)
+class AgentEvalConfig(PlayArgs, worlds.WorldArgs):
+    """The agent's settings of train.py, with the paper's evaluation protocol as defaults."""
+    _argument_group_name = "eval.py agent: the model, the games, the protocol"
+    model: str = again(ModelArgs, "model")
+    adapter: str | None = again(AdapterArgs, "adapter", help="a peft adapter on top of the base model")
+    env: str = again(ModelArgs, "env")
+    seed: int = again(ModelArgs, "seed")
+    split: str | None = again(PlayArgs, "split", None, "ALFWorld: valid_seen (ID, the default), valid_unseen "
+                              "(OOD), or both: a,b; elsewhere its class's eval_split (test)")
+    num_games: int | None = again(PlayArgs, "num_games", None, "per split; None = the whole split (140 seen, "
+                                  "134 unseen)")
+    num_tasks: int | None = again(worlds.WorldArgs, "num_tasks", None, "tau2: None = the whole split (test: "
+                                  "retail 40, telecom 40, airline 20)")
+    max_turns: int = again(PlayArgs, "max_turns", 30)
+    max_new_tokens: int = again(PlayArgs, "max_new_tokens", 128)
+    num_envs: int = again(worlds.WorldArgs, "num_envs", 10)
+    temperature: float = again(rwml.SamplingArgs, "temperature", 0.7, "the agent's (0 = greedy)")
+    top_p: float = again(rwml.SamplingArgs, "top_p")
+    seeds: int = arg(3, "independent runs of every game; mean and std over them (seed: games, draws)", min=1)
+    policy: str = arg("model", "or random: a uniform admissible command each turn (a baseline; no model "
+                               "loads)", choices=("model", "random"))
+    sampled: bool = arg(False, "choose mode: draw at --temperature (the policy stage 2 trains), --seeds "
+                               "episodes per game played side by side; off: greedy, one episode per game")
+    out: str = arg("results.json", "the result file (its episodes inside)")
 
 
 @dataclass
-class WMEvalConfig(WorldModelConfig, ModelConfig):
-    """The world model's fields of train.py's settings, on a transitions file."""
-    transitions: str | None = None  # held-out transitions.jsonl
-    #                                 (from `train.py collect --split valid_unseen`)
-    eval_max_triplets: int = 48  # held-out triplets scored, a seeded sample (0 = all);
-    #                              train.py's field and default
-    baseline: str | None = None  # wm: score a content-free rule instead of a model: template | nothing | copy
-    max_completion_length: int | None = None  # tokens per prediction; None: the environment's (train.py's)
-    temperature: float = rwml.GRPOConfig.temperature  # sampling temperature of the predictions (train.py's)
-    out: str = "wm.json"  # the result file (each triplet's outputs beside it: wm.triplets.jsonl)
+class WMEvalConfig(rwml.WorldModelArgs):
+    """The world model's settings of train.py, on a transitions file."""
+    _argument_group_name = "eval.py wm: the model and the held-out triplets"
+    model: str = again(ModelArgs, "model")
+    adapter: str | None = again(AdapterArgs, "adapter", help="a peft adapter on top of the base model")
+    seed: int = again(ModelArgs, "seed")
+    transitions: str | None = again(FilterArgs, "transitions", help="held-out transitions.jsonl (from "
+                                    "`train.py collect --split valid_unseen`)")
+    eval_max_triplets: int = again(RWMLArgs, "eval_max_triplets", help="held-out triplets scored, a seeded "
+                                   "sample (0 = all)")
+    eval_samples: int = again(RWMLArgs, "eval_samples")
+    temperature: float = again(rwml.SamplingArgs, "temperature", help="the predictions' (train.py's)")
+    baseline: str | None = arg(None, "score a content-free rule instead of a model", choices=envs.BASELINES)
+    out: str = arg("wm.json", "the result file (each triplet's outputs beside it: wm.triplets.jsonl)")
 
 
 @dataclass
 class WeightsConfig:
-    adapter: str | None = None  # the peft adapter to measure
-    model: str = engine.BUNDLED_MODEL  # its base model
-    rel: float = 1e-3  # a parameter changed iff |w' - w| > rel * max(|w|, |w'|) (the paper: 1e-3)
-    out: str = "weights.json"  # the result file
+    _argument_group_name = "eval.py weights"
+    adapter: str | None = again(AdapterArgs, "adapter", help="the peft adapter to measure")
+    model: str = again(ModelArgs, "model", help="its base model")
+    rel: float = arg(1e-3, "a parameter changed iff |w' - w| > rel * max(|w|, |w'|) (the paper: 1e-3)",
+                     check=lambda v: v >= 0, why="must be 0 or more")
+    out: str = arg("weights.json", "the result file")
 
 
-EVAL_MIN = dict(seeds=1, max_turns=1, history_len=0, max_new_tokens=1, num_envs=1, num_workers=0, num_games=1,
-                num_tasks=1, eval_max_triplets=0, max_completion_length=1, eval_samples=0)
-EVAL_RANGES = (("temperature", lambda v: v >= 0, "must be 0 or more (0 = greedy)"),
-               ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]"),
-               ("tau_d", lambda v: 0 < v <= 2, "must be in (0, 2] (a cosine distance)"),
-               ("rel", lambda v: v >= 0, "must be 0 or more"))
-
-
-def check_eval_config(cfg) -> None:
-    """Every value of an evaluation's config in its range, before anything loads (as train.py's check)."""
-    check_choices(cfg)
-    check_seeds(cfg)
-    check_at_least(cfg, EVAL_MIN)
-    for name, ok, why in EVAL_RANGES:
-        if hasattr(cfg, name) and not ok(getattr(cfg, name)):
-            raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: {why}")
-    if isinstance(cfg, AgentEvalConfig):
-        if cfg.policy == "random" and cfg.env == "tau2":
-            raise UserError("--policy random draws among a turn's admissible commands, and tau2 has no such "
-                            "list; use --policy model with --env tau2")
-        envs.check_action_mode(cfg.env, cfg.action_mode)
-        if cfg.split is not None and not cfg.split.replace(",", "").strip():
-            raise UserError(f"--split {cfg.split!r}: names no split; e.g. valid_seen, or "
-                            "valid_seen,valid_unseen")
-    if getattr(cfg, "baseline", None) and cfg.baseline not in envs.BASELINES:
-        raise UserError(f"unknown --baseline {cfg.baseline!r}; choose one of {', '.join(envs.BASELINES)}")
+def check_agent(cfg: AgentEvalConfig) -> None:
+    """What `eval.py agent` needs of its settings together, before anything loads."""
+    if cfg.policy == "random" and cfg.env == "tau2":
+        raise UserError("--policy random draws among a turn's admissible commands, and tau2 has no such "
+                        "list; use --policy model with --env tau2")
+    check_play(cfg)
+    if cfg.split is not None and not cfg.split.replace(",", "").strip():
+        raise UserError(f"--split {cfg.split!r}: names no split; e.g. valid_seen, or valid_seen,valid_unseen")
 
 
 def wm_accuracy(cfg: WMEvalConfig) -> dict:
@@ -120,7 +118,7 @@ def wm_accuracy(cfg: WMEvalConfig) -> dict:
 
     cfg = with_env_defaults(cfg)
     # the draw is fixed (not the run's seed), as train.py's held-out set: every seed scores the same triplets
-    trips = sample_triplets(read_transitions(cfg.transitions, wm_prompt_fits(cfg)), cfg.eval_max_triplets, 0)
+    trips = sample_triplets(read_transitions(cfg.transitions, triplet_problem(cfg)), cfg.eval_max_triplets, 0)
     reward_fn = make_reward(cfg)
     info = dict(transitions=cfg.transitions, split=collection_split(cfg.transitions), config=asdict(cfg))
     if cfg.baseline:
@@ -142,10 +140,15 @@ def collection_split(transitions: str, key: str = "split", default=None):
 
 
 def with_env_defaults(cfg: WMEvalConfig) -> WMEvalConfig:
-    """tau_d and the cap where unset: those of the environment the transitions were collected in."""
+    """tau_d and the cap where unset: those of the environment the transitions were collected in (its
+    class's, worlds.ENVIRONMENTS)."""
     env = collection_split(cfg.transitions, "env", "alfworld") if cfg.transitions else "alfworld"
-    return replace(cfg, **{k: env_default(env, k) for k in ("tau_d", "max_completion_length")
-                           if getattr(cfg, k) is None})
+    if env not in worlds.ENVIRONMENTS:
+        raise UserError(f"{Path(cfg.transitions).with_name('collect.json')} names env {env!r}, not one of "
+                        f"{', '.join(worlds.ENVIRONMENTS)}; fix it, or set --tau-d and "
+                        "--max-completion-length")
+    return replace(cfg, **{k: getattr(worlds.ENVIRONMENTS[env], k) for k in ("tau_d",
+                           "max_completion_length") if getattr(cfg, k) is None})
 
 
 # ----------------------------------------------------------------------------- the agent
@@ -193,10 +196,9 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
         print(f"eval: --action-mode choose evaluates greedily, so every seed plays the same episodes; "
               f"1 seed, not {cfg.seeds}")
         cfg = replace(cfg, seeds=1)
-    splits = [s.strip() for s in (cfg.split or ("valid_seen" if cfg.env == "alfworld" else "test")).split(",")
-              if s.strip()]
-    games = {sp: envs.games(cfg.env, sp, cfg.num_tasks if tau2 else cfg.num_games, cfg.seed, cfg.domain,
-                            (cfg.world_size, cfg.nb_objects, cfg.quest_length)) for sp in splits}
+    splits = [s.strip() for s in (cfg.split or worlds.env_class(cfg.env).eval_split).split(",") if s.strip()]
+    games = {sp: worlds.games(cfg.env, sp, cfg.num_tasks if tau2 else cfg.num_games, cfg.seed, cfg.domain,
+                              (cfg.world_size, cfg.nb_objects, cfg.quest_length)) for sp in splits}
     t0 = time.time()
     log, job = Path(cfg.out + ".episodes.jsonl"), {k: getattr(cfg, k) for k in EPISODE_JOB}
     done = finished_episodes(log, job)  # an interrupted run's
@@ -205,11 +207,10 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
     key = lambda ep: (ep["split"], ep["seed"], envs.game_name(ep["game"]))  # noqa: E731
     todo = [ep for ep in every if key(ep) not in done]
     if todo:
-        with envs.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns,
-                       at_once=min(cfg.num_envs, len(todo))) as env:
+        with worlds.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns,
+                         at_once=min(cfg.num_envs, len(todo)), user_model=cfg.user_model) as env:
             # after make: game workers fork without it; the random policy needs none
             model, tok = engine.load_model(cfg.model, cfg.adapter) if mode != "random" else (None, None)
-            user = engine.load_model(cfg.user_model) if cfg.user_model else (None, None)
             torch.manual_seed(cfg.seed + len(done))
             # all seeds and splits in one call: bigger generation batches; each episode keeps its split, seed
             with episode_log(log, job, done) as on_episode:
@@ -217,9 +218,8 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
                     model, tok, env, todo, history_len=cfg.history_len, top_p=cfg.top_p,
                     temperature=0.0 if mode == "choose" and not cfg.sampled else cfg.temperature,
                     max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, on_episode=on_episode,
-                    user_model=user[0], user_tokenizer=user[1],
                     desc=f"eval {cfg.domain if tau2 else ','.join(splits)}",
-                    action_mode=mode, seed=cfg.seed + len(done))
+                    actor=choose.RANDOM if mode == "random" else ACTORS[mode], seed=cfg.seed + len(done))
         done.update(((e["split"], e["seed"], e["game"]), e) for e in played)
     episodes = [done[key(ep)] for ep in every]
     if tau2:
@@ -316,7 +316,10 @@ def main(argv: list[str] | None = None) -> None:
     config_cls = dict(agent=AgentEvalConfig, wm=WMEvalConfig, weights=WeightsConfig)[command]
     cfg, _ = parse_config(config_cls, argv[1:], prog=f"eval.py {command}")
     cfg = with_env_defaults(cfg) if command == "wm" else cfg
-    check_eval_config(cfg)
+    check_fields(cfg)
+    check_cache(cfg)
+    if command == "agent":
+        check_agent(cfg)
     check_context(cfg)
     check_adapter(cfg.adapter)
     out = Path(cfg.out)

@@ -1,6 +1,7 @@
 """Support (skip on a first read): the speed of the game engine, behind envs.py's games (same outputs):
 `use_engine_cache` caches the TextWorld engine's measured hot spots; `EnvPool` plays many episodes' games
-in forked worker processes, which exit with their parent. Torch-free and cheap to import.
+in forked worker processes, which exit with their parent. Torch-free and cheap to import; the game class
+comes in as a parameter (envs.Game, worlds.TwGame), so this module imports no environment.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import time
 from contextlib import suppress
 
-from envs import RERUN, Game, UserError
+from common import RERUN, UserError
 
 _ORIGINALS: dict = {}
 
@@ -52,7 +53,7 @@ def use_engine_cache(enabled: bool = True) -> None:
     fast_downward.pddl2sas = pddl2sas
 
 
-def _serve(conn, max_turns: int, parent_pid: int, parent_ends: list, game_cls=Game) -> None:
+def _serve(conn, max_turns: int, parent_pid: int, parent_ends: list, game_cls) -> None:
     """Worker loop: owns the games of its slots; answers lists of (slot, op, arg) in order. Exits with its
     parent, however the parent exits; leaves Ctrl-C to the parent, which says it in one line."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C signals the whole process group
@@ -65,7 +66,7 @@ def _serve(conn, max_turns: int, parent_pid: int, parent_ends: list, game_cls=Ga
     for end in parent_ends:  # forked copies of the parent's pipe ends: they would keep the pipes open
         end.close()          # after the parent dies, and this worker would wait for a message forever
     use_engine_cache()
-    games: dict[int, Game] = {}
+    games = {}
     while True:
         while not conn.poll(1.0):
             if os.getppid() != parent_pid:  # the parent is gone (and no signal came)
@@ -87,11 +88,12 @@ def _serve(conn, max_turns: int, parent_pid: int, parent_ends: list, game_cls=Ga
 
 
 class EnvPool:
-    """Games (`game_cls`: envs.Game, worlds.TwGame) in `num_workers` processes (0 = in this process); slot s
-    lives in worker s % num_workers. Calls take {slot: argument} for any subset of slots, the workers in
-    parallel; a worker that dies or sends no answer for `timeout` seconds ends the call with a UserError."""
+    """Games (`game_cls(max_turns)`: envs.Game, worlds.TwGame) in `num_workers` processes (0 = in this
+    process); slot s lives in worker s % num_workers. Calls take {slot: argument} for any subset of slots,
+    the workers in parallel; a worker that dies or sends no answer for `timeout` seconds ends the call with
+    a UserError."""
 
-    def __init__(self, num_workers: int = 2, max_turns: int = 30, timeout: float = 300.0, game_cls=Game):
+    def __init__(self, num_workers: int = 2, max_turns: int = 30, timeout: float = 300.0, *, game_cls):
         if num_workers < 0:
             raise UserError(f"--num-workers must be 0 or more, got {num_workers}")
         self.num_workers, self.max_turns, self.timeout = num_workers, max_turns, timeout

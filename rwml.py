@@ -9,13 +9,13 @@ silent). The README's steps use the same numbers.
      world-model prompts, (history, action) -> <think> then <next_state>; the 90 / 10 split.
   §3 Reward: the sim-to-real gap in a sentence-embedding space (reward.py).
   §4 "Too easy" subsampling with a separately fine-tuned copy.
-  §5 GRPO on world-model prompts: advantages, token weights, the clipped loss with KL, the step; log pi
-     defined plainly (`logprobs`) beside the fast call that training makes (`batch_logprobs`).
-  §6 Stage 2: policy RL on task success, started from the RWML model.
+  §5 GRPO on world-model prompts: advantages, token weights, the clipped loss with KL, the step; the call
+     that gives log pi (`batch_logprobs`: engine.logprobs's numbers, computed fast).
+  §6 Stage 2: policy RL on task success, started from the RWML model; the paper's actor (`GENERATE`).
   §8 Evaluation: world-model accuracy on held-out triplets.
-§7 (the baselines) is in train.py. Support, called at the edges (skip on a first read): engine.py (speed:
-models, sampling, SFT, LoRA, micro-batches, fast log-probs), choose.py (choose mode), worlds.py (tau2-bench,
-TextWorld).
+§7 (the baselines) is in train.py. Support, called at the edges (skip on a first read): engine.py (models,
+sampling, SFT, LoRA, an update's `Batch`, log pi plainly and fast), choose.py (choose mode's actor), worlds.py
+(tau2-bench, TextWorld, the registry: each environment's class holds its prompts, tau_d, reply cap).
 
 Where to start: §5 (`grpo_loss`, `grpo_update`), then tests/test_grpo.py, then §2-§4.
 """
@@ -28,14 +28,13 @@ from typing import TypedDict
 import torch
 from tqdm.auto import tqdm
 
-import choose
 import cost
 import envs
 import worlds
-from engine import (EngineConfig, by_length, completion_logprobs, group_logprobs, micro_batches,
-                    optimizer_step, pack, position_ids_from, reference_policy, sample_chat, to_device)
-from envs import UserError
-from reward import parse_next_state
+from common import UserError, again, arg
+from engine import (Batch, EngineArgs, by_length, completion_logprobs, group_logprobs, micro_batches,
+                    optimizer_step, pack, reference_policy, sample_chat, to_device)
+from reward import BUNDLED_EMBEDDER, parse_next_state
 
 # ======================================================================================== §2 Data: collection
 # The base model plays ALFWorld's *training* games at temperature 1.0 (3 rollouts per game in the
@@ -63,7 +62,7 @@ class Triplet(TypedDict, total=False):
     explored: bool  # the action was drawn by `env.explore`, not the model
     env: str  # absent: ALFWorld (`env.turn_fields`: textworld, tau2 and its domain; worlds.py)
     # with record_tokens (stage 2): the prompt and the exact tokens the model saw and produced (choose mode
-    # adds candidate_ids and choice: choose.act)
+    # adds candidate_ids and choice: choose.Choose.act)
     prompt: str
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -78,22 +77,31 @@ class Running:
     past: list = field(default_factory=list)
 
 
-def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, temperature: float = 1.0,
-         top_p: float = 1.0, max_new_tokens: int = 128, num_envs: int = 8, on_turn=None, on_episode=None,
-         record_tokens: bool = False, explore_prob: float = 0.0, seed: int = 0, desc: str = "episodes",
-         action_mode: str = "generate", **tau2) -> list[dict]:
-    """Play `episodes` ({"game": an ALFWorld game file, ...}) in `env` (`envs.make`), `num_envs` at once:
+@dataclass
+class SamplingArgs:
+    _argument_group_name = "sampling: the agent's replies, the GRPO groups"
+    temperature: float = arg(1.0, "sampling temperature of collection and GRPO groups (training divides by "
+                                  "it)", check=lambda v: v >= 0, why="must be 0 or more")
+    top_p: float = arg(1.0, "nucleus sampling of the replies and the groups", check=lambda v: 0 < v <= 1,
+                       why="must be in (0, 1]")
+
+
+def play(model, tokenizer, env, episodes: list[dict], *, actor=None, history_len: int = 2,
+         temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 128, num_envs: int = 8,
+         on_turn=None, on_episode=None, record_tokens: bool = False, explore_prob: float = 0.0, seed: int = 0,
+         desc: str = "episodes") -> list[dict]:
+    """Play `episodes` ({"game": an ALFWorld game file, ...}) in `env` (`worlds.make`), `num_envs` at once:
     each round, one reply for every running episode in one batch, then a step of each; a finished episode's
     slot goes to the next waiting one. `on_turn(triplet)` and `on_episode(summary)` see results as they
     happen. `record_tokens`: each turn adds its prompt and the exact tokens the model saw and sampled
     (`prompt_ids`, `completion_ids`), which stage 2 trains on. `explore_prob` (ALFWorld collection): the
-    chance that a turn's reply is `env.explore`'s, not the model's (`explored`). `action_mode`: generate
-    (free-form ReAct replies, the paper's), choose or random (`choose.act`); `tau2`: its simulated customer
-    (`worlds.play_customer`). Returns one summary per episode, in the order given."""
+    chance that a turn's reply is `env.explore`'s, not the model's (`explored`). `actor` writes the replies:
+    `GENERATE` (free-form ReAct replies, the paper's; §6), or choose.py's. Returns one summary per episode,
+    in the order given."""
     if num_envs < 1:
         raise UserError(f"--num-envs must be at least 1, got {num_envs}")
-    choose.check_mode(env, action_mode)
-    customer = worlds.play_customer(env, model, tokenizer, temperature=temperature, top_p=top_p, **tau2)
+    actor = actor or GENERATE
+    env.bind_model(model, tokenizer, temperature=temperature, top_p=top_p)  # tau2: the model of its customer
     waiting, running, summaries = list(enumerate(episodes)), {}, [None] * len(episodes)
     free_slots, rng = list(range(num_envs))[::-1], random.Random(seed)
     explore_prob = explore_prob if env.can_explore else 0.0
@@ -102,7 +110,7 @@ def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, t
         starts = {}
         while waiting and free_slots:
             starts[free_slots.pop()] = waiting.pop(0)
-        for slot, s in env.reset({slot: ep for slot, (_, ep) in starts.items()}, customer).items():
+        for slot, s in env.reset({slot: ep for slot, (_, ep) in starts.items()}).items():
             i, ep = starts[slot]
             counts = dict.fromkeys(env.counters, 0)
             summary = dict(ep, game=s["game"], task=s["task"], task_type=s["task_type"], won=False, steps=0,
@@ -112,19 +120,10 @@ def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, t
         explored = {s: explore_prob > 0 and rng.random() < explore_prob for s in slots}
         asked = [s for s in slots if not explored[s]]  # the model writes these slots' replies
         recent = {s: running[s].past[-history_len:] if history_len else [] for s in slots}
-        if action_mode == "generate":
-            prompts = [env.prompt(s, recent[s]) for s in asked]
-            roll = sample_chat(model, tokenizer, prompts, system=env.system, prefix=envs.AGENT_PREFIX,
-                               stop=env.stop, max_new_tokens=max_new_tokens, temperature=temperature,
-                               top_p=top_p) if asked else None
-            replies = {s: roll.texts[j] for j, s in enumerate(asked)}
-            tokens = {s: dict(prompt=prompts[j], prompt_ids=roll.prompt_ids[j],
-                              completion_ids=roll.completion_ids[j])
-                      for j, s in enumerate(asked) if record_tokens}
-        else:
-            replies, tokens = choose.act(model, tokenizer, env, asked, recent, action_mode, temperature, rng)
+        replies, tokens = actor.act(model, tokenizer, env, asked, recent, temperature=temperature,
+                                    top_p=top_p, max_new_tokens=max_new_tokens, record=record_tokens, rng=rng)
         replies.update({s: env.explore(s, rng) for s in slots if explored[s]})
-        results = env.step(replies, customer)
+        results = env.step(replies)
         for s in slots:
             e, r = running[s], results[s]
             summ = e.summary
@@ -162,10 +161,8 @@ def play(model, tokenizer, env, episodes: list[dict], *, history_len: int = 2, t
 # The same LLM that acts now predicts: given the task, the history and an action, what will the game say?
 # It reasons in <think>, then writes <next_state>; only the <next_state> text is scored (reward.py).
 
-WM_SYSTEMS = dict(  # by the triplet's environment (`env`, ALFWorld when absent; the others: worlds.py)
-    alfworld="You are a world model of a text-based household simulator (ALFWorld): you predict what the "
-             "game says next.", **worlds.WM_SYSTEMS)
-WM_SYSTEM = WM_SYSTEMS["alfworld"]
+# The system prompt and the question come from the triplet's environment (`env`; ALFWorld when absent):
+# its class in worlds.ENVIRONMENTS holds them (`wm_system`, `wm_ask`), e.g. envs.Alfworld.
 WM_PREFIX, WM_STOP = "<think>", "</next_state>"
 
 
@@ -175,19 +172,13 @@ def wm_prefix(reasoning: bool) -> str:
     return WM_PREFIX if reasoning else "<next_state>"
 
 
-_WM_ASK = dict(  # (question, what to write, example answer)
-    alfworld=("What does the game answer to this action?", "the game's answer",
-              "<think>Going somewhere lists what is there.</think><next_state>You arrive at shelf 1. On the "
-              "shelf 1, you see a vase 2.</next_state>"), **worlds.WM_ASK)
-
-
 def wm_system(t: Triplet) -> str:
-    return WM_SYSTEMS[t.get("env", "alfworld")]
+    return worlds.env_class(t.get("env", "alfworld")).wm_system
 
 
 def wm_prompt(t: Triplet, reasoning: bool = True) -> str:
     """(history s_<=t, action a_t) of a triplet -> the prompt whose answer is s_t+1."""
-    question, what, example = _WM_ASK[t.get("env", "alfworld")]
+    question, what, example = worlds.env_class(t.get("env", "alfworld")).wm_ask
     lines = [f"The agent's task: {t['task']}"]
     lines += [f"[Observation] {h['observation']}\n[Action] {h['action']}" for h in t["history"][:-1]]
     lines += [f"[Current observation] {t['history'][-1]['observation']}", f"[Action] {t['action']}"]
@@ -224,7 +215,24 @@ def split_triplets(triplets: list[Triplet], frac: float = 0.1,
 
 
 # ================================================================================================== §3 Reward
-# r_WM = 1 if 1 - cos(E(pred), E(real)) < tau_d else 0, with E a sentence-embedding model: reward.py.
+# r_WM = 1 if 1 - cos(E(pred), E(real)) < tau_d else 0, with E a sentence-embedding model: reward.py. Unset,
+# tau_d and the reply's cap are the environment's (its class, e.g. envs.Alfworld): train.Settings, eval.py wm.
+_PER_ENV = "None: the environment's ({})".format
+
+
+@dataclass
+class WorldModelArgs:
+    _argument_group_name = "the world model's answer and its reward (METHOD.md §3)"
+    embedder: str = arg(BUNDLED_EMBEDDER, "any sentence-transformers model id or folder")
+    tau_d: float | None = arg(None, "r = 1 iff 1 - cos(E(prediction), E(real)) < tau_d; " + _PER_ENV(
+        ", ".join(f"{k} {c.tau_d}" for k, c in worlds.ENVIRONMENTS.items())) + "; lab/results/reward_audit",
+        check=lambda v: 0 < v <= 2, why="must be in (0, 2] (a cosine distance)")
+    reward_metric: str = arg("embedding", 'or "rouge" (ablation)', choices=("embedding", "rouge"))
+    reward_binary: bool = arg(True, "False = the continuous-cosine ablation")
+    wm_reasoning: bool = arg(False, "<think> then <next_state> (paper: True); off: reply from <next_state> "
+                                    "on")
+    max_completion_length: int | None = arg(None, "tokens per world-model prediction; " + _PER_ENV(", ".join(
+        f"{k} {c.max_completion_length}" for k, c in worlds.ENVIRONMENTS.items())), min=1)
 
 
 # ================================================================================== §4 "Too easy" subsampling
@@ -279,42 +287,32 @@ def easy_subsample(scores: list[float], easy_share: float = 0.3, keep_prob: floa
 # pi_ref is the adapter's starting point, held without a second copy of the weights (`reference_policy`).
 
 @dataclass
-class GRPOParams:
-    """GRPO's hyperparameters a user sets (train.Config has them), named as in TRL's GRPOConfig."""
-    learning_rate: float = 1e-4  # AdamW's, constant
-    num_generations: int = 4  # completions per prompt, a group (TRL: 8; 4: a step affords 4 prompts; README)
-    max_completion_length: int = 64  # tokens per world-model prediction
-    temperature: float = 1.0  # sampling temperature of collection and GRPO groups (training divides by it)
-    beta: float = 0.1  # KL weight; the reference is the warm-up adapter, else the bare base model (TRL: 0)
-    loss_type: str = "dr_grpo"  # grpo | dapo | dr_grpo: how token losses are averaged (paper: grpo)
-    scale_rewards: str = "none"  # group | batch | none: the std that divides advantages (paper: group)
+class GRPOArgs:
+    _argument_group_name = "GRPO (METHOD.md §5): TRL's names; TRL's defaults where the paper is silent"
+    num_generations: int = arg(4, "completions per prompt, a group (TRL: 8; 4: a step affords 4 prompts; "
+                                  "README)", min=2)
+    beta: float = arg(0.1, "KL weight; the reference is the warm-up adapter, else the bare base model (TRL: "
+                           "0)", check=lambda v: v >= 0, why="must be 0 or more")
+    loss_type: str = arg("dr_grpo", "how token losses are averaged (paper: grpo)",
+                         choices=("grpo", "dapo", "dr_grpo"))
+    scale_rewards: str = arg("none", "the std that divides advantages (paper: group)",
+                             choices=("group", "batch", "none"))
+    epsilon: float = arg(0.2, "clip range of the probability ratio", check=lambda v: v >= 0,
+                         why="must be 0 or more")
+    epsilon_high: float | None = arg(None, "DAPO's clip-higher; None = epsilon", check=lambda v: v >= 0,
+                                     why="must be 0 or more (or left out: --epsilon)")
+    num_iterations: int = arg(1, "updates per generated batch (mu)", min=1)
+    max_grad_norm: float = arg(1.0, "gradient clipping", check=lambda v: v >= 0, why="must be 0 or more")
 
 
 @dataclass
-class GRPOConfig(GRPOParams, EngineConfig):
-    """What grpo_step reads: the above, the rest at TRL's defaults, and the engine's settings."""
-    top_p: float = 1.0  # nucleus sampling of the groups
-    epsilon: float = 0.2  # clip range of the probability ratio
-    epsilon_high: float | None = None  # DAPO's clip-higher; None = epsilon
-    num_iterations: int = 1  # updates per generated batch (mu)
-    max_grad_norm: float = 1.0  # gradient clipping
+class GRPOConfig(GRPOArgs, SamplingArgs, EngineArgs):
+    """What grpo_step and policy_step read (train.py passes every setting, train.Settings)."""
+    max_completion_length: int = again(WorldModelArgs, "max_completion_length",  # ALFWorld's
+                                       envs.Alfworld.max_completion_length)
 
 
-@dataclass
-class Batch:
-    """One update's data (`grpo_update`): per row a sampled completion, or in choose mode a turn's choice;
-    its advantage; its tokens' loss weights (`token_weights`). Tensors are [B, ...]; a group's rows are
-    next to each other."""
-    completion_mask: torch.Tensor  # [B, C]: 1 on the sampled tokens (choose mode: C = 1, the choice)
-    advantages: torch.Tensor  # [B]
-    weights: torch.Tensor  # [B, C]
-    input_ids: torch.Tensor | None = None  # [B, P + C]: the left-padded prompt, then the completion
-    attention_mask: torch.Tensor | None = None  # [B, P + C]
-    prompt_ids: torch.Tensor | None = None  # [B / G, P]: each group's prompt once (its forward is shared)
-    prompt_mask: torch.Tensor | None = None
-    group_size: int = 1  # G when prompt_ids is set
-    choices: list | None = None  # choose mode: (prompt ids, candidate ids, chosen index) per row
-
+# One update's data, a group's rows next to each other: engine.Batch; log pi defined plainly: engine.logprobs.
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group"):
     """Group-normalised advantages (TRL's `scale_rewards`: group / batch / none; std is unbiased)."""
@@ -419,22 +417,24 @@ def nothing_by_group(states: list[str | None], advantages: torch.Tensor, G: int)
                 group_nothing_advantage=(nothing * advantages.view(-1, G)).sum(1).tolist())
 
 
-def grpo_update(model, optimizer, batch: Batch, cfg: GRPOConfig) -> list[dict]:
+def grpo_update(model, optimizer, batch: Batch, cfg: GRPOConfig, actor=None) -> list[dict]:
     """`num_iterations` optimizer steps on one batch of sampled sequences, in micro-batches. A non-finite
-    loss or gradient skips that update."""
+    loss or gradient skips that update. `actor`: whose log pi the batch holds (§6): the sampled tokens
+    (`GENERATE`, the default: `batch_logprobs`), or choose mode's choices (choose.CHOOSE)."""
+    actor = actor or GENERATE
     # cut on the batch's own device (the cut reads its lengths), then each micro-batch to the model's
-    micro = [to_device(mb, model.device) for mb in micro_batches(batch, cfg.micro_batch_size,
-                                                                 getattr(cfg, "micro_batch_tokens", 0))]
+    micro = [to_device(mb, model.device) for mb in actor.micro_batches(batch, cfg.micro_batch_size,
+                                                                       getattr(cfg, "micro_batch_tokens", 0))]
     model.eval()
     with torch.no_grad():  # pi_old: with one update it is pi_theta, ratio 1, no forward needed
-        old = [batch_logprobs(model, mb, cfg) for mb in micro] if cfg.num_iterations > 1 else None
-        ref = reference_logprobs(model, micro, cfg) if cfg.beta else None
+        old = [actor.logprobs(model, mb, cfg) for mb in micro] if cfg.num_iterations > 1 else None
+        ref = reference_logprobs(model, micro, cfg, actor) if cfg.beta else None
     model.train()
     stats = []
     for _ in range(cfg.num_iterations):
         parts = []
         for j, mb in enumerate(micro):
-            logp = batch_logprobs(model, mb, cfg)
+            logp = actor.logprobs(model, mb, cfg)
             terms = dict(logp=logp, old_logp=old[j] if old else logp.detach(),
                          ref_logp=ref[j] if ref else None, advantages=mb.advantages, weights=mb.weights,
                          epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high)
@@ -450,25 +450,11 @@ def grpo_update(model, optimizer, batch: Batch, cfg: GRPOConfig) -> list[dict]:
     return stats
 
 
-def logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
-             *, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(token) defined plainly: rows are [left-padded prompt | completion] (C = completion_mask's
-    width); the model's own forward gives the logits that predict each completion token, divided by the
-    sampling temperature; log-softmax, then the sampled token's entry ([B, C]; 0 off the completion)."""
-    C = completion_mask.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids_from(attention_mask), logits_to_keep=C + 1).logits[:, :-1]
-    logp = (logits.float() / temperature).log_softmax(-1).gather(-1, input_ids[:, -C:, None]).squeeze(-1)
-    return logp * completion_mask
-
-
 def batch_logprobs(model, mb: Batch, cfg: GRPOConfig) -> torch.Tensor:
-    """log pi(token) of a micro-batch's completion tokens ([B, C]): `logprobs`'s numbers, computed faster by
-    the engine: each group's prompt once (`group_logprobs`), or every row whole in chunks of the vocabulary
-    projection (`completion_logprobs`); each shortcut checked once per model against `logprobs`
-    (`engine.fast_paths`)."""
-    if mb.choices is not None:  # choose mode: a row's one "token" is its turn's choice (choose.py)
-        return choose.chosen_logprobs(model, mb.choices, cfg.temperature, cfg.logits_chunk_size)
+    """log pi(token) of a micro-batch's completion tokens ([B, C]): engine.logprobs's numbers, computed
+    faster by the engine: each group's prompt once (`group_logprobs`), or every row whole in chunks of the
+    vocabulary projection (`completion_logprobs`); each shortcut checked once per model against
+    engine.logprobs (`engine.fast_paths`)."""
     ids, cmask = mb.input_ids, mb.completion_mask
     if mb.group_size > 1:
         completions = ids[:, ids.shape[1] - cmask.shape[1]:]
@@ -478,9 +464,10 @@ def batch_logprobs(model, mb: Batch, cfg: GRPOConfig) -> torch.Tensor:
                                chunk_size=cfg.logits_chunk_size)
 
 
-def reference_logprobs(model, micro: list[Batch], cfg: GRPOConfig) -> list[torch.Tensor]:
+def reference_logprobs(model, micro: list, cfg: GRPOConfig, actor) -> list[torch.Tensor]:
+    """log pi_ref: the adapter's start, a frozen copy, or the adapter off (engine.reference_policy)."""
     with reference_policy(model):
-        return [batch_logprobs(model, mb, cfg) for mb in micro]
+        return [actor.logprobs(model, mb, cfg) for mb in micro]
 
 
 # ====================================================================== §6 Stage 2: policy RL on task success
@@ -510,41 +497,37 @@ def policy_batch(turns: list[Triplet], advantages: torch.Tensor, pad_token_id: i
 
 
 def rollouts(model, tokenizer, env, games: list, n: int, **play_kwargs) -> list[dict]:
-    """`n` episodes of each game in `env` (`envs.make`), with the exact tokens recorded (stage 2 trains on
+    """`n` episodes of each game in `env` (`worlds.make`), with the exact tokens recorded (stage 2 trains on
     them). play_kwargs: those of `play`."""
     model.eval()
     episodes = [dict(game=g, group=i, rollout=k) for i, g in enumerate(games) for k in range(n)]
     return play(model, tokenizer, env, episodes, record_tokens=True, **play_kwargs)
 
 
-def policy_step(model, tokenizer, optimizer, env, games: list, cfg: GRPOConfig, **play_kwargs) -> dict:
+def policy_step(model, tokenizer, optimizer, env, games: list, cfg: GRPOConfig, actor=None,
+                **play_kwargs) -> dict:
     """One stage-2 step: num_generations episodes of each game, sampled at cfg's temperature with replies of
     at most max_completion_length tokens; terminal reward won; GRPO on every turn."""
     turns = []
     with cost.stage("policy rollouts"):
         summaries = rollouts(model, tokenizer, env, games, cfg.num_generations, temperature=cfg.temperature,
                              top_p=cfg.top_p, max_new_tokens=cfg.max_completion_length, on_turn=turns.append,
-                             desc="policy rollouts", **play_kwargs)
+                             desc="policy rollouts", actor=actor, **play_kwargs)
     with cost.stage("policy update"):
-        return policy_update(model, tokenizer, optimizer, turns, summaries, cfg)
+        return policy_update(model, tokenizer, optimizer, turns, summaries, cfg, actor)
 
 
-def policy_update(model, tokenizer, optimizer, turns: list[Triplet], summaries: list[dict],
-                  cfg: GRPOConfig) -> dict:
+def policy_update(model, tokenizer, optimizer, turns: list[Triplet], summaries: list[dict], cfg: GRPOConfig,
+                  actor=None) -> dict:
     """GRPO on recorded episodes: `summaries` in groups of num_generations episodes of one game, `turns`
-    as `play(record_tokens=True)` gives them; the reward is won."""
-    G = cfg.num_generations
+    as `play(record_tokens=True)` gives them, by `actor` (default GENERATE); the reward is won."""
+    G, actor = cfg.num_generations, actor or GENERATE
     rewards = torch.tensor([float(s["won"]) for s in summaries])  # gamma = 1: the return is the final reward
     adv = group_advantages(rewards, G, cfg.scale_rewards)
-    if turns and "candidate_ids" in turns[0]:  # choose mode: log pi(a|s) of each turn's choice (choose.py)
-        batch = choose.choice_batch(turns, adv, cfg.loss_type, keep_zero_advantage=bool(cfg.beta))
-    else:
-        ids, attn, cmask, a, w = policy_batch(turns, adv, tokenizer.pad_token_id, cfg.loss_type,
-                                              cfg.max_completion_length, keep_zero_advantage=bool(cfg.beta))
-        batch = Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask, advantages=a, weights=w)
+    batch = actor.batch(turns, adv, cfg, tokenizer)
     cmask = batch.completion_mask
     if len(batch.advantages):
-        stats = grpo_update(model, optimizer, batch, cfg)
+        stats = grpo_update(model, optimizer, batch, cfg, actor)
     else:  # every group all-equal and no KL term: the loss is exactly 0, nothing to compute
         stats = [dict(loss=0.0, kl=0.0, clip_ratio=0.0, grad_norm=0.0, skipped=False)] * cfg.num_iterations
     steps = sum(s["steps"] for s in summaries) or 1
@@ -555,6 +538,34 @@ def policy_update(model, tokenizer, optimizer, turns: list[Triplet], summaries: 
                 trained_turns=len(batch.advantages),
                 completion_tokens=float(cmask.sum(1).float().mean()) if len(cmask) else 0.0, updates=stats,
                 sample=turns[0]["response"] if turns else "")
+
+
+class Generate:
+    """The paper's actor (generate mode): the model writes a free-form ReAct reply, <think> then <action>,
+    sampled for every asked slot in one batch (`act`); stage 2 trains log pi of the reply's tokens (`batch`,
+    `micro_batches`, `logprobs`). Choose mode and random play are other actors: choose.py."""
+
+    def act(self, model, tokenizer, env, slots: list[int], recent: dict, *, temperature: float, top_p: float,
+            max_new_tokens: int, record: bool, **_) -> tuple[dict, dict]:
+        """(reply, recorded tokens) of each slot: its prompt and the exact tokens sampled, when `record`."""
+        prompts = [env.prompt(s, recent[s]) for s in slots]
+        roll = sample_chat(model, tokenizer, prompts, system=env.system, prefix=envs.AGENT_PREFIX,
+                           stop=env.stop, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_p=top_p) if slots else None
+        tokens = {s: dict(prompt=prompts[j], prompt_ids=roll.prompt_ids[j],
+                          completion_ids=roll.completion_ids[j]) for j, s in enumerate(slots) if record}
+        return {s: roll.texts[j] for j, s in enumerate(slots)}, tokens
+
+    @staticmethod
+    def batch(turns: list[Triplet], advantages: torch.Tensor, cfg: GRPOConfig, tokenizer) -> Batch:
+        ids, attn, cmask, a, w = policy_batch(turns, advantages, tokenizer.pad_token_id, cfg.loss_type,
+                                              cfg.max_completion_length, keep_zero_advantage=bool(cfg.beta))
+        return Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask, advantages=a, weights=w)
+
+    micro_batches, logprobs = staticmethod(micro_batches), staticmethod(batch_logprobs)
+
+
+GENERATE = Generate()
 
 
 # ======================================================================== §8 Evaluation: world-model accuracy

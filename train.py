@@ -1,4 +1,4 @@
-"""RWML training: one config, one function per stage, in the paper's order (METHOD.md §N).
+"""RWML training: the settings, one function per stage in the paper's order (METHOD.md §N), what each prints.
 
     python train.py                      # the default run (stage `all`) on the bundled defaults
     python train.py collect --num-games 50 --rollouts-per-game 3 --max-turns 30 --out runs/collect
@@ -7,10 +7,11 @@
     python train.py wm-sft --transitions runs/collect/transitions.jsonl --out runs/wm_sft
     python train.py policy --init rwml --adapter runs/wm/adapter --num-games 8 --out runs/policy
 
-Every field of `Config` is a flag (`num_games` -> `--num-games`) and a key of a `--config` JSON file
-(defaults < file < flags); so are the support modules' settings (`Settings`). Read top to bottom: the config,
-one section per stage (collect, filter, wm, all = the default run, policy, wm-sft, rft), then `main`. The
-command line's machinery (parsing, checks, files, checkpoints, cards) is plumbing.py; TRL, verl: bridges.py.
+Every setting is declared once (`common.arg`), in a group read together; a stage reads the groups `STAGES`
+names (its --help; a flag it does not read warns). Each is a flag (`num_games` -> `--num-games`) and a key
+of a `--config` JSON or YAML file (defaults < file < flags). Read top to bottom: the settings, the stages'
+shared parts, one section per stage (collect, filter, wm, all: the default run, its held-out sets and
+baselines, policy, wm-sft, rft), then `main`. Support: plumbing.py, runs.py, cli.py; TRL, verl: bridges.py.
 """
 from __future__ import annotations
 
@@ -26,104 +27,220 @@ import torch
 from tqdm.auto import tqdm
 
 import bridges
+import choose
 import cost
 import engine
 import envs
 import rwml
 import worlds
-from envs import RERUN, UserError
-from plumbing import (CONTROLS, STAGES, TRIPLETS_KEPT, RunConfig, all_summary, baselines_line,
-                      before_after_line, card_run, check_heldout, check_init, check_run, claim_out,
-                      close_tracker, collection_summary, collection_todo, filter_cache, filter_dir,
-                      heldout_success, heldout_triplets, jsonl_writer, keep_rng, kind_mix, log_groups,
-                      log_row, make_env, parse_stage, play_kwargs, plot_rewards, policy_eval_games,
-                      read_jsonl, releases_locks, reward_control, run_cli, run_header, save_adapter,
-                      save_checkpoint, save_filter, sft_adapter, split_games, stage_inputs, start_adapter,
-                      start_run, swap_checkpoint, telling, use_4bit, walkthroughs, wm_row, write_eval,
-                      write_jsonl)
-from reward import BUNDLED_EMBEDDER, SimToRealReward
+from cli import parse_stage, run_cli
+from common import RERUN, UserError, arg, read_jsonl, write_atomic, write_jsonl
+from plumbing import (CONTROLS, PROMPT_TAIL, TRIPLETS_KEPT, card_run, check_run, claim_out, close_tracker,
+                      context_problem, filter_dir, group_table, jsonl_writer, keep_rng, log_row, plot_rewards,
+                      releases_locks, run_header, sample_triplets, save_adapter, save_checkpoint, start_run,
+                      swap_checkpoint, use_4bit, write_card, write_eval)
+from reward import SimToRealReward, coin_reward, mis_targets, parse_next_state
+from runs import (cached_heldout, check_stage, collect_meta, collection_todo, filter_cache, kind_mix,
+                  save_filter, split_games, stage_inputs, telling, wm_row)
 
-# ------------------------------------------------------- The configuration: what a user sets (each a flag)
-
-@dataclass
-class ModelConfig:
-    model: str = engine.BUNDLED_MODEL  # any HF causal-LM id or local folder
-    adapter: str | None = None  # a peft adapter on top (collect: play with it; policy: start from it)
-    seed: int = 0  # seeds every random draw of a run
+# ----------------------------------------------------------------- the settings: what a user sets, once each
+# Defaults: the small-model recipe that shows RWML learning on the bundled 135M model on a CPU; departures
+# from the paper say "(paper: ...)" (configs/paper.json undoes them). GRPO's settings: rwml.py; more: support.
+SEED_MAX = 2**32 - 1  # numpy's bound (transformers' set_seed); torch's is 2**64 - 1
+_SEED = dict(check=lambda v: 0 <= v <= SEED_MAX, why=f"must be between 0 and {SEED_MAX}")
+_SHARE = dict(check=lambda v: 0 <= v <= 1, why="must be between 0 and 1")
+ACTORS = dict(generate=rwml.GENERATE, choose=choose.CHOOSE)  # --action-mode: who writes the agent's replies
 
 
 @dataclass
-class AgentConfig:
-    """How the model plays: in collection, in stage 2 and in `eval.py agent`."""
-    env: str = "alfworld"  # or textworld (generated games) or tau2 (tool use; games = tasks): worlds.py
-    action_mode: str = "generate"  # generate: free ReAct replies (paper) | choose: softmax over admissible
-    split: str | None = "train"  # the games' split
-    num_games: int | None = 16  # the paper plays every train game (3553); small default for a CPU sanity run
-    max_turns: int = 10  # environment step budget per episode (paper: 30; `eval.py agent` uses 30)
-    history_len: int = 1  # H: previous (observation, action) pairs the agent sees, per triplet (paper: 2)
-    max_new_tokens: int = 64  # agent reply: <think>...</think><action>...</action>
+class ModelArgs:
+    _argument_group_name = "every stage: the model, the environment, the seed, the run's folder"
+    model: str = arg(engine.BUNDLED_MODEL, "any HF causal-LM id or local folder")
+    load_in_4bit: bool | None = arg(None, "NF4 base weights (QLoRA); None = on with CUDA and >= 1B "
+                                          "parameters")
+    env: str = arg("alfworld", "or textworld (generated games) or tau2 (tool use; games = tasks); its "
+                   "class (worlds.ENVIRONMENTS) holds its defaults", choices=tuple(worlds.ENVIRONMENTS))
+    seed: int = arg(0, "seeds every random draw of a run", **_SEED)
+    out: str = arg("runs/rwml", "the run's folder", resume_free=True)
 
 
 @dataclass
-class WorldModelConfig:
-    """The world model's answer and its reward: 1 iff 1 - cos(E(prediction), E(real)) < tau_d."""
-    embedder: str = BUNDLED_EMBEDDER  # any sentence-transformers model id or folder
-    tau_d: float | None = None  # None: the environment's (ENV_DEFAULTS; lab/results/reward_audit)
-    reward_metric: str = "embedding"  # or "rouge" (ablation)
-    reward_binary: bool = True  # False = the continuous-cosine ablation
-    wm_reasoning: bool = False  # <think> then <next_state> (paper: True); off: reply from <next_state> on
-    eval_samples: int = 4  # held-out predictions per triplet, sampled at `temperature` (0 = one greedy)
-
-
-# Where the flag is unset, per environment (departures table): tau_d = the largest that, on the reward
-# audit's dev half, rewards >= 90 % of fact-keeping rewrites of real observations and refuses >= 90 % of
-# one-fact edits (0.1 refused half); the cap = the observations' 95th-percentile length + 10 %, to 16s.
-ENV_DEFAULTS = dict(alfworld=dict(tau_d=0.01, max_completion_length=64),
-                    textworld=dict(tau_d=0.02, max_completion_length=128))  # tau2: not audited, 0.1 and 64
-
-
-def env_default(env: str, name: str):
-    return ENV_DEFAULTS.get(env, {}).get(name, dict(tau_d=0.1, max_completion_length=64)[name])
+class AdapterArgs:
+    _argument_group_name = "the adapter to start from"
+    adapter: str | None = arg(None, "a peft adapter on top (collect: play with it; policy: start from it)")
 
 
 @dataclass
-class Config(rwml.GRPOParams, WorldModelConfig, AgentConfig, ModelConfig):
-    """What a user sets. Defaults: the small-model recipe that shows RWML learning on the bundled 135M model
-    on a CPU; each departure from the paper is marked "(paper: ...)" and undone by configs/paper.json."""
-    # --- collect: the model plays train games at `temperature`; every turn is a triplet
-    rollouts_per_game: int = 1  # the paper: 3 for ALFWorld
-    explore_prob: float = 0.85  # share of turns whose action is drawn by kind, not by the model (paper: 0)
-    heldout_split: str = "valid_unseen"  # `all`: the test split, never used to choose anything
-    heldout_games: int = 20  # held-out games; each gives explore and purposeful (walkthrough) triplets
-    # --- "too easy" filter: an SFT copy on the filter split scores the rest
-    transitions: str | None = None  # `filter` / `wm` / `wm-sft`: a collection's transitions.jsonl
-    easy_filter: bool = False  # "too easy" subsampling (paper: True); off: RWML forgot take / close / move
-    filter_split: float = 0.35  # share of triplets that trains the SFT copy, never seen by GRPO (paper: 0.1)
-    filter_samples: int = 4  # K predictions per training triplet (paper: 10)
-    easy_share: float = 0.3  # tau_easy is set so that about this share counts as easy
-    easy_keep_prob: float = 0.1  # easy triplets are kept with this probability
-    warmup: bool = True  # RWML starts from the SFT copy (format warm-up), its KL reference (paper: False)
-    # --- RWML: GRPO on world-model prompts (the GRPO fields above), with a LoRA adapter
-    reward_control: str = "none"  # controls: mis = another triplet's next observation, coin = a fair coin
-    max_steps: int = 20  # optimizer steps
-    prompts_per_step: int = 4  # world-model prompts per step, each with num_generations completions
-    # --- stage 2: policy RL on task success (num_generations: episodes per game)
-    init: str = "base"  # what --adapter holds: base (none) | rwml | wm-sft | rft; the KL reference, frozen
-    games_per_step: int = 2  # games per policy step, drawn from the num_games train games
-    max_completion_length: int | None = None  # tokens per world-model prediction; None: the environment's
-    # --- the run
-    out: str = "runs/rwml"  # the run's folder
+class PlayArgs:
+    _argument_group_name = "how the agent plays (collect, policy, rft; eval.py agent)"
+    action_mode: str = arg("generate", "generate: free ReAct replies (paper); choose: a softmax over the "
+                           "admissible commands (choose.py)", choices=tuple(ACTORS))
+    split: str | None = arg("train", "the games' split")
+    num_games: int | None = arg(16, "the paper plays every train game (3553); small default for a CPU "
+                                    "sanity run", min=1)
+    max_turns: int = arg(10, "environment step budget per episode (paper: 30; `eval.py agent` uses 30)",
+                         min=1)
+    history_len: int = arg(1, "H: previous (observation, action) pairs the agent sees, per triplet (paper: "
+                              "2)", min=0)
+    max_new_tokens: int = arg(64, "agent reply: <think>...</think><action>...</action>", min=1)
 
-    def __post_init__(self):
+
+@dataclass
+class CollectArgs:
+    _argument_group_name = "collect (METHOD.md §2): the model plays train games; every turn is a triplet"
+    rollouts_per_game: int = arg(1, "the paper: 3 for ALFWorld", min=1)
+    explore_prob: float = arg(0.85, "share of turns whose action is drawn by kind, not by the model "
+                                    "(paper: 0)", **_SHARE)
+    walkthrough: bool = arg(False, "play each game's expert walkthrough, not the model (no model loads)")
+
+
+@dataclass
+class HeldoutArgs:
+    _argument_group_name = "all: the held-out games, scored before and after"
+    heldout_split: str = arg("valid_unseen", "the test split, never used to choose anything",
+                             resume_free=True)
+    heldout_games: int = arg(20, "held-out games; each gives explore and purposeful (walkthrough) "
+                                 "triplets", min=1, resume_free=True)
+
+
+@dataclass
+class FilterArgs:
+    _argument_group_name = 'the "too easy" filter (METHOD.md §4): an SFT copy on its split scores the rest'
+    transitions: str | None = arg(None, "filter / wm / wm-sft / export: a collection's transitions.jsonl")
+    filter_dir: str | None = arg(None, "where the filter's outputs are kept and reused (None = "
+                                       "<out>/filter)", resume_free=True)
+    filter_seed: int | None = arg(None, "seed of the split, the SFT copy and its scores (None = seed): runs "
+                                        "with other seeds can then share one filter and one warm-up", **_SEED)
+    easy_filter: bool = arg(False, '"too easy" subsampling (paper: True); off: RWML forgot take / close / '
+                                   'move')
+    filter_split: float = arg(0.35, "share of triplets that trains the SFT copy, never seen by GRPO "
+                                    "(paper: 0.1)", check=lambda v: 0 < v < 1,
+                              why="the share of triplets that trains the SFT copy must be between 0 and 1")
+    filter_samples: int = arg(4, "K predictions per training triplet (paper: 10)", min=1)
+    easy_share: float = arg(0.3, "tau_easy is set so that about this share counts as easy", **_SHARE)
+    easy_keep_prob: float = arg(0.1, "easy triplets are kept with this probability", **_SHARE)
+    warmup: bool = arg(True, "RWML starts from the SFT copy (format warm-up), its KL reference (paper: "
+                             "False)")
+
+
+@dataclass
+class StepArgs:
+    _argument_group_name = "the optimizer's steps"
+    learning_rate: float = arg(1e-4, "AdamW's, constant", check=lambda v: v > 0, why="must be above 0")
+    max_steps: int = arg(20, "optimizer steps", min=1, resume_free=True)
+    prompts_per_step: int = arg(4, "world-model prompts per step, each with num_generations completions",
+                                min=1)
+
+
+@dataclass
+class RWMLArgs:
+    _argument_group_name = "RWML (METHOD.md §3, §5): GRPO on world-model prompts, with a LoRA adapter"
+    reward_control: str = arg("none", "controls: mis = another triplet's next observation, coin = a fair "
+                                      "coin", choices=("none", "mis", "coin"))
+    log_completions_steps: int = arg(4, "a step's whole groups to samples.jsonl and the log every this many",
+                                     min=1, resume_free=True)
+    eval_samples: int = arg(4, "held-out predictions per triplet, sampled at `temperature` (0 = one greedy)",
+                            min=0, resume_free=True)
+    eval_max_triplets: int = arg(48, "held-out triplets of each kind scored before and after (0 = all)",
+                                 min=0, resume_free=True)
+    eval_transitions: str | None = arg(None, "wm: held-out triplets for the curve (eval_max_triplets of "
+                                             "them)", resume_free=True)
+
+
+@dataclass
+class RunArgs:
+    _argument_group_name = "the training run: checkpoints, trackers, the learning curve"
+    resume: bool = arg(False, "continue the run in --out from its last checkpoint", resume_free=True)
+    save_steps: int = arg(4, "a checkpoint every this many steps (and at the end)", min=1, resume_free=True)
+    report_to: str = arg("none", "or tensorboard (<out>/tensorboard) or wandb (WANDB_MODE=offline: no "
+                                 "network)", choices=("none", "tensorboard", "wandb"), resume_free=True)
+    eval_steps: int = arg(0, "the learning curve: a held-out evaluation every this many steps and at the "
+                             "end (0 = off); policy: greedy success on eval_games games; wm / all: "
+                             "world-model accuracy on held-out triplets (all: its explore set; wm: "
+                             "eval_transitions)", min=0, resume_free=True)
+    eval_on_start: bool = arg(False, "and once before step 1 (TRL's eval_on_start)", resume_free=True)
+
+
+@dataclass
+class PolicyArgs:
+    _argument_group_name = "stage 2 (METHOD.md §6): policy RL on task success, num_generations per game"
+    init: str = arg("base", "what --adapter holds: base (none) | rwml | wm-sft | rft; the KL reference, "
+                            "frozen", choices=("base", "rwml", "wm-sft", "rft"))
+    games_per_step: int = arg(2, "games per policy step, drawn from the num_games train games", min=1)
+    eval_games: int = arg(10, "held-out games of the learning curve", min=1, resume_free=True)
+    eval_split: str | None = arg(None, "their split; None = the environment's dev split (its class's "
+                                       "`splits`)", resume_free=True)
+
+
+@dataclass
+class Settings(ModelArgs, AdapterArgs, PlayArgs, worlds.WorldArgs, rwml.SamplingArgs, CollectArgs,
+               HeldoutArgs, rwml.WorldModelArgs, FilterArgs, engine.SFTArgs, engine.LoraArgs, rwml.GRPOArgs,
+               engine.EngineArgs, StepArgs, RWMLArgs, RunArgs, PolicyArgs, bridges.TRLArgs, bridges.VerlArgs):
+    """Every setting of every stage: what `train.py` parses (a stage reads its groups, `STAGES`)."""
+
+    def __post_init__(self):  # unset: the environment's, from its class (an unknown --env: check_fields)
         for name in ("tau_d", "max_completion_length"):
-            if getattr(self, name) is None:
-                setattr(self, name, env_default(self.env, name))
+            if getattr(self, name) is None and self.env in worlds.ENVIRONMENTS:
+                setattr(self, name, getattr(worlds.ENVIRONMENTS[self.env], name))
 
 
-@dataclass
-class Settings(Config, rwml.GRPOConfig, worlds.WorldConfig, bridges.BridgeConfig, RunConfig):
-    """Every setting a stage reads: Config, and the support modules' settings, each also a flag: GRPO's at
-    TRL's defaults and the engine's (rwml.GRPOConfig), the other environments', the bridges', the run's."""
+_PLAY = (PlayArgs, worlds.WorldArgs, rwml.SamplingArgs)  # the agent plays
+_WM = (rwml.WorldModelArgs, FilterArgs, engine.SFTArgs, engine.LoraArgs)  # triplets, filtered, a world model
+STAGES = {  # name -> its line in `train.py --help`, the setting groups it reads (its --help, its warnings)
+    "all": ("collect (train + held-out games), then wm; held-out accuracy before / after",
+            (ModelArgs, *_PLAY, CollectArgs, HeldoutArgs, *_WM, rwml.GRPOArgs, engine.EngineArgs, StepArgs,
+             RWMLArgs, RunArgs)),
+    "collect": ("the model plays the games; every turn -> a triplet (METHOD.md §2)",
+                (ModelArgs, AdapterArgs, *_PLAY, CollectArgs)),
+    "filter": ("split, SFT copy, \"too easy\" subsampling; the warm-up adapter (METHOD.md §4)",
+               (ModelArgs, *_WM, bridges.TRLArgs)),
+    "wm": ("RWML: world-model GRPO, sim-to-real reward; runs filter first (METHOD.md §3, §5)",
+           (ModelArgs, *_WM, rwml.SamplingArgs, rwml.GRPOArgs, engine.EngineArgs, StepArgs, RWMLArgs, RunArgs,
+            bridges.TRLArgs)),
+    "wm-sft": ("baseline: next-observation SFT on the same triplets (METHOD.md §7)",
+               (ModelArgs, *_WM, StepArgs)),
+    "rft": ("baseline: SFT on the model's own successful episodes (METHOD.md §7)",
+            (ModelArgs, *_PLAY, CollectArgs, engine.SFTArgs, engine.LoraArgs)),
+    "policy": ("stage 2: multi-turn GRPO on task success, from base / RWML / WM SFT / RFT (METHOD.md §6)",
+               (ModelArgs, AdapterArgs, *_PLAY, rwml.GRPOArgs, engine.EngineArgs, engine.LoraArgs, StepArgs,
+                RunArgs, PolicyArgs)),
+    "export": ("verl's GRPO parquets: the kept triplets and the held-out filter split (runs filter first, no "
+               "warm-up); reward: verl_reward.compute_score", (ModelArgs, *_WM, bridges.VerlArgs)),
+}
+
+
+# ------------------------------------------------ the stages' shared parts: how the agent plays, the triplets
+
+def play_kwargs(cfg) -> dict:
+    """How the agent plays (`rwml.play`'s settings) in collection-like stages."""
+    return dict(history_len=cfg.history_len, temperature=cfg.temperature, top_p=cfg.top_p,
+                max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, actor=ACTORS[cfg.action_mode])
+
+
+def make_env(cfg, episodes: int | None = None):
+    """The environment (tau2: with its customer's model, --user-model); at most one game worker per game."""
+    return worlds.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns,
+                       at_once=None if episodes is None else min(cfg.num_envs, episodes),
+                       user_model=cfg.user_model)
+
+
+def wm_texts(t: dict, reasoning: bool) -> tuple[str, str, str, str]:
+    """A triplet's world-model chat as the adapters learn it, (system prompt, prompt, reply prefix, stop):
+    for the model cards and the bridges, which take it as an argument rather than import the method."""
+    return rwml.wm_system(t), rwml.wm_prompt(t, reasoning), rwml.wm_prefix(reasoning), rwml.WM_STOP
+
+
+def triplet_problem(cfg):
+    """For read_transitions: why a triplet cannot train with `cfg` (an unknown env; a world-model prompt and
+    answer past the model's context), or None."""
+    def problem(t: dict) -> str | None:
+        if "env" in t and (not isinstance(t["env"], str) or t["env"] not in worlds.ENVIRONMENTS):
+            return f"env {json.dumps(t['env'])[:40]} is not one of {', '.join(worlds.ENVIRONMENTS)} " \
+                   "(or left out)"
+        chats = [(rwml.wm_prompt(t, r), rwml.wm_system(t), rwml.wm_prefix(r))
+                 for r in {cfg.wm_reasoning, False}]
+        return context_problem(cfg, chats, rwml.wm_answer(t))
+    return problem
 
 
 # ------------------------------------------ §2 collect: the model plays the train games; every turn a triplet
@@ -142,11 +259,38 @@ def collect(cfg: Settings, out: Path, load) -> Path:
         with make_env(cfg, len(todo)) as env, open(transitions, "a") as ft, \
                 open(out / "episodes.jsonl", "a") as fe:
             model, tok = load()  # after make_env: ALFWorld's game workers fork without the model
-            user = engine.load_model(cfg.user_model) if cfg.user_model else (None, None)
             rwml.play(model, tok, env, todo, **play_kwargs(cfg), on_turn=jsonl_writer(ft),
                       on_episode=jsonl_writer(fe), explore_prob=cfg.explore_prob, seed=cfg.seed + done,
-                      user_model=user[0], user_tokenizer=user[1], desc="collect")
+                      desc="collect")
     collection_summary(cfg, out)
+    return transitions
+
+
+def collection_summary(cfg, out: Path) -> None:
+    eps, trips = read_jsonl(out / "episodes.jsonl"), read_jsonl(out / "transitions.jsonl")
+    n, own = max(len(trips), 1), [t for t in trips if not t.get("explored")]
+    print(f"collect: {len(trips)} triplets from {len(eps)} episodes ({len(trips) - len(own)} explored "
+          f"turns); success {sum(e['won'] for e in eps)}/{len(eps)}, "
+          f"valid actions {sum(t['valid'] for t in trips) / n:.1%}, the model's own replies "
+          f"well formed {sum(t['format_ok'] for t in own) / max(len(own), 1):.1%}")
+    if cfg.env == "alfworld":
+        print("collect: next observations by kind: " + kind_mix(trips))
+
+
+def walkthroughs(cfg, out: Path, games: list) -> Path:
+    """`collect --walkthrough`: the expert plans, one triplet a step, no model (the "purposeful" set)."""
+    if cfg.env != "alfworld":
+        raise UserError("--walkthrough needs --env alfworld (tau2 tasks have no expert walkthrough here)")
+    transitions, meta = out / "transitions.jsonl", out / "collect.json"
+    job = dict(walkthrough=True) | {k: getattr(cfg, k) for k in ("split", "seed", "num_games", "history_len")}
+    if transitions.is_file() and collect_meta(meta) == job:  # a rerun: done
+        print(f"collect: reusing {transitions} (walkthroughs of {len(games)} {cfg.split} games)")
+        return transitions
+    trips = envs.walkthrough_triplets(history_len=cfg.history_len, wrong_first=False, games=games)
+    write_atomic(meta, json.dumps(job, indent=2))
+    write_jsonl(transitions, trips)
+    print(f"collect: {len(trips)} walkthrough triplets of {len(games)} {cfg.split} games -> {transitions}; "
+          f"next observations by kind: {kind_mix(trips)}")
     return transitions
 
 
@@ -207,8 +351,39 @@ def _filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load, rewar
 
 # ------------------------------------- §3, §5 wm: RWML, GRPO on world-model prompts with the embedding reward
 
-def make_reward(cfg: WorldModelConfig) -> SimToRealReward:
+def make_reward(cfg: rwml.WorldModelArgs) -> SimToRealReward:
     return SimToRealReward(cfg.embedder, cfg.tau_d, cfg.reward_metric, cfg.reward_binary)
+
+
+def reward_control(cfg, triplets: list[dict], reward_fn, out: Path):
+    """(triplets, reward function) under a control: MIS (another triplet's target) or COIN (a fair coin)."""
+    if cfg.reward_control == "mis":
+        targets, unchanged = mis_targets([t["next_obs"] for t in triplets], cfg.seed)
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "mis.json",
+                     json.dumps(dict(unchanged_share=unchanged, num_triplets=len(triplets)), indent=2))
+        print(f"mis: {unchanged:.1%} of triplets keep a target equal to their own (one text is over half "
+              "of all)")
+        return [dict(t, next_obs=x) for t, x in zip(triplets, targets)], reward_fn
+    return triplets, coin_reward(cfg.seed) if cfg.reward_control == "coin" else reward_fn
+
+
+def start_adapter(cfg, model, adapter: Path | str | None = None):
+    """The KL reference's construction: a fresh LoRA, whose reference is the base model (the adapter off), or
+    a saved adapter trained on beside a frozen copy "ref", the reference (engine.reference_policy): RWML from
+    the warm-up (its reference is the warm-up), stage 2 from an RWML, WM-SFT or RFT adapter."""
+    if adapter is None:
+        return engine.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
+                               cfg.gradient_checkpointing)
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    model.load_adapter(str(adapter), adapter_name="ref", is_trainable=False)
+    model.set_adapter("default")  # trainable; "ref" stays frozen
+    if cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(use_reentrant=False))
+        model.enable_input_require_grads()
+    return model
 
 
 def start_training(cfg: Settings, model, start, out: Path, stage: str = "wm"):
@@ -298,6 +473,19 @@ def train_wm(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn, st
     return model
 
 
+def log_groups(samples, cfg, step: int, batch: list[dict], res: dict) -> None:
+    """A step's whole groups to samples.jsonl and, as a table, to the log."""
+    G = cfg.num_generations
+    groups = [dict(prompt_tail=rwml.wm_prompt(t, cfg.wm_reasoning)[-PROMPT_TAIL:], action=t["action"],
+                   target=t["next_obs"], completions=res["completions"][i * G:(i + 1) * G],
+                   rewards=res["rewards"][i * G:(i + 1) * G],
+                   advantages=[round(a, 4) for a in res["advantages"][i * G:(i + 1) * G]])
+              for i, t in enumerate(batch)]
+    jsonl_writer(samples)(dict(step=step, action=batch[0]["action"], completion=res["sample"],
+                               target=res["sample_target"], reward=res["sample_reward"], groups=groups))
+    tqdm.write(group_table(step, groups, parse_next_state))
+
+
 # --------------------------------- all: the default run (python train.py), held-out accuracy before and after
 
 HELDOUT_KINDS = ("explore", "purposeful")  # this collection policy's triplets; the expert walkthroughs'
@@ -307,7 +495,7 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
     """The default run, `python train.py`: collect on train games, collect held-out games (both kinds),
     filter (+ warm-up), RWML, held-out accuracy before / after, beside the content-free baselines."""
     with cost.stage("heldout collect"):
-        heldout = heldout_triplets(cfg, out, load, collect)
+        heldout = heldout_triplets(cfg, out, load)
     with cost.stage("collect"):
         trips = read_jsonl(collect(cfg, out / "collect", load))
     kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
@@ -351,11 +539,64 @@ def evaluate_heldout(cfg: Settings, model, tok, heldout: list[dict], reward_fn) 
                             max_new_tokens=cfg.max_completion_length)
 
 
+def heldout_triplets(cfg, out: Path, load) -> dict[str, dict]:
+    """`all`'s held-out sets, explore and purposeful, of the same games for every seed (seed 0)."""
+    held = dataclasses.replace(cfg, split=cfg.heldout_split, num_games=cfg.heldout_games, rollouts_per_game=1,
+                               seed=0, adapter=None)
+    sets = {}
+    for kind in ("purposeful", "explore"):  # the walkthroughs first: they need no model
+        if kind == "purposeful":
+            path = collect(dataclasses.replace(held, walkthrough=True), out / "heldout_purposeful", load)
+        else:
+            path = cached_heldout(dataclasses.replace(held, walkthrough=False), out / "heldout", load,
+                                  collect)
+        if not (trips := read_jsonl(path)):
+            raise UserError(f"the held-out {kind} triplets ({path}) are empty; use more --heldout-games")
+        sets[kind] = dict(triplets=sample_triplets(trips, cfg.eval_max_triplets), file=str(path))
+    return sets
+
+
+def baselines_line(cfg, out: Path, kind: str, trips: list[dict], file: str, reward_fn) -> None:
+    """The content-free baselines on a held-out set: wm_eval_<rule>_<kind>.json each, and one line."""
+    rules = {name: rwml.baseline_wm(name, trips, reward_fn) for name in envs.BASELINES}
+    for name, r in rules.items():
+        write_eval(out / f"wm_eval_{name}_{kind}.json", dict(r, split=cfg.heldout_split, transitions=file))
+    print(f"{kind} ({file}): content-free baselines: template rule {rules['template']['wm_accuracy']:.3f}, "
+          f"always \"Nothing happens.\" {rules['nothing']['wm_accuracy']:.3f}, copy the observation "
+          f"{rules['copy']['wm_accuracy']:.3f}")
+
+
+def before_after_line(before: dict, after: dict) -> str:
+    change_b, change_a = before["per_kind"]["change"], after["per_kind"]["change"]
+    beyond_b, beyond_a = before["per_kind"]["beyond_template"], after["per_kind"]["beyond_template"]
+    return (f"world-model accuracy {before['wm_accuracy']:.3f} -> {after['wm_accuracy']:.3f} "
+            f"({before['n']} triplets); without \"Nothing happens.\" {change_b['wm_accuracy']:.3f} -> "
+            f"{change_a['wm_accuracy']:.3f} ({change_b['n']}); beyond the template rule "
+            f"{beyond_b['wm_accuracy']:.3f} -> {beyond_a['wm_accuracy']:.3f} ({beyond_b['n']}); mean cosine "
+            f"{before['mean_cosine']:.3f} -> {after['mean_cosine']:.3f}; strict: exact match "
+            f"{before['exact_match']:.3f} -> {after['exact_match']:.3f}, item F1 {_f1(before)} -> "
+            f"{_f1(after)} ({before['item_n']} listing targets)")
+
+
+def _f1(r: dict) -> str:
+    return "-" if r.get("item_f1") is None else f"{r['item_f1']:.3f}"
+
+
+def all_summary(cfg, out: Path, lines: list[str], kept: int, start, t0: float) -> None:
+    """`all`'s end: the adapter's card with the held-out lines, and those lines, its time and its folder."""
+    write_card(out / "adapter", cfg, "all", data={TRIPLETS_KEPT: kept},
+               heldout=[f"held-out ({cfg.heldout_split}, {cfg.heldout_games} games), before = "
+                        f"{'the warm-up' if start else 'the base model'}: {line}" for line in lines],
+               bundled=cfg.model == engine.BUNDLED_MODEL)
+    plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")  # + before / after
+    print("\n".join(lines) + f"\n{(time.time() - t0) / 60:.1f} min -> {out} (per-triplet outputs: "
+          f"{out}/wm_eval_*.triplets.jsonl)")
+
+
 # ------------------------------------------------------------------- §6 policy: stage 2, GRPO on task success
 
 def train_policy(cfg: Settings, out: Path, load):
     """Stage 2: multi-turn GRPO on task success (terminal reward won, gamma = 1, step budget max_turns)."""
-    check_init(cfg)
     games = split_games(cfg)
     heldout = policy_eval_games(cfg) if cfg.eval_steps else []  # before any model loads: a bad split fails
     with make_env(cfg, min(cfg.games_per_step, len(games)) * cfg.num_generations) as env:
@@ -376,8 +617,8 @@ def train_policy(cfg: Settings, out: Path, load):
                 t0 = time.time()
                 with cost.stage("policy grpo"):  # rwml.policy_step: "policy rollouts", "policy update"
                     res = rwml.policy_step(model, tok, optimizer, env, step_games, policy_grpo,
-                                           history_len=cfg.history_len, num_envs=cfg.num_envs,
-                                           action_mode=cfg.action_mode)
+                                           ACTORS[cfg.action_mode], history_len=cfg.history_len,
+                                           num_envs=cfg.num_envs)
                 state["step"] += 1
                 u = res["updates"][-1]
                 stats = {k: v for k, v in res.items() if k not in ("updates", "sample")}
@@ -400,6 +641,33 @@ def train_policy(cfg: Settings, out: Path, load):
     print(f"policy: {state['step']} steps from {cfg.init}; adapter -> {adapter}; "
           f"metrics -> {out / 'metrics.jsonl'}")
     return model
+
+
+def policy_eval_games(cfg) -> list:
+    """The held-out games of stage 2's learning curve: eval_games of eval_split (never the train split)."""
+    split = cfg.eval_split or worlds.env_class(cfg.env).splits.get("dev")
+    if split is None:
+        raise UserError(f"--eval-steps plays held-out games, which --env {cfg.env} has no dev split of; "
+                        "use --eval-steps 0 and eval.py afterwards")
+    if split == cfg.split:
+        raise UserError(f"--eval-split {split} is the split stage 2 trains on; pick a held-out one "
+                        "(e.g. dev)")
+    return worlds.games(cfg.env, split, cfg.eval_games, 0, cfg.domain,
+                        (cfg.world_size, cfg.nb_objects, cfg.quest_length))
+
+
+def heldout_success(model, tok, env, games: list, cfg, out: Path, step: int) -> dict:
+    """Held-out success of the policy as `eval.py agent` plays it; episodes to eval_episodes.jsonl (audit)."""
+    model.eval()
+    with keep_rng(), cost.stage("policy eval"):
+        played = rwml.play(model, tok, env, [dict(game=g) for g in games],
+                           **dict(play_kwargs(cfg), temperature=0.0 if cfg.action_mode == "choose"
+                                  else cfg.temperature), desc=f"eval step {step}", seed=cfg.seed)
+    with open(out / "eval_episodes.jsonl", "a") as f:
+        f.writelines(json.dumps(dict(e, step=step), default=str) + "\n" for e in played)
+    steps = sum(e["steps"] for e in played) or 1
+    return dict(eval_success=sum(e["won"] for e in played) / len(played), eval_mean_steps=steps / len(played),
+                eval_invalid=sum(e["invalid"] for e in played) / steps)
 
 
 # ---------------------------------------------------------------------------------- §7 baselines: WM SFT, RFT
@@ -444,8 +712,7 @@ def train_rft(cfg: Settings, out: Path, load):
         raise UserError(f"RFT: none of the {len(summaries)} episodes succeeded, so there is nothing to "
                         "fine-tune on; play more games (--num-games, --rollouts-per-game, --max-turns) "
                         "or use a stronger --model")
-    system = dict(tau2=worlds.Tau2.system, textworld=worlds.TextWorld.system).get(cfg.env,
-                                                                                   envs.Alfworld.system)
+    system = worlds.env_class(cfg.env).system  # the agent's system prompt, as the turns were played
     model, _, adapter = sft_adapter(cfg, model, tok, [t["prompt"] for t in keep],
                                     [t["response"] for t in keep], system, out, episodes=len(summaries),
                                     successes=len(won), turns=len(keep),
@@ -456,15 +723,30 @@ def train_rft(cfg: Settings, out: Path, load):
     return model
 
 
+def sft_adapter(cfg, model, tok, prompts: list[str], answers: list[str], system: str, out: Path, *,
+                prefix: str = "", start: Path | None = None, epochs: int | None = None, batch_size: int = 8,
+                shuffle: bool = True, lr: float | None = None, data: dict | None = None, **info):
+    """Plain SFT of a fresh LoRA (or of `start`), saved with config.json, sft.json and a model card."""
+    torch.manual_seed(cfg.seed)
+    model = start_adapter(cfg, model, start)
+    with cost.stage("sft"):
+        losses = engine.sft(model, tok, prompts, answers, system=system, prefix=prefix,
+                            epochs=epochs or cfg.sft_epochs, lr=lr or cfg.sft_learning_rate,
+                            batch_size=batch_size, seed=cfg.seed, shuffle=shuffle)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    write_atomic(out / "sft.json", json.dumps(dict(losses=losses, **info), indent=2))
+    return model, losses, save_adapter(model, out, cfg=cfg, data=data)
+
+
 # ---------------------------------------------------------------------- The command line: a stage and its run
 
 @releases_locks
 def main(argv: list[str] | None = None) -> None:
     stage, cfg = parse_stage(sys.argv[1:] if argv is None else argv, STAGES, Settings)
     out, t0 = Path(cfg.out), time.time()
-    check_run(cfg, stage, dict(policy=check_init, all=check_heldout,  # before anything slow
-                               export=bridges.check_export).get(stage))
-    trips, curve = stage_inputs(cfg, stage)  # the triplets it trains on and, wm --eval-steps, scores
+    check_run(cfg, lambda cfg: check_stage(cfg, stage))  # before anything slow
+    trips, curve = stage_inputs(cfg, stage, triplet_problem(cfg))  # it trains on, (wm --eval-steps) scores
     claim_out(cfg, out, stage)  # the --out lock, and --resume's checks
     with cost.run(out):  # at the end: the cost line, and out/cost.json
         run_stage(stage, cfg, out, t0, trips, curve)
@@ -481,7 +763,7 @@ def run_stage(stage: str, cfg: Settings, out: Path, t0: float, trips: list[dict]
                                             load_in_4bit=four_bit))
         return loaded[0]
 
-    with card_run(stage, cfg):  # what the model cards of this stage's adapters say
+    with card_run(stage, cfg, wm_texts):  # what the model cards of this stage's adapters say
         if stage == "collect":
             with cost.stage("collect"):
                 collect(cfg, out, load)
@@ -494,9 +776,11 @@ def run_stage(stage: str, cfg: Settings, out: Path, t0: float, trips: list[dict]
         elif stage == "all":
             train_all(cfg, out, load, make_reward(cfg), t0)
         elif stage == "export":  # the filter, then verl's train and held-out parquets
-            bridges.export_verl(cfg, trips, out, load, cfg.easy_filter and make_reward(cfg), filter_triplets)
+            bridges.export_verl(cfg, trips, out, load, cfg.easy_filter and make_reward(cfg), filter_triplets,
+                                rwml.split_triplets, wm_texts)
         elif cfg.trainer == "trl":  # filter / wm in TRL's GRPOTrainer
-            bridges.wm_trl(stage, cfg, trips, out, load, make_reward(cfg), filter_triplets, reward_control)
+            bridges.wm_trl(stage, cfg, trips, out, load, make_reward(cfg), filter_triplets, reward_control,
+                           wm_texts, rwml.group_advantages)
         else:  # filter, wm
             reward_fn = make_reward(cfg)
             kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)

@@ -1,5 +1,6 @@
 """Support (skip on a first read): the other environments, tau2-bench (tool use with a simulated customer)
-and TextWorld's generated games (the laptop setting for stage 2), behind envs.py's interface.
+and TextWorld's generated games (the laptop setting for stage 2), behind envs.py's interface; then the
+registry of every environment (`ENVIRONMENTS`, `env_class`, `make`, `games`) and their settings (`WorldArgs`).
 """
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from engine import chat_template, sample
-from envs import Alfworld, Game, UserError, _literal, did_you_mean, tag_blocks, utf8_clean
+import envs
+from common import UserError, arg, did_you_mean, utf8_clean
+from engine import chat_template, load_model, sample
+from envs import Alfworld, Game, _literal, tag_blocks
 
 
 def simulated_customer(model, tokenizer, *, base_only: bool, temperature: float, top_p: float,
@@ -227,30 +230,56 @@ def tau2_action_text(a: dict) -> str:
 
 
 class Tau2:
-    """tau2-bench for the agent: one Tau2Episode per slot, the conversation, the simulated customer.
-    `max_turns` counts agent actions. Summaries add `reward` (the official grading) and the counters."""
+    """tau2-bench for the agent: one Tau2Episode per slot, the conversation, and the simulated customer,
+    which `bind_model` gives a model: `user_model`, or the agent's own with its adapter off (the base model,
+    which training leaves as is). `max_turns` counts agent actions. Summaries add `reward` (the official
+    grading)."""
 
     system, stop, can_explore = TAU2_AGENT_SYSTEM, None, False  # tau2 triplets: the model's own actions only
     counters = ("tool_calls", "invalid", "format_errors", "user_tool_calls", "user_invalid")
+    can_choose = False  # no list of admissible actions
+    splits, eval_split = dict(train="train", test="test"), "test"  # no dev split
+    wm_system = ("You are a world model of a customer service environment (tau2-bench): you predict the "
+                 "tool's response to the agent's tool call, or the customer's next message after the agent's "
+                 "reply.")
+    wm_ask = ("What comes back: the tool's response to this call, or the customer's next message after "
+              "this reply?", "it", "<think>Looking up a user returns their record.</think><next_state>"
+              "{\"user_id\": \"sara_doe_496\", \"orders\": [\"#W2378156\"]}</next_state>")
+    tau_d, max_completion_length = 0.1, 64  # not audited (lab/results/reward_audit: ALFWorld, TextWorld)
 
-    def __init__(self, domain: str, max_turns: int = 30):
+    def __init__(self, *, domain: str = "retail", max_turns: int = 30, user_model: str | None = None,
+                 user_max_new_tokens: int = 96, **_):
         tau2_domain(domain)  # one clear line when tau2 is not installed
         from tau2.utils.utils import DATA_DIR  # tau2's own data folder
 
         self.domain, self.max_turns, self.state = domain, max_turns, {}
         self.turn_fields = dict(env="tau2", domain=domain)
+        self.user_model, self.user_max_new_tokens, self.user = user_model, user_max_new_tokens, None
         # tau2's user simulator guidelines, by whether the customer has tools (telecom's phone)
         self.guidelines = {phone: (DATA_DIR / "tau2" / "user_simulator"
                                    / f"simulation_guidelines{end}.md").read_text()
                            for phone, end in ((False, ""), (True, "_tools"))}
 
-    def reset(self, episodes: dict[int, dict], customer=None) -> dict[int, dict]:
+    @staticmethod
+    def games(split: str, num: int | None, seed: int = 0, *, domain: str = "retail", **_) -> list:
+        return tau2_tasks(domain, split, num, seed)
+
+    def bind_model(self, model, tokenizer, *, temperature: float, top_p: float) -> None:
+        """The customer's writer for the coming episodes: `user_model` (loaded once), else `model` with its
+        adapter off; sampled as the agent is."""
+        if self.user_model and self.user is None:
+            self.user = load_model(self.user_model)
+        user, user_tok = self.user or (model, tokenizer)
+        self.customer = simulated_customer(user, user_tok, base_only=self.user is None, top_p=top_p,
+                                           temperature=temperature, max_new_tokens=self.user_max_new_tokens)
+
+    def reset(self, episodes: dict[int, dict]) -> dict[int, dict]:
         for slot, ep in episodes.items():
             game = Tau2Episode(self.domain, ep["game"])
             game.say("assistant", TAU2_GREETING)
             self.state[slot] = dict(task=ep["game"], game=game, transcript=[("agent", TAU2_GREETING)],
                                     steps=0, phone=game.env.user_tools is not None, counts={})
-        opening = self.customer_turns(list(episodes), customer)  # the customers open, in one batch
+        opening = self.customer_turns(list(episodes))  # the customers open, in one batch
         task = f"help the customer as a {self.domain} customer service agent, following the policy"
         for slot, text in opening.items():
             self.state[slot]["game"].say("user", text)
@@ -272,7 +301,7 @@ class Tau2:
                   "<reply> </reply>."]
         return "\n".join(lines)
 
-    def step(self, replies: dict[int, str], customer=None) -> dict[int, dict]:
+    def step(self, replies: dict[int, str]) -> dict[int, dict]:
         results, to_customer = {}, []
         for slot, reply in replies.items():
             e, a = self.state[slot], parse_tau2_action(reply)
@@ -290,7 +319,7 @@ class Tau2:
                 to_customer.append(slot)
             results[slot] = dict(action=tau2_action_text(a), obs=response, valid=valid,
                                  format_ok=a["well_formed"], won=False, counts=counts)
-        for slot, text in self.customer_turns(to_customer, customer).items():
+        for slot, text in self.customer_turns(to_customer).items():
             self.state[slot]["game"].say("user", text)
             self.state[slot]["transcript"].append(("customer", text))
             results[slot]["obs"] = text
@@ -309,14 +338,14 @@ class Tau2:
         graded = e["game"].grade(finished=e["stopped"])
         return dict(reward=graded["reward"], won=graded["reward"] == 1.0, grading=graded)
 
-    def customer_turns(self, slots: list[int], customer) -> dict[int, str]:
+    def customer_turns(self, slots: list[int]) -> dict[int, str]:
         """The customers' next messages, one batch per round; a phone's tools first (TAU2_USER_TOOL_CALLS)."""
         said, todo = {}, list(slots)
         for round_ in range(TAU2_USER_TOOL_CALLS + 1):
             if not todo:
                 break
             acting = []
-            for slot, text in zip(todo, customer([self.customer_chat(slot) for slot in todo])):
+            for slot, text in zip(todo, self.customer([self.customer_chat(slot) for slot in todo])):
                 e = self.state[slot]
                 a = parse_tau2_action(text) if e["phone"] else dict(kind="reply")  # no phone: all is said
                 if a["kind"] != "tool":
@@ -505,15 +534,17 @@ class TextWorld(Alfworld):
 
     system = "You are an expert agent in a text-based adventure game (TextWorld)."
     turn_fields, example_action, game_cls = {"env": "textworld"}, "take key from table", TwGame
+    splits, eval_split = dict(train="train", dev="dev", test="test"), "test"  # disjoint seeds (TW_SPLITS)
+    wm_system = ("You are a world model of a text-based adventure game (TextWorld): you predict what the "
+                 "game says next.")
+    wm_ask = ("What does the game answer to this action?", "the game's answer",
+              "<think>Taking an object moves it to the inventory.</think><next_state>You take the key from "
+              "the table.</next_state>")
+    tau_d, max_completion_length = 0.02, 128  # as ALFWorld's (the reward audit; 105 tokens + 10 %, to 16s)
 
-
-def play_customer(env, model, tokenizer, *, temperature: float, top_p: float, user_model=None,
-                  user_tokenizer=None, user_max_new_tokens: int = 96):
-    """`rwml.play`'s simulated customer in tau2: `user_model`, or the agent's model with its adapter off."""
-    if not isinstance(env, Tau2):
-        return None
-    return simulated_customer(user_model or model, user_tokenizer or tokenizer, base_only=user_model is None,
-                              temperature=temperature, top_p=top_p, max_new_tokens=user_max_new_tokens)
+    @staticmethod
+    def games(split: str, num: int | None, seed: int = 0, *, sizes: tuple = (2, 4, 2), **_) -> list[str]:
+        return textworld_games(split, num, seed, *sizes)
 
 
 def tau2_metrics(episodes: list[dict], tasks: list, seeds: int) -> dict:
@@ -545,29 +576,45 @@ def tau2_summary(r: dict, seeds: int) -> str:
             f"in {r['seconds']:.0f} s")
 
 
-# The world model's prompt in these environments (rwml.py's WM_SYSTEMS and wm_prompt add ALFWorld's)
-WM_SYSTEMS = dict(
-    textworld="You are a world model of a text-based adventure game (TextWorld): you predict what the game "
-              "says next.",
-    tau2="You are a world model of a customer service environment (tau2-bench): you predict the tool's "
-         "response to the agent's tool call, or the customer's next message after the agent's reply.")
-WM_ASK = dict(  # (question, what to write, example answer)
-    textworld=("What does the game answer to this action?", "the game's answer",
-               "<think>Taking an object moves it to the inventory.</think><next_state>You take the key from "
-               "the table.</next_state>"),
-    tau2=("What comes back: the tool's response to this call, or the customer's next message after this "
-          "reply?", "it", "<think>Looking up a user returns their record.</think><next_state>{\"user_id\": "
-          "\"sara_doe_496\", \"orders\": [\"#W2378156\"]}</next_state>"))
+# ============================================================================ the registry
+ENVIRONMENTS = dict(alfworld=envs.Alfworld, textworld=TextWorld, tau2=Tau2)  # `--env` and a triplet's `env`
+
+
+def env_class(name: str):
+    """An environment's class, where its facts live (tau_d, max_completion_length, prompts, splits)."""
+    if name not in ENVIRONMENTS:
+        raise UserError(f"unknown --env {name!r}; choose one of {', '.join(ENVIRONMENTS)}"
+                        + did_you_mean(name, ENVIRONMENTS))
+    return ENVIRONMENTS[name]
+
+
+def make(name: str = "alfworld", *, num_workers: int = 2, max_turns: int = 30, at_once: int | None = None,
+         **settings):
+    """The environment the agent plays: ALFWorld or TextWorld games in `num_workers` processes, or a tau2
+    `domain` (with its `user_model`). `at_once`: the most episodes that run together; more workers than that
+    would only idle."""
+    workers = num_workers if at_once is None else min(num_workers, max(at_once, 1))
+    return env_class(name)(num_workers=workers, max_turns=max_turns, **settings)
+
+
+def games(name: str, split: str, num: int | None, seed: int = 0, domain: str = "retail",
+          sizes: tuple[int, int, int] = (2, 4, 2)) -> list:
+    """What the agent plays: ALFWorld game files, TextWorld games generated at `sizes` (world size, objects,
+    quest length), or tau2 tasks (each a seeded subset of a split)."""
+    return env_class(name).games(split, num, seed, domain=domain, sizes=sizes)
 
 
 @dataclass
-class WorldConfig:
-    """How the games run and the other environments' settings (flags of train.py and eval.py agent)."""
-    num_envs: int = 16  # episodes played (and generated for) together
-    num_workers: int = 2  # game processes (0 = play in this process)
-    world_size: int = 2  # textworld: rooms of a generated game (tw-make's --world-size)
-    nb_objects: int = 4  # textworld: objects of a generated game
-    quest_length: int = 2  # textworld: steps of the winning quest (at 2 random play wins ~25 % in 10 steps)
-    domain: str = "retail"  # tau2: airline | retail | telecom
-    user_model: str | None = None  # tau2's simulated customer: any HF causal LM; None = the agent's model
-    num_tasks: int | None = 4  # tau2: tasks of the split (None = all; retail train has 74)
+class WorldArgs:
+    _argument_group_name = "the games: workers, TextWorld's sizes, tau2's domain and customer"
+    num_envs: int = arg(16, "episodes played (and generated for) together", min=1)
+    num_workers: int = arg(2, "game processes (0 = play in this process)", min=0, resume_free=True)
+    world_size: int = arg(2, "textworld: rooms of a generated game (tw-make's --world-size)", min=1)
+    nb_objects: int = arg(4, "textworld: objects of a generated game", min=1)
+    quest_length: int = arg(2, "textworld: steps of the winning quest (at 2 random play wins ~25 % in 10 "
+                               "steps)", min=1)
+    domain: str = arg("retail", "tau2: airline | retail | telecom", choices=TAU2_DOMAINS)
+    user_model: str | None = arg(None, "tau2's simulated customer: any HF causal LM; None = the agent's "
+                                       "model (adapter off)")
+    num_tasks: int | None = arg(4, "tau2: tasks of the split (None = all; retail train has 74)",
+                                check=lambda v: v >= 1, why="must be at least 1 (or left out: all tasks)")

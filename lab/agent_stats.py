@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 import stats  # noqa: E402
-from envs import UserError  # noqa: E402
+from common import UserError  # noqa: E402
 
 REWRITE = ("write it again with `eval.py agent --out FILE` (lab/stage2_test.sh's layout), or give another "
            "folder")
@@ -252,6 +252,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from plumbing import run_cli  # bad input: one line ("error: ..."), exit status 1
+    from cli import run_cli  # bad input: one line ("error: ..."), exit status 1
 
     run_cli(main)

@@ -15,17 +15,18 @@ from tqdm.auto import tqdm
 
 import engine
 import rwml
-from eval import WMEvalConfig, check_eval_config, with_env_defaults
-from plumbing import (check_adapter, check_at_least, check_context, check_writable, parse_config,
-                      read_transitions, run_cli, sample_triplets, wm_prompt_fits, write_atomic)
+from cli import check_fields, parse_config, run_cli
+from common import arg, write_atomic
+from eval import WMEvalConfig, with_env_defaults
+from plumbing import check_adapter, check_context, check_writable, read_transitions, sample_triplets
 from repo_path import repo_path, stored_config
 from reward import SimToRealReward, parse_next_state
-from train import make_reward
+from train import make_reward, triplet_problem
 
 
 @dataclass
 class CalibrateConfig(WMEvalConfig):
-    num_generations: int = 4  # predictions per prompt (a GRPO group)
+    num_generations: int = arg(4, "predictions per prompt (a GRPO group)", min=1)
 
 
 def calibrate(reward: SimToRealReward, predictions: list[list[str]], targets: list[str],
@@ -51,7 +52,7 @@ def calibrate_tau(cfg: CalibrateConfig) -> dict:
     import torch
 
     cfg = with_env_defaults(cfg)
-    trips = sample_triplets(read_transitions(cfg.transitions, wm_prompt_fits(cfg)),
+    trips = sample_triplets(read_transitions(cfg.transitions, triplet_problem(cfg)),
                             cfg.eval_max_triplets or 32, cfg.seed)
     reward_fn = make_reward(cfg)
     model, tok = engine.load_model(cfg.model, cfg.adapter)
@@ -69,8 +70,7 @@ def calibrate_tau(cfg: CalibrateConfig) -> dict:
 def main(argv: list[str] | None = None) -> None:
     cfg, _ = parse_config(CalibrateConfig, sys.argv[1:] if argv is None else argv, prog="lab/calibrate.py")
     cfg = with_env_defaults(cfg)
-    check_eval_config(cfg)
-    check_at_least(cfg, dict(num_generations=1))
+    check_fields(cfg)
     check_context(cfg)
     check_adapter(cfg.adapter)
     out = Path(cfg.out)

@@ -17,30 +17,34 @@ import statistics
 from dataclasses import dataclass
 
 import envs
-from envs import UserError
-from plumbing import (RESUME_FREE, check_writable, commands_help, parse_config, read_jsonl, run_cli,
-                      write_atomic)
+from cli import commands_help, parse_config, resume_free, run_cli
+from common import UserError, arg, read_jsonl, write_atomic
+from plumbing import check_writable
+from train import HELDOUT_KINDS, Settings
 from repo_path import repo_path
-from train import HELDOUT_KINDS
 
 ID_SPLIT, OOD_SPLIT = "valid_seen", "valid_unseen"  # the paper's in-distribution, out-of-distribution games
 
 
+RESUME_FREE = resume_free(Settings)  # settings that change no trained weight: not an arm's difference
+
+
 @dataclass
 class ReportConfig:
-    out: str = "results.md"  # the table; the plots go next to it (<out>_rewards.png, <out>_success.png)
-    plots: bool = True
+    out: str = arg("results.md", "the table; the plots go next to it (<out>_rewards.png, <out>_success.png)")
+    plots: bool = arg(True, "draw the plots")
 
 
 @dataclass
 class AgentTableConfig:
-    out: str = "agent_sanity.md"  # the table; the curve goes next to it (<out stem>_curve.png)
+    out: str = arg("agent_sanity.md", "the table; the curve goes next to it (<out stem>_curve.png)")
 
 
 @dataclass
 class SanityConfig:
-    split: str = "valid_unseen"  # whose held-out scores to tabulate: valid_unseen (test) or valid_seen (dev)
-    out: str = "sanity.md"
+    split: str = arg("valid_unseen", "whose held-out scores to tabulate: valid_unseen (test) or valid_seen "
+                                     "(dev)")
+    out: str = arg("sanity.md", "the table")
 
 
 def read_run(folder: Path) -> dict:

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 import envs  # noqa: E402
 import stats  # noqa: E402
-from envs import UserError  # noqa: E402
+from common import UserError  # noqa: E402
 from repo_path import repo_path  # noqa: E402
 
 ARMS, BASELINES, SPLITS = ("warmup", "rwml", "wm_sft", "coin"), ("base", "template", "nothing", "copy"), \
@@ -562,6 +562,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from plumbing import run_cli  # bad input: one line ("error: ..."), exit status 1
+    from cli import run_cli  # bad input: one line ("error: ..."), exit status 1
 
     run_cli(main)

@@ -29,8 +29,9 @@ import statistics
 from dataclasses import dataclass
 
 import envs
-from envs import UserError
-from plumbing import check_writable, commands_help, parse_config, run_cli, write_atomic
+from cli import commands_help, parse_config, run_cli
+from common import UserError, arg, write_atomic
+from plumbing import check_writable
 from repo_path import is_local_path, repo_path
 
 POSITIVE = ("exact", "reorder", "case", "spacing", "punct")
@@ -43,28 +44,30 @@ RULE = (f"the largest tau_d of the grid that, on the dev half, rewards >= {SHARE
         f"refuses >= {SHARE:.0%} of the negatives (each pooled over its kinds); none if no tau_d does")
 FIELDS = dict(env=str, game=str, half=str, kind=str, label=int, target=str, candidate=str)
 NOTHING = "Nothing happens."  # ALFWorld's answer to any command without effect
-CAP = 64  # the default run's completion cap before this audit (train.ENV_DEFAULTS now sizes it per env)
+CAP = 64  # the default run's completion cap before this audit (each environment's class now holds its own)
 
 
 @dataclass
 class PairsConfig:
-    out: str = "lab/results/reward_audit/pairs.jsonl"  # the pair set (JSONL; .gz: compressed)
-    alfworld_games: int = 20  # valid_unseen games (0: none)
-    textworld_games: int = 20  # generated TextWorld test games (0: none)
-    walk_steps: int = 15  # per game: a seeded walk of this many admissible commands besides the walkthrough
-    seed: int = 0  # the games drawn, the walks, the edits and the dev / test split
+    out: str = arg("lab/results/reward_audit/pairs.jsonl", "the pair set (JSONL; .gz: compressed)")
+    alfworld_games: int = arg(20, "valid_unseen games (0: none)")
+    textworld_games: int = arg(20, "generated TextWorld test games (0: none)")
+    walk_steps: int = arg(15, "per game: a seeded walk of this many admissible commands besides the "
+                              "walkthrough")
+    seed: int = arg(0, "the games drawn, the walks, the edits and the dev / test split")
 
 
 @dataclass
 class AuditConfig:
-    embedder: str = "bundled:all-MiniLM-L6-v2"  # the bundled one, a sentence-transformers id or folder
-    taus: str = TAUS  # the tau_d grid, comma-separated, each in (0, 2)
-    lengths: bool = True  # also the token lengths of the real observations (the bundled model's tokenizer)
+    embedder: str = arg("bundled:all-MiniLM-L6-v2", "the bundled one, a sentence-transformers id or folder")
+    taus: str = arg(TAUS, "the tau_d grid, comma-separated, each in (0, 2)")
+    lengths: bool = arg(True, "also the token lengths of the real observations (the bundled model's "
+                              "tokenizer)")
 
 
 @dataclass
 class LengthsConfig:
-    cap: int = CAP  # the completion cap the lengths are compared with
+    cap: int = arg(CAP, "the completion cap the lengths are compared with")
 
 
 # ----------------------------------------------------------------------------- real observations

@@ -101,7 +101,7 @@ def test_shared_prefill_sampling_equals_plain_generate(arch, temperature, monkey
     monkeypatch.setattr(engine, "DECODER", "generate")
     name, folder = arch
     model, tok = engine.load_model(folder, device="cpu")
-    texts = [engine.chat(tok, p, rwml.WM_SYSTEM, rwml.WM_PREFIX) for p in PROMPTS[:2]]
+    texts = [engine.chat(tok, p, envs.Alfworld.wm_system, rwml.WM_PREFIX) for p in PROMPTS[:2]]
     torch.manual_seed(0)
     shared = engine.sample(model, tok, texts, n=3, max_new_tokens=10, temperature=temperature).input_ids
     batch = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True,
@@ -122,7 +122,7 @@ def test_compact_decoding_is_generates_on_every_architecture(arch, monkeypatch):
     included) writes generate's greedy tokens; made to end early, rows end at different steps."""
     name, folder = arch
     model, tok = engine.load_model(folder, device="cpu")
-    texts = [engine.chat(tok, p, rwml.WM_SYSTEM, rwml.WM_PREFIX) for p in PROMPTS[:2]]
+    texts = [engine.chat(tok, p, envs.Alfworld.wm_system, rwml.WM_PREFIX) for p in PROMPTS[:2]]
     monkeypatch.setattr(engine, "DECODER", "generate")
     first = engine.sample(model, tok, texts, n=2, max_new_tokens=10, temperature=0.0)
     end = int(torch.bincount(first.input_ids[:, -10:].flatten()).argmax())  # a token rows write
@@ -142,7 +142,7 @@ def test_chunked_and_shared_prompt_logprobs_and_gradients_equal_the_naive_path(a
         pytest.importorskip("bitsandbytes")
     model, tok = load(folder, four_bit)
     torch.manual_seed(1)
-    roll = engine.sample_chat(model, tok, PROMPTS, system=rwml.WM_SYSTEM, prefix=rwml.WM_PREFIX,
+    roll = engine.sample_chat(model, tok, PROMPTS, system=envs.Alfworld.wm_system, prefix=rwml.WM_PREFIX,
                             stop=rwml.WM_STOP, n=3, max_new_tokens=10)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     P = ids.shape[1] - cmask.shape[1]
@@ -171,7 +171,10 @@ class OneTurnGame:
     system, stop, can_explore = envs.Alfworld.system, envs.Alfworld.stop, False
     counters, turn_fields = ("invalid",), {}
 
-    def reset(self, episodes, customer=None):
+    def bind_model(self, model, tokenizer, **sampling):
+        pass
+
+    def reset(self, episodes):
         return {s: dict(obs="You are in the middle of a room.", game=str(ep["game"]),
                         task="put a mug in the sink", task_type="pick") for s, ep in episodes.items()}
 
@@ -179,7 +182,7 @@ class OneTurnGame:
         return ("Your task is to: put a mug in the sink\n"
                 "[Current observation] You are in the middle of a room.")
 
-    def step(self, replies, customer=None):
+    def step(self, replies):
         return {s: dict(action=envs.parse_action(r)[0], obs="Nothing happens.", valid=True, format_ok=True,
                         won=s % 2 == 0, done=True, counts=dict(invalid=False)) for s, r in replies.items()}
 
@@ -195,16 +198,15 @@ def test_stage1_and_stage2_steps_then_the_saved_adapter_reloads(arch, tmp_path):
 
     name, folder = arch
     model, tok = load(folder)
-    cfg = rwml.GRPOConfig(num_generations=3, max_completion_length=8, micro_batch_size=6, beta=0.1,
-                          learning_rate=1e-2)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate)
+    cfg = rwml.GRPOConfig(num_generations=3, max_completion_length=8, micro_batch_size=6, beta=0.1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     torch.manual_seed(2)
     res = rwml.grpo_step(model, tok, opt, TRIPLETS, parity_reward, cfg, reasoning=True)
     assert not res["updates"][0]["skipped"] and res["sample"].startswith(rwml.WM_PREFIX)
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
     res = rwml.policy_step(model, tok, opt, OneTurnGame(), ["g1", "g2"], rwml.GRPOConfig(
-        num_generations=2, max_completion_length=8, beta=0.1, learning_rate=1e-2), num_envs=4)
+        num_generations=2, max_completion_length=8, beta=0.1), num_envs=4)
     assert res["num_turns"] == 4 and res["trained_turns"] == 4 and not res["updates"][0]["skipped"]
 
     roll = engine.sample_chat(model, tok, PROMPTS, prefix=envs.AGENT_PREFIX, max_new_tokens=8,
@@ -245,7 +247,7 @@ def test_a_projection_that_misses_the_architectures_logits_falls_back_to_the_pla
     monkeypatch.setattr(engine, "_SAID", set())
     model, tok = load(gemma2)
     torch.manual_seed(1)
-    roll = engine.sample_chat(model, tok, PROMPTS, system=rwml.WM_SYSTEM, prefix=rwml.WM_PREFIX, n=3,
+    roll = engine.sample_chat(model, tok, PROMPTS, system=envs.Alfworld.wm_system, prefix=rwml.WM_PREFIX, n=3,
                             max_new_tokens=8)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     P = ids.shape[1] - cmask.shape[1]
@@ -285,7 +287,7 @@ def test_a_cache_that_does_not_repeat_falls_back_to_whole_rows(gemma2, monkeypat
     model, tok = load(gemma2)
     assert engine.fast_paths(model) == engine.FastPaths(head=True, shared_prompt=False)
     assert "no shared prompt cache" in capsys.readouterr().out
-    texts = [engine.chat(tok, p, rwml.WM_SYSTEM, rwml.WM_PREFIX) for p in PROMPTS[:2]]
+    texts = [engine.chat(tok, p, envs.Alfworld.wm_system, rwml.WM_PREFIX) for p in PROMPTS[:2]]
     roll = engine.sample(model, tok, texts, n=3, max_new_tokens=8, temperature=0.0)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     P = ids.shape[1] - cmask.shape[1]
@@ -315,7 +317,7 @@ def test_our_thinking_prefix_and_the_templates_thinking_markup_do_not_collide(tm
         msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "P"}]
         assert engine.chat_template(tok, msgs) == head + "<think>\n\n</think>\n\n"
     think, turn = tok.convert_tokens_to_ids(["<think>", "<|im_start|>"])
-    ids = tok(engine.chat(tok, rwml.wm_prompt(TRIPLETS[0]), rwml.WM_SYSTEM, rwml.WM_PREFIX),
+    ids = tok(engine.chat(tok, rwml.wm_prompt(TRIPLETS[0]), envs.Alfworld.wm_system, rwml.WM_PREFIX),
               add_special_tokens=False)["input_ids"]
     reply = ids[len(ids) - ids[::-1].index(turn):]  # the assistant's turn (the prompt shows <think> too)
     assert reply[-1] == think and reply.count(think) == 1

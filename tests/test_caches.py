@@ -112,7 +112,7 @@ def test_a_damaged_bundled_model_cache_names_the_folder_to_delete(name, how, mon
         engine.load_model()
     monkeypatch.setattr(engine, "load_model", lambda *_, **__: pytest.fail("the model loaded first"))
     with pytest.raises(UserError, match=f"unusable: {folder / name} .*delete the folder {folder}"):
-        plumbing.check_run(train.Settings(out=str(tmp_path / "run")), "collect")  # before any game
+        plumbing.check_run(train.Settings(out=str(tmp_path / "run")))  # before any game
 
 
 def test_a_whole_bundled_model_cache_is_used(monkeypatch):
@@ -134,7 +134,7 @@ def test_an_unusable_rwml_cache_is_refused_before_slow_work(how, monkeypatch, tm
     monkeypatch.setattr(engine, "MODEL_CACHE", cache)
     monkeypatch.setattr(engine, "load_model", lambda *_, **__: pytest.fail("the model loaded first"))
     with pytest.raises(UserError, match=f"RWML_CACHE={cache}.*writable folder"):
-        plumbing.check_run(train.Settings(out=str(tmp_path / "run")), "collect")
+        plumbing.check_run(train.Settings(out=str(tmp_path / "run")))
 
 
 class DiesLoading(envs.Game):

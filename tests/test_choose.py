@@ -55,10 +55,11 @@ def test_choice_probabilities_sum_to_one_and_equal_one_forward_per_candidate(lor
     want = torch.log_softmax(naive / temperature, -1)
     assert torch.allclose(logp, want, atol=1e-3)
     # the training path (gradients on, in micro-batches) gives the same log pi(a|s) of the choice
-    batch = rwml.Batch(choices=[(prompt_ids, cands, 3), (prompt_ids, cands, 0)],
-                       completion_mask=torch.ones(2, 1), advantages=torch.zeros(2), weights=torch.ones(2, 1))
+    batch = choose.ChoiceBatch(choices=[(prompt_ids, cands, 3), (prompt_ids, cands, 0)],
+                               completion_mask=torch.ones(2, 1), advantages=torch.zeros(2),
+                               weights=torch.ones(2, 1))
     cfg = rwml.GRPOConfig(temperature=temperature)
-    trained = rwml.batch_logprobs(model, batch, cfg)
+    trained = choose.CHOOSE.logprobs(model, batch, cfg)
     assert trained.shape == (2, 1) and trained.requires_grad
     assert torch.allclose(trained.detach()[:, 0], want[[3, 0]], atol=1e-3)
 
@@ -69,10 +70,10 @@ def choose_turns(tiny_model, env_name="alfworld", games=None, episodes_per_game=
     games = games or envs.list_games("train", 2, seed=0)
     turns = []
     torch.manual_seed(0)
-    with envs.make(env_name, num_workers=0, max_turns=max_turns) as env:
+    with worlds.make(env_name, num_workers=0, max_turns=max_turns) as env:
         summaries = rwml.play(model, tok, env,
                               [dict(game=g) for g in games for _ in range(episodes_per_game)],
-                              num_envs=3, on_turn=turns.append, record_tokens=True, action_mode="choose",
+                              num_envs=3, on_turn=turns.append, record_tokens=True, actor=choose.CHOOSE,
                               temperature=temperature)
     return model, tok, turns, summaries
 
@@ -92,7 +93,7 @@ def test_choose_mode_plays_only_admissible_commands_and_records_the_choice(tiny_
 
 def scripted_choices(tok, game, pick, episode, max_turns):
     """An episode on the real engine in which `pick(admissible, step)` chooses each command, recorded as
-    `play(record_tokens=True, action_mode="choose")` records it."""
+    `play(record_tokens=True, actor=choose.CHOOSE)` records it."""
     turns, past = [], []
     with envs.Alfworld(num_workers=0, max_turns=max_turns) as env:
         obs = env.reset({0: dict(game=game)})[0]["obs"]
@@ -123,16 +124,16 @@ def test_a_positive_advantage_raises_the_chosen_commands_probability(tiny_model)
     lost, s_lost = scripted_choices(tok, game, lambda cs, i: "look", 1, len(walk))
     assert s_won["won"] and not s_lost["won"]
     turns = won + lost
-    cfg = rwml.GRPOConfig(num_generations=2, beta=0.0, micro_batch_size=4)
+    cfg, keep = rwml.GRPOConfig(num_generations=2, beta=0.0, micro_batch_size=4), rwml.GRPOConfig(beta=0.1)
 
     def chosen_logps():
         with torch.no_grad():
-            lp = rwml.batch_logprobs(model, choose.choice_batch(turns, torch.zeros(2), "grpo"), cfg)[:, 0]
+            lp = choose.CHOOSE.logprobs(model, choose.CHOOSE.batch(turns, torch.zeros(2), keep), cfg)[:, 0]
         return float(lp[:len(won)].mean()), float(lp[len(won):].mean())
 
     before = chosen_logps()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    res = rwml.policy_update(model, tok, opt, turns, [s_won, s_lost], cfg)
+    res = rwml.policy_update(model, tok, opt, turns, [s_won, s_lost], cfg, choose.CHOOSE)
     after = chosen_logps()
     assert res["reward_mean"] == 0.5 and res["trained_turns"] == len(turns) and res["completion_tokens"] == 1
     assert after[0] > before[0] and after[1] < before[1], (before, after)
@@ -187,7 +188,7 @@ def test_textworld_games_are_generated_by_split_and_seed_and_won_by_their_walkth
     dev, train_games = worlds.textworld_games("dev", 3, seed=0), worlds.textworld_games("train", 3, seed=0)
     assert not set(test) & set(dev) and not set(test) & set(train_games)  # disjoint game seeds
     assert worlds.textworld_games("test", 3, seed=1) != test
-    with envs.make("textworld", num_workers=1, max_turns=20) as env:
+    with worlds.make("textworld", num_workers=1, max_turns=20) as env:
         start = env.reset({0: dict(game=test[0])})[0]
         assert start["game"] == envs.game_id(test[0]) and start["task_type"] == "textworld"
         assert start["obs"].startswith("-= ") and "$$" not in start["obs"]  # the room, not the banner
@@ -309,11 +310,11 @@ def test_choose_mode_update_cut_by_a_token_budget_is_the_same_update(tiny_model)
     walk = json.loads(open(game).read())["walkthrough"]
     won, _ = scripted_choices(tok, game, lambda cs, i: walk[i], 0, len(walk))
     lost, _ = scripted_choices(tok, game, lambda cs, i: "look", 1, len(walk))
-    batch = choose.choice_batch(won + lost, torch.tensor([1.0, -1.0]), "grpo")
+    batch = choose.CHOOSE.batch(won + lost, torch.tensor([1.0, -1.0]), rwml.GRPOConfig(beta=0.1))
     tokens = [len(p) + sum(map(len, c)) for p, c, _ in batch.choices]
     budget = max(tokens) + 1  # about one turn a micro-batch
-    cuts = engine.micro_batches(batch, 8, budget)
-    assert len(cuts) > len(engine.micro_batches(batch, 8, 0)) == -(-len(tokens) // 8)
+    cuts = choose.CHOOSE.micro_batches(batch, 8, budget)
+    assert len(cuts) > len(choose.CHOOSE.micro_batches(batch, 8, 0)) == -(-len(tokens) // 8)
     assert all(len(mb.choices) == 1
                or sum(len(p) + sum(map(len, c)) for p, c, _ in mb.choices) <= budget
                for mb in cuts)
@@ -328,7 +329,7 @@ def test_choose_mode_update_cut_by_a_token_budget_is_the_same_update(tiny_model)
         before = {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1.0)
         rwml.grpo_update(m, opt, batch, rwml.GRPOConfig(micro_batch_size=8, micro_batch_tokens=cut, beta=0.0,
-                                                         max_grad_norm=1e9))
+                                                         max_grad_norm=1e9), choose.CHOOSE)
         deltas.append({n: p.detach() - before[n] for n, p in m.named_parameters() if p.requires_grad})
     assert any(d.abs().sum() > 0 for d in deltas[0].values())
     for n in deltas[0]:

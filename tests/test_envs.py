@@ -93,7 +93,7 @@ def test_worker_pool_matches_in_process_play():
     plans = {slot: walkthrough(g) for slot, g in enumerate(games)}
 
     def play(num_workers):
-        with EnvPool(num_workers=num_workers, max_turns=50) as pool:
+        with EnvPool(num_workers=num_workers, max_turns=50, game_cls=Game) as pool:
             out = [pool.reset(dict(enumerate(games)))]
             for t in range(max(map(len, plans.values()))):
                 out.append(pool.step({s: p[t] for s, p in plans.items() if t < len(p)}))
@@ -105,7 +105,7 @@ def test_worker_pool_matches_in_process_play():
 
 
 def test_worker_errors_reach_the_caller():
-    with EnvPool(num_workers=2) as pool:
+    with EnvPool(num_workers=2, game_cls=Game) as pool:
         with pytest.raises(UserError, match="game file not found"):
             pool.reset({0: "/nonexistent/game.tw-pddl", 1: list_games("valid_seen", 1)[0]})
         pool.reset({0: list_games("valid_seen", 1)[0]})  # the pool still works afterwards

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import engine
+import envs
 import rwml
 
 # ------------------------------------------------------------------ advantages
@@ -95,8 +96,9 @@ def tiny(tiny_model):
 
 def rollout(model, tok, n=4, length=12):
     torch.manual_seed(0)
-    return engine.sample_chat(model, tok, ["go to desk 1", "open the drawer 2 please"], system=rwml.WM_SYSTEM,
-                            prefix=rwml.WM_PREFIX, stop=rwml.WM_STOP, n=n // 2, max_new_tokens=length)
+    return engine.sample_chat(model, tok, ["go to desk 1", "open the drawer 2 please"],
+                              system=envs.Alfworld.wm_system, prefix=rwml.WM_PREFIX, stop=rwml.WM_STOP,
+                              n=n // 2, max_new_tokens=length)
 
 
 def naive_logprobs(model, ids, attn, cmask):
@@ -120,7 +122,7 @@ def test_chunked_logprobs_and_gradients_match_naive(tiny):
     grads = []
     for fn in (lambda: engine.completion_logprobs(model, ids, attn, cmask, chunk_size=5),
                lambda: naive_logprobs(model, ids, attn, cmask),
-               lambda: rwml.logprobs(model, ids, attn, cmask)):  # the plain definition in rwml.py §5
+               lambda: engine.logprobs(model, ids, attn, cmask)):  # the plain definition, engine.logprobs
         model.zero_grad()
         lp = fn()
         w = rwml.token_weights(cmask, "grpo", 12)
@@ -146,7 +148,7 @@ def test_shared_prompt_forward_matches_naive_logprobs_and_gradients(tiny):
                 p.normal_(0, 0.02)
     torch.manual_seed(1)
     roll = engine.sample_chat(model, tok, ["go to desk 1", "open the drawer 2 please", "look"],
-                            system=rwml.WM_SYSTEM, prefix=rwml.WM_PREFIX, stop=rwml.WM_STOP, n=3,
+                            system=envs.Alfworld.wm_system, prefix=rwml.WM_PREFIX, stop=rwml.WM_STOP, n=3,
                             max_new_tokens=10)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     P = ids.shape[1] - cmask.shape[1]
@@ -209,9 +211,9 @@ def test_kl_is_zero_against_itself_and_positive_against_another_policy(tiny_mode
     base, tok = engine.load_model(tiny_model)
     model = train.start_adapter(train.Settings(), base, tmp_path / "start")
     roll = rollout(model, tok)
-    batch = rwml.Batch(input_ids=roll.input_ids, attention_mask=roll.attention_mask,
-                       completion_mask=roll.completion_mask, advantages=torch.zeros(4),
-                       weights=rwml.token_weights(roll.completion_mask, "grpo", 12))
+    batch = engine.Batch(input_ids=roll.input_ids, attention_mask=roll.attention_mask,
+                         completion_mask=roll.completion_mask, advantages=torch.zeros(4),
+                         weights=rwml.token_weights(roll.completion_mask, "grpo", 12))
     cfg = train.Settings(beta=0.1, micro_batch_size=4)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     assert rwml.grpo_update(model, opt, batch, cfg)[0]["kl"] == 0.0  # reference = the frozen start adapter
@@ -348,9 +350,9 @@ def test_micro_batches_accumulate_to_the_big_batch_update(lora_model, loss_type)
                        for c in ("You arrive", "Nothing happens.", "You", "You open it", "ok", "x")]
         ids, attn, cmask = engine.pack([p for p in prompts for _ in range(2)], completions, tok.pad_token_id)
         assert len(set(cmask.sum(1).tolist())) > 1  # completions of different lengths: the weights matter
-        batch = rwml.Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask,
-                           advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
-                           weights=rwml.token_weights(cmask, loss_type, 16))
+        batch = engine.Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask,
+                             advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
+                             weights=rwml.token_weights(cmask, loss_type, 16))
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
         cfg = rwml.GRPOConfig(micro_batch_size=micro, beta=0.0, max_grad_norm=1e9, loss_type=loss_type)

@@ -6,6 +6,7 @@ import pytest
 
 import envs
 import eval as ev
+import runs
 import rwml
 import train
 from envs import UserError
@@ -26,16 +27,16 @@ def purposeful():
 
 def test_heldout_games_are_disjoint_from_train_games():
     cfg = train.Settings()
-    train.check_heldout(cfg)  # the defaults: train games vs the test split
+    runs.check_heldout(cfg)  # the defaults: train games vs the test split
     held = {envs.game_id(g) for g in envs.list_games(cfg.heldout_split, cfg.heldout_games, 0)}
     for seed in range(3):
         games = {envs.game_id(g) for g in train.split_games(train.Settings(seed=seed))}
         assert not games & held and len(games) == cfg.num_games
     assert cfg.heldout_split == "valid_unseen"  # the default run reports on the test split
     with pytest.raises(UserError, match="shares 16 games with the train games"):
-        train.check_heldout(train.Settings(heldout_split="train", heldout_games=16))
+        runs.check_heldout(train.Settings(heldout_split="train", heldout_games=16))
     with pytest.raises(UserError, match="--heldout-split valid_seen shares"):
-        train.check_heldout(train.Settings(split="valid_seen", heldout_split="valid_seen"))
+        runs.check_heldout(train.Settings(split="valid_seen", heldout_split="valid_seen"))
 
 
 def test_template_rule_writes_the_games_sentences():
@@ -273,7 +274,6 @@ def test_the_heldout_explore_set_is_played_once_then_reused(tiny_model, tmp_path
     import dataclasses
 
     import engine
-    import plumbing
 
     monkeypatch.setattr(engine, "MODEL_CACHE", tmp_path / "cache")
     loads = []
@@ -283,12 +283,12 @@ def test_the_heldout_explore_set_is_played_once_then_reused(tiny_model, tmp_path
         return engine.load_model(tiny_model)
 
     cfg = train.Settings(model=tiny_model, heldout_games=1, max_turns=2, eval_max_triplets=0)
-    first = plumbing.heldout_triplets(cfg, tmp_path / "a", load, train.collect)
+    first = train.heldout_triplets(cfg, tmp_path / "a", load)
     assert len(loads) == 1 and "reused" not in capsys.readouterr().out
-    second = plumbing.heldout_triplets(cfg, tmp_path / "b", load, train.collect)
+    second = train.heldout_triplets(cfg, tmp_path / "b", load)
     assert len(loads) == 1 and "reused the held-out explore triplets" in capsys.readouterr().out
     assert first["explore"]["triplets"] == second["explore"]["triplets"]
     assert (tmp_path / "a" / "heldout" / "episodes.jsonl").read_bytes() == \
         (tmp_path / "b" / "heldout" / "episodes.jsonl").read_bytes()
-    plumbing.heldout_triplets(dataclasses.replace(cfg, max_turns=3), tmp_path / "c", load, train.collect)
+    train.heldout_triplets(dataclasses.replace(cfg, max_turns=3), tmp_path / "c", load)
     assert len(loads) == 2 and len(list((tmp_path / "cache" / "heldout").iterdir())) == 2

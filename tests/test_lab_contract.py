@@ -14,7 +14,7 @@ import pytest
 import agent_stats
 import rescore
 import stats
-from plumbing import run_cli
+from cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 GAMES = [f"g{i}" for i in range(6)]

@@ -1,16 +1,27 @@
 """The layout a reader relies on: the method in the five files of the card within their line budgets, support
-modules that say so in their first line, the lab beside them and never imported, imports that run one way,
-a config a user can read, and a README of at most 200 lines."""
+modules that say so in their first line, the lab beside them and never imported, imports that run one way
+over every module (a declared order of layers), every setting declared once with its help, and a README of
+at most 200 lines."""
 import ast
 import dataclasses
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-READER = dict(rwml=650, reward=180, envs=500, train=510, eval=350)  # the reader's path, in lines
-READER_TOTAL = 2200
-ORDER = ("envs", "reward", "rwml", "train", "eval")  # each may import only those before it
-SUPPORT = ("engine", "plumbing", "cost", "worlds", "choose", "bridges", "gamepool", "verl_reward")
+READER = dict(rwml=660, reward=180, envs=460, train=800, eval=340)  # the reader's path, in lines
+READER_TOTAL = 2400
+# lines: any module, plumbing.py, all Python but tests / lab (issue 48 aims at 5,000, not reached: 5,704 at
+# 80cec84, 6,1xx after it with verl_reward.py; this ceiling stops the growth until a feature leaves)
+MODULE_MAX, PLUMBING_MAX, TOTAL_MAX = 800, 700, 6200
+# Imports run down this list: a module imports only modules of the layers above its own, never one of its own
+# layer or of a later one. The bottom; the engine, the games' speed, the command line; the environment
+# interface (and ALFWorld), the reward, choose mode, plumbing; the other environments and the registry; the
+# method, the stages' bookkeeping, the bridges; the stages; evaluation.
+LAYERS = (("common", "cost"), ("engine", "gamepool", "cli"),
+          ("envs", "reward", "choose", "plumbing", "verl_reward"), ("worlds",), ("rwml", "runs", "bridges"),
+          ("train",), ("eval",))
+SUPPORT = ("common", "cost", "engine", "gamepool", "cli", "choose", "plumbing", "worlds", "runs", "bridges",
+           "verl_reward")
 LAB = ("reports", "bench", "lab")
 
 
@@ -31,6 +42,13 @@ def test_the_readers_files_stay_within_their_budgets():
     assert sum(sizes.values()) <= READER_TOTAL, f"the reader's path is {sum(sizes.values())} lines"
 
 
+def test_no_module_is_too_long_and_the_code_stays_small():
+    sizes = {p.stem: len(p.read_text().splitlines()) for p in ROOT.glob("*.py")}
+    assert not {k: n for k, n in sizes.items() if n > MODULE_MAX}, sizes
+    assert sizes["plumbing"] <= PLUMBING_MAX, sizes["plumbing"]
+    assert sum(sizes.values()) <= TOTAL_MAX, f"{sum(sizes.values())} lines of Python outside tests/ and lab/"
+
+
 def test_rwml_py_holds_the_method_in_the_papers_order():
     text = lines("rwml")
     headers = [re.match(r"# =+ (§\d)", x).group(1) for x in text if re.match(r"# =+ §\d", x)]
@@ -40,35 +58,31 @@ def test_rwml_py_holds_the_method_in_the_papers_order():
 
 def test_support_modules_say_so_in_their_first_line():
     for name in SUPPORT:
-        path = ROOT / f"{name}.py"
-        if path.exists():
-            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-            assert doc.startswith("Support"), f"{name}.py's docstring starts {doc[:40]!r}"
+        doc = ast.get_docstring(ast.parse((ROOT / f"{name}.py").read_text())) or ""
+        assert doc.startswith("Support"), f"{name}.py's docstring starts {doc[:40]!r}"
 
 
-def test_imports_run_one_way_and_nothing_imports_the_lab():
-    for i, name in enumerate(ORDER):
-        later = imports(ROOT / f"{name}.py") & set(ORDER[i + 1:])
-        assert not later, f"{name}.py imports {sorted(later)}, which come after it"
-    for path in ROOT.glob("*.py"):
-        found = imports(path)
-        assert not found & set(LAB), f"{path.name} imports the lab: {sorted(found & set(LAB))}"
-        if path.stem in SUPPORT:
-            top = found & {"train", "eval"}
-            assert not top, f"support {path.name} imports {sorted(top)}"
+def test_imports_run_one_way_over_every_module_and_nothing_imports_the_lab():
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+    modules = {p.stem for p in ROOT.glob("*.py")}
+    assert modules == set(layer), f"place every module in LAYERS: {sorted(modules ^ set(layer))}"
+    for name in modules:
+        found = imports(ROOT / f"{name}.py")
+        up = {m for m in found & modules if layer[m] >= layer[name]}
+        assert not up, f"{name}.py imports {sorted(up)}, of its own layer or a later one (LAYERS)"
+        assert not found & set(LAB), f"{name}.py imports the lab: {sorted(found & set(LAB))}"
 
 
-def test_the_config_a_user_sets_has_at_most_40_fields_each_with_help():
-    import plumbing
+def test_every_setting_is_declared_once_with_its_help():
     import train
 
-    names = [f.name for f in dataclasses.fields(train.Config)]
-    assert len(names) <= 40, f"train.Config has {len(names)} fields"
-    helps = {}
-    for cls in train.Config.__mro__:
-        if dataclasses.is_dataclass(cls):
-            helps.update({k: v for k, v in plumbing.field_comments(cls).items() if v})
-    assert not [n for n in names if n not in helps], "fields without help"
+    owners = {}
+    for group in {g for _, groups in train.STAGES.values() for g in groups}:
+        for f in dataclasses.fields(group):
+            owners.setdefault(f.name, []).append(group.__name__)
+            assert f.metadata.get("help", "").strip(), f"{group.__name__}.{f.name} has no help"
+    assert not {k: v for k, v in owners.items() if len(v) > 1}, "a setting declared in two groups"
+    assert set(owners) == {f.name for f in dataclasses.fields(train.Settings)}, "a setting no stage reads"
 
 
 def test_the_lab_holds_the_scripts_studies_and_notebook():

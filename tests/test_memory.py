@@ -59,9 +59,9 @@ def test_grpo_token_budget_makes_the_same_update(lora_model, shared):
         completions = [tok(c)["input_ids"]
                        for c in ("You arrive", "Nothing happens.", "You", "You open it", "ok", "x")]
         ids, attn, cmask = engine.pack([p for p in prompts for _ in range(2)], completions, tok.pad_token_id)
-        batch = rwml.Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask,
-                           advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
-                           weights=rwml.token_weights(cmask, "grpo", 16))
+        batch = engine.Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask,
+                             advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
+                             weights=rwml.token_weights(cmask, "grpo", 16))
         if shared:
             P = ids.shape[1] - cmask.shape[1]
             batch = dataclasses.replace(batch, prompt_ids=ids[::2, :P], prompt_mask=attn[::2, :P],

@@ -9,6 +9,7 @@ import envs
 import rwml
 import train
 import plumbing
+import worlds
 from envs import UserError
 from plumbing import read_jsonl
 from reward import coin_reward, mis_targets
@@ -19,7 +20,7 @@ def record_turns(tiny_model, num_games=2, episodes_per_game=2, max_turns=3):
     games = envs.list_games("train", num_games, seed=0)
     turns = []
     torch.manual_seed(0)
-    with envs.make("alfworld", num_workers=0, max_turns=max_turns) as env:
+    with worlds.make("alfworld", num_workers=0, max_turns=max_turns) as env:
         summaries = rwml.play(model, tok, env,
                               [dict(game=g) for g in games for _ in range(episodes_per_game)],
                               max_new_tokens=6, num_envs=3, on_turn=turns.append,
@@ -64,7 +65,7 @@ def test_policy_step_with_all_equal_groups_trains_nothing(tiny_model):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     cfg = rwml.GRPOConfig(num_generations=2, max_completion_length=6, beta=0.0)
-    with envs.make("alfworld", num_workers=0, max_turns=2) as env:
+    with worlds.make("alfworld", num_workers=0, max_turns=2) as env:
         res = rwml.policy_step(model, tok, opt, env, envs.list_games("train", 2, seed=0), cfg, num_envs=4)
     assert res["reward_mean"] == 0 and res["frac_reward_zero_std"] == 1
     assert res["num_turns"] == 8 and res["trained_turns"] == 0 and res["updates"][0]["loss"] == 0
@@ -145,7 +146,7 @@ def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
     model = train.start_adapter(cfg, model, adapter)
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable and all(".default." in n for n, p in model.named_parameters() if p.requires_grad)
-    roll = engine.sample_chat(model, tok, ["go to desk 1", "open drawer 2"], system=rwml.WM_SYSTEM,
+    roll = engine.sample_chat(model, tok, ["go to desk 1", "open drawer 2"], system=envs.Alfworld.wm_system,
                             prefix=rwml.WM_PREFIX, stop=rwml.WM_STOP, n=2, max_new_tokens=6)
     args = roll.input_ids, roll.attention_mask, roll.completion_mask
     with torch.no_grad():
@@ -157,9 +158,9 @@ def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
     assert torch.allclose(policy, ref)  # the reference is the starting adapter ...
     assert not torch.allclose(policy, bare, atol=1e-3)  # ... not the bare base model
     opt = torch.optim.AdamW(trainable, lr=5e-2)
-    batch = rwml.Batch(input_ids=args[0], attention_mask=args[1], completion_mask=args[2],
-                       advantages=torch.tensor([1.0, -1.0, 1.0, -1.0]),
-                       weights=rwml.token_weights(roll.completion_mask, "grpo", 6))
+    batch = engine.Batch(input_ids=args[0], attention_mask=args[1], completion_mask=args[2],
+                         advantages=torch.tensor([1.0, -1.0, 1.0, -1.0]),
+                         weights=rwml.token_weights(roll.completion_mask, "grpo", 6))
     first = rwml.grpo_update(model, opt, batch, cfg)
     assert first[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # starts at its reference
     second = rwml.grpo_update(model, opt, batch, cfg)

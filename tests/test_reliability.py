@@ -101,7 +101,7 @@ sys.path.insert(0, {root!r})
 import envs, gamepool, train
 
 def main():
-    with gamepool.EnvPool(2) as pool:
+    with gamepool.EnvPool(2, game_cls=envs.Game) as pool:
         pool.reset({{0: envs.list_games("valid_seen", 1)[0]}})
         print(*[p.pid for p in pool.procs], flush=True)
         time.sleep(600)
@@ -184,7 +184,7 @@ def time_limit(seconds: int):
                                        (signal.SIGSTOP, "no answer in 2 s")])
 def test_a_dead_or_hung_worker_is_named_in_one_line(sig, what):
     game = envs.list_games("valid_seen", 1)[0]
-    with gamepool.EnvPool(num_workers=2) as pool:
+    with gamepool.EnvPool(num_workers=2, game_cls=envs.Game) as pool:
         pool.reset({0: game, 1: game})  # loading a game takes seconds; a step, milliseconds
         pool.timeout = 2
         victim = pool.procs[1]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import cli
 import engine
 import envs
 import gamepool
@@ -257,7 +258,7 @@ def test_a_damaged_game_file_is_named(tmp_path):
     copy = tmp_path / game.parent.parent.name / game.parent.name
     shutil.copytree(game.parent, copy)
     damage(copy / "game.tw-pddl", "truncated")
-    with gamepool.EnvPool(num_workers=1) as pool, pytest.raises(envs.UserError) as e:
+    with gamepool.EnvPool(num_workers=1, game_cls=envs.Game) as pool, pytest.raises(envs.UserError) as e:
         pool.reset({0: str(copy / "game.tw-pddl")})
     assert one_line(e).startswith(f"game file {copy / 'game.tw-pddl'} does not load (")
     assert "it may be damaged" in str(e.value)
@@ -271,7 +272,7 @@ def test_a_utf8_bom_is_accepted(transitions, tmp_path):
     assert plumbing.read_transitions(str(path)) == plumbing.read_transitions(transitions)
     config = tmp_path / "cfg.json"
     config.write_bytes(b"\xef\xbb\xbf" + b'{"num_games": 3}')
-    cfg, _ = plumbing.parse_config(train.Settings, ["--config", str(config)], prog="train.py")
+    cfg, _ = cli.parse_config(train.Settings, ["--config", str(config)], prog="train.py")
     assert cfg.num_games == 3
 
 

@@ -7,13 +7,14 @@ import matplotlib.axes
 import pytest
 
 import plumbing
+import runs
 import reports
 
 TARGETS = ["You arrive at shelf 1. On the shelf 1, you see a mug 1.", "Nothing happens."]
 
 
 def wm_rows(steps: int, eval_steps: int = 0, on_start: bool = False) -> list[dict]:
-    """train_wm's rows: plumbing.wm_row per step (log_row renames it to TRL's names), the held-out
+    """train_wm's rows: runs.wm_row per step (log_row renames it to TRL's names), the held-out
     evaluation's eval_* on every eval_steps-th step and the last, and with --eval-on-start a step-0 row of
     those alone."""
     def evaluate(step):
@@ -27,7 +28,7 @@ def wm_rows(steps: int, eval_steps: int = 0, on_start: bool = False) -> list[dic
                "group_nothing": [1.0, 0.0], "group_nothing_advantage": [0.1, 0.0]}
         u = dict(loss=0.01, kl=0.001, clip_ratio=0.0, grad_norm=0.3, skipped=False)
         batch = [dict(next_obs=t) for t in TARGETS]
-        row = plumbing.wm_row(dict(step=step, epoch=0), res, u, batch, 1e-4, 2.5)
+        row = runs.wm_row(dict(step=step, epoch=0), res, u, batch, 1e-4, 2.5)
         if eval_steps and (step % eval_steps == 0 or step == steps):
             row.update(evaluate(step))
         rows.append(row)

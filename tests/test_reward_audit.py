@@ -177,20 +177,20 @@ def test_a_bad_tau_is_one_line_on_the_command_line(tmp_path):
 def test_tau_d_and_the_cap_default_to_the_audits_per_environment(tmp_path):
     """Unset, tau_d and the completion cap are the environment's (chosen on the audit's dev half); a value
     given on the command line or in code wins; eval.py wm takes the environment of the transitions."""
+    import cli
     import eval as evaluate
-    import plumbing
     import train
+    import worlds
 
-    cfg = train.Config()
+    cfg = train.Settings()
     assert (cfg.tau_d, cfg.max_completion_length) == (0.01, 64)
-    tw = train.Config(env="textworld")
+    tw = train.Settings(env="textworld")
     assert (tw.tau_d, tw.max_completion_length) == (0.02, 128)
-    assert train.Config(env="tau2").tau_d == 0.1
-    assert train.Config(env="textworld", tau_d=0.3, max_completion_length=32).tau_d == 0.3
-    _, parsed = plumbing.parse_stage(["wm", "--env", "textworld", "--tau-d", "0.05"], train.STAGES,
-                                     train.Settings)
+    assert train.Settings(env="tau2").tau_d == 0.1
+    assert train.Settings(env="textworld", tau_d=0.3, max_completion_length=32).tau_d == 0.3
+    _, parsed = cli.parse_stage(["wm", "--env", "textworld", "--tau-d", "0.05"], train.STAGES, train.Settings)
     assert (parsed.tau_d, parsed.max_completion_length) == (0.05, 128)
-    assert plumbing.parse_stage([], train.STAGES, train.Settings)[1].tau_d == 0.01
+    assert cli.parse_stage([], train.STAGES, train.Settings)[1].tau_d == 0.01
     # the committed audit's choices and lengths: tau_d as chosen, the cap = 95th percentile + 10 %, to 16s
     text = (ROOT / "lab" / "results" / "reward_audit" / "audit.txt").read_text()
     found = re.findall(r"(\w+): chosen tau_d ([\d.]+);", text)
@@ -198,7 +198,8 @@ def test_tau_d_and_the_cap_default_to_the_audits_per_environment(tmp_path):
     for env, tau in found:
         p95 = int(re.search(rf"{env}\s+\d+ observations: .*?95th pct (\d+)", text)[1])
         cap = 16 * math.ceil(p95 * 1.1 / 16)
-        assert train.ENV_DEFAULTS[env] == dict(tau_d=float(tau), max_completion_length=cap), env
+        env_class = worlds.env_class(env)  # the one declaration of each environment's defaults
+        assert (env_class.tau_d, env_class.max_completion_length) == (float(tau), cap), env
     trips = tmp_path / "tw" / "transitions.jsonl"
     trips.parent.mkdir()
     trips.write_text("")

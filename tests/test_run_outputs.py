@@ -9,7 +9,9 @@ import sys
 import pytest
 import torch
 
+import cli
 import engine
+import envs
 import plumbing
 import train
 from plumbing import read_jsonl
@@ -27,12 +29,12 @@ def parity_reward(completions, targets):
 def run(tiny_model, transitions, tmp_path_factory):
     """(the run folder, what it printed): one step, the reward a fixed function of the text."""
     out = tmp_path_factory.mktemp("wm")
-    cfg, _ = plumbing.parse_config(train.Settings, ARGV[1:] + ["--model", tiny_model, "--out", str(out)],
-                                   prog="t")
+    cfg, _ = cli.parse_config(train.Settings, ARGV[1:] + ["--model", tiny_model, "--out", str(out)],
+                              prog="t")
     printed = io.StringIO()
     argv, sys.argv = sys.argv, ["train.py", *ARGV, "--model", tiny_model, "--out", str(out)]
     try:
-        with contextlib.redirect_stdout(printed):
+        with contextlib.redirect_stdout(printed), train.card_run("wm", cfg, train.wm_texts):  # as run_stage
             train.train_wm(cfg, plumbing.read_transitions(transitions), out,
                            lambda: engine.load_model(tiny_model), parity_reward)
     finally:
@@ -174,11 +176,12 @@ def test_the_cards_query_snippet_runs_with_transformers_and_peft(stage, reasonin
     import rwml
 
     cfg = train.Settings(model=tiny_model, max_completion_length=6, wm_reasoning=reasoning)
-    saved = train.save_adapter(engine.add_lora(engine.load_model(tiny_model)[0], r=4, alpha=8), tmp_path,
-                               cfg=cfg, stage=stage)
+    with train.card_run(stage, cfg, train.wm_texts):  # a run's cards: the world-model prompt it trained on
+        saved = train.save_adapter(engine.add_lora(engine.load_model(tiny_model)[0], r=4, alpha=8), tmp_path,
+                                   cfg=cfg, stage=stage)
     card = (saved / "README.md").read_text()
     code = card.split("## Query this world model")[1].split("```python\n")[1].split("```")[0]
-    assert repr(rwml.WM_SYSTEM) in code and repr(rwml.WM_STOP) in code
+    assert repr(envs.Alfworld.wm_system) in code and repr(rwml.WM_STOP) in code
     assert repr(rwml.wm_prefix(reasoning and stage == "wm")) in code
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

@@ -4,18 +4,19 @@ from types import SimpleNamespace
 import pytest
 
 import engine
-import envs
 import worlds
 from envs import UserError
 import reports
 import plumbing
 
 
-def play_tau2(model, tok, domain: str, tasks: list, max_turns: int, **kw) -> list[dict]:
+def play_tau2(model, tok, domain: str, tasks: list, max_turns: int, user_max_new_tokens: int = 96,
+              **kw) -> list[dict]:
     """The agent loop (`rwml.play`) on tau2 tasks of a domain, one episode each."""
     import rwml
 
-    with envs.make("tau2", domain=domain, max_turns=max_turns) as env:
+    with worlds.make("tau2", domain=domain, max_turns=max_turns,
+                     user_max_new_tokens=user_max_new_tokens) as env:
         return rwml.play(model, tok, env, [dict(game=t, rollout=0) for t in tasks], **kw)
 
 

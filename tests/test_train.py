@@ -11,6 +11,7 @@ import envs
 import plumbing
 import rwml
 import train
+import worlds
 from envs import UserError
 from plumbing import read_jsonl
 
@@ -268,7 +269,7 @@ def test_every_tensor_reaching_the_loss_is_on_the_models_device(tiny_model, tran
     torch.manual_seed(0)
     roll = rwml.sample_predictions(model, tok, trips, reasoning=False, n=2, max_new_tokens=6)
     turns = []
-    with envs.make("alfworld", num_workers=0, max_turns=2) as env:
+    with worlds.make("alfworld", num_workers=0, max_turns=2) as env:
         summaries = rwml.rollouts(model, tok, env, envs.list_games("train", 1, seed=0), 2, max_new_tokens=4,
                                   on_turn=turns.append)
     summaries[0]["won"] = True  # a mixed group, so that stage 2 has turns to train on

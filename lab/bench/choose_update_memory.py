@@ -20,7 +20,6 @@ import torch  # noqa: E402
 
 import choose  # noqa: E402
 import engine  # noqa: E402
-import envs  # noqa: E402
 import rwml  # noqa: E402
 import worlds  # noqa: E402
 
@@ -31,7 +30,7 @@ def main() -> None:
     model, tok = engine.load_model(engine.BUNDLED_MODEL)
     model = engine.add_lora(model, r=16, alpha=32)
     game, rng, turns, summaries = worlds.textworld_games("train", 1, seed=0)[0], random.Random(0), [], []
-    with envs.make("textworld", num_workers=0, max_turns=8) as env:
+    with worlds.make("textworld", num_workers=0, max_turns=8) as env:
         for ep in range(4):
             obs, past = env.reset({0: dict(game=game)})[0]["obs"], []
             for step in range(8):
@@ -49,7 +48,7 @@ def main() -> None:
     cfg = rwml.GRPOConfig(num_generations=4, beta=0.0, micro_batch_tokens=budget)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     t = time.time()
-    res = rwml.policy_update(model, tok, opt, turns, summaries, cfg)
+    res = rwml.policy_update(model, tok, opt, turns, summaries, cfg, choose.CHOOSE)
     print(json.dumps(dict(micro_batch_tokens=budget, micro_batch_size=cfg.micro_batch_size,
                           trained_turns=res["trained_turns"], seconds=round(time.time() - t, 1),
                           peak_rss_gb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2))))

@@ -19,14 +19,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: the project's modules
 
 import engine  # noqa: E402
-import envs  # noqa: E402
 import rwml  # noqa: E402
+import train  # noqa: E402
+import worlds  # noqa: E402
 
 
 def play_once(model, tok, env, games: list, mode: str, max_new_tokens: int) -> dict:
     t = time.perf_counter()
     eps = rwml.play(model, tok, env, [dict(game=g) for g in games], history_len=1, temperature=1.0,
-                    max_new_tokens=max_new_tokens, num_envs=len(games), action_mode=mode, desc=mode)
+                    max_new_tokens=max_new_tokens, num_envs=len(games), actor=train.ACTORS[mode], desc=mode)
     steps = sum(e["steps"] for e in eps) or 1
     return dict(seconds_per_step=(time.perf_counter() - t) / steps, steps=steps,
                 invalid=sum(e["invalid"] for e in eps) / steps,
@@ -44,10 +45,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None, help="also write the numbers as JSON here")
     a = p.parse_args()
-    games = envs.games(a.env, "test" if a.env == "textworld" else "valid_seen", a.num_games, 0)
+    games = worlds.games(a.env, "test" if a.env == "textworld" else "valid_seen", a.num_games, 0)
     model, tok = engine.load_model(a.model, a.adapter)
     runs = {"choose": [], "generate": []}
-    with envs.make(a.env, num_workers=0, max_turns=a.max_turns) as env:
+    with worlds.make(a.env, num_workers=0, max_turns=a.max_turns) as env:
         for r in range(a.repeats + 1):
             for mode in (("choose", "generate") if r % 2 == 0 else ("generate", "choose")):
                 res = play_once(model, tok, env, games, mode, a.max_new_tokens)

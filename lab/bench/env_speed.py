@@ -48,7 +48,7 @@ def bench_engine(games: list[str], cache: bool, length: int, repeats: int) -> tu
 
 def bench_pool(games: list[str], workers: int, length: int, repeats: int) -> float:
     """Steps/s of a worker pool stepping all games in lock step, as the agent loop does."""
-    with gamepool.EnvPool(num_workers=workers, max_turns=10 * length) as pool:
+    with gamepool.EnvPool(num_workers=workers, max_turns=10 * length, game_cls=envs.Game) as pool:
         starts = pool.reset(dict(enumerate(games)))
         plans = {s: script(games[s], starts[s], length) for s in starts}
         steps, elapsed = 0, 0.0

@@ -69,7 +69,7 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
     fast = engine.fast_paths(model)  # bf16 / 4-bit may round the fast paths away from the model's own logits
     check("fast paths (chunked projection, shared prompt cache)", fast.head and fast.shared_prompt, str(fast))
 
-    texts = [engine.chat(tok, rwml.wm_prompt(t, False), rwml.WM_SYSTEM, rwml.wm_prefix(False))
+    texts = [engine.chat(tok, rwml.wm_prompt(t, False), envs.Alfworld.wm_system, rwml.wm_prefix(False))
              for t in TRIPLETS]
     shared = engine.sample(model, tok, texts, n=3, max_new_tokens=12, temperature=0.0).input_ids
     batch = tok([t for t in texts for _ in range(3)], return_tensors="pt", padding=True,

@@ -71,7 +71,7 @@ def run_ours(cfg: BenchConfig) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                             weight_decay=0.0)
     tcfg = rwml.GRPOConfig(num_generations=cfg.num_generations, beta=cfg.beta,
-                           learning_rate=cfg.learning_rate, max_completion_length=cfg.max_completion_length,
+                           max_completion_length=cfg.max_completion_length,
                            micro_batch_size=cfg.micro_batch_size, loss_type="grpo", scale_rewards="group",
                            temperature=1.0)
     completions = tokens = 0
@@ -171,7 +171,7 @@ def table(runs: list[dict], cfg: BenchConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from plumbing import parse_config
+    from cli import parse_config
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--run"]:  # a child process: one arm, one JSON line on stdout
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import trl  # noqa: F401 (is it installed?)
     except ImportError:
-        from envs import UserError
+        from common import UserError
 
         raise UserError("TRL is not installed: pip install --no-deps -r lab/bench/requirements.txt") from None
     runs = []
@@ -211,6 +211,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from plumbing import run_cli
+    from cli import run_cli
 
     run_cli(main)

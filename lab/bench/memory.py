@@ -86,9 +86,9 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
     else:
         ids = torch.randint(100, len(tok) - 100, (a.sequences, a.length))
         cmask = torch.ones(a.sequences, a.completion, dtype=torch.long)
-        batch = rwml.Batch(input_ids=ids, attention_mask=torch.ones_like(ids), completion_mask=cmask,
-                           advantages=torch.linspace(-1, 2, a.sequences),  # not symmetric: the loss is not 0
-                           weights=rwml.token_weights(cmask, "grpo", a.completion))
+        batch = engine.Batch(input_ids=ids, attention_mask=torch.ones_like(ids), completion_mask=cmask,
+                             advantages=torch.linspace(-1, 2, a.sequences),  # not symmetric: loss is not 0
+                             weights=rwml.token_weights(cmask, "grpo", a.completion))
         tokens = ids.numel()
         cfg = rwml.GRPOConfig(micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens,
                               beta=0.0)

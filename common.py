@@ -1,0 +1,109 @@
+"""Support (skip on a first read): what every layer needs and nothing above it provides: the one-line error
+(`UserError`), its did-you-mean, a setting's declaration (`arg`), and files written whole.
+
+Imports no module of this project: everything else may import it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import json
+import os
+import zipfile
+from pathlib import Path
+
+RERUN = "rerun the same command to continue (with --resume for train.py wm and policy)"
+
+
+class UserError(Exception):
+    """Bad input or a failure the user can fix; the command-line tools print it as one line
+    ("error: ...") and exit with status 1 (plumbing.run_cli)."""
+
+
+def closest(value: str, options) -> str | None:
+    """The option a typo most likely meant, or None: the hint of every "unknown ..." error."""
+    close = difflib.get_close_matches(str(value), list(options), n=1)
+    return close[0] if close else None
+
+
+def did_you_mean(value: str, options) -> str:
+    return f" (did you mean {c!r}?)" if (c := closest(value, options)) else ""
+
+
+def clip(text: str, n: int = 80) -> str:
+    """A user's string echoed in a one-line error: at most `n` characters of it."""
+    return text if len(text) <= n else f"{text[:n]}... ({len(text):,} characters)"
+
+
+def utf8_clean(text: str) -> str:
+    """Text that encodes as UTF-8: a lone surrogate ("\\ud800") becomes "?" (tokenizers raise on them)."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+# ----------------------------------------------------------------------------- a setting, declared once
+
+def arg(default, help: str, *, choices: tuple | None = None, min: float | None = None, check=None,
+        why: str | None = None, resume_free: bool = False):
+    """A setting: a dataclass field that is also a flag (`num_games` -> `--num-games`) and a `--config` key.
+    Its help, choices and bounds live here, on the field, and nowhere else: `cli.parse_config` shows them,
+    `cli.check_fields` enforces them (`check(value)` false: "--name value: `why`"; None, a
+    setting left out, always passes). `resume_free`: changes no trained weight, so --resume takes another
+    value (evaluations, speed, the step budget)."""
+    meta = dict(help=help, choices=choices, min=min, check=check, why=why, resume_free=resume_free)
+    meta = {k: v for k, v in meta.items() if v is not None and v is not False}  # min=0 stays
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def again(cls, name: str, default=dataclasses.MISSING, help: str | None = None):
+    """`cls`'s setting `name` in another config, with another default or help (eval.py's protocol: 30 turns,
+    not train.py's 10): its declaration, bounds and choices stay `cls`'s."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    meta = dict(f.metadata, **({"help": help} if help else {}))
+    return dataclasses.field(default=f.default if default is dataclasses.MISSING else default, metadata=meta)
+
+
+# ----------------------------------------------------------------------------- files that survive interrupts
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write to a temporary file, then rename: readers see the old or the new file, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Records of a JSON-lines file; a last line cut short by an interrupt is dropped."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8-sig", errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def write_jsonl(path: Path, rows, default=None) -> None:
+    """`rows` as JSON lines, written atomically (`write_atomic`)."""
+    write_atomic(path, "".join(json.dumps(r, default=default) + "\n" for r in rows))
+
+
+def file_problem(path: Path) -> str | None:
+    """Why a safetensors (header, size), JSON or torch.save file (zip checksums) would not load, or None."""
+    if not path.is_file():
+        return "is missing"
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt"):
+                pass
+        elif path.suffix == ".json":
+            json.loads(path.read_text(encoding="utf-8"))
+        else:
+            with zipfile.ZipFile(path) as z:
+                if bad := z.testzip():
+                    raise ValueError(f"record {bad} fails its checksum")
+    except Exception as e:  # noqa: BLE001 -- whatever the reader raises, the file is the problem
+        return f"is damaged ({(str(e).splitlines() or [type(e).__name__])[0]})"
+    return None

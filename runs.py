@@ -1,0 +1,299 @@
+"""Support (skip on a first read): a run's bookkeeping under train.py's stages, none of it the method: the
+settings a stage needs together, checked before anything slow (`check_stage`); the games it plays; a
+collection that continues where it stopped (collect.json, finished episodes); the filter's cache and the
+held-out explore set's cache, reused by runs of the same settings.
+
+Imports the bottom, the engine, plumbing and the environments, never the method (rwml, reward) or train.py.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+import engine
+import envs
+import worlds
+from common import UserError, file_problem, read_jsonl, write_atomic, write_jsonl
+from plumbing import jsonl_writer, read_transitions, run_header, sample_triplets
+
+# ------------------------------------------------------------------------- the stages' settings, together
+
+def check_stage(cfg, stage: str) -> None:
+    """What a stage needs of its settings together, before anything slow runs (`plumbing.check_run`, which
+    also checks each setting against its declaration)."""
+    def bad(name, why):
+        raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: {why}")
+
+    check_play(cfg)
+    if cfg.trainer == "trl":  # the wm stage (and its filter), TRL installed, no field TRL would ignore
+        if stage not in ("wm", "filter"):
+            raise UserError(f"--trainer trl trains the wm stage only; `train.py {stage}` has our trainer "
+                            "alone")
+        for f in dataclasses.fields(cfg):
+            if f.name in NO_TRL and getattr(cfg, f.name) != f.default:
+                raise UserError(f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)!r} has no counterpart "
+                                "in TRL's GRPOTrainer; leave it out with --trainer trl")
+        if cfg.eval_steps:
+            bad("eval_steps", "the held-out learning curve is our trainer's; --trainer trl would log no "
+                "held-out rows: leave --eval-steps out, or drop --trainer trl")
+        if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
+            raise UserError("--trainer trl needs TRL: pip install --no-deps -r lab/bench/requirements.txt")
+        if cfg.use_vllm and importlib.util.find_spec("vllm") is None:
+            bad("use_vllm", "needs vLLM, which is not installed: pip install vllm, or leave --use-vllm out")
+    elif cfg.use_vllm:
+        bad("use_vllm", "generation in vLLM is TRL's; add --trainer trl")
+    if stage == "wm" and cfg.eval_transitions and not cfg.eval_steps:
+        bad("eval_transitions", "is read only by the learning curve, which is off: add --eval-steps N (a "
+            "held-out evaluation every N steps), or leave --eval-transitions out")
+    if stage == "all" and cfg.num_games is not None:  # collection gives at most this many triplets
+        n = cfg.num_games * cfg.rollouts_per_game * cfg.max_turns
+        if n - max(1, round(cfg.filter_split * n)) < cfg.prompts_per_step:
+            bad("filter_split", f"leaves fewer than --prompts-per-step {cfg.prompts_per_step} of the at most "
+                f"{n} collected triplets for GRPO; lower it or collect more (--num-games, --max-turns)")
+    if stage == "export" and importlib.util.find_spec("pyarrow") is None:
+        raise UserError("train.py export --format verl writes parquet, which needs pyarrow: "
+                        "pip install pyarrow")
+    for name in ("train.parquet", "test.parquet", "train.parquet.tmp", "test.parquet.tmp"):
+        if stage == "export" and (path := Path(cfg.out) / name).is_dir():
+            raise UserError(f"export writes the file {path}, which is a folder; remove it or use another "
+                            "--out")
+    dict(policy=check_init, all=check_heldout).get(stage, lambda cfg: None)(cfg)
+
+NO_TRL = ("shared_prompt_forward", "logits_chunk_size", "micro_batch_tokens")  # our speed-ups TRL lacks
+
+
+def check_play(cfg) -> None:
+    """Choose mode picks among a turn's admissible commands, which not every environment lists (tau2)."""
+    if cfg.action_mode == "choose" and not worlds.env_class(cfg.env).can_choose:
+        raise UserError(f"--action-mode choose picks among a turn's admissible commands, and {cfg.env} has "
+                        f"no such list; use --action-mode generate with --env {cfg.env}")
+
+def check_init(cfg) -> None:
+    if cfg.init == "base" and cfg.adapter:
+        raise UserError(f"--init base starts from the bare model, but --adapter {cfg.adapter} was given; "
+                        "say which kind it is, e.g. --init rwml")
+    if cfg.init != "base" and not cfg.adapter:
+        raise UserError(f"--init {cfg.init} needs --adapter DIR: the adapter/ folder of that run, "
+                        f"e.g. runs/{cfg.init}/adapter")
+
+def check_heldout(cfg) -> None:
+    """`all` scores games never trained on: no held-out game among the train games (before any model)."""
+    if cfg.env != "alfworld":
+        raise UserError("the `all` stage runs on ALFWorld; for tau2 use the collect / wm / policy stages")
+    train = {envs.game_id(g) for g in split_games(cfg)}
+    held = {envs.game_id(g) for g in envs.list_games(cfg.heldout_split, cfg.heldout_games, 0)}
+    if cfg.heldout_split == cfg.split or train & held:
+        raise UserError(f"--heldout-split {cfg.heldout_split} shares {len(train & held)} games with the "
+                        f"train games (--split {cfg.split}); use valid_unseen (the test split) or "
+                        "valid_seen (the dev split)")
+
+
+# ------------------------------------------------- the games, a stage's triplets, a collection that continues
+
+def split_games(cfg) -> list:
+    """The games a stage plays: `num_games` ALFWorld game files of `split`, or `num_tasks` tau2 tasks."""
+    return worlds.games(cfg.env, cfg.split, cfg.num_tasks if cfg.env == "tau2" else cfg.num_games, cfg.seed,
+                        cfg.domain, (cfg.world_size, cfg.nb_objects, cfg.quest_length))
+
+
+def stage_inputs(cfg, stage: str, problem) -> tuple[list[dict] | None, list[dict] | None]:
+    """The triplets a stage trains on and, for `wm --eval-steps`, its held-out ones, read before it starts,
+    each checked (`problem(triplet)`: train.triplet_problem)."""
+    trips = (read_transitions(cfg.transitions, problem)
+             if stage in ("wm-sft", "filter", "wm", "export") else None)
+    if stage != "wm" or cfg.trainer != "ours" or not cfg.eval_steps:
+        return trips, None
+    if not cfg.eval_transitions:
+        raise UserError("wm --eval-steps scores held-out triplets along the way: give them with "
+                        "--eval-transitions (a transitions.jsonl of held-out games, e.g. train.py collect "
+                        "--split valid_seen)")
+    return trips, sample_triplets(read_transitions(cfg.eval_transitions, problem),
+                                  cfg.eval_max_triplets)
+
+
+def collect_job(cfg) -> dict:
+    """A collection's settings, as its collect.json holds them."""
+    job = {k: getattr(cfg, k) for k in ("model", "adapter", "seed", "split", "num_games", "rollouts_per_game",
+                                        "max_turns", "history_len", "temperature", "top_p", "max_new_tokens",
+                                        "explore_prob")}
+    if cfg.action_mode != "generate":  # written only when set: collections made before the field stay valid
+        job["action_mode"] = cfg.action_mode
+    if cfg.env == "textworld":
+        job.update({k: getattr(cfg, k) for k in ("env", "world_size", "nb_objects", "quest_length")})
+    elif cfg.env != "alfworld":  # tau2: the model's own actions only
+        del job["num_games"], job["explore_prob"]
+        job.update(env=cfg.env, domain=cfg.domain, num_tasks=cfg.num_tasks, user_model=cfg.user_model)
+    return job
+
+
+def collection_todo(cfg, out: Path, games: list) -> tuple[list[dict], int]:
+    """A collection's settings (collect.json) and finished episodes kept: (episodes to play, number done)."""
+    job = collect_job(cfg)
+    meta = out / "collect.json"
+    if (old := collect_meta(meta)) is not None and old != job:
+        diff = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in job.items() if old.get(k) != v)
+        raise UserError(f"{out} holds a collection made with other settings ({diff}); use another --out")
+    write_atomic(meta, json.dumps(job, indent=2))
+    transitions, episodes_file = out / "transitions.jsonl", out / "episodes.jsonl"
+    done_eps, turns = read_jsonl(episodes_file), read_jsonl(transitions)
+    finished = {(e["game"], e["rollout"]) for e in done_eps}
+    kept = [t for t in turns if (t["game"], t["rollout"]) in finished]
+    if len(kept) < len(turns):  # the per-episode rule (README, "No run loses work")
+        cut = {(t["game"], t["rollout"]) for t in turns} - finished
+        print(f"collect: dropped {len(turns) - len(kept)} turns of {len(cut)} unfinished episodes: an "
+              "episode is kept once it ends; one that did not is played again from its start")
+    write_jsonl(transitions, kept)  # without a line cut short by an interrupt or an unfinished episode
+    write_jsonl(episodes_file, done_eps)
+    todo = [dict(game=g, rollout=r) for g in games for r in range(cfg.rollouts_per_game)
+            if (envs.game_name(g), r) not in finished]
+    print(f"collect: {len(games)} {cfg.split} games x {cfg.rollouts_per_game} rollouts; {len(finished)} "
+          f"episodes already done, {len(todo)} to play -> {transitions}")
+    return todo, len(finished)
+
+
+def collect_meta(meta: Path) -> dict | None:
+    """A collection's collect.json (its settings), None if there is none; a damaged one is one line."""
+    try:
+        old = json.loads(meta.read_text(encoding="utf-8")) if meta.exists() else None
+    except ValueError as e:  # cut by a full disk or an editor, or not text
+        old = e
+    if old is None or isinstance(old, dict):
+        return old
+    raise UserError(f"{meta} is damaged ({str(old)[:60]}); delete it to go on collecting in {meta.parent} "
+                    "with these settings, or use another --out")
+
+
+def kind_mix(triplets: list[dict]) -> str:
+    """"arrive 51%, take 16%, ...": the share of each observation kind among the triplets' targets."""
+    counts = collections.Counter(envs.observation_kind(t["next_obs"]) for t in triplets)
+    return ", ".join(f"{k} {v / max(len(triplets), 1):.0%}" for k, v in counts.most_common())
+
+
+# ------------------------------------------------------------- the caches: the filter's, the held-out set's
+
+FILTER_JOB = ("model", "easy_filter", "filter_split", "filter_samples", "easy_share", "easy_keep_prob",
+              "warmup", "sft_epochs", "sft_learning_rate", "embedder", "tau_d", "reward_metric",
+              "reward_binary", "max_completion_length", "lora_r", "lora_alpha", "lora_target_modules")
+
+
+def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | None]:
+    """The filter's settings (its cache key) and, if `out` holds a whole output of them, (kept, warm-up)."""
+    kept_file, meta_file, warm = out / "kept.jsonl", out / "filter.json", out / "warmup_adapter"
+    seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
+    job = {k: getattr(cfg, k) for k in FILTER_JOB} | {"seed": seed, "num_triplets": len(triplets)}
+    stored = json.loads(meta_file.read_text())["job"] if meta_file.exists() else None
+    if kept_file.exists() and stored in (job, job | {"warmup": True}) and (  # kept is the same without it
+            not cfg.warmup or (warm / "adapter_config.json").is_file()
+            and file_problem(warm / "adapter_model.safetensors") is None):  # else made again
+        kept = read_jsonl(kept_file)
+        print(f"filter: reusing {kept_file} ({len(kept)} triplets)" + (f" and {warm}" if cfg.warmup else ""))
+        return job, (kept, warm if cfg.warmup else None)
+    return job, None
+
+
+def save_filter(out: Path, job: dict, info: dict, kept: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "kept.jsonl", kept)
+    write_atomic(out / "filter.json", json.dumps(dict(job=job, **info), indent=2))
+    print("filter: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                 for k, v in info.items() if k not in ("sft_losses", "easiness_counts")))
+
+
+HELDOUT_FILES = ("collect.json", "transitions.jsonl", "episodes.jsonl")
+
+
+def heldout_key(cfg) -> str:
+    """Everything that determines the held-out explore set: the collection's settings, the games, the
+    engine (workers, batch), the library versions and the code that plays (rwml, envs, engine, worlds)."""
+    import transformers
+
+    model = Path(cfg.model)
+    weights = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in model.iterdir()
+                     if f.is_file()) if model.is_dir() else None
+    code = [hashlib.sha256((Path(__file__).parent / f"{m}.py").read_bytes()).hexdigest()
+            for m in ("rwml", "envs", "engine", "worlds")]
+    games = [envs.game_id(g) for g in split_games(cfg)]
+    key = dict(job=collect_job(cfg), env=cfg.env, num_envs=cfg.num_envs, games=games, weights=weights,
+               torch=torch.__version__, transformers=transformers.__version__,
+               threads=torch.get_num_threads(),
+               code=code)
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cached_heldout(cfg, out: Path, load, collect) -> Path:
+    """The held-out explore collection, played once per `heldout_key` and copied from $RWML_CACHE/heldout
+    after that (settings and seed are the same for every run: replaying costs minutes, changes nothing)."""
+    cache = engine.MODEL_CACHE / "heldout" / heldout_key(cfg)
+    fresh = not (out / "transitions.jsonl").exists()  # a resumed collection draws other samples: not cached
+    if fresh and all((cache / f).is_file() for f in HELDOUT_FILES):
+        out.mkdir(parents=True, exist_ok=True)
+        for f in HELDOUT_FILES:
+            shutil.copyfile(cache / f, out / f)
+        print(f"collect: reused the held-out explore triplets from {cache} (the same settings, games, model "
+              "and code played them before; delete the folder to play them again)")
+    path = collect(cfg, out, load)
+    if fresh and not cache.exists():
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        with contextlib.suppress(OSError):  # a read-only cache only costs the next run the collection
+            tmp.mkdir(parents=True, exist_ok=True)
+            for f in HELDOUT_FILES:
+                shutil.copyfile(out / f, tmp / f)
+            os.replace(tmp, cache)  # whole or not at all
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+# ----------------------------------------------------------------------------- what a stage logs and prints
+
+def wm_row(state: dict, res: dict, u: dict, batch: list[dict], learning_rate: float, seconds: float) -> dict:
+    """A stage-1 GRPO step's row of metrics.jsonl (`log_row` renames it), with its targets' kinds."""
+    return dict(step=state["step"], epoch=state["epoch"], **{
+        k: res[k] for k in ("reward_mean", "reward_std", "frac_reward_zero_std", "format_rate",
+                            "completion_tokens", "completions/min_length", "completions/max_length",
+                            "completions/clipped_ratio", "nothing_share")},
+        **u, learning_rate=learning_rate, seconds=round(seconds, 2),
+        target_kinds=[envs.observation_kind(t["next_obs"]) for t in batch],
+        group_rewards=res["group_rewards"], group_nothing=res["group_nothing"],
+        group_nothing_advantage=[round(a, 4) for a in res["group_nothing_advantage"]])
+
+
+def telling(load, cfg):
+    """`load` that prints stage 2's run header once the model is there."""
+    def load_and_tell():
+        model, tok = load()
+        games = f"{cfg.num_tasks} tasks" if cfg.env == "tau2" else f"{cfg.num_games} games"
+        print(run_header(model, cfg, f"policy: multi-turn GRPO on task success, {games} of {cfg.env} "
+                         f"{cfg.split}, from {cfg.init}", f"{cfg.games_per_step} games", cfg.adapter))
+        return model, tok
+    return load_and_tell
+
+
+# ----------------------------------------------------- eval.py agent's episode log: an evaluation resumes
+
+def finished_episodes(path: Path, job: dict) -> dict[tuple, dict]:
+    """An interrupted evaluation's finished episodes by (split, seed, game), if its log's job is `job`."""
+    rows = read_jsonl(path)
+    done = rows[1:] if rows and rows[0] == dict(job=job) else []
+    if len(rows) > 1 and not done:
+        print(f"eval: {path} holds episodes played with other settings; playing all anew")
+    if done:
+        print(f"eval: {len(done)} episodes already played (from {path}); playing the rest")
+    return {(e.get("split"), e["seed"], e["game"]): e for e in done}
+
+
+@contextlib.contextmanager
+def episode_log(path: Path, job: dict, done: dict):
+    """on_episode for `play`, to the log rewritten first with `job` and the `done` episodes (no cut lines)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(path, [dict(job=job), *done.values()], default=str)
+    with open(path, "a") as f:
+        yield jsonl_writer(f)
