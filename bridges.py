@@ -203,6 +203,7 @@ def export_verl(cfg, trips: list[dict], out: Path, load, reward_fn, filter_tripl
                      reward_model=dict(style="rule", ground_truth=t["next_obs"]),
                      extra_info=dict(split=split, index=i, game=str(t.get("game")), step=t.get("step"),
                                      assistant_prefix=prefix, embedder=cfg.embedder, tau_d=cfg.tau_d,
+                                     rouge_gate=cfg.rouge_gate,
                                      reward_metric=cfg.reward_metric, reward_binary=cfg.reward_binary))
                 for i, t in enumerate(triplets)]
         rows, n = _utf8(rows)

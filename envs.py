@@ -368,10 +368,12 @@ class Alfworld:
     wm_ask = ("What does the game answer to this action?", "the game's answer",
               "<think>Going somewhere lists what is there.</think><next_state>You arrive at shelf 1. On the "
               "shelf 1, you see a vase 2.</next_state>")
-    # Where the flag is unset (departures table): tau_d = the largest that, on the reward audit's dev half,
-    # rewards >= 90 % of fact-keeping rewrites of real observations and refuses >= 90 % of one-fact edits
-    # (0.1 refused half: lab/results/reward_audit); the cap = the observations' 95th-percentile length + 10 %.
-    tau_d, max_completion_length = 0.01, 64
+    # The reward where its flags are unset (departures table), chosen by the reward audit on valid_seen games
+    # (lab/results/reward_audit): the form and tau_d by its rule (the largest tau_d rewarding >= 90 % of
+    # fact-keeping rewrites of real observations and refusing >= 90 % of one-fact edits; of the forms, the one
+    # refusing more: here the authors' ROUGE-1 gate, by one pair of 1,516); the cap = the dev observations'
+    # 95th-percentile length + 10 %, to 16s.
+    tau_d, rouge_gate, max_completion_length = 0.01, 0.9, 80
 
     def __init__(self, *, num_workers: int = 2, max_turns: int = 30, **_):
         self.pool = gamepool.EnvPool(num_workers, max_turns, game_cls=self.game_cls)

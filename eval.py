@@ -147,7 +147,7 @@ def with_env_defaults(cfg: WMEvalConfig) -> WMEvalConfig:
         raise UserError(f"{Path(cfg.transitions).with_name('collect.json')} names env {env!r}, not one of "
                         f"{', '.join(worlds.ENVIRONMENTS)}; fix it, or set --tau-d and "
                         "--max-completion-length")
-    return replace(cfg, **{k: getattr(worlds.ENVIRONMENTS[env], k) for k in ("tau_d",
+    return replace(cfg, **{k: getattr(worlds.ENVIRONMENTS[env], k) for k in ("tau_d", "rouge_gate",
                            "max_completion_length") if getattr(cfg, k) is None})
 
 

@@ -2,6 +2,7 @@
 
     d(pred, real) = 1 - cos(E(pred), E(real))        E = a sentence-embedding model
     r_WM = 1 if d < tau_d else 0                     binary on purpose: harder to hack
+    (with rouge_gate > 0, also ROUGE-1 F(pred, real) >= rouge_gate: the gate of the authors' released code)
 
 Only the text inside `<next_state>...</next_state>` is embedded; a missing or empty prediction earns 0.
 Options for the ablations: the continuous cosine, and ROUGE-L instead of embeddings.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections import Counter
 
 import torch
 
@@ -24,10 +26,7 @@ _OPEN, _CLOSE = re.compile("<next_state>", re.I), re.compile("</next_state>", re
 
 
 def _last(pattern: re.Pattern, text: str, end: int):
-    match = None
-    for match in pattern.finditer(text, 0, end):
-        pass
-    return match
+    return max(pattern.finditer(text, 0, end), key=lambda m: m.start(), default=None)
 
 
 def parse_next_state(completion) -> str | None:
@@ -61,6 +60,13 @@ def rouge_l(pred: str, target: str) -> float:
     return 0.0 if lcs == 0 else 2 * lcs / (len(a) + len(b))
 
 
+def rouge1(pred: str, target: str) -> float:
+    """ROUGE-1 F: the clipped overlap of lower-cased alphanumeric words (rouge_score's tokens, no stemming),
+    the second signal of the gate in the authors' released code (`rouge_gate`)."""
+    a, b = (Counter(re.findall(r"[a-z0-9]+", x.lower())) for x in (pred, target))
+    return 2 * sum((a & b).values()) / max(sum(a.values()) + sum(b.values()), 1)
+
+
 def load_embedder(name: str = BUNDLED_EMBEDDER, device: str | None = None):
     from sentence_transformers import SentenceTransformer
 
@@ -82,15 +88,16 @@ def load_embedder(name: str = BUNDLED_EMBEDDER, device: str | None = None):
 class SimToRealReward:
     """r_WM for batches of completions. Target embeddings are computed once and cached; predictions are
     embedded in batches. `metric`: "embedding" (default) or "rouge"; `binary=False` gives the similarity
-    itself (clipped at 0)."""
+    itself (clipped at 0); `rouge_gate` > 0: a binary reward also needs ROUGE-1 F >= rouge_gate."""
 
     def __init__(self, embedder: str = BUNDLED_EMBEDDER, tau_d: float = 0.1, metric: str = "embedding",
-                 binary: bool = True, batch_size: int = 64):
+                 binary: bool = True, rouge_gate: float = 0.0, batch_size: int = 64):
         if metric not in ("embedding", "rouge"):
             raise UserError(f"unknown reward metric {metric!r}; choose embedding or rouge")
         if not 0 < tau_d <= 2:
             raise UserError(f"tau_d must be in (0, 2], got {tau_d}")
         self.tau_d, self.metric, self.binary, self.batch_size = tau_d, metric, binary, batch_size
+        self.rouge_gate = rouge_gate or 0.0
         self.model = load_embedder(embedder) if metric == "embedding" else None
         self._targets: dict[str, torch.Tensor] = {}
         self.__name__ = "sim_to_real_reward"  # TRL logs reward functions by name
@@ -131,7 +138,8 @@ class SimToRealReward:
         sims = self.similarity(preds, targets)
         if not self.binary:
             return [max(s, 0.0) if p else 0.0 for s, p in zip(sims, preds)]
-        return [1.0 if p and 1.0 - s < self.tau_d else 0.0 for s, p in zip(sims, preds)]
+        return [1.0 if p and 1.0 - s < self.tau_d and (not self.rouge_gate or rouge1(p, t) >= self.rouge_gate)
+                else 0.0 for s, p, t in zip(sims, preds, targets)]
 
 
 # ----------------------------------------------------------------------------- controls (METHOD.md §7)

@@ -18,12 +18,14 @@ import shutil
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 import engine
 import envs
 import worlds
 from common import UserError, file_problem, read_jsonl, write_atomic, write_jsonl
-from plumbing import jsonl_writer, read_transitions, run_header, sample_triplets
+from plumbing import PROMPT_TAIL, group_table, jsonl_writer, read_transitions, run_header, sample_triplets
+from reward import parse_next_state
 
 # ------------------------------------------------------------------------- the stages' settings, together
 
@@ -180,9 +182,10 @@ def kind_mix(triplets: list[dict]) -> str:
 
 # ------------------------------------------------------------- the caches: the filter's, the held-out set's
 
-FILTER_JOB = ("model", "easy_filter", "filter_split", "filter_samples", "easy_share", "easy_keep_prob",
-              "warmup", "sft_epochs", "sft_learning_rate", "embedder", "tau_d", "reward_metric",
-              "reward_binary", "max_completion_length", "lora_r", "lora_alpha", "lora_target_modules")
+FILTER_JOB = ("model", "easy_filter", "mixed_only", "filter_split", "filter_samples", "easy_share",
+              "easy_keep_prob", "warmup", "sft_epochs", "sft_learning_rate", "embedder", "tau_d",
+              "rouge_gate", "reward_metric", "reward_binary", "max_completion_length", "lora_r", "lora_alpha",
+              "lora_target_modules")
 
 
 def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | None]:
@@ -297,3 +300,57 @@ def episode_log(path: Path, job: dict, done: dict):
     write_jsonl(path, [dict(job=job), *done.values()], default=str)
     with open(path, "a") as f:
         yield jsonl_writer(f)
+
+
+def collection_summary(cfg, out: Path) -> None:
+    eps, trips = read_jsonl(out / "episodes.jsonl"), read_jsonl(out / "transitions.jsonl")
+    n, own = max(len(trips), 1), [t for t in trips if not t.get("explored")]
+    print(f"collect: {len(trips)} triplets from {len(eps)} episodes ({len(trips) - len(own)} explored "
+          f"turns); success {sum(e['won'] for e in eps)}/{len(eps)}, "
+          f"valid actions {sum(t['valid'] for t in trips) / n:.1%}, the model's own replies "
+          f"well formed {sum(t['format_ok'] for t in own) / max(len(own), 1):.1%}")
+    if cfg.env == "alfworld":
+        print("collect: next observations by kind: " + kind_mix(trips))
+
+
+def walkthroughs(cfg, out: Path, games: list) -> Path:
+    """`collect --walkthrough`: the expert plans, one triplet a step, no model (the "purposeful" set)."""
+    if cfg.env != "alfworld":
+        raise UserError("--walkthrough needs --env alfworld (tau2 tasks have no expert walkthrough here)")
+    transitions, meta = out / "transitions.jsonl", out / "collect.json"
+    job = dict(walkthrough=True) | {k: getattr(cfg, k) for k in ("split", "seed", "num_games", "history_len")}
+    if transitions.is_file() and collect_meta(meta) == job:  # a rerun: done
+        print(f"collect: reusing {transitions} (walkthroughs of {len(games)} {cfg.split} games)")
+        return transitions
+    trips = envs.walkthrough_triplets(history_len=cfg.history_len, wrong_first=False, games=games)
+    write_atomic(meta, json.dumps(job, indent=2))
+    write_jsonl(transitions, trips)
+    print(f"collect: {len(trips)} walkthrough triplets of {len(games)} {cfg.split} games -> {transitions}; "
+          f"next observations by kind: {kind_mix(trips)}")
+    return transitions
+
+
+def log_groups(samples, cfg, step: int, batch: list[dict], prompts: list[str], res: dict) -> None:
+    """A step's whole groups (of `batch`, asked `prompts`) to samples.jsonl and, as a table, to the log."""
+    G = cfg.num_generations
+    groups = [dict(prompt_tail=p[-PROMPT_TAIL:], action=t["action"],
+                   target=t["next_obs"], completions=res["completions"][i * G:(i + 1) * G],
+                   rewards=res["rewards"][i * G:(i + 1) * G],
+                   advantages=[round(a, 4) for a in res["advantages"][i * G:(i + 1) * G]])
+              for i, (t, p) in enumerate(zip(batch, prompts))]
+    jsonl_writer(samples)(dict(step=step, action=batch[0]["action"], completion=res["sample"],
+                               target=res["sample_target"], reward=res["sample_reward"], groups=groups))
+    tqdm.write(group_table(step, groups, parse_next_state))
+
+
+def policy_eval_games(cfg) -> list:
+    """The held-out games of stage 2's learning curve: eval_games of eval_split (never the train split)."""
+    split = cfg.eval_split or worlds.env_class(cfg.env).splits.get("dev")
+    if split is None:
+        raise UserError(f"--eval-steps plays held-out games, which --env {cfg.env} has no dev split of; "
+                        "use --eval-steps 0 and eval.py afterwards")
+    if split == cfg.split:
+        raise UserError(f"--eval-split {split} is the split stage 2 trains on; pick a held-out one "
+                        "(e.g. dev)")
+    return worlds.games(cfg.env, split, cfg.eval_games, 0, cfg.domain,
+                        (cfg.world_size, cfg.nb_objects, cfg.quest_length))

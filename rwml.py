@@ -227,6 +227,10 @@ class WorldModelArgs:
     tau_d: float | None = arg(None, "r = 1 iff 1 - cos(E(prediction), E(real)) < tau_d; " + _PER_ENV(
         ", ".join(f"{k} {c.tau_d}" for k, c in worlds.ENVIRONMENTS.items())) + "; lab/results/reward_audit",
         check=lambda v: 0 < v <= 2, why="must be in (0, 2] (a cosine distance)")
+    rouge_gate: float | None = arg(None, "> 0: r = 1 also needs ROUGE-1 F >= this (the gate of the authors' "
+                                         "code); " + _PER_ENV(", ".join(f"{k} {c.rouge_gate}" for k, c in
+                                                                        worlds.ENVIRONMENTS.items())),
+                                   check=lambda v: 0 <= v <= 1, why="must be between 0 and 1 (0 = off)")
     reward_metric: str = arg("embedding", 'or "rouge" (ablation)', choices=("embedding", "rouge"))
     reward_binary: bool = arg(True, "False = the continuous-cosine ablation")
     wm_reasoning: bool = arg(False, "<think> then <next_state> (paper: True); off: reply from <next_state> "

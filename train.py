@@ -32,16 +32,18 @@ import cost
 import engine
 import envs
 import rwml
+import stats
 import worlds
 from cli import parse_stage, run_cli
 from common import RERUN, UserError, arg, read_jsonl, write_atomic, write_jsonl
-from plumbing import (CONTROLS, PROMPT_TAIL, TRIPLETS_KEPT, card_run, check_run, claim_out, close_tracker,
-                      context_problem, filter_dir, group_table, jsonl_writer, keep_rng, log_row, plot_rewards,
+from plumbing import (CONTROLS, TRIPLETS_KEPT, card_run, check_run, claim_out, close_tracker,
+                      context_problem, filter_dir, jsonl_writer, keep_rng, log_row, plot_rewards,
                       releases_locks, run_header, sample_triplets, save_adapter, save_checkpoint, start_run,
                       swap_checkpoint, use_4bit, write_card, write_eval)
-from reward import SimToRealReward, coin_reward, mis_targets, parse_next_state
-from runs import (cached_heldout, check_stage, collect_meta, collection_todo, filter_cache, kind_mix,
-                  save_filter, split_games, stage_inputs, telling, wm_row)
+from reward import SimToRealReward, coin_reward, mis_targets
+from runs import (cached_heldout, check_stage, collection_summary, collection_todo, filter_cache, kind_mix,
+                  log_groups, policy_eval_games, save_filter, split_games, stage_inputs, telling,
+                  walkthroughs, wm_row)
 
 # ----------------------------------------------------------------- the settings: what a user sets, once each
 # Defaults: the small-model recipe that shows RWML learning on the bundled 135M model on a CPU; departures
@@ -119,6 +121,8 @@ class FilterArgs:
     filter_samples: int = arg(4, "K predictions per training triplet (paper: 10)", min=1)
     easy_share: float = arg(0.3, "tau_easy is set so that about this share counts as easy", **_SHARE)
     easy_keep_prob: float = arg(0.1, "easy triplets are kept with this probability", **_SHARE)
+    mixed_only: bool = arg(False, "keep only the triplets whose K warm-up predictions were neither all right "
+                                  "nor all wrong: only their GRPO groups can carry a gradient (needs warmup)")
     warmup: bool = arg(True, "RWML starts from the SFT copy (format warm-up), its KL reference (paper: "
                              "False)")
 
@@ -179,7 +183,7 @@ class Settings(ModelArgs, AdapterArgs, PlayArgs, worlds.WorldArgs, rwml.Sampling
     """Every setting of every stage: what `train.py` parses (a stage reads its groups, `STAGES`)."""
 
     def __post_init__(self):  # unset: the environment's, from its class (an unknown --env: check_fields)
-        for name in ("tau_d", "max_completion_length"):
+        for name in ("tau_d", "rouge_gate", "max_completion_length"):
             if getattr(self, name) is None and self.env in worlds.ENVIRONMENTS:
                 setattr(self, name, getattr(worlds.ENVIRONMENTS[self.env], name))
 
@@ -266,34 +270,6 @@ def collect(cfg: Settings, out: Path, load) -> Path:
     return transitions
 
 
-def collection_summary(cfg, out: Path) -> None:
-    eps, trips = read_jsonl(out / "episodes.jsonl"), read_jsonl(out / "transitions.jsonl")
-    n, own = max(len(trips), 1), [t for t in trips if not t.get("explored")]
-    print(f"collect: {len(trips)} triplets from {len(eps)} episodes ({len(trips) - len(own)} explored "
-          f"turns); success {sum(e['won'] for e in eps)}/{len(eps)}, "
-          f"valid actions {sum(t['valid'] for t in trips) / n:.1%}, the model's own replies "
-          f"well formed {sum(t['format_ok'] for t in own) / max(len(own), 1):.1%}")
-    if cfg.env == "alfworld":
-        print("collect: next observations by kind: " + kind_mix(trips))
-
-
-def walkthroughs(cfg, out: Path, games: list) -> Path:
-    """`collect --walkthrough`: the expert plans, one triplet a step, no model (the "purposeful" set)."""
-    if cfg.env != "alfworld":
-        raise UserError("--walkthrough needs --env alfworld (tau2 tasks have no expert walkthrough here)")
-    transitions, meta = out / "transitions.jsonl", out / "collect.json"
-    job = dict(walkthrough=True) | {k: getattr(cfg, k) for k in ("split", "seed", "num_games", "history_len")}
-    if transitions.is_file() and collect_meta(meta) == job:  # a rerun: done
-        print(f"collect: reusing {transitions} (walkthroughs of {len(games)} {cfg.split} games)")
-        return transitions
-    trips = envs.walkthrough_triplets(history_len=cfg.history_len, wrong_first=False, games=games)
-    write_atomic(meta, json.dumps(job, indent=2))
-    write_jsonl(transitions, trips)
-    print(f"collect: {len(trips)} walkthrough triplets of {len(games)} {cfg.split} games -> {transitions}; "
-          f"next observations by kind: {kind_mix(trips)}")
-    return transitions
-
-
 # -------------------------- §4 filter: the 90 / 10 split, the easiness copy (+ warm-up), too-easy subsampling
 
 def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
@@ -305,7 +281,8 @@ def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
 def _filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn):
     """"Too easy" subsampling: `filter_split` of the triplets trains a separate LoRA copy (SFT, no reasoning);
     its K predictions per other triplet give easiness = mean r_WM; easy iff easiness >= tau_easy (about
-    `easy_share` easy); easy ones are kept with probability `easy_keep_prob`. With `warmup` the copy is kept
+    `easy_share` easy); easy ones are kept with probability `easy_keep_prob`; with `mixed_only` (ours) only
+    triplets whose K predictions were neither all right nor all wrong. With `warmup` the copy is kept
     (out/warmup_adapter): RWML, its baselines and controls start from it (and it is the KL reference).
     Cached in `out`. Returns (kept triplets, warm-up adapter or None)."""
     job, cached = filter_cache(cfg, triplets, out)
@@ -328,16 +305,23 @@ def _filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load, rewar
             out.mkdir(parents=True, exist_ok=True)
             save_adapter(copy, out, "warmup_adapter", cfg=cfg, stage="filter",
                          data={"filter-split triplets (SFT)": len(filter_set)})
-    kept = train
-    if cfg.easy_filter:
+    mixed, keep = cfg.mixed_only and cfg.warmup, [True] * len(train)
+    if cfg.easy_filter or mixed:  # K predictions per triplet by the copy: easiness = their mean reward
         with cost.stage("easiness"):
             scores = rwml.easiness(copy, tok, train, reward_fn, k=cfg.filter_samples,
                                    max_new_tokens=cfg.max_completion_length, temperature=1.0)
-        keep, easy, tau_easy = rwml.easy_subsample(scores, cfg.easy_share, cfg.easy_keep_prob, seed)
-        kept = [t for t, k in zip(train, keep) if k]
-        info.update(tau_easy=tau_easy, easy_share=sum(easy) / max(len(easy), 1),
-                    target_easy_share=cfg.easy_share, mean_easiness=sum(scores) / max(len(scores), 1),
+        info.update(mean_easiness=sum(scores) / len(scores),
                     easiness_counts={f"{v:g}": scores.count(v) for v in sorted(set(scores))})
+        easy = [False] * len(train)
+    if cfg.easy_filter:
+        keep, easy, tau_easy = rwml.easy_subsample(scores, cfg.easy_share, cfg.easy_keep_prob, seed)
+        info.update(tau_easy=tau_easy, easy_share=sum(easy) / max(len(easy), 1),
+                    target_easy_share=cfg.easy_share)
+    if mixed:  # all K right or all K wrong: that triplet's GRPO groups would carry no gradient (ours)
+        keep = [k and 0 < e < 1 for k, e in zip(keep, scores)]
+        info.update(mixed_share=sum(0 < e < 1 for e in scores) / len(scores))
+    kept = [t for t, k in zip(train, keep) if k]
+    if cfg.easy_filter or mixed:
         out.mkdir(parents=True, exist_ok=True)
         write_jsonl(out / "easiness.jsonl", [
             dict(game=t.get("game"), step=t.get("step"), rollout=t.get("rollout"), next_obs=t["next_obs"],
@@ -352,7 +336,7 @@ def _filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load, rewar
 # ------------------------------------- §3, §5 wm: RWML, GRPO on world-model prompts with the embedding reward
 
 def make_reward(cfg: rwml.WorldModelArgs) -> SimToRealReward:
-    return SimToRealReward(cfg.embedder, cfg.tau_d, cfg.reward_metric, cfg.reward_binary)
+    return SimToRealReward(cfg.embedder, cfg.tau_d, cfg.reward_metric, cfg.reward_binary, cfg.rouge_gate)
 
 
 def reward_control(cfg, triplets: list[dict], reward_fn, out: Path):
@@ -460,7 +444,8 @@ def train_wm(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn, st
                                 loss=f"{u['loss']:.3f}", kl=f"{u['kl']:.4f}")
             if (state["step"] % cfg.log_completions_steps < len(res["updates"])
                     or state["step"] == len(res["updates"])):
-                log_groups(samples, cfg, state["step"], batch, res)
+                log_groups(samples, cfg, state["step"], batch,
+                           [rwml.wm_prompt(t, cfg.wm_reasoning) for t in batch], res)
             if state["step"] % cfg.save_steps < len(res["updates"]) or state["step"] >= cfg.max_steps:
                 if coin is not None:
                     state["reward_rng"] = coin.getstate()
@@ -471,19 +456,6 @@ def train_wm(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn, st
     plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")
     print(f"wm: {state['step']} steps; adapter -> {adapter}; metrics -> {out / 'metrics.jsonl'}")
     return model
-
-
-def log_groups(samples, cfg, step: int, batch: list[dict], res: dict) -> None:
-    """A step's whole groups to samples.jsonl and, as a table, to the log."""
-    G = cfg.num_generations
-    groups = [dict(prompt_tail=rwml.wm_prompt(t, cfg.wm_reasoning)[-PROMPT_TAIL:], action=t["action"],
-                   target=t["next_obs"], completions=res["completions"][i * G:(i + 1) * G],
-                   rewards=res["rewards"][i * G:(i + 1) * G],
-                   advantages=[round(a, 4) for a in res["advantages"][i * G:(i + 1) * G]])
-              for i, t in enumerate(batch)]
-    jsonl_writer(samples)(dict(step=step, action=batch[0]["action"], completion=res["sample"],
-                               target=res["sample_target"], reward=res["sample_reward"], groups=groups))
-    tqdm.write(group_table(step, groups, parse_next_state))
 
 
 # --------------------------------- all: the default run (python train.py), held-out accuracy before and after
@@ -499,7 +471,8 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
     with cost.stage("collect"):
         trips = read_jsonl(collect(cfg, out / "collect", load))
     kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
-    before_files = {kind: out / f"wm_eval_before_{kind}.json" for kind in HELDOUT_KINDS}
+    sets = dict(heldout, train=dict(triplets=kept, file=str(filter_dir(cfg, out) / "kept.jsonl")))
+    before_files = {kind: out / f"wm_eval_before_{kind}.json" for kind in sets}  # train: RWML's own prompts
     if not all(f.exists() for f in before_files.values()):  # the model RWML starts from: warm-up or base
         model, tok = load()
         if start:
@@ -508,28 +481,54 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
             model = PeftModel.from_pretrained(model, str(start))
         with cost.stage("eval before"):
             for kind, f in before_files.items():
-                write_eval(f, dict(evaluate_heldout(cfg, model, tok, heldout[kind]["triplets"], reward_fn),
-                                   model="warm-up" if start else "base", split=cfg.heldout_split,
-                                   transitions=heldout[kind]["file"]))
+                write_eval(f, dict(evaluate_heldout(cfg, model, tok, sets[kind]["triplets"], reward_fn),
+                                   model="warm-up" if start else "base", transitions=sets[kind]["file"],
+                                   split=cfg.split if kind == "train" else cfg.heldout_split))
         if start:
             model.unload()  # the bare base model again, for train_wm
     resume = cfg.resume or swap_checkpoint(out / "checkpoint")  # `all` continues where it stopped
     with cost.stage("grpo"):
         model = train_wm(dataclasses.replace(cfg, resume=resume), kept, out, load, reward_fn, start,
                          heldout=heldout["explore"]["triplets"])
-    print(f"\n{cfg.heldout_split} (the test split: {cfg.heldout_games} games never trained on), "
-          f"tau_d {cfg.tau_d}, {cfg.eval_samples or 'one greedy'} prediction(s) per triplet; before = "
+    print(f"\n{cfg.heldout_split} ({cfg.heldout_games} games never trained on), tau_d {cfg.tau_d}"
+          + (f" and ROUGE-1 >= {cfg.rouge_gate}" if cfg.rouge_gate else "")
+          + f", {cfg.eval_samples or 'one greedy'} prediction(s) per triplet; before = "
           f"{'the warm-up' if start else 'the base model'}, after = RWML ({cfg.max_steps} steps)")
     lines = []
-    for kind in HELDOUT_KINDS:
-        trips_k, file = heldout[kind]["triplets"], heldout[kind]["file"]
+    for kind, s in sets.items():
         with cost.stage("eval after"):
-            after = dict(evaluate_heldout(cfg, model, load()[1], trips_k, reward_fn), model="RWML",
-                         split=cfg.heldout_split, transitions=file)
+            after = dict(evaluate_heldout(cfg, model, load()[1], s["triplets"], reward_fn), model="RWML",
+                         split=cfg.split if kind == "train" else cfg.heldout_split, transitions=s["file"])
         write_eval(out / f"wm_eval_rwml_{kind}.json", after)
-        baselines_line(cfg, out, kind, trips_k, file, reward_fn)
-        lines.append(f"{kind}: " + before_after_line(json.loads(before_files[kind].read_text()), after))
+        if kind != "train":
+            baselines_line(cfg, out, kind, s["triplets"], s["file"], reward_fn)
+            lines.append(f"{kind}: " + before_after_line(json.loads(before_files[kind].read_text()), after))
+    lines += gain_lines(out, start)
     all_summary(cfg, out, lines, len(kept), start, t0)  # the adapter's card, and what `train.py` prints last
+
+
+def gain_lines(out: Path, start) -> list[str]:
+    """What the run showed, each a difference of per-triplet means (a triplet's predictions averaged), paired
+    on triplets, with a 95 % CI over games (stats.py): (a) the reward RWML trains on, on its own training
+    prompts, before -> after: whether the optimizer did its job; (b) held-out RWML - start per kind, under
+    the reward and exact match: what it generalised. From the per-triplet files (wm_eval_*.triplets.jsonl)."""
+    def gain(kind: str, key: str) -> dict:
+        b, a = (read_jsonl(out / f"wm_eval_{w}_{kind}.triplets.jsonl") for w in ("before", "rwml"))
+        mean = [[sum(map(float, r[key])) / len(r[key]) for r in rows] for rows in (a, b)]
+        ci = stats.paired_bootstrap(*mean, [str(r["game"]) for r in b])
+        return dict(ci, before=sum(mean[1]) / len(b), after=sum(mean[0]) / len(a), n=len(b))
+
+    def said(c: dict) -> str:
+        return f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] {stats.verdict(c)}"
+
+    name, a = "the warm-up" if start else "the base model", gain("train", "rewards")
+    lines = [f"(a) the reward RWML trains on, on its {a['n']} training prompts ({a['units']} games): {name} "
+             f"{a['before']:.3f} -> RWML {a['after']:.3f}, {said(a)} (95 % CI over games)"]
+    for kind in HELDOUT_KINDS:
+        r, e = gain(kind, "rewards"), gain(kind, "exact")
+        lines.append(f"(b) held-out {kind}, RWML - {name} ({r['n']} triplets, {r['units']} games): reward "
+                     f"{said(r)}; exact match {said(e)}")
+    return lines
 
 
 def evaluate_heldout(cfg: Settings, model, tok, heldout: list[dict], reward_fn) -> dict:
@@ -641,19 +640,6 @@ def train_policy(cfg: Settings, out: Path, load):
     print(f"policy: {state['step']} steps from {cfg.init}; adapter -> {adapter}; "
           f"metrics -> {out / 'metrics.jsonl'}")
     return model
-
-
-def policy_eval_games(cfg) -> list:
-    """The held-out games of stage 2's learning curve: eval_games of eval_split (never the train split)."""
-    split = cfg.eval_split or worlds.env_class(cfg.env).splits.get("dev")
-    if split is None:
-        raise UserError(f"--eval-steps plays held-out games, which --env {cfg.env} has no dev split of; "
-                        "use --eval-steps 0 and eval.py afterwards")
-    if split == cfg.split:
-        raise UserError(f"--eval-split {split} is the split stage 2 trains on; pick a held-out one "
-                        "(e.g. dev)")
-    return worlds.games(cfg.env, split, cfg.eval_games, 0, cfg.domain,
-                        (cfg.world_size, cfg.nb_objects, cfg.quest_length))
 
 
 def heldout_success(model, tok, env, games: list, cfg, out: Path, step: int) -> dict:

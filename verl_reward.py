@@ -89,8 +89,8 @@ def _text(value, what: str, fix: str) -> str:
 
 
 def _setting(info: Mapping, kwargs: dict, where: str) -> tuple[tuple, str]:
-    """(embedder, tau_d, metric, binary) and the reply prefix of one row: reward_kwargs first, then the row's
-    extra_info (as `train.py export` writes it), then SimToRealReward's defaults."""
+    """(embedder, tau_d, metric, binary, rouge_gate) and the reply prefix of one row: reward_kwargs first,
+    then the row's extra_info (as `train.py export` writes it), then SimToRealReward's defaults."""
     def get(key, default):
         if key in kwargs:
             return kwargs[key], f"reward_kwargs {key}"
@@ -101,15 +101,10 @@ def _setting(info: Mapping, kwargs: dict, where: str) -> tuple[tuple, str]:
     metric, src = get("reward_metric", "embedding")
     if metric not in ("embedding", "rouge"):
         raise ValueError(f"compute_score: {src} is {_show(metric)}; use embedding or rouge")
-    tau, src = get("tau_d", 0.1)
-    tau = tau.item() if hasattr(tau, "item") and not isinstance(tau, str) else tau  # numpy scalars
-    try:
-        tau_d = float(tau) if isinstance(tau, (int, float, str)) and not isinstance(tau, bool) else math.nan
-    except ValueError:
-        tau_d = math.nan
-    if not 0 < tau_d <= 2:  # also NaN
-        raise ValueError(f"compute_score: {src} is {_show(tau)}, not a number in (0, 2]; set it to the "
-                         "distance threshold, e.g. 0.1 (train.py export writes --tau-d)")
+    tau_d = _number(*get("tau_d", 0.1), lambda v: 0 < v <= 2, "(0, 2]",
+                    "the distance threshold, e.g. 0.1 (train.py export writes --tau-d)")
+    gate = _number(*get("rouge_gate", 0.0), lambda v: 0 <= v <= 1, "[0, 1]",
+                   "the ROUGE-1 gate, 0 for none (train.py export writes --rouge-gate)")
     flag, src = get("reward_binary", True)
     flag = flag.item() if hasattr(flag, "item") and not isinstance(flag, str) else flag
     if isinstance(flag, str) and flag.strip().lower() in _FLAGS:
@@ -120,7 +115,19 @@ def _setting(info: Mapping, kwargs: dict, where: str) -> tuple[tuple, str]:
         raise ValueError(f"compute_score: {src} is {_show(flag)}; use true or false (or 1 / 0)")
     prefix, src = get("assistant_prefix", "")
     _text(prefix, src, 'the reply prefix our trainer writes, e.g. "<next_state>" (train.py export writes it)')
-    return (embedder, tau_d, metric, binary), prefix
+    return (embedder, tau_d, metric, binary, gate), prefix
+
+
+def _number(value, src: str, ok, bounds: str, what: str) -> float:
+    value = value.item() if hasattr(value, "item") and not isinstance(value, str) else value  # numpy scalars
+    try:
+        x = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else math.nan
+    except ValueError:
+        x = math.nan
+    if not ok(x):  # also NaN
+        raise ValueError(f"compute_score: {src} is {_show(value)}, not a number in {bounds}; set it to "
+                         f"{what}")
+    return x
 
 
 def _reward_for(key: tuple):

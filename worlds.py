@@ -245,7 +245,7 @@ class Tau2:
     wm_ask = ("What comes back: the tool's response to this call, or the customer's next message after "
               "this reply?", "it", "<think>Looking up a user returns their record.</think><next_state>"
               "{\"user_id\": \"sara_doe_496\", \"orders\": [\"#W2378156\"]}</next_state>")
-    tau_d, max_completion_length = 0.1, 64  # not audited (lab/results/reward_audit: ALFWorld, TextWorld)
+    tau_d, rouge_gate, max_completion_length = 0.1, 0.0, 64  # not audited (the audit: ALFWorld, TextWorld)
 
     def __init__(self, *, domain: str = "retail", max_turns: int = 30, user_model: str | None = None,
                  user_max_new_tokens: int = 96, **_):
@@ -540,7 +540,7 @@ class TextWorld(Alfworld):
     wm_ask = ("What does the game answer to this action?", "the game's answer",
               "<think>Taking an object moves it to the inventory.</think><next_state>You take the key from "
               "the table.</next_state>")
-    tau_d, max_completion_length = 0.02, 128  # as ALFWorld's (the reward audit; 105 tokens + 10 %, to 16s)
+    tau_d, rouge_gate, max_completion_length = 0.03, 0.0, 112  # as ALFWorld's, on the dev games' pairs
 
     @staticmethod
     def games(split: str, num: int | None, seed: int = 0, *, sizes: tuple = (2, 4, 2), **_) -> list[str]:

@@ -6,7 +6,7 @@ seedN/policy/{greedy,sampled}.json (eval.py agent results, every episode inside;
 --file F`: several arms of one evaluation each, as lab/agent_sanity.sh writes them). Every arm
 plays the same games; a game's success is the mean over its episodes. Rates: one run's with a 95 % CI
 from a bootstrap over games (a game's episodes move together), several seeds' by the two-level bootstrap
-(seeds, then games). Differences are paired on games (lab/stats.py); "holds" only where the CI excludes 0
+(seeds, then games). Differences are paired on games (stats.py); "holds" only where the CI excludes 0
 beyond its Monte-Carlo error (stats.verdict; 200,000 draws: a table takes 5-15 s).
 """
 from __future__ import annotations

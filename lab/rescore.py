@@ -2,7 +2,7 @@
 
 1. The test-split table's per-triplet archive (stage1_test_table/): per arm and seed the reward accuracy (as
    recorded), exact match and item-set F1 (envs.exact_match, envs.item_f1), and RWML - warm-up / WM SFT / COIN
-   under each metric with a two-level bootstrap CI (3 seeds, then games; lab/stats.py).
+   under each metric with a two-level bootstrap CI (3 seeds, then games; stats.py).
 2. How often a REWARDED prediction is wrong under the strict metrics: the GRPO training groups of the default
    run at tau_d 0.1 (strict_rescore/train_samples.jsonl: every 4th step's whole groups), the held-out ones.
 

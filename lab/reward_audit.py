@@ -4,13 +4,16 @@
     python lab/reward_audit.py audit pairs.jsonl [--embedder NAME] [--taus 0.01,0.02,...]
     python lab/reward_audit.py lengths pairs.jsonl
 
-pairs: real next observations (ALFWorld: the expert walkthroughs of valid_unseen games and a seeded walk of
-admissible commands; TextWorld: generated `test` games, their walkthroughs and such a walk), each with
-positives that keep its facts and negatives that change one fact, split by game into a dev and a test half.
-audit: each pair's distance d = 1 - cos once (the prediction as the reward sees it, through
-parse_next_state), then per environment, tau_d and edit kind the share of positives rewarded (d < tau_d)
-and of negatives refused; tau_d chosen on the dev half by RULE, reported on the test half. lengths: the
-token length of `<next_state>{obs}</next_state>` (the bundled model's tokenizer) against the completion cap.
+pairs: real next observations (ALFWorld: the expert walkthroughs of valid_seen (dev) and valid_unseen
+(test) games and a seeded walk of admissible commands; TextWorld: generated `dev` and `test` games, their
+walkthroughs and such a walk), each with positives that keep its facts and negatives that change one fact.
+The `dev` half holds the dev split's games only (they choose), the `test` half the test split's (they only
+report): no test game ever chooses a setting. audit: each pair's distance d = 1 - cos once (the prediction
+as the reward sees it, through parse_next_state) and its ROUGE-1 F, then per environment, reward form (the
+plain embedding, or the gate of the authors' released code: embedding AND ROUGE-1 F >= rho), tau_d and edit
+kind the share of positives rewarded and of negatives refused; the form and tau_d chosen on the dev half by
+RULE, reported on the test half. lengths: the token length of `<next_state>{obs}</next_state>` (the bundled
+model's tokenizer) against the completion cap.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from cli import commands_help, parse_config, run_cli
 from common import UserError, arg, write_atomic
 from plumbing import check_writable
 from repo_path import is_local_path, repo_path
+from reward import rouge1
 
 POSITIVE = ("exact", "reorder", "case", "spacing", "punct")
 NEGATIVE = dict(alfworld=("rename", "object_number", "receptacle_number", "missing", "added", "state",
@@ -40,21 +44,26 @@ NEGATIVE = dict(alfworld=("rename", "object_number", "receptacle_number", "missi
                 textworld=("direction", "room", "object", "event"))
 TAUS = "0.01,0.02,0.03,0.05,0.075,0.1,0.15,0.2"
 SHARE = 0.9
-RULE = (f"the largest tau_d of the grid that, on the dev half, rewards >= {SHARE:.0%} of the positives and "
-        f"refuses >= {SHARE:.0%} of the negatives (each pooled over its kinds); none if no tau_d does")
+RULE = (f"per reward form, the largest tau_d of the grid that, on the dev half, rewards >= {SHARE:.0%} of "
+        f"the positives and refuses >= {SHARE:.0%} of the negatives (each pooled over its kinds); among the "
+        "forms, the one whose choice has the larger smaller-of-the-two shares on the dev half (ties: the "
+        "plain embedding, then the larger tau_d); none if no tau_d does")
+GATES = (0.7, 0.9)  # ROUGE-1 F thresholds of the authors' gate (jasonyux/unsupervised_rl: 0.9, one run 0.7)
+SPLITS = dict(alfworld=dict(dev="valid_seen", test="valid_unseen"), textworld=dict(dev="dev", test="test"))
 FIELDS = dict(env=str, game=str, half=str, kind=str, label=int, target=str, candidate=str)
 NOTHING = "Nothing happens."  # ALFWorld's answer to any command without effect
+CAP_RULE = "the dev half's 95th percentile + 10 %, rounded up to a multiple of 16"
 CAP = 64  # the default run's completion cap before this audit (each environment's class now holds its own)
 
 
 @dataclass
 class PairsConfig:
     out: str = arg("lab/results/reward_audit/pairs.jsonl", "the pair set (JSONL; .gz: compressed)")
-    alfworld_games: int = arg(20, "valid_unseen games (0: none)")
-    textworld_games: int = arg(20, "generated TextWorld test games (0: none)")
+    alfworld_games: int = arg(20, "per half: valid_seen (dev) and valid_unseen (test) games (0: none)")
+    textworld_games: int = arg(20, "per half: generated TextWorld dev and test games (0: none)")
     walk_steps: int = arg(15, "per game: a seeded walk of this many admissible commands besides the "
                               "walkthrough")
-    seed: int = arg(0, "the games drawn, the walks, the edits and the dev / test split")
+    seed: int = arg(0, "the games drawn, the walks and the edits")
 
 
 @dataclass
@@ -84,10 +93,11 @@ def _walk(game, path: str, steps: int, rng: random.Random) -> list[str]:
     return out
 
 
-def alfworld_observations(num_games: int, seed: int, walk_steps: int) -> list[dict]:
-    """Per valid_unseen game: its next observations (walkthrough, then a seeded walk; distinct, in order) and
+def alfworld_observations(num_games: int, seed: int, walk_steps: int,
+                          split: str = "valid_unseen") -> list[dict]:
+    """Per game of `split`: its next observations (walkthrough, then a seeded walk; distinct, in order) and
     its vocabulary: the receptacles (the start room's list) and the object types seen in any observation."""
-    paths = envs.list_games("valid_unseen", num_games, seed)
+    paths = envs.list_games(split, num_games, seed)
     game, out = envs.Game(max_turns=100), []
     for path in paths:
         gid = envs.game_id(path)
@@ -96,22 +106,22 @@ def alfworld_observations(num_games: int, seed: int, walk_steps: int) -> list[di
         obs += _walk(game, path, walk_steps, random.Random(f"{seed}|walk|{gid}"))
         receptacles = {w for w, _ in alf_mentions(start)}
         objects = {w for o in obs for w, _ in alf_mentions(o)} - receptacles
-        out.append(dict(env="alfworld", game=gid, obs=list(dict.fromkeys(obs)),
+        out.append(dict(env="alfworld", split=split, game=gid, obs=list(dict.fromkeys(obs)),
                         start_mentions=alf_mentions(start), receptacles=sorted(receptacles),
                         objects=sorted(objects)))
     return out
 
 
-def textworld_observations(num_games: int, seed: int, walk_steps: int) -> list[dict]:
-    """Per generated TextWorld test game (as the project plays them, worlds.TwGame): its next observations
-    (walkthrough, then a seeded walk), its rooms and things (the game's own names), and the engine's answer
-    to a command on something absent (the wrong event)."""
+def textworld_observations(num_games: int, seed: int, walk_steps: int, split: str = "test") -> list[dict]:
+    """Per generated TextWorld game of `split` (as the project plays them, worlds.TwGame): its next
+    observations (walkthrough, then a seeded walk), its rooms and things (the game's own names), and the
+    engine's answer to a command on something absent (the wrong event)."""
     import textworld
 
     import worlds
 
     game, out = worlds.TwGame(max_turns=100), []
-    for path in worlds.textworld_games("test", num_games, seed):
+    for path in worlds.textworld_games(split, num_games, seed):
         gid = envs.game_id(path)
         info = textworld.Game.load(str(Path(path).with_suffix(".json")))
         names = [(e.name, e.type) for e in info.infos.values() if e.name]
@@ -120,7 +130,7 @@ def textworld_observations(num_games: int, seed: int, walk_steps: int) -> list[d
         game.reset(path)
         obs = [game.step(c)["obs"] for c in info.walkthrough]
         obs += _walk(game, path, walk_steps, random.Random(f"{seed}|walk|{gid}"))
-        out.append(dict(env="textworld", game=gid, obs=list(dict.fromkeys(obs)), refusal=refusal,
+        out.append(dict(env="textworld", split=split, game=gid, obs=list(dict.fromkeys(obs)), refusal=refusal,
                         rooms=sorted(n for n, t in names if t == "r"),
                         things=sorted(n for n, t in names if t != "r")))
     return out
@@ -271,13 +281,9 @@ def textworld_edits(text: str, g: dict, rng: random.Random) -> dict:
 # ----------------------------------------------------------------------------- the pair set
 
 def build_pairs(games: list[dict], seed: int) -> list[dict]:
-    """Pairs of every game's observations; the games of each environment split in two halves (dev, test)
-    by a seeded shuffle. Candidates equal to the target (or to an earlier positive) are left out."""
-    half = {}
-    for env in sorted({g["env"] for g in games}):
-        names = sorted(g["game"] for g in games if g["env"] == env)
-        random.Random(f"{seed}|split|{env}").shuffle(names)
-        half.update({(env, n): "dev" if i < (len(names) + 1) // 2 else "test" for i, n in enumerate(names)})
+    """Pairs of every game's observations, in the half of its split (SPLITS: the dev split's games choose,
+    the test split's only report). Candidates equal to the target (or to an earlier positive) are left out."""
+    half = {(env, split): h for env, s in SPLITS.items() for h, split in s.items()}
     pairs = []
     for g in games:
         for i, text in enumerate(g["obs"]):
@@ -292,18 +298,22 @@ def build_pairs(games: list[dict], seed: int) -> list[dict]:
                 if (kind != "exact" and candidate == text) or (label and candidate in seen):
                     continue
                 seen.add(candidate)
-                pairs.append(dict(env=g["env"], game=g["game"], half=half[g["env"], g["game"]], kind=kind,
-                                  label=label, target=text, candidate=candidate)
+                pairs.append(dict(env=g["env"], split=g["split"], game=g["game"],
+                                  half=half[g["env"], g["split"]], kind=kind, label=label, target=text,
+                                  candidate=candidate)
                              | ({"edit": edit} if edit else {}))
     return pairs
 
 
 def collect_games(cfg: PairsConfig) -> list[dict]:
     games = []
-    if cfg.alfworld_games:
-        games += alfworld_observations(cfg.alfworld_games, cfg.seed, cfg.walk_steps)
-    if cfg.textworld_games:
-        games += textworld_observations(cfg.textworld_games, cfg.seed, cfg.walk_steps)
+    for half in ("dev", "test"):
+        if cfg.alfworld_games:
+            games += alfworld_observations(cfg.alfworld_games, cfg.seed, cfg.walk_steps,
+                                           SPLITS["alfworld"][half])
+        if cfg.textworld_games:
+            games += textworld_observations(cfg.textworld_games, cfg.seed, cfg.walk_steps,
+                                            SPLITS["textworld"][half])
     return games
 
 
@@ -360,9 +370,18 @@ def distances(pairs: list[dict], embedder: str) -> list[float]:
     return [max(1.0 - s, 0.0) for s in r.similarity(preds, [p["target"] for p in pairs])]  # not -1e-7
 
 
-def right(p: dict, d: float, tau: float) -> bool:
-    """A positive rewarded (d < tau) or a negative refused."""
-    return (d < tau) == bool(p["label"])
+def rewarded(p: dict, d: float, tau: float, rho: float | None = None) -> bool:
+    """r_WM = 1: d < tau (the plain embedding), and with the gate also ROUGE-1 F >= rho."""
+    return d < tau and (rho is None or p["rouge1"] >= rho)
+
+
+def right(p: dict, d: float, tau: float, rho: float | None = None) -> bool:
+    """A positive rewarded or a negative refused."""
+    return rewarded(p, d, tau, rho) == bool(p["label"])
+
+
+def form_name(rho: float | None) -> str:
+    return "embedding" if rho is None else f"embedding AND ROUGE-1 F >= {rho:g}"
 
 
 def _kinds(rows: list[tuple[dict, float]]) -> list[str]:
@@ -371,7 +390,7 @@ def _kinds(rows: list[tuple[dict, float]]) -> list[str]:
     return [k for k in dict.fromkeys(order) if k in present] + sorted(present - set(order))
 
 
-def table(rows: list[tuple[dict, float]], taus: list[float]) -> list[str]:
+def table(rows: list[tuple[dict, float]], taus: list[float], rho: float | None = None) -> list[str]:
     """Per kind and tau_d: the share right (positives rewarded, negatives refused); then the pooled shares."""
     head = f"  {'kind':<19}{'n':>5}" + "".join(f"{t:>7g}" for t in taus)
     lines = [head]
@@ -380,18 +399,31 @@ def table(rows: list[tuple[dict, float]], taus: list[float]) -> list[str]:
     groups += [("all positives", [r for r in rows if r[0]["label"]]),
                ("all negatives", [r for r in rows if not r[0]["label"]])]
     for name, rs in groups:
-        cells = "".join(f"{sum(right(p, d, t) for p, d in rs) / max(len(rs), 1):>7.2f}" for t in taus)
+        cells = "".join(f"{sum(right(p, d, t, rho) for p, d in rs) / max(len(rs), 1):>7.2f}" for t in taus)
         lines.append(f"  {name:<19}{len(rs):>5}{cells}")
     return lines
 
 
-def choose_tau(rows: list[tuple[dict, float]], taus: list[float]) -> float | None:
-    """RULE, applied to the dev half."""
-    pos = [d for p, d in rows if p["label"]]
-    neg = [d for p, d in rows if not p["label"]]
-    ok = [t for t in taus if pos and neg and sum(d < t for d in pos) >= SHARE * len(pos)
-          and sum(d >= t for d in neg) >= SHARE * len(neg)]
+def shares(rows: list[tuple[dict, float]], tau: float, rho: float | None = None) -> tuple[float, float]:
+    """(share of the positives rewarded, share of the negatives refused)."""
+    pos, neg = [r for r in rows if r[0]["label"]], [r for r in rows if not r[0]["label"]]
+    return (sum(right(p, d, tau, rho) for p, d in pos) / max(len(pos), 1),
+            sum(right(p, d, tau, rho) for p, d in neg) / max(len(neg), 1))
+
+
+def choose_tau(rows: list[tuple[dict, float]], taus: list[float], rho: float | None = None) -> float | None:
+    """RULE for one reward form, applied to the dev half."""
+    has = {bool(p["label"]) for p, _ in rows}
+    ok = [t for t in taus if has == {True, False} and min(shares(rows, t, rho)) >= SHARE]
     return max(ok) if ok else None
+
+
+def choose_form(rows: list[tuple[dict, float]], taus: list[float]) -> tuple[float | None, float | None]:
+    """RULE across the reward forms (the plain embedding, the gate at each GATES rho): (rho, tau_d)."""
+    found = [(rho, tau) for rho in (None, *GATES) if (tau := choose_tau(rows, taus, rho)) is not None]
+    if not found:
+        return None, None
+    return max(found, key=lambda f: (round(min(shares(rows, f[1], f[0])), 9), f[0] is None, f[1]))
 
 
 def separation(pos: dict[str, list[float]], neg: list[float]) -> tuple[float, str, float, float]:
@@ -415,17 +447,27 @@ def audit_env(env: str, rows: list[tuple[dict, float]], taus: list[float]) -> tu
     dev = [r for r in rows if r[0]["half"] == "dev"]
     test = [r for r in rows if r[0]["half"] == "test"]
     n_games = {h: len({p["game"] for p, _ in rows if p["half"] == h}) for h in ("dev", "test")}
+    splits = {h: ", ".join(sorted({p.get("split", "?") for p, _ in rows if p["half"] == h})) for h in n_games}
     n_obs = len({(p["game"], p["target"]) for p, _ in rows})
     lines = [f"== {env}: {len(rows)} pairs of {n_obs} real observations; dev half {len(dev)} pairs "
-             f"({n_games['dev']} games), test half {len(test)} pairs ({n_games['test']} games)",
-             "dev half: share right per kind (positives rewarded: d < tau_d; negatives refused: d >= tau_d)"]
-    lines += table(dev, taus)
-    tau = choose_tau(dev, taus)
-    lines.append(f"chosen tau_d (dev half, the rule above): {tau if tau is not None else 'none'}")
-    for t in ([tau] if tau is not None else []) + ([0.1] if tau != 0.1 else []):
-        what = "the chosen tau_d" if t == tau else "the default tau_d 0.1, for reference"
-        lines.append(f"test half at {what}:")
-        lines += table(test, [t])
+             f"({n_games['dev']} {splits['dev']} games: they choose), test half {len(test)} pairs "
+             f"({n_games['test']} {splits['test']} games: they only report)"]
+    for rho in (None, *GATES):
+        lines.append(f"dev half, reward {form_name(rho)}: share right per kind (positives rewarded, "
+                     "negatives refused)")
+        lines += table(dev, taus, rho)
+        tau = choose_tau(dev, taus, rho)
+        pos, neg = shares(dev, tau, rho) if tau is not None else (None, None)
+        lines.append(f"  its tau_d by the rule: {tau if tau is not None else 'none'}"
+                     + (f" (dev: positives rewarded {pos:.3f}, negatives refused {neg:.3f})" if tau else ""))
+    rho, tau = choose_form(dev, taus)
+    lines.append(f"chosen (dev half, the rule above): {form_name(rho) if tau else 'none'}, tau_d "
+                 f"{tau if tau is not None else 'none'}")
+    shown = ([(rho, tau)] if tau is not None else []) + ([(None, 0.1)] if (rho, tau) != (None, 0.1) else [])
+    for r, t in shown:
+        what = "the chosen reward" if (r, t) == (rho, tau) else "the old default, for reference"
+        lines.append(f"test half at {what} ({form_name(r)}, tau_d {t}):")
+        lines += table(test, [t], r)
     pos = {k: [d for p, d in rows if p["kind"] == k] for k in _kinds(rows) if k in POSITIVE}
     top = max((d for v in pos.values() for d in v), default=0.0)
     lines.append(f"distances per kind (all pairs): min / median / max; inside = share below the positives' "
@@ -449,26 +491,34 @@ def audit_env(env: str, rows: list[tuple[dict, float]], taus: list[float]) -> tu
 
 
 def token_lengths(pairs: list[dict], cap: int) -> list[str]:
-    """Per environment: the token length of `<next_state>{obs}</next_state>` over the distinct real
-    observations (the bundled model's tokenizer), its 95th percentile, max and the share over `cap`."""
+    """Per environment and half: the token length of `<next_state>{obs}</next_state>` over the distinct real
+    observations (the bundled model's tokenizer), its 95th percentile, max, the share over `cap`, and the cap
+    the dev half chooses (CAP_RULE)."""
     from transformers import AutoTokenizer
 
     import engine
 
     tok = AutoTokenizer.from_pretrained(engine._bundled_smollm2())
-    lines = [f"token length of <next_state>{{obs}}</next_state> (the bundled SmolLM2 tokenizer), cap {cap}:"]
+    lines = [f"token length of <next_state>{{obs}}</next_state> (the bundled SmolLM2 tokenizer), cap {cap}; "
+             f"the cap rule: {CAP_RULE}:"]
     for env in sorted({p["env"] for p in pairs}):
-        obs = sorted({(p["game"], p["target"]) for p in pairs if p["env"] == env})
-        n = sorted(len(tok(f"<next_state>{t}</next_state>", add_special_tokens=False).input_ids)
-                   for _, t in obs)
-        p95 = n[max(math.ceil(0.95 * len(n)) - 1, 0)]
-        lines.append(f"  {env:<10} {len(n):>4} observations: median {statistics.median(n):g}, 95th pct "
-                     f"{p95}, max {n[-1]}; over {cap}: {sum(x > cap for x in n) / len(n):.1%}")
+        for half in ("dev", "test"):
+            obs = sorted({(p["game"], p["target"]) for p in pairs if p["env"] == env and p["half"] == half})
+            if not obs:
+                continue
+            n = sorted(len(tok(f"<next_state>{t}</next_state>", add_special_tokens=False).input_ids)
+                       for _, t in obs)
+            p95 = n[max(math.ceil(0.95 * len(n)) - 1, 0)]
+            lines.append(f"  {env:<10} {half:<4} {len(n):>4} observations: median {statistics.median(n):g}, "
+                         f"95th pct {p95}, max {n[-1]}; over {cap}: {sum(x > cap for x in n) / len(n):.1%}"
+                         + (f"; the cap it chooses: {16 * math.ceil(p95 * 1.1 / 16)}" if half == "dev"
+                            else ""))
     return lines
 
 
 def audit(pairs: list[dict], cfg: AuditConfig, taus: list[float]) -> str:
     ds = distances(pairs, cfg.embedder)
+    pairs = [dict(p, rouge1=rouge1(p["candidate"], p["target"])) for p in pairs]
     embedder = repo_path(cfg.embedder) if is_local_path(cfg.embedder) else cfg.embedder  # a folder: relative
     lines = [f"reward audit: {len(pairs)} pairs, embedder {embedder}, tau_d grid "
              + ", ".join(map(str, taus)),
@@ -478,7 +528,8 @@ def audit(pairs: list[dict], cfg: AuditConfig, taus: list[float]) -> str:
         rows = [(p, d) for p, d in zip(pairs, ds) if p["env"] == env]
         env_lines, bad = audit_env(env, rows, taus)
         lines += env_lines + [""]
-        verdict.append(f"{env}: chosen tau_d {choose_tau([r for r in rows if r[0]['half'] == 'dev'], taus)}; "
+        rho, tau = choose_form([r for r in rows if r[0]["half"] == "dev"], taus)
+        verdict.append(f"{env}: chosen tau_d {tau}; reward {form_name(rho)}; "
                        f"kinds no tau_d separates: {', '.join(bad) or 'none'}")
     lines += ["verdict:"] + [f"  {v}" for v in verdict]
     if cfg.lengths:

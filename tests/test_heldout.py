@@ -1,6 +1,7 @@
 """The world-model evaluation protocol: held-out games disjoint from train games, the content-free
 baselines on the real engine and the real embedder, per-triplet outputs, the sanity table."""
 import json
+import re
 
 import pytest
 
@@ -266,6 +267,77 @@ def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
             assert (tmp_path / "run" / f"wm_eval_{label}_{kind}.triplets.jsonl").is_file()
         assert f"{kind}: world-model accuracy" in out
     assert "strict: exact match" in out and (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
+    check_gain_lines(tmp_path / "run", out)
+
+
+def test_the_gain_lines_are_the_per_triplet_files_numbers(tmp_path):
+    """(a) and (b) on files of known numbers: 10 games, the after side right where the before side was wrong
+    on 6 of 10 train triplets (a gain that holds), held-out triplets unchanged but for one game (no
+    difference detected), exact match below the reward; swapped files give the reversed verdict."""
+    def write(name, rows):
+        (tmp_path / f"wm_eval_{name}.triplets.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def rows(values):  # one triplet per game, two predictions each
+        return [dict(game=f"g{i}", step=0, rewards=list(v), exact=[min(x, 0.0) for x in v])
+                for i, v in enumerate(values)]
+
+    write("before_train", rows([(0.0, 0.0)] * 6 + [(1.0, 1.0)] * 4))
+    write("rwml_train", rows([(1.0, 1.0)] * 6 + [(1.0, 1.0)] * 4))
+    for kind in train.HELDOUT_KINDS:
+        write(f"before_{kind}", rows([(0.0, 1.0)] * 10))
+        write(f"rwml_{kind}", rows([(1.0, 1.0)] + [(0.0, 1.0)] * 9))
+    lines = train.gain_lines(tmp_path, start="warm-up")
+    assert lines[0].startswith("(a) the reward RWML trains on, on its 10 training prompts (10 games): the "
+                               "warm-up 0.400 -> RWML 1.000, +0.600 [+0.300, +0.900] holds"), lines[0]
+    assert "reward +0.050 [+0.000, +0.150] no difference detected" in lines[1]
+    assert "exact match +0.000 [+0.000, +0.000] no difference detected" in lines[1]
+    for name in ("train", *train.HELDOUT_KINDS):  # a broken run: after worse than before
+        a, b = (tmp_path / f"wm_eval_{w}_{name}.triplets.jsonl" for w in ("before", "rwml"))
+        a_text, b_text = a.read_text(), b.read_text()
+        a.write_text(b_text)
+        b.write_text(a_text)
+    assert "-0.600 [-0.900, -0.300] reversed" in train.gain_lines(tmp_path, start="warm-up")[0]
+
+
+def check_gain_lines(run, out: str) -> None:
+    """The run's last lines (a) and (b) are what its per-triplet files give: each triplet's mean over its
+    predictions, before (the warm-up) and after (RWML), paired; the CI over games recomputed here by hand."""
+    import random
+    import statistics
+
+    def pairs(kind, key):
+        b, a = ([json.loads(x) for x in (run / f"wm_eval_{w}_{kind}.triplets.jsonl").read_text().splitlines()]
+                for w in ("before", "rwml"))
+        assert [(x["game"], x["step"]) for x in b] == [(x["game"], x["step"]) for x in a]
+        return [(x["game"], statistics.fmean(map(float, x[key])), statistics.fmean(map(float, y[key])))
+                for x, y in zip(b, a)]
+
+    def diff(ps):  # mean of after - before over triplets
+        return sum(a - b for _, b, a in ps) / len(ps)
+
+    def ci(ps):  # the percentile bootstrap over games, by hand
+        games = sorted({g for g, _, _ in ps})
+        rng, reps = random.Random(1), []
+        for _ in range(4000):
+            drawn = [rng.choice(games) for _ in games]
+            reps.append(diff([p for g in drawn for p in ps if p[0] == g]))
+        reps.sort()
+        return reps[100], reps[3899]
+
+    a = pairs("train", "rewards")
+    line = next(x for x in out.splitlines() if x.startswith("(a) "))
+    assert f"on its {len(a)} training prompts ({len({g for g, _, _ in a})} games)" in line
+    before, after = statistics.fmean(b for _, b, _ in a), statistics.fmean(x for _, _, x in a)
+    assert f"{before:.3f} -> RWML {after:.3f}" in line
+    assert f"{diff(a):+.3f} [" in line
+    for kind in train.HELDOUT_KINDS:
+        line = next(x for x in out.splitlines() if x.startswith(f"(b) held-out {kind}"))
+        for key, label in (("rewards", "reward"), ("exact", "exact match")):
+            ps = pairs(kind, key)
+            found = re.search(rf"{label} ([+-][\d.]+) \[([+-][\d.]+), ([+-][\d.]+)\]", line)
+            assert float(found[1]) == round(diff(ps), 3)
+            lo, hi = ci(ps)
+            assert abs(float(found[2]) - lo) <= 0.03 and abs(float(found[3]) - hi) <= 0.03  # other draws
 
 
 def test_the_heldout_explore_set_is_played_once_then_reused(tiny_model, tmp_path, monkeypatch, capsys):

@@ -8,20 +8,21 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-READER = dict(rwml=660, reward=180, envs=460, train=800, eval=340)  # the reader's path, in lines
+READER = dict(rwml=660, reward=190, envs=460, train=800, eval=340)  # the reader's path, in lines
 READER_TOTAL = 2400
 # lines: any module, plumbing.py, all Python but tests / lab (issue 48 aims at 5,000, not reached: 5,704 at
-# 80cec84, 6,1xx after it with verl_reward.py; this ceiling stops the growth until a feature leaves)
-MODULE_MAX, PLUMBING_MAX, TOTAL_MAX = 800, 700, 6200
+# 80cec84, 6,3xx after it with verl_reward.py and stats.py (moved from lab/: train.py prints intervals); this
+# ceiling stops the growth until a feature leaves)
+MODULE_MAX, PLUMBING_MAX, TOTAL_MAX = 800, 700, 6400
 # Imports run down this list: a module imports only modules of the layers above its own, never one of its own
 # layer or of a later one. The bottom; the engine, the games' speed, the command line; the environment
 # interface (and ALFWorld), the reward, choose mode, plumbing; the other environments and the registry; the
 # method, the stages' bookkeeping, the bridges; the stages; evaluation.
-LAYERS = (("common", "cost"), ("engine", "gamepool", "cli"),
+LAYERS = (("common", "cost", "stats"), ("engine", "gamepool", "cli"),
           ("envs", "reward", "choose", "plumbing", "verl_reward"), ("worlds",), ("rwml", "runs", "bridges"),
           ("train",), ("eval",))
-SUPPORT = ("common", "cost", "engine", "gamepool", "cli", "choose", "plumbing", "worlds", "runs", "bridges",
-           "verl_reward")
+SUPPORT = ("common", "cost", "stats", "engine", "gamepool", "cli", "choose", "plumbing", "worlds", "runs",
+           "bridges", "verl_reward")
 LAB = ("reports", "bench", "lab")
 
 

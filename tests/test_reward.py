@@ -147,3 +147,18 @@ def test_verl_export_and_compute_score_reproduce_our_rewards(tiny_model, transit
     theirs = [compute_score(r["data_source"], x, t, r["extra_info"])
               for r, x, t in zip(rows, responses, truths)]
     assert theirs == ours and ours[:2] == [1.0, 1.0] and ours[3] == 0.0 and ours[4] == 1.0
+
+
+def test_the_rouge_gate_refuses_what_the_embedding_alone_passes():
+    """The authors' gate (issue 47): r = 1 needs d < tau_d AND ROUGE-1 F >= rouge_gate. A prediction that
+    changes a few words of a long observation passes a loose tau_d alone and is refused with the gate; the
+    exact text passes both; ROUGE-1 F is the clipped word overlap (here 2 of 3 words: 2/3)."""
+    from reward import rouge1
+
+    assert rouge1("a b c", "a b d") == pytest.approx(2 / 3) and rouge1("", "a") == 0.0
+    assert rouge1("You arrive at X.", "you ARRIVE at x") == 1.0  # case and punctuation do not count
+    real = "You arrive at countertop 1. On the countertop 1, you see a apple 2, a bread 1, and a knife 3."
+    wrong = "You arrive at countertop 1. On the countertop 1, you see a tomato 4, a cup 2, and a fork 1."
+    preds = [f"<next_state>{x}</next_state>" for x in (real, wrong)]
+    assert SimToRealReward(tau_d=0.5)(preds, [real, real]) == [1.0, 1.0]
+    assert SimToRealReward(tau_d=0.5, rouge_gate=0.9)(preds, [real, real]) == [1.0, 0.0]

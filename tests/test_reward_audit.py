@@ -19,8 +19,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def built():
-    """Pairs of 2 real ALFWorld valid_unseen games and 2 generated TextWorld test games (short walks)."""
-    games = ra.alfworld_observations(2, 0, 4) + ra.textworld_observations(2, 0, 4)
+    """Pairs of 2 real ALFWorld games and 2 generated TextWorld games per half (short walks): valid_seen and
+    dev games choose (the dev half), valid_unseen and test games only report."""
+    games = [g for half in ("dev", "test")
+             for g in ra.alfworld_observations(2, 0, 4, ra.SPLITS["alfworld"][half])
+             + ra.textworld_observations(2, 0, 4, ra.SPLITS["textworld"][half])]
     return games, ra.build_pairs(games, 0)
 
 
@@ -124,16 +127,31 @@ def test_every_label_holds_by_construction(built):
         assert all(kinds[env, k] for k in want), (env, kinds)
 
 
-def test_halves_split_by_game_and_the_set_is_deterministic(built):
+def test_the_dev_half_holds_only_dev_games_and_the_set_is_deterministic(built):
+    """Issue 47: the pairs that choose tau_d come from the dev split's games (ALFWorld valid_seen, TextWorld
+    dev), never a test game (valid_unseen, TextWorld test); the test half only reports."""
     games, pairs = built
-    for env in ("alfworld", "textworld"):
+    for env, dev, test in (("alfworld", "valid_seen", "valid_unseen"), ("textworld", "dev", "test")):
         halves = collections.defaultdict(set)
         for p in pairs:
             if p["env"] == env:
-                halves[p["half"]].add(p["game"])
+                halves[p["half"]].add((p["split"], p["game"]))
         assert halves["dev"] and halves["test"] and not halves["dev"] & halves["test"]
+        assert {s for s, _ in halves["dev"]} == {dev} and {s for s, _ in halves["test"]} == {test}
     assert ra.build_pairs(games, 0) == pairs
     assert ra.build_pairs(games, 1) != pairs
+
+
+def test_the_committed_pairs_that_choose_hold_no_test_game():
+    """The committed audit's dev half: valid_seen / TextWorld dev games only; no game of the held-out test
+    sets (envs.list_games("valid_unseen", ..., seed 0) and worlds' test games) among them."""
+    import envs
+
+    pairs = ra.read_pairs(str(ROOT / "lab" / "results" / "reward_audit" / "pairs.jsonl.gz"))
+    dev = {(p["env"], p["split"]) for p in pairs if p["half"] == "dev"}
+    assert dev == {("alfworld", "valid_seen"), ("textworld", "dev")}
+    test_games = {envs.game_id(g) for g in envs.list_games("valid_unseen", None, 0)}
+    assert not test_games & {p["game"] for p in pairs if p["half"] == "dev" and p["env"] == "alfworld"}
 
 
 def test_audit_runs_with_the_bundled_embedder(built, tmp_path, capsys):
@@ -144,8 +162,9 @@ def test_audit_runs_with_the_bundled_embedder(built, tmp_path, capsys):
     path.write_text("".join(json.dumps(p) + "\n" for p in few))
     ra.main(["audit", str(path), "--no-lengths", "--taus", "0.05,0.1"])
     out = capsys.readouterr().out
-    assert "rule (stated before looking): the largest tau_d" in out
-    assert "chosen tau_d (dev half, the rule above)" in out and "kinds no tau_d separates (alfworld)" in out
+    assert "rule (stated before looking): per reward form, the largest tau_d" in out
+    assert "chosen (dev half, the rule above)" in out and "kinds no tau_d separates (alfworld)" in out
+    assert "reward embedding AND ROUGE-1 F >= 0.9:" in out  # the authors' gate, audited beside
     assert "- object_number" in out and "verdict:" in out
 
 
@@ -183,29 +202,32 @@ def test_tau_d_and_the_cap_default_to_the_audits_per_environment(tmp_path):
     import worlds
 
     cfg = train.Settings()
-    assert (cfg.tau_d, cfg.max_completion_length) == (0.01, 64)
+    assert (cfg.tau_d, cfg.rouge_gate, cfg.max_completion_length) == (0.01, 0.9, 80)
     tw = train.Settings(env="textworld")
-    assert (tw.tau_d, tw.max_completion_length) == (0.02, 128)
+    assert (tw.tau_d, tw.rouge_gate, tw.max_completion_length) == (0.03, 0.0, 112)
     assert train.Settings(env="tau2").tau_d == 0.1
     assert train.Settings(env="textworld", tau_d=0.3, max_completion_length=32).tau_d == 0.3
     _, parsed = cli.parse_stage(["wm", "--env", "textworld", "--tau-d", "0.05"], train.STAGES, train.Settings)
-    assert (parsed.tau_d, parsed.max_completion_length) == (0.05, 128)
+    assert (parsed.tau_d, parsed.max_completion_length) == (0.05, 112)
     assert cli.parse_stage([], train.STAGES, train.Settings)[1].tau_d == 0.01
-    # the committed audit's choices and lengths: tau_d as chosen, the cap = 95th percentile + 10 %, to 16s
+    # the committed audit's choices and the dev half's lengths: tau_d and the reward's form as chosen, the
+    # cap = the dev half's 95th percentile + 10 %, to 16s
     text = (ROOT / "lab" / "results" / "reward_audit" / "audit.txt").read_text()
-    found = re.findall(r"(\w+): chosen tau_d ([\d.]+);", text)
-    assert {env for env, _ in found} == {"alfworld", "textworld"}
-    for env, tau in found:
-        p95 = int(re.search(rf"{env}\s+\d+ observations: .*?95th pct (\d+)", text)[1])
+    found = re.findall(r"(\w+): chosen tau_d ([\d.]+); reward (embedding(?: AND ROUGE-1 F >= ([\d.]+))?);",
+                       text)
+    assert {env for env, *_ in found} == {"alfworld", "textworld"}
+    for env, tau, _, gate in found:
+        p95 = int(re.search(rf"{env}\s+dev\s+\d+ observations: .*?95th pct (\d+)", text)[1])
         cap = 16 * math.ceil(p95 * 1.1 / 16)
         env_class = worlds.env_class(env)  # the one declaration of each environment's defaults
-        assert (env_class.tau_d, env_class.max_completion_length) == (float(tau), cap), env
+        assert (env_class.tau_d, env_class.rouge_gate, env_class.max_completion_length) == (
+            float(tau), float(gate or 0), cap), env
     trips = tmp_path / "tw" / "transitions.jsonl"
     trips.parent.mkdir()
     trips.write_text("")
     (trips.parent / "collect.json").write_text(json.dumps(dict(env="textworld", split="test")))
     wm = evaluate.with_env_defaults(evaluate.WMEvalConfig(transitions=str(trips)))
-    assert (wm.tau_d, wm.max_completion_length) == (0.02, 128)
+    assert (wm.tau_d, wm.rouge_gate, wm.max_completion_length) == (0.03, 0.0, 112)
     wm = evaluate.with_env_defaults(evaluate.WMEvalConfig(transitions=str(trips), tau_d=0.2))
     assert wm.tau_d == 0.2
     assert evaluate.with_env_defaults(evaluate.WMEvalConfig()).tau_d == 0.01

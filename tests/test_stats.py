@@ -1,4 +1,4 @@
-"""lab/stats.py on cases with known answers (issue 37 item 1; issue 47 item 6: the smallest detectable
+"""stats.py on cases with known answers (issue 37 item 1; issue 47 item 6: the smallest detectable
 difference from the CI's own resampling, power's t quantiles, verdicts that do not hang on the RNG seed)."""
 import random
 import sys
@@ -109,7 +109,7 @@ def test_power_uses_student_t_with_the_seeds_degrees_of_freedom(capsys):
 
 
 def test_a_ci_that_touches_0_is_borderline_and_zero_width_is_not():
-    """The verdict's rule (lab/stats.py verdict): a bound that is 0 within its Monte-Carlo error is
+    """The verdict's rule (stats.py verdict): a bound that is 0 within its Monte-Carlo error is
     "(borderline)"; a CI [0, 0] (no difference at all) is plain "no difference detected"; bounds without the
     replicate counts (a CI from elsewhere) are judged as they are."""
     units = list(range(20))

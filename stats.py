@@ -1,4 +1,5 @@
-"""Intervals and paired comparisons for the lab's tables (issue 37 item 1; issue 47 item 6).
+"""Support (skip on a first read): intervals and paired comparisons, for what `python train.py` prints and for
+the lab's tables (issue 37 item 1; issue 47 item 6). numpy and the standard library only.
 
 - `wilson(k, n)`: the 95 % Wilson score interval of one rate (one run).
 - `paired_bootstrap(a, b, units)`: the difference of two arms' mean outcomes on the same items (triplets or
@@ -131,7 +132,7 @@ NO_DATA = "no data (nothing to compare)"
 RULE = ("verdict: \"holds\" only where the CI excludes 0 by more than its Monte-Carlo error (the count of "
         "replicates on the far side of 0 below 2.5 % by more than 2.576 sd), \"(borderline)\" where a bound "
         "is 0 within that error; could detect: (z 0.975 + z 0.8) x the sd of the same replicates (80 % "
-        "power, two-sided 5 %); lab/stats.py")
+        "power, two-sided 5 %); stats.py")
 COUNTS = ("below_0", "at_most_0", "at_least_0", "above_0")
 
 
