@@ -10,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/recipe_dev}
+OUT=${OUT#"$PWD/"}  # under the repo: relative, as the results record it
 SPLIT=${SPLIT:-valid_seen}
 HELD_GAMES=${HELD_GAMES:-20}
 HELDOUT=${HELDOUT:-96}
