@@ -3,6 +3,7 @@
 # filter variants (each its own warm-up split and kept triplets), then RWML recipes from a variant's warm-up;
 # every arm scored on (a) its own training prompts (the variant's kept.jsonl) and (b) held-out valid_seen games.
 #   RECIPES="name=filter:flags;..." FILTERS="name=flags;..." SEEDS="0" bash lab/recipe_dev.sh
+# A recipe's flags may start with @SCRIPT, run instead of train.py (e.g. "flip=mixed:@lab/flipped_sign.py").
 # Arms: warm-up of each filter variant (the `before`), and each recipe's RWML adapter. Scores: eval.py wm,
 # greedy by default (EVAL_SAMPLES), on every kept triplet (a) and HELDOUT triplets of each held-out kind (b).
 # Jobs go JOBS at a time (jobs.sh); logs in $OUT/logs/; reruns keep what is done. Table: lab/recipe_report.py.
@@ -59,9 +60,10 @@ $d/filter_$fn/kept.jsonl --adapter $d/filter_$fn/warmup_adapter --seed $s")
     for r in "${recipes[@]}"; do
         [ -n "${r// }" ] || continue
         rn=${r%%=*} rest=${r#*=}
-        fn=${rest%%:*} flags=${rest#*:}
+        fn=${rest%%:*} flags=${rest#*:} script=train.py
+        if [[ $flags == @* ]]; then script=${flags%% *} script=${script#@}; flags=${flags#@"$script"}; fi
         ff=$(for f in "${filters[@]}"; do [ "${f%%=*}" != "$fn" ] || echo "${f#*=}"; done)
-        train+=("rwml${s}_$rn after filter${s}_$fn; [ -f $d/$rn/adapter/adapter_config.json ] || $PY train.py wm \
+        train+=("rwml${s}_$rn after filter${s}_$fn; [ -f $d/$rn/adapter/adapter_config.json ] || $PY $script wm \
 --transitions $d/collect/transitions.jsonl --seed $s $ff --filter-dir $d/filter_$fn $flags --out $d/$rn --resume")
         evals+=("eval${s}_$rn after rwml${s}_$rn held_explore held_purposeful; score $d/eval/$rn \
 $d/filter_$fn/kept.jsonl --adapter $d/$rn/adapter --seed $s")
