@@ -578,6 +578,7 @@ def tau2_summary(r: dict, seeds: int) -> str:
 
 # ============================================================================ the registry
 ENVIRONMENTS = dict(alfworld=envs.Alfworld, textworld=TextWorld, tau2=Tau2)  # `--env` and a triplet's `env`
+ENV_DEFAULTS = ("tau_d", "max_completion_length")  # the settings an environment's class gives where unset
 
 
 def env_class(name: str):
