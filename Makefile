@@ -5,25 +5,34 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export ALFWORLD_DATA ?= $(HOME)/.cache/alfworld
 export HF_HUB_OFFLINE ?= 1
+# TORCH=cpu (`make setup TORCH=cpu`, on a fresh .venv): PyTorch's CPU build from its own index, for a machine
+# without an NVIDIA GPU (a laptop); unset (the default, for GPU machines): PyPI's torch, on Linux the CUDA
+# build with its nvidia-* wheels, several GB.
+TORCH ?=
+TORCH_INDEX := $(if $(filter cpu,$(TORCH)),--index-url https://download.pytorch.org/whl/cpu,$(if $(TORCH),$(error TORCH=$(TORCH): set TORCH=cpu or leave it unset)))
 
 .PHONY: setup data train test sanity bench gpu-check arms agent-sanity clean
 
 setup: $(VENV)/.installed
 
-# torch first and alone: with it pinned on its own pip takes the local CPU build where there is one;
-# then the lock file with --no-deps, so exactly the pinned set is installed.
+# torch first and alone, with its own dependencies (TORCH=cpu: from PyTorch's CPU index); then the lock file
+# with --no-deps, so exactly the pinned set is installed (torch==2.13.0 is there already: 2.13.0+cpu counts).
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(TORCH_INDEX)
 	$(PY) -m pip install -q --no-deps -r requirements.txt
 	touch $@
 
 # ALFWorld's game files: $$ALFWORLD_DATA/json_2.1.1 if present, else an archive named by
-# ALFWORLD_ARCHIVE, else alfworld's own downloader (needs internet).
+# ALFWORLD_ARCHIVE, else alfworld's own downloader (needs internet), its progress shown: first what it fetches,
+# then a bar per file with its size (redrawn at most every 10 s), a line when each ends.
 data: setup
 	@if [ -d "$$ALFWORLD_DATA/json_2.1.1" ]; then echo "ALFWorld data: $$ALFWORLD_DATA/json_2.1.1"; \
 	elif [ -n "$$ALFWORLD_ARCHIVE" ]; then mkdir -p "$$ALFWORLD_DATA" && tar -xJf "$$ALFWORLD_ARCHIVE" -C "$$ALFWORLD_DATA"; \
-	elif timeout 900 $(VENV)/bin/alfworld-download --data-dir "$$ALFWORLD_DATA" >/dev/null 2>&1 \
+	elif echo "ALFWorld data: downloading into $$ALFWORLD_DATA with alfworld-download (GitHub releases of" \
+	     "alfworld/alfworld): 4 steps, each downloaded then unpacked: the games' json, their pddl, their" \
+	     "TextWorld pddl, a detector checkpoint; each bar shows its size; up to 15 min" \
+	     && TQDM_MININTERVAL=10 timeout 900 $(VENV)/bin/alfworld-download --data-dir "$$ALFWORLD_DATA" 2>&1 \
 	     && [ -d "$$ALFWORLD_DATA/json_2.1.1" ]; then echo "ALFWorld data downloaded to $$ALFWORLD_DATA"; \
 	else echo "error: no ALFWorld data in $$ALFWORLD_DATA/json_2.1.1 and alfworld-download failed; set ALFWORLD_DATA to a folder holding json_2.1.1/, or ALFWORLD_ARCHIVE=path/to/json_2.1.1_all.tar.xz" >&2; exit 2; fi
 

@@ -22,8 +22,8 @@ from tqdm.auto import tqdm
 import cost
 import engine
 from common import UserError, arg, write_atomic, write_jsonl
-from plumbing import (PROMPT_TAIL, TRIPLETS_KEPT, check_settings, filter_dir, group_table, plot_rewards,
-                      process_state, run_header, save_adapter)
+from plumbing import (PROMPT_TAIL, TRIPLETS_KEPT, card_folder, check_settings, config_json, filter_dir,
+                      group_table, plot_rewards, process_state, run_header, save_adapter)
 from reward import BUNDLED_EMBEDDER, parse_next_state
 
 
@@ -67,6 +67,7 @@ def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: P
     the peft model."""
     from datasets import Dataset
     from peft import PeftModel
+    from transformers import TrainerCallback
     from transformers.trainer_utils import get_last_checkpoint
     from trl import GRPOConfig, GRPOTrainer
 
@@ -90,7 +91,7 @@ def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: P
         check_settings(cfg, out)
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+        write_atomic(out / "config.json", config_json(cfg))
     chats = [wm(t, cfg.wm_reasoning) for t in triplets]  # (system prompt, prompt, reply prefix, stop)
     prefix, stop = chats[0][2:]
     model, tok = load()
@@ -145,8 +146,15 @@ def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: P
     if state.is_main_process:
         print(run_header(model, cfg, f"wm (trl, {n} processes): RWML GRPO on {len(triplets)} triplets",
                          f"{cfg.prompts_per_step} prompts", start))
+    class Cards(TrainerCallback):  # TRL's checkpoint gets our card (peft's template named the local cache)
+        def on_save(self, args, state, control, **_):
+            (trl_dir / "README.md").unlink(missing_ok=True)  # TRL's card of its folder: ours is in adapter/
+            if state.is_world_process_zero and (ckpt := trl_dir / f"checkpoint-{state.global_step}").is_dir():
+                card_folder(ckpt, extra=[f"TRL's checkpoint at step {state.global_step}: `--resume` "
+                                         "continues from it; the finished adapter: ../../adapter"])
+
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
-                          processing_class=tok)
+                          processing_class=tok, callbacks=[Cards()])
     trainer.train(resume_from_checkpoint=last)
     model = trainer.model
     if state.is_main_process:

@@ -67,9 +67,10 @@ _UNSET = object()  # a setting no flag gave
 
 
 def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None, shown=None,
-                 description: str | None = None, unread=None):
+                 description: str | None = None, unread=None, settle=None):
     """`cls` from flags and a --config file (defaults < file < flags), and the positional arguments;
-    --help shows `shown` (all are accepted); `unread(name)`: the warning for a flag outside `shown`."""
+    --help shows `shown` (all are accepted); `unread(name)`: the warning for a flag outside `shown`;
+    `settle(cfg, given)`: the settings completed from those given (flags and file keys) and the inputs."""
     p = _Parser(cls, shown, prog=prog, description=description,
                 usage=" ".join([prog, *(n.upper() for n in positional or {}), "[flags]"]))
     for name, kw in (positional or {}).items():
@@ -84,7 +85,9 @@ def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None
     for k in typed if unread else ():
         if k not in shown:
             print(unread(k), file=sys.stderr)  # a typed flag this command does not read (a file may hold any)
-    return cls(**values | typed), {k: v for k, v in vars(args).items() if k not in known and k != "config"}
+    cfg = cls(**values | typed)
+    return (settle(cfg, set(values) | set(typed)) if settle else cfg), {
+        k: v for k, v in vars(args).items() if k not in known and k != "config"}
 
 
 def read_config(path: str, cls, prog: str) -> dict:
@@ -146,9 +149,10 @@ def resume_free(cfg) -> set[str]:
     return {f.name for f in dataclasses.fields(cfg) if f.metadata.get("resume_free")}
 
 
-def parse_stage(argv: list[str], stages: dict, cls):
+def parse_stage(argv: list[str], stages: dict, cls, settle=None):
     """`train.py [STAGE] [flags]`: the stage (default all) and its settings, a `cls`; `stages`: name -> (its
-    --help line, the setting groups it reads). --help lists the stages; `STAGE --help`, what it reads."""
+    --help line, the setting groups it reads). --help lists the stages; `STAGE --help`, what it reads.
+    `settle(stage, cfg, given)`: the settings completed from those given and the stage's inputs."""
     if argv[:1] in (["-h"], ["--help"]):
         commands_help("train.py", {k: v[0] for k, v in stages.items()}, "STAGE", "without a stage: all.\n"
                       "`train.py STAGE --help`: the flags that stage reads (each also a key of a --config "
@@ -165,7 +169,8 @@ def parse_stage(argv: list[str], stages: dict, cls):
                 + (f"it is read by {', '.join(readers)}" if readers else "no stage reads it")
                 + f" (train.py {stage} --help lists the flags `{stage}` reads)")
     cfg, _ = parse_config(cls, argv[1:] if argv and argv[0] == stage else argv, prog=f"train.py {stage}",
-                          shown=reads[stage], description=stages[stage][0], unread=unread)
+                          shown=reads[stage], description=stages[stage][0], unread=unread,
+                          settle=settle and (lambda cfg, given: settle(stage, cfg, given)))
     return stage, cfg
 
 

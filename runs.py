@@ -1,7 +1,8 @@
 """Support (skip on a first read): a run's bookkeeping under train.py's stages, none of it the method: the
-settings a stage needs together, checked before anything slow (`check_stage`); the games it plays; a
-collection that continues where it stopped (collect.json, finished episodes); the filter's cache and the
-held-out explore set's cache, reused by runs of the same settings.
+--out lock; the settings a stage needs together, checked before anything slow (`check_stage`), and those it
+takes from its triplets (`settle_env`: their environment); the games it plays; a collection that continues
+where it stopped (collect.json, finished episodes); the filter's cache and the held-out explore set's cache
+(checked whole before use), reused by runs of the same settings; eval.py agent's random policy and log.
 
 Imports the bottom, the engine, plumbing and the environments, never the method (rwml, reward) or train.py.
 """
@@ -10,11 +11,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,8 +29,60 @@ import engine
 import envs
 import worlds
 from common import UserError, file_problem, read_jsonl, write_atomic, write_jsonl
-from plumbing import PROMPT_TAIL, group_table, jsonl_writer, read_transitions, run_header, sample_triplets
+from plumbing import (PROMPT_TAIL, check_resume, group_table, jsonl_writer, read_transitions, run_header,
+                      sample_triplets)
 from reward import parse_next_state
+
+# ------------------------------------------------------------- the --out lock: one run at a time in a folder
+
+_LOCKS: dict[str, int] = {}  # --out folder -> the descriptor of its lock, held by this process (claim_out)
+
+
+def claim_out(cfg, out: Path, stage: str) -> None:
+    """One run at a time in an --out (a flock on <out>/.lock till the process ends); --resume's checks."""
+    key = str(out.resolve())
+    if os.environ.get("RANK", "0") == "0" and key not in _LOCKS:  # accelerate launch: the main process's
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a folder, or no permission
+            raise UserError(f"cannot open the run lock {out / '.lock'} ({e.strerror}); remove it (it holds "
+                            "only the pid of the run using the folder), or use another --out") from None
+        for tries in range(41):  # a run killed a moment ago: its game workers hold its lock until they end
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:  # BlockingIOError: another process holds it
+                pid = os.pread(fd, 20, 0).decode(errors="replace").strip() or "?"
+                if tries == 40 or Path(f"/proc/{pid}").exists():  # its writer still runs
+                    os.close(fd)
+                    raise UserError(f"another run is using {out} (pid {pid}); wait for it to end, or use "
+                                    "another --out") from None
+                time.sleep(0.05)
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        _LOCKS[key] = fd
+    if stage in ("wm", "policy", "all"):  # the other trainer's run (finished or not) is never overwritten
+        other, pattern = ("trl", "trl/checkpoint-*") if cfg.trainer == "ours" else ("ours", "checkpoint*")
+        if found := next(out.glob(pattern), None):
+            raise UserError(f"{out} holds a run of --trainer {other} ({found}), which --trainer "
+                            f"{cfg.trainer} cannot continue; use another --out")
+    if stage in ("wm", "policy", "all") and cfg.trainer == "ours":
+        check_resume(cfg, out, "policy" if stage == "policy" else "wm", cfg.resume or stage == "all")
+
+
+def releases_locks(fn):
+    """`fn` gives back the --out locks it took, however it ends (tests run stages one after another)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        before = set(_LOCKS)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for key in set(_LOCKS) - before:
+                os.close(_LOCKS.pop(key))
+    return wrapper
+
 
 # ------------------------------------------------------------------------- the stages' settings, together
 
@@ -68,6 +125,8 @@ def check_stage(cfg, stage: str) -> None:
         if stage == "export" and (path := Path(cfg.out) / name).is_dir():
             raise UserError(f"export writes the file {path}, which is a folder; remove it or use another "
                             "--out")
+    if stage in ("collect", "policy", "rft") and cfg.env == "alfworld":
+        split_games(cfg)  # ALFWorld's data there, the split and --num-games: before --out or a cost line
     dict(policy=check_init, all=check_heldout).get(stage, lambda cfg: None)(cfg)
 
 NO_TRL = ("shared_prompt_forward", "logits_chunk_size", "micro_batch_tokens")  # our speed-ups TRL lacks
@@ -107,11 +166,54 @@ def split_games(cfg) -> list:
                         cfg.domain, (cfg.world_size, cfg.nb_objects, cfg.quest_length))
 
 
+TRIPLET_STAGES = ("wm-sft", "filter", "wm", "export")  # the stages that take a collection's triplets
+
+
+def settle_env(stage: str, cfg, given: set):
+    """A stage that takes triplets takes their environment and, unless given, its world-model defaults
+    (`worlds.ENV_DEFAULTS`: tau_d, the cap); a given --env that disagrees with them is refused."""
+    if stage not in TRIPLET_STAGES or not (env := triplets_env(cfg.transitions)):
+        return cfg  # no triplet reads: read_transitions says why
+    if "env" in given and cfg.env != env:
+        raise UserError(f"--env {cfg.env} disagrees with --transitions {cfg.transitions}, whose triplets are "
+                        f"{env}'s; leave --env out (a stage that takes triplets takes theirs) or give "
+                        f"{cfg.env} triplets")
+    if stage == "wm" and cfg.eval_transitions and (
+            held := triplets_env(cfg.eval_transitions, "--eval-transitions")) not in (None, env):
+        raise UserError(f"--eval-transitions {cfg.eval_transitions} holds {held} triplets, --transitions "
+                        f"{env} ones; the learning curve scores the run's environment: give held-out {env} "
+                        "triplets")
+    return dataclasses.replace(cfg, env=env, **{k: None for k in worlds.ENV_DEFAULTS if k not in given})
+
+
+def triplets_env(path: str | None, flag: str = "--transitions") -> str | None:
+    """The environment a transitions file's triplets were collected in (each one's `env`, absent:
+    alfworld), checked against collect.json's beside it; a file that mixes them is refused in one line;
+    None where no triplet reads (read_transitions says why)."""
+    found = {}  # env -> its first line
+    with contextlib.suppress(OSError, UnicodeDecodeError, TypeError):
+        for n, line in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), 1):
+            with contextlib.suppress(ValueError, AttributeError):
+                env = json.loads(line).get("env", "alfworld")
+                if isinstance(env, str) and env in worlds.ENVIRONMENTS:  # else a line read_transitions names
+                    found.setdefault(env, n)
+    if len(found) > 1:
+        lines = ", ".join(f"{e} from line {n}" for e, n in found.items())
+        raise UserError(f"{flag} {path} mixes environments ({lines}); a run's reward threshold and cap are "
+                        "one environment's: give the triplets of one")
+    env = next(iter(found), None)
+    meta = Path(path).with_name("collect.json") if env else None
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no collect.json, or none to read
+        if meta and (named := json.loads(meta.read_text(encoding="utf-8")).get("env", env)) != env:
+            raise UserError(f"{meta} names env {json.dumps(named)[:40]}, but the triplets of {path} are "
+                            f"{env}'s; fix or delete {meta} (its collection's settings)")
+    return env
+
+
 def stage_inputs(cfg, stage: str, problem) -> tuple[list[dict] | None, list[dict] | None]:
     """The triplets a stage trains on and, for `wm --eval-steps`, its held-out ones, read before it starts,
     each checked (`problem(triplet)`: train.triplet_problem)."""
-    trips = (read_transitions(cfg.transitions, problem)
-             if stage in ("wm-sft", "filter", "wm", "export") else None)
+    trips = read_transitions(cfg.transitions, problem) if stage in TRIPLET_STAGES else None
     if stage != "wm" or cfg.trainer != "ours" or not cfg.eval_steps:
         return trips, None
     if not cfg.eval_transitions:
@@ -160,6 +262,17 @@ def collection_todo(cfg, out: Path, games: list) -> tuple[list[dict], int]:
     print(f"collect: {len(games)} {cfg.split} games x {cfg.rollouts_per_game} rollouts; {len(finished)} "
           f"episodes already done, {len(todo)} to play -> {transitions}")
     return todo, len(finished)
+
+
+def collection_summary(cfg, out: Path) -> None:
+    eps, trips = read_jsonl(out / "episodes.jsonl"), read_jsonl(out / "transitions.jsonl")
+    n, own = max(len(trips), 1), [t for t in trips if not t.get("explored")]
+    print(f"collect: {len(trips)} triplets from {len(eps)} episodes ({len(trips) - len(own)} explored "
+          f"turns); success {sum(e['won'] for e in eps)}/{len(eps)}, "
+          f"valid actions {sum(t['valid'] for t in trips) / n:.1%}, the model's own replies "
+          f"well formed {sum(t['format_ok'] for t in own) / max(len(own), 1):.1%}")
+    if cfg.env == "alfworld":
+        print("collect: next observations by kind: " + kind_mix(trips))
 
 
 def collect_meta(meta: Path) -> dict | None:
@@ -234,25 +347,55 @@ def heldout_key(cfg) -> str:
 
 def cached_heldout(cfg, out: Path, load, collect) -> Path:
     """The held-out explore collection, played once per `heldout_key` and copied from $RWML_CACHE/heldout
-    after that (settings and seed are the same for every run: replaying costs minutes, changes nothing)."""
+    after that (settings and seed are the same for every run: replaying costs minutes, changes nothing). An
+    entry is copied only whole, its files as its sha256.json says; a damaged one is played again, replaced."""
     cache = engine.MODEL_CACHE / "heldout" / heldout_key(cfg)
     fresh = not (out / "transitions.jsonl").exists()  # a resumed collection draws other samples: not cached
-    if fresh and all((cache / f).is_file() for f in HELDOUT_FILES):
-        out.mkdir(parents=True, exist_ok=True)
-        for f in HELDOUT_FILES:
-            shutil.copyfile(cache / f, out / f)
-        print(f"collect: reused the held-out explore triplets from {cache} (the same settings, games, model "
-              "and code played them before; delete the folder to play them again)")
+    if fresh and cache.exists():
+        files, why = heldout_entry(cache)
+        if files:
+            out.mkdir(parents=True, exist_ok=True)
+            for name, data in files.items():
+                write_atomic(out / name, data)
+            print(f"collect: reused the held-out explore triplets from {cache} (the same settings, games, "
+                  "model and code played them before; delete the folder to play them again)")
+        else:
+            print(f"collect: the cached held-out set {cache} is not whole ({why}); playing it again to "
+                  "replace it")
+            with contextlib.suppress(OSError):  # aside first: no reader sees half a folder
+                os.replace(cache, aside := cache.with_name(f"{cache.name}.{os.getpid()}.damaged"))
+                shutil.rmtree(aside, ignore_errors=True)
     path = collect(cfg, out, load)
     if fresh and not cache.exists():
         tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
         with contextlib.suppress(OSError):  # a read-only cache only costs the next run the collection
             tmp.mkdir(parents=True, exist_ok=True)
-            for f in HELDOUT_FILES:
-                shutil.copyfile(out / f, tmp / f)
+            files = {name: (out / name).read_bytes() for name in HELDOUT_FILES}
+            for name, data in files.items():
+                (tmp / name).write_bytes(data)
+            write_atomic(tmp / "sha256.json", json.dumps({n: _sha(d) for n, d in files.items()}, indent=2))
             os.replace(tmp, cache)  # whole or not at all
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def heldout_entry(cache: Path) -> tuple[dict[str, bytes] | None, str]:
+    """A held-out cache entry's files, each as the sha256.json written with them says; or (None, why not)."""
+    try:
+        sums, files = json.loads((cache / "sha256.json").read_text()), {}
+        for name in HELDOUT_FILES:
+            if _sha(data := (cache / name).read_bytes()) != sums.get(name):
+                return None, f"{name} differs from the file written (cut or edited)"
+            files[name] = data
+        return files, ""
+    except OSError as e:
+        return None, f"{Path(e.filename or 'sha256.json').name} is missing or unreadable ({e.strerror})"
+    except (ValueError, AttributeError):  # sha256.json cut, or not an object
+        return None, "sha256.json is damaged"
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 # ----------------------------------------------------------------------------- what a stage logs and prints
@@ -280,7 +423,26 @@ def telling(load, cfg):
     return load_and_tell
 
 
-# ----------------------------------------------------- eval.py agent's episode log: an evaluation resumes
+# ------------------------------------ eval.py agent: the random policy's settings, an evaluation that resumes
+
+RANDOM_UNUSED = ("model", "adapter", "temperature", "top_p", "max_new_tokens", "action_mode", "sampled",
+                 "history_len")  # what `--policy random` (a uniform admissible command) never reads
+
+
+def random_policy(cfg, given: set):
+    """eval.py agent's settings: with --policy random, those of a model it never loads, given, are warned."""
+    if cfg.policy == "random" and (unused := [k for k in RANDOM_UNUSED if k in given]):
+        print(f"warning: --policy random plays a uniform admissible command, with no model: "
+              f"{', '.join('--' + k.replace('_', '-') for k in unused)} not used (recorded as null)",
+              file=sys.stderr)
+    return cfg
+
+
+def recorded(cfg) -> dict:
+    """eval.py agent's settings as its result and episode log record them: --policy random's unused, null."""
+    return dataclasses.asdict(cfg) | (dict.fromkeys(RANDOM_UNUSED) if cfg.policy == "random" else {})
+
+
 
 def finished_episodes(path: Path, job: dict) -> dict[tuple, dict]:
     """An interrupted evaluation's finished episodes by (split, seed, game), if its log's job is `job`."""
@@ -300,17 +462,6 @@ def episode_log(path: Path, job: dict, done: dict):
     write_jsonl(path, [dict(job=job), *done.values()], default=str)
     with open(path, "a") as f:
         yield jsonl_writer(f)
-
-
-def collection_summary(cfg, out: Path) -> None:
-    eps, trips = read_jsonl(out / "episodes.jsonl"), read_jsonl(out / "transitions.jsonl")
-    n, own = max(len(trips), 1), [t for t in trips if not t.get("explored")]
-    print(f"collect: {len(trips)} triplets from {len(eps)} episodes ({len(trips) - len(own)} explored "
-          f"turns); success {sum(e['won'] for e in eps)}/{len(eps)}, "
-          f"valid actions {sum(t['valid'] for t in trips) / n:.1%}, the model's own replies "
-          f"well formed {sum(t['format_ok'] for t in own) / max(len(own), 1):.1%}")
-    if cfg.env == "alfworld":
-        print("collect: next observations by kind: " + kind_mix(trips))
 
 
 def walkthroughs(cfg, out: Path, games: list) -> Path:

@@ -36,14 +36,14 @@ import stats
 import worlds
 from cli import parse_stage, run_cli
 from common import RERUN, UserError, arg, read_jsonl, write_atomic, write_jsonl
-from plumbing import (CONTROLS, TRIPLETS_KEPT, card_run, check_run, claim_out, close_tracker,
-                      context_problem, filter_dir, jsonl_writer, keep_rng, log_row, plot_rewards,
-                      releases_locks, run_header, sample_triplets, save_adapter, save_checkpoint, start_run,
-                      swap_checkpoint, use_4bit, write_card, write_eval)
+from plumbing import (CONTROLS, TRIPLETS_KEPT, card_run, check_run, close_tracker, config_json,
+                      context_problem, filter_dir, jsonl_writer, keep_rng, log_row, plot_rewards, run_header,
+                      sample_triplets, save_adapter, save_checkpoint, start_run, swap_checkpoint, use_4bit,
+                      write_card, write_eval)
 from reward import SimToRealReward, coin_reward, mis_targets
-from runs import (cached_heldout, check_stage, collection_summary, collection_todo, filter_cache, kind_mix,
-                  log_groups, policy_eval_games, save_filter, split_games, stage_inputs, telling,
-                  walkthroughs, wm_row)
+from runs import (cached_heldout, check_stage, claim_out, collection_summary, collection_todo, filter_cache,
+                  kind_mix, log_groups, policy_eval_games, releases_locks, save_filter, settle_env,
+                  split_games, stage_inputs, telling, walkthroughs, wm_row)
 
 # ----------------------------------------------------------------- the settings: what a user sets, once each
 # Defaults: the small-model recipe that shows RWML learning on the bundled 135M model on a CPU; departures
@@ -183,7 +183,7 @@ class Settings(ModelArgs, AdapterArgs, PlayArgs, worlds.WorldArgs, rwml.Sampling
     """Every setting of every stage: what `train.py` parses (a stage reads its groups, `STAGES`)."""
 
     def __post_init__(self):  # unset: the environment's, from its class (an unknown --env: check_fields)
-        for name in ("tau_d", "rouge_gate", "max_completion_length"):
+        for name in worlds.ENV_DEFAULTS:
             if getattr(self, name) is None and self.env in worlds.ENVIRONMENTS:
                 setattr(self, name, getattr(worlds.ENVIRONMENTS[self.env], name))
 
@@ -582,11 +582,15 @@ def _f1(r: dict) -> str:
 
 
 def all_summary(cfg, out: Path, lines: list[str], kept: int, start, t0: float) -> None:
-    """`all`'s end: the adapter's card with the held-out lines, and those lines, its time and its folder."""
+    """`all`'s end: the adapter's card (the held-out lines, the template rule's beside), and those lines, its
+    time and its folder."""
+    rule = {k: json.loads((out / f"wm_eval_template_{k}.json").read_text())["wm_accuracy"]
+            for k in HELDOUT_KINDS}
     write_card(out / "adapter", cfg, "all", data={TRIPLETS_KEPT: kept},
-               heldout=[f"held-out ({cfg.heldout_split}, {cfg.heldout_games} games), before = "
-                        f"{'the warm-up' if start else 'the base model'}: {line}" for line in lines],
-               bundled=cfg.model == engine.BUNDLED_MODEL)
+               bundled=cfg.model == engine.BUNDLED_MODEL,
+               heldout=[f"held-out {k} ({cfg.heldout_split}, {cfg.heldout_games} games), before = "
+                        f"{'the warm-up' if start else 'the base model'}: the content-free template rule "
+                        f"{rule[k]:.3f}, {line.split(': ', 1)[1]}" for k, line in zip(HELDOUT_KINDS, lines)])
     plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")  # + before / after
     print("\n".join(lines) + f"\n{(time.time() - t0) / 60:.1f} min -> {out} (per-triplet outputs: "
           f"{out}/wm_eval_*.triplets.jsonl)")
@@ -720,7 +724,7 @@ def sft_adapter(cfg, model, tok, prompts: list[str], answers: list[str], system:
                             epochs=epochs or cfg.sft_epochs, lr=lr or cfg.sft_learning_rate,
                             batch_size=batch_size, seed=cfg.seed, shuffle=shuffle)
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    write_atomic(out / "config.json", config_json(cfg))
     write_atomic(out / "sft.json", json.dumps(dict(losses=losses, **info), indent=2))
     return model, losses, save_adapter(model, out, cfg=cfg, data=data)
 
@@ -729,12 +733,12 @@ def sft_adapter(cfg, model, tok, prompts: list[str], answers: list[str], system:
 
 @releases_locks
 def main(argv: list[str] | None = None) -> None:
-    stage, cfg = parse_stage(sys.argv[1:] if argv is None else argv, STAGES, Settings)
+    stage, cfg = parse_stage(sys.argv[1:] if argv is None else argv, STAGES, Settings, settle_env)
     out, t0 = Path(cfg.out), time.time()
     check_run(cfg, lambda cfg: check_stage(cfg, stage))  # before anything slow
     trips, curve = stage_inputs(cfg, stage, triplet_problem(cfg))  # it trains on, (wm --eval-steps) scores
     claim_out(cfg, out, stage)  # the --out lock, and --resume's checks
-    with cost.run(out):  # at the end: the cost line, and out/cost.json
+    with cost.run(out, since=t0):  # at the end: the cost line (from t0: the checks too), and out/cost.json
         run_stage(stage, cfg, out, t0, trips, curve)
 
 

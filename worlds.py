@@ -578,6 +578,8 @@ def tau2_summary(r: dict, seeds: int) -> str:
 
 # ============================================================================ the registry
 ENVIRONMENTS = dict(alfworld=envs.Alfworld, textworld=TextWorld, tau2=Tau2)  # `--env` and a triplet's `env`
+# the settings an environment's class gives where unset
+ENV_DEFAULTS = ("tau_d", "rouge_gate", "max_completion_length")
 
 
 def env_class(name: str):

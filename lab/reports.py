@@ -236,6 +236,7 @@ def report_plots(runs: list[dict], stem: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     written = []
     # the training reward: rows that have one (an --eval-on-start run's step-0 row holds only its evaluation)
@@ -246,6 +247,7 @@ def report_plots(runs: list[dict], stem: Path) -> list[Path]:
             ax.plot([x["step"] for x in rows], [x["reward"] for x in rows], marker=".", label=name)
         ax.set(xlabel="optimizer step", ylabel="mean reward", title="training reward per step",
                ylim=(-0.02, 1.02))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
         ax.legend(fontsize=7, loc="best")
         fig.tight_layout()
         written.append(stem.with_name(stem.name + "_rewards.png"))
@@ -259,7 +261,9 @@ def report_plots(runs: list[dict], stem: Path) -> list[Path]:
                                             (OOD_SPLIT, "OOD (valid_unseen)"))):
             vals = [100 * r["splits"].get(split, {}).get("success_rate", 0.0) for r in evaluated]
             errs = [100 * r["splits"].get(split, {}).get("success_rate_std", 0.0) for r in evaluated]
-            ax.bar([i + (k - 0.5) * 0.4 for i in x], vals, 0.4, yerr=errs, capsize=3, label=label)
+            low, high = clipped_band(vals, errs, 100)  # a rate's bar never below 0 % nor above 100 %
+            ax.bar([i + (k - 0.5) * 0.4 for i in x], vals, 0.4, capsize=3, label=label,
+                   yerr=[[v - lo for v, lo in zip(vals, low)], [h - v for v, h in zip(vals, high)]])
         ax.set_xticks(list(x), [r["name"] for r in evaluated], rotation=30, ha="right", fontsize=7)
         ax.set(ylabel="success (%)", title="ALFWorld success by arm", ylim=(0, 100))
         ax.legend(fontsize=7)
@@ -712,6 +716,7 @@ def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], png: Path, *, 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for i, (name, cs) in enumerate(curves.items()):
@@ -733,6 +738,7 @@ def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], png: Path, *, 
         ax.plot(steps, mean, color=color, lw=2, marker="o", ms=4, label=label)
         ax.fill_between(steps, low, high, color=color, alpha=0.15, lw=0)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     ax.title.set_fontsize(9)
     ax.legend(fontsize=7)
     fig.tight_layout()

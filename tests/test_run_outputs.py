@@ -126,7 +126,7 @@ def test_card_of_stage_2_and_of_all_says_held_out_before_and_after(tmp_path):
     card = (folder / "README.md").read_text()
     assert ("# policy RL: multi-turn GRPO on task success (stage 2, METHOD.md §6), "
             "from rwml (runs/wm/adapter)" in card and "- data: train games (alfworld): 5" in card)
-    assert "held-out success (greedy, 10 games) by step: 0: 0.100, 2: 0.300" in card
+    assert "held-out success (greedy, 10 games) at step 2: 0.300; by step: 0: 0.100, 2: 0.300" in card
     assert "base_model: org/model" in card and "Q4_1" not in card
     plumbing.write_card(folder, train.Settings(reward_control="coin"), "all", data={train.TRIPLETS_KEPT: 7},
                      heldout=["explore: world-model accuracy 0.100 -> 0.200 (48 triplets)"], bundled=True)

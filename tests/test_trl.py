@@ -60,6 +60,11 @@ def test_trl_wm_from_the_warmup_saves_an_adapter_eval_reads(tiny_model, transiti
     assert warm.keys() == trained.keys() and any((warm[k] != trained[k]).any() for k in warm)
     card = (out / "adapter" / "README.md").read_text()  # our card, as our trainer's: the query snippet too
     assert "in TRL's GRPOTrainer" in card and "## Query this world model" in card
+    # issue 50.4: TRL's checkpoint holds our card, not peft's template naming the local model as base_model
+    assert not (out / "trl" / "README.md").exists()
+    checkpoint = (out / "trl" / "checkpoint-2" / "README.md").read_text()
+    assert "TRL's checkpoint at step 2: `--resume` continues from it" in checkpoint
+    assert "in TRL's GRPOTrainer" in checkpoint and tiny_model not in checkpoint
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), out / "adapter")
     assert any("lora_A" in n for n, _ in model.named_parameters())
     evaluate.main(["wm", "--model", tiny_model, "--adapter", str(out / "adapter"), "--transitions",

@@ -1,0 +1,216 @@
+"""Issue 50 items 4, 5, 6 (and 7, the command line's side): model cards that state a run's result, its license
+and its command without the machine's folders; figures with labelled axes, whole steps and bands within a
+rate's range; a first run that shows its download, checks the data before it creates anything, counts the
+bundled model's conversion in its cost line, and can install PyTorch's CPU build; the GPU plan's seeds."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import engine
+import plumbing
+import train
+from envs import UserError
+from plumbing import read_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+WM_ARGS = ["--no-easy-filter", "--no-warmup", "--prompts-per-step", "2", "--num-generations", "2",
+           "--max-completion-length", "6", "--micro-batch-size", "2", "--max-steps", "1"]
+
+
+# ------------------------------------------------------------------------------------------ 50.4: the cards
+
+def test_a_wm_card_made_with_a_learning_curve_states_its_held_out_result(tiny_model, transitions, tmp_path):
+    out = tmp_path / "run"
+    train.main(["wm", "--model", tiny_model, "--transitions", transitions, *WM_ARGS, "--eval-steps", "1",
+                "--eval-transitions", transitions, "--eval-max-triplets", "2", "--eval-samples", "1",
+                "--out", str(out)])
+    last = [r for r in read_jsonl(out / "metrics.jsonl") if "eval_wm_accuracy" in r][-1]
+    card = (out / "adapter" / "README.md").read_text()
+    assert (f"- held-out world-model accuracy (<path>, 1 prediction(s) on each of up to 2 triplets) at step "
+            f"1: {last['eval_wm_accuracy']:.3f}; by step: 1: {last['eval_wm_accuracy']:.3f}") in card
+    config = json.loads((out / "config.json").read_text())  # 50.7: no folder of this machine
+    assert [config[k] for k in ("transitions", "eval_transitions", "out", "model")] == ["<path>"] * 4
+    assert str(tmp_path) not in card
+
+
+def test_the_all_card_puts_the_template_rule_beside_before_and_after(tmp_path):
+    out = tmp_path / "run"
+    (out / "adapter").mkdir(parents=True)
+    (out / "adapter" / "adapter_config.json").write_text(json.dumps(dict(base_model_name_or_path="org/m")))
+    for kind, rule in (("explore", 0.729), ("purposeful", 0.667)):
+        (out / f"wm_eval_template_{kind}.json").write_text(json.dumps(dict(wm_accuracy=rule)))
+    lines = [f"{k}: world-model accuracy 0.349 -> 0.370 (48 triplets); mean cosine 0.9 -> 0.9"
+             for k in ("explore", "purposeful")]
+    train.all_summary(train.Settings(), out, lines, 30, Path("warmup"), time.time())
+    card = (out / "adapter" / "README.md").read_text()
+    assert ("- held-out explore (valid_unseen, 20 games), before = the warm-up: the content-free template "
+            "rule 0.729, world-model accuracy 0.349 -> 0.370 (48 triplets)") in card
+    assert "before = the warm-up: the content-free template rule 0.667, world-model accuracy 0.349" in card
+
+
+def test_a_cards_command_line_names_no_folder_of_the_machine(tmp_path, monkeypatch):
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps(dict(base_model_name_or_path="org/model")))
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), "wm", "--transitions",
+                                      str(ROOT / "runs" / "c" / "transitions.jsonl"), "--out",
+                                      str(tmp_path / "run"), f"--config={tmp_path / 'c.json'}", "--seed", "3",
+                                      "--filter-dir", "runs/f"])
+    plumbing.write_card(folder, train.Settings(), "wm")
+    card = (folder / "README.md").read_text()
+    assert ("- command: `python train.py wm --transitions runs/c/transitions.jsonl --out '<path>' "
+            "'--config=<path>' --seed 3 --filter-dir runs/f`") in card
+    assert str(tmp_path) not in card and str(ROOT) not in card
+
+
+def test_a_card_states_the_base_models_license_where_it_is_known(tmp_path):
+    def card(base: str) -> str:
+        folder = tmp_path / "adapter"
+        folder.mkdir(exist_ok=True)
+        (folder / "adapter_config.json").write_text(json.dumps(dict(base_model_name_or_path=base)))
+        plumbing.write_card(folder, train.Settings(), "wm-sft")
+        return (folder / "README.md").read_text().split("\n---\n")[0]  # the metadata
+
+    assert "\nlicense: apache-2.0\n" in card(engine.BUNDLED_HUB_ID)  # SmolLM2's, the bundled model
+    local = tmp_path / "local-model"
+    local.mkdir()
+    (local / "README.md").write_text("---\nlicense: mit\n---\n# a model\n")
+    assert "\nlicense: mit\n" in card(str(local))
+    unknown = card("org/not-in-any-cache")  # offline and never downloaded: left out, and why
+    assert "\nlicense:" not in unknown
+    assert ("# license: not stated: no card of the base model (org/not-in-any-cache) on this machine states "
+            "one (the Hub is not asked); this adapter's license is the base model's") in unknown
+
+
+# ---------------------------------------------------------------------------------------- 50.5: the figures
+
+@pytest.fixture
+def figures(monkeypatch):
+    """Every figure saved, by file name: its axes, read from matplotlib (not from pixels)."""
+    from matplotlib.figure import Figure
+
+    saved, save = {}, Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, path, **k: saved.update({Path(path).name: self.axes})
+                        or save(self, path, **k))
+    return saved
+
+
+def whole_steps(ax) -> bool:
+    low, high = ax.get_xlim()
+    return all(float(t).is_integer() for t in ax.get_xticks() if low <= t <= high)
+
+
+def test_the_reward_curve_has_a_y_label_and_whole_steps(tmp_path, figures):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(dict(step=s, reward=0.2 * s, format_rate=0.5))
+                                                    + "\n" for s in (1, 2, 3)))
+    plumbing.plot_rewards(tmp_path / "metrics.jsonl", tmp_path / "reward_curve.png", "RWML")
+    ax, = figures["reward_curve.png"]
+    assert ax.get_ylabel() and ax.get_xlabel() == "optimizer step" and whole_steps(ax)
+
+
+def test_the_agent_curves_and_bars_stay_within_a_rates_range_on_whole_steps(tmp_path, figures):
+    import reports
+
+    curves = {"policy RL": [[(0, 5.0), (3, v)] for v in (0.0, 0.0, 10.0)]}  # 2 steps: markers, error bars
+    assert reports.plot_curves(curves, tmp_path / "curve.png", xlabel="stage-2 step", ylabel="success (%)",
+                               title="t", top=100)
+    ax, = figures["curve.png"]
+    assert whole_steps(ax)
+    lows = [seg[0][1] for c in ax.collections for seg in c.get_segments()]  # an error bar: (x, low)-(x, high)
+    assert lows and min(lows) >= 0
+    run = dict(name="a", curve=[dict(step=s, reward=0.1 * s) for s in (1, 2, 3)],
+               splits={reports.ID_SPLIT: dict(success_rate=0.05, success_rate_std=0.2),
+                       reports.OOD_SPLIT: dict(success_rate=0.9, success_rate_std=0.2)})
+    reports.report_plots([run], tmp_path / "report")
+    assert whole_steps(figures["report_rewards.png"][0])
+    bars = [seg for c in figures["report_success.png"][0].collections for seg in c.get_segments()]
+    assert bars and min(s[0][1] for s in bars) >= 0 and max(s[1][1] for s in bars) <= 100
+
+
+# ---------------------------------------------------------------------------------- 50.6: the first contact
+
+def test_make_data_shows_the_download(tmp_path):
+    """alfworld-download's progress was sent to /dev/null under `timeout 900`: up to 15 silent minutes."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / ".installed").touch()  # `setup` done: newer than requirements.txt
+    fake = venv / "bin" / "alfworld-download"  # alfworld's downloader, without the network
+    fake.write_text(f"#!{sys.executable}\n" + """import os, sys
+from tqdm import tqdm
+data = sys.argv[sys.argv.index("--data-dir") + 1]
+for name in ("json_2.1.1_json.zip", "json_2.1.2_tw-pddl.zip"):
+    with tqdm(total=4096, unit="B", unit_scale=True, desc=f"Downloading {name}") as bar:
+        bar.update(4096)
+os.makedirs(os.path.join(data, "json_2.1.1"))
+""")
+    fake.chmod(0o755)
+    r = subprocess.run(["make", "-s", "data", f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "ALFWORLD_DATA": str(tmp_path / "data")}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    text = r.stdout + r.stderr
+    assert f"ALFWorld data: downloading into {tmp_path / 'data'} with alfworld-download" in text
+    assert "Downloading json_2.1.1_json.zip: 100%" in text and "4.10k/4.10k" in text  # each step, its size
+    assert f"ALFWorld data downloaded to {tmp_path / 'data'}" in text
+
+
+@pytest.mark.parametrize("stage", ["collect", "policy"])
+def test_missing_alfworld_data_is_one_line_before_out_or_a_cost_line(stage, tiny_model, tmp_path, monkeypatch,
+                                                                     capsys):
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "nothing"))
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match=f"ALFWorld data not found: {tmp_path / 'nothing' / 'json_2.1.1'}"):
+        train.main([stage, "--model", tiny_model, "--out", str(out)])
+    assert not out.exists() and "cost:" not in capsys.readouterr().out
+
+
+def test_the_first_runs_cost_line_counts_the_bundled_models_conversion(tiny_model, tmp_path, monkeypatch,
+                                                                       capsys):
+    """The conversion ran while the run's inputs were checked, before its cost clock: 4.3 s reported, 70 real.
+    Here it is a stand-in of 1.5 s (a copy of the tiny model), on an empty cache."""
+    def convert(folder, gguf, cached):
+        time.sleep(1.5)
+        shutil.copytree(tiny_model, cached)
+
+    monkeypatch.setattr(engine, "MODEL_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(engine, "convert_gguf", convert)
+    plumbing.model_context.cache_clear()  # the bundled model's tokenizer, read from the cache above
+    try:
+        train.main(["collect", "--walkthrough", "--num-games", "1", "--out", str(tmp_path / "run")])
+    finally:
+        plumbing.model_context.cache_clear()
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("cost: "))
+    cost = json.loads((tmp_path / "run" / "cost.json").read_text())
+    assert "model conversion" in line and cost["stages"]["model conversion"]["seconds"] >= 1.5
+    assert cost["seconds"] >= 1.5  # the run's total holds it
+
+
+def test_setup_can_install_pytorchs_cpu_build(tmp_path):
+    def setup(*extra):
+        r = subprocess.run(["make", "-n", "setup", f"VENV={tmp_path / 'venv'}", *extra], cwd=ROOT,
+                           capture_output=True, text=True)
+        return r.returncode, [x for x in r.stdout.splitlines() if "pip install" in x and "torch==" in x]
+
+    assert setup("TORCH=cpu") == (0, [f"{tmp_path / 'venv'}/bin/python -m pip install -q torch==2.13.0 "
+                                      "--index-url https://download.pytorch.org/whl/cpu"])
+    code, lines = setup()  # the default: PyPI's (on Linux the CUDA build), unchanged
+    assert code == 0 and len(lines) == 1 and "--index-url" not in lines[0]
+    assert all("TORCH=cpu" in (ROOT / name).read_text() for name in ("requirements.txt", "README.md"))
+
+
+def test_the_gpu_plans_seeds_are_what_the_power_analysis_says():
+    """lab/power.py moved to Student's t (71 seeds at 140 games) after 80cec84, whose normal quantiles said
+    70, as configs/agent_gpu.env did: this fails on cdc5b75, not on 80cec84."""
+    import power
+
+    s = power.spread(ROOT / "lab" / "results" / "agent_sanity")
+    needed = power.seeds_needed(0.069, max(s["var"] - s["binomial"], 0.0), s["p"], 140)
+    text = (ROOT / "configs" / "agent_gpu.env").read_text()
+    assert f'SEEDS="$(seq 0 {needed - 1})"' in text and f"gives {needed} seeds per arm at 140 games" in text
+    assert "EVAL_GAMES=70" in text  # 70 dev + 70 test games: the 140
