@@ -80,10 +80,8 @@ class PlayArgs:
     split: str | None = arg("train", "the games' split")
     num_games: int | None = arg(16, "the paper plays every train game (3553); small default for a CPU "
                                     "sanity run", min=1)
-    max_turns: int = arg(10, "environment step budget per episode (paper: 30; `eval.py agent` uses 30)",
-                         min=1)
-    history_len: int = arg(1, "H: previous (observation, action) pairs the agent sees, per triplet (paper: "
-                              "2)", min=0)
+    max_turns: int = arg(10, "environment steps per episode (paper: 30; `eval.py agent` uses 30)", min=1)
+    history_len: int = arg(1, "H: previous (observation, action) pairs the agent sees (paper: 2)", min=0)
     max_new_tokens: int = arg(64, "agent reply: <think>...</think><action>...</action>", min=1)
 
 
@@ -99,8 +97,7 @@ class CollectArgs:
 @dataclass
 class HeldoutArgs:
     _argument_group_name = "all: the held-out games, scored before and after"
-    heldout_split: str = arg("valid_unseen", "the test split, never used to choose anything",
-                             resume_free=True)
+    heldout_split: str = arg("valid_unseen", "the test split, never used to choose a thing", resume_free=True)
     heldout_games: int = arg(20, "held-out games; each gives explore and purposeful (walkthrough) "
                                  "triplets", min=1, resume_free=True)
 
@@ -121,10 +118,9 @@ class FilterArgs:
     filter_samples: int = arg(4, "K predictions per training triplet (paper: 10)", min=1)
     easy_share: float = arg(0.3, "tau_easy is set so that about this share counts as easy", **_SHARE)
     easy_keep_prob: float = arg(0.1, "easy triplets are kept with this probability", **_SHARE)
-    mixed_only: bool = arg(False, "keep only the triplets whose K warm-up predictions were neither all right "
-                                  "nor all wrong: only their GRPO groups can carry a gradient (needs warmup)")
-    warmup: bool = arg(True, "RWML starts from the SFT copy (format warm-up), its KL reference (paper: "
-                             "False)")
+    mixed_only: bool = arg(True, "keep only the triplets whose K warm-up predictions were neither all right "
+                                 "nor all wrong: only their GRPO groups carry a gradient (ours, with warmup)")
+    warmup: bool = arg(True, "RWML starts from the SFT copy (format warm-up), its KL reference (paper: no)")
 
 
 @dataclass
@@ -143,9 +139,9 @@ class RWMLArgs:
                                       "coin", choices=("none", "mis", "coin"))
     log_completions_steps: int = arg(4, "a step's whole groups to samples.jsonl and the log every this many",
                                      min=1, resume_free=True)
-    eval_samples: int = arg(4, "held-out predictions per triplet, sampled at `temperature` (0 = one greedy)",
+    eval_samples: int = arg(0, "held-out predictions per triplet, sampled at `temperature` (0 = one greedy)",
                             min=0, resume_free=True)
-    eval_max_triplets: int = arg(48, "held-out triplets of each kind scored before and after (0 = all)",
+    eval_max_triplets: int = arg(96, "held-out triplets of each kind scored before and after (0 = all)",
                                  min=0, resume_free=True)
     eval_transitions: str | None = arg(None, "wm: held-out triplets for the curve (eval_max_triplets of "
                                              "them)", resume_free=True)
@@ -318,8 +314,11 @@ def _filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load, rewar
         info.update(tau_easy=tau_easy, easy_share=sum(easy) / max(len(easy), 1),
                     target_easy_share=cfg.easy_share)
     if mixed:  # all K right or all K wrong: that triplet's GRPO groups would carry no gradient (ours)
-        keep = [k and 0 < e < 1 for k, e in zip(keep, scores)]
         info.update(mixed_share=sum(0 < e < 1 for e in scores) / len(scores))
+        if any(k and 0 < e < 1 for k, e in zip(keep, scores)):
+            keep = [k and 0 < e < 1 for k, e in zip(keep, scores)]
+        else:  # RWML would have nothing to train on (a tiny or untrained model): say so, keep the rest
+            print("filter: no triplet's K predictions were mixed; --mixed-only keeps all", file=sys.stderr)
     kept = [t for t, k in zip(train, keep) if k]
     if cfg.easy_filter or mixed:
         out.mkdir(parents=True, exist_ok=True)
