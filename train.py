@@ -518,7 +518,7 @@ def gain_lines(out: Path, start) -> list[str]:
         return dict(ci, before=sum(mean[1]) / len(b), after=sum(mean[0]) / len(a), n=len(b))
 
     def said(c: dict) -> str:
-        return f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] {stats.verdict(c)}"
+        return f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] {stats.verdict(c, stats.detectable(c))}"
 
     name, a = "the warm-up" if start else "the base model", gain("train", "rewards")
     lines = [f"(a) the reward RWML trains on, on its {a['n']} training prompts ({a['units']} games): {name} "
