@@ -25,7 +25,8 @@ import torch
 
 import engine
 from cli import check_fields, resume_free
-from common import UserError, file_problem, read_jsonl, repo_path, stored_config, write_atomic, write_jsonl
+from common import PATH_KEYS, UserError, file_problem, read_jsonl, repo_path, stored_config, write_atomic
+from common import write_jsonl
 
 # ------------------------------------------------------------------- checks before anything slow runs
 
@@ -330,20 +331,27 @@ def check_resume(cfg, out: Path, stage: str, resume: bool | None = None) -> bool
     if problem := checkpoint_problem(ckpt):
         raise UserError(f"cannot resume: {problem}; delete {ckpt} to start the run over, or use another "
                         "--out")
-    saved = read_state(ckpt / "trainer_state.pt", mmap=True, map_location="cpu").get("stage", stage)
-    if saved != stage:
+    state = read_state(ckpt / "trainer_state.pt", mmap=True, map_location="cpu")
+    if (saved := state.get("stage", stage)) != stage:
         raise UserError(f"cannot resume: {out} holds a {saved} run, not a {stage} run; use another --out")
-    check_settings(cfg, out)
+    check_settings(cfg, out, state.get("paths", {}))
     return True
 
 
-def check_settings(cfg, out: Path) -> None:
-    """The settings that change training (all but `resume_free` ones) are those of out/config.json, if any."""
+def run_paths(cfg) -> dict:  # the run's paths, kept in its checkpoints for --resume
+    return {k: os.path.abspath(v) for k, v in dataclasses.asdict(cfg).items() if k in PATH_KEYS and v}
+
+
+def check_settings(cfg, out: Path, paths: dict | None = None) -> None:
+    """The settings that change training (not `resume_free`) are out/config.json's, its paths `paths`'."""
     try:
         old = stored_config(json.loads((out / "config.json").read_text(encoding="utf-8-sig")))
     except (OSError, ValueError, AttributeError):
         return  # nothing to compare with
     new = json.loads(config_json(cfg))  # paths as recorded: relative to the repository, or <path>
+    if paths:  # as this machine names them (the checkpoint's): config.json's `<path>` cannot tell two apart
+        old |= {k: p for k, p in paths.items() if k in old}
+        new |= {k: p for k, p in run_paths(cfg).items() if k in old}
     diff = [f"--{k.replace('_', '-')} {old[k]!r} -> {v!r}" for k, v in new.items()
             if k not in resume_free(cfg) and k in old and old[k] != v]
     if diff:
@@ -354,7 +362,7 @@ def check_settings(cfg, out: Path) -> None:
 def start_run(cfg, out: Path, model, optimizer, stage: str = "wm") -> tuple[dict, object]:
     """Resume (or refuse to overwrite a run); logs cut back to its step; config.json; the tracker."""
     ckpt = out / "checkpoint"
-    state = dict(step=0, epoch=0, cursor=0, stage=stage)
+    state = dict(step=0, epoch=0, cursor=0, stage=stage, paths=run_paths(cfg))
     if check_resume(cfg, out, stage):
         state = dict(dict(stage=stage), **load_checkpoint(ckpt, model, optimizer))  # earlier ones': no stage
         print(f"resumed from {ckpt} at step {state['step']}")
@@ -416,8 +424,7 @@ def close_tracker(writer) -> None:
 
 
 def group_table(step: int, groups: list[dict], parse, width: int = 90) -> str:
-    """The log's view of a step's groups: the first one whole (`parse(completion)`: the prediction shown),
-    then how many have all rewards equal."""
+    """A step's groups for the log: the first whole (`parse`: the prediction), then how many are all-equal."""
     first = groups[0]
     lines = [f"[step {step}] group 1 of {len(groups)}: action {first['action']!r}; real: "
              f"{first['target'][:width]!r}", f"  {'reward':>6} {'advantage':>9}  predicted"]
@@ -627,8 +634,7 @@ WM_KINDS = ("wm", "filter", "wm-sft")  # the stages whose adapter is a world mod
 
 
 def shown_arg(arg: str) -> str:
-    """A command-line argument as a card shows it: an absolute path relative to the working directory, or
-    `<path>` outside it (never the machine's own folders)."""
+    """An argument as a card shows it: a path relative to the working directory, or `<path>` outside it."""
     flag, eq, value = arg.partition("=") if arg.startswith("--") and "=" in arg else ("", "", arg)
     absolute = os.path.isabs(os.path.expanduser(value))
     return flag + eq + (repo_path(value, root=Path.cwd()) if absolute else value)

@@ -765,7 +765,8 @@ def run_stage(stage: str, cfg: Settings, out: Path, t0: float, trips: list[dict]
         elif stage == "all":
             train_all(cfg, out, load, make_reward(cfg), t0)
         elif stage == "export":  # the filter, then verl's train and held-out parquets
-            bridges.export_verl(cfg, trips, out, load, cfg.easy_filter and make_reward(cfg), filter_triplets,
+            needs_reward = cfg.easy_filter or cfg.mixed_only and cfg.export_warmup  # the filter scores
+            bridges.export_verl(cfg, trips, out, load, needs_reward and make_reward(cfg), filter_triplets,
                                 rwml.split_triplets, wm_texts)
         elif cfg.trainer == "trl":  # filter / wm in TRL's GRPOTrainer
             bridges.wm_trl(stage, cfg, trips, out, load, make_reward(cfg), filter_triplets, reward_control,

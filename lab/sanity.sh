@@ -93,5 +93,5 @@ for s in $SEEDS; do
 done
 in_parallel "${jobs[@]}" "${train[@]}" "${evals[@]}"
 $PY lab/reports.py sanity "$OUT" --split "$SPLIT" --out "$OUT/sanity_$SPLIT.md"
-study=lab/results/stage1_test_table; [ "$SPLIT" = valid_unseen ] || study=lab/results/stage1_dev_recipe
-[ "$OUT" = runs/sanity ] && cp "$OUT/sanity_$SPLIT.md" "$OUT"/sanity_${SPLIT}_curve.png $study/ 2>/dev/null || true
+study=lab/results/stage1_shipped; [ "$SPLIT" = valid_unseen ] || study=lab/results/stage1_dev_recipe
+[ "$OUT" = runs/sanity ] && mkdir -p $study && cp "$OUT/sanity_$SPLIT.md" "$OUT"/sanity_${SPLIT}_curve.png $study/ 2>/dev/null || true

@@ -123,7 +123,7 @@ def test_resume_falls_back_to_the_last_whole_checkpoint(wm_run, tmp_path):
 
 
 def test_a_damaged_warmup_adapter_is_made_again_not_reused(tiny_model, transitions, tmp_path, capsys):
-    cfg = train.Settings(model=tiny_model, easy_filter=False, sft_epochs=1)
+    cfg = train.Settings(model=tiny_model, easy_filter=False, mixed_only=False, sft_epochs=1)
     trips, load = plumbing.read_transitions(transitions), lambda: engine.load_model(tiny_model)
     _, warm = train.filter_triplets(cfg, trips, tmp_path, load, None)
     damage(warm / "adapter_model.safetensors", "truncated")

@@ -224,7 +224,7 @@ def test_tau_d_and_the_cap_default_to_the_audits_per_environment(tmp_path):
             float(tau), float(gate or 0), cap), env
     trips = tmp_path / "tw" / "transitions.jsonl"
     trips.parent.mkdir()
-    trips.write_text("")
+    trips.write_text(json.dumps(dict(env="textworld")) + "\n")  # the triplets' own environment
     (trips.parent / "collect.json").write_text(json.dumps(dict(env="textworld", split="test")))
     wm = evaluate.with_env_defaults(evaluate.WMEvalConfig(transitions=str(trips)))
     assert (wm.tau_d, wm.rouge_gate, wm.max_completion_length) == (0.03, 0.0, 112)

@@ -115,7 +115,7 @@ def test_filter_stage_drops_most_easy_triplets_and_logs_the_easy_share(tiny_mode
     threshold rule, the keep rule, and the warm-up adapter kept on disk; filter.json logs the real easy
     share."""
     cfg = train.Settings(model=tiny_model, easy_filter=True, filter_samples=4, sft_epochs=1, filter_split=0.2,
-                       max_completion_length=6)
+                         max_completion_length=6, mixed_only=False)  # the paper's filter alone
     trips = plumbing.read_transitions(transitions)
     kept, warm = train.filter_triplets(cfg, trips, tmp_path, lambda: engine.load_model(tiny_model),
                                        parity_reward)
@@ -342,7 +342,8 @@ def test_wm_sft_control_sees_rwmls_triplets_in_rwmls_order(tiny_model, transitio
     seen_rwml, seen_sft = [], []
     reward = lambda completions, targets: seen_rwml.extend(targets[::2]) or [0.0] * len(completions)  # noqa: E731
     args = dict(model=tiny_model, max_steps=3, prompts_per_step=2, num_generations=2, max_completion_length=4,
-                save_steps=10, easy_filter=False, sft_epochs=1, filter_dir=str(tmp_path / "filter"))
+                save_steps=10, easy_filter=False, mixed_only=False, sft_epochs=1,
+                filter_dir=str(tmp_path / "filter"))
     trips = plumbing.read_transitions(transitions)
     kept, start = train.filter_triplets(train.Settings(**args), trips, tmp_path / "filter",
                                         lambda: engine.load_model(tiny_model), reward)
