@@ -66,17 +66,21 @@ def triplet_problem(row) -> str | None:
     return None
 
 
+def read_text(path: Path, name: str, fix: str) -> str:
+    """A file's text; missing or unreadable: one line naming it and `fix`."""
+    if not path.is_file():
+        raise UserError(f"{name} is missing; {fix}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {name} ({e}); {fix}") from None
+
+
 def read_rows(path: Path, fix: str, problem=None, text: str | None = None, name: str | None = None) -> list:
     """A JSON-lines file's rows (`text`: its content, read from an archive), each checked by `problem`; a
     missing, cut or malformed file, or one without rows: one line naming the file, the line and `fix`."""
     name = name or str(path)
-    if text is None:
-        if not path.is_file():
-            raise UserError(f"{name} is missing; {fix}")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"cannot read {name} ({e}); {fix}") from None
+    text = read_text(path, name, fix) if text is None else text
     rows = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -274,12 +278,7 @@ def heldout_rewarded(data, seeds) -> list[str]:
 def training_groups(log: Path) -> list[dict]:
     """The GRPO groups the run log shows (group 1 of every logged step), one row per completion."""
     fix = "give a `train.py` run log (what it printed), or --samples"
-    if not log.is_file():
-        raise UserError(f"--log {log} is missing; {fix}")
-    try:
-        text = log.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read --log {log} ({e}); {fix}") from None
+    text = read_text(log, f"--log {log}", fix)
     out, head = [], None
     for n, line in enumerate(text.splitlines(), 1):
         try:
