@@ -135,9 +135,10 @@ def read_archive(path: Path) -> dict:
         raise UserError(f"--archive {path} holds no per-triplet results (.../seedN/eval_<arm>_<explore|"
                         f"purposeful>.triplets.jsonl, as lab/sanity.sh writes them); {ARCHIVE_FIX}")
     seeds = sorted({s for s, _, _ in out if s.startswith("seed")})
-    if lost := [f"{s}/eval_{a}_{k}" for s in seeds for a in ARMS for k in SPLITS if (s, a, k) not in out]:
+    need = [a for a in ARMS if a != "coin"]  # COIN: the seeds of COIN_SEEDS (lab/sanity.sh)
+    if lost := [f"{s}/eval_{a}_{k}" for s in seeds for a in need for k in SPLITS if (s, a, k) not in out]:
         raise UserError(f"--archive {path} lacks {len(lost)} per-triplet results, e.g. "
-                        f"{lost[0]}.triplets.jsonl (each seed needs every arm: {', '.join(ARMS)}); "
+                        f"{lost[0]}.triplets.jsonl (each seed needs every arm: {', '.join(need)}); "
                         f"{ARCHIVE_FIX}")
     for key, rows in out.items():  # the re-scored reward and exact match are the recorded ones
         s, preds = summaries.get(key), list(rows.values())
@@ -177,6 +178,8 @@ def paired(data, seeds, x, y, split, metric, kinds=None):
     for seed in seeds:
         run = ([], [], [])
         for sp in (SPLITS if split is None else (split,)):
+            if (seed, x, sp) not in data or (seed, y, sp) not in data:  # an arm some seeds ran (COIN_SEEDS)
+                continue
             a, b = data[(seed, x, sp)], data[(seed, y, sp)]
             keys = [k for k in sorted(a) if k in b and a[k][metric] is not None
                     and (kinds is None or a[k]["kind"] in kinds)]
@@ -196,9 +199,9 @@ def arm_table(data, seeds, splits=SPLITS, arms=ARMS) -> list[str]:
                                             for v in METRICS.values()) + " | item n |", "|" + "---|" * 6]
     for split in splits:
         for arm in arms:
-            cells = []
+            cells, ran = [], [s for s in seeds if (s, arm, split) in data]  # COIN_SEEDS: maybe not every seed
             for metric in METRICS:
-                rows = [[r for r in data[(s, arm, split)].values() if r[metric] is not None] for s in seeds]
+                rows = [[r for r in data[(s, arm, split)].values() if r[metric] is not None] for s in ran]
                 if not any(rows):  # no triplet this metric scores (item F1: no target lists items)
                     cells.append("–")
                     continue
@@ -206,8 +209,9 @@ def arm_table(data, seeds, splits=SPLITS, arms=ARMS) -> list[str]:
                 ci = stats.two_level_bootstrap(runs)
                 cells.append(f"{ci['diff']:.3f} ({'/'.join(pct(v) for v in ci['per_seed'])}) "
                              f"[{ci['lo']:.3f}, {ci['hi']:.3f}]")
-            n = sum(r["item_f1"] is not None for r in data[(seeds[0], arm, split)].values())
-            lines.append(f"| {split} | {arm} | " + " | ".join(cells) + f" | {n} |")
+            n = sum(r["item_f1"] is not None for r in data[(ran[0], arm, split)].values())
+            lines.append(f"| {split} | {arm}{'' if ran == seeds else ' (' + '/'.join(ran) + ')'} | "
+                         + " | ".join(cells) + f" | {n} |")
         for arm in BASELINES:
             rows = list(data.get(("baselines", arm, split), {}).values())
             if rows:

@@ -202,3 +202,22 @@ def test_the_tw_wm_tables_pair_arms_on_triplets_with_every_seed_shown(tmp_path):
     assert "+0.000 [+0.000, +0.000]" in same and "no difference detected" in same
     gain = next(line for line in md.splitlines() if "| rwml − warmup | reward accuracy |" in line)
     assert "+0.021/+0.021" in gain
+
+
+def test_an_arm_only_some_seeds_ran_is_paired_and_shown_on_those_seeds():
+    """COIN_SEEDS=1 (lab/sanity.sh): COIN on one seed of three; its row and RWML − COIN use that seed only."""
+    import rescore
+
+    def arm(values, seed):
+        return {(f"g{g}", 0, 0): dict(reward=v, exact=v, item_f1=None, game=f"g{g}", kind="arrive")
+                for g, v in enumerate(values)} | {("gs", 0, 0): dict(reward=0.0, exact=0.0, item_f1=None,
+                                                                     game="gs", kind="arrive")}
+    data = {(s, a, k): arm(v, s) for s in ("seed1", "seed2", "seed3") for k in rescore.SPLITS
+            for a, v in (("warmup", [0, 0, 1]), ("rwml", [1, 1, 1]), ("wm_sft", [0, 1, 1]))}
+    data |= {("seed1", "coin", k): arm([0, 0, 0], "seed1") for k in rescore.SPLITS}
+    seeds = ["seed1", "seed2", "seed3"]
+    c = rescore.paired(data, seeds, "rwml", "coin", "explore", "reward")
+    assert c["per_seed"] == [0.75] and c["items"] == 4  # seed1 alone: 3 of its 4 items differ by 1
+    assert len(rescore.paired(data, seeds, "rwml", "warmup", "explore", "reward")["per_seed"]) == 3
+    rows = rescore.arm_table(data, seeds)
+    assert any(line.startswith("| explore | coin (seed1) | 0.000 (0.000)") for line in rows)
