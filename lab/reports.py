@@ -499,10 +499,12 @@ def sanity_report(folder: Path, split: str = "valid_unseen", png: Path | None = 
                   f"(`{held_file}`), {beyond_n} beyond the template rule"
                   + (f" ({unseen_n} of them list objects the prompt never names)" if unseen_n is not None
                      else ""), "",
-                  f"{cfg.get('eval_samples', 0) or 1} predictions per triplet sampled at T "
-                  f"{cfg.get('temperature', 0)} (the rules: one), reward 1 iff 1 - cos < "
-                  f"{tau_d_used(scores)}; the share of predictions with reward 1. Arms: mean ± sd over "
-                  f"{len(seeds)} independent seeds (each seed's value in brackets)."
+                  (f"{cfg['eval_samples']} predictions per triplet sampled at T {cfg.get('temperature', 0)}"
+                   if cfg.get("eval_samples") else "one greedy prediction per triplet")
+                  + f" (the rules: one), reward 1 iff 1 - cos < {tau_d_used(scores)}"
+                  + (f" and ROUGE-1 F >= {cfg['rouge_gate']}" if cfg.get("rouge_gate") else "")
+                  + f"; the share of predictions with reward 1. Arms: mean ± sd over {len(seeds)} "
+                  "independent seeds (each seed's value in brackets)."
                   + (f" {trained}" if (trained := tau_d_trained(seeds, all_arms)) else ""), "",
                   "| | " + " | ".join(c for c, _ in SANITY_COLUMNS) + " |",
                   "|---|" + "---|" * len(SANITY_COLUMNS)]
