@@ -315,8 +315,8 @@ def _filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load, rewar
                     target_easy_share=cfg.easy_share)
     if mixed:  # all K right or all K wrong: that triplet's GRPO groups would carry no gradient (ours)
         info.update(mixed_share=sum(0 < e < 1 for e in scores) / len(scores))
-        if any(k and 0 < e < 1 for k, e in zip(keep, scores)):
-            keep = [k and 0 < e < 1 for k, e in zip(keep, scores)]
+        if any(mixed_keep := [k and 0 < e < 1 for k, e in zip(keep, scores)]):
+            keep = mixed_keep
         else:  # RWML would have nothing to train on (a tiny or untrained model): say so, keep the rest
             print("filter: no triplet's K predictions were mixed; --mixed-only keeps all", file=sys.stderr)
     kept = [t for t, k in zip(train, keep) if k]

@@ -137,6 +137,23 @@ def test_filter_stage_drops_most_easy_triplets_and_logs_the_easy_share(tiny_mode
     assert again == kept
 
 
+def test_the_mixed_only_filter_keeps_triplets_whose_predictions_disagree(tiny_model, transitions, tmp_path,
+                                                                         capsys):
+    """--mixed-only (the default): of the RWML split, exactly the triplets whose K predictions got rewards
+    neither all 1 nor all 0 (their GRPO groups can carry a gradient); none mixed: all kept, said in a line."""
+    cfg = train.Settings(model=tiny_model, filter_samples=4, sft_epochs=1, filter_split=0.2,
+                         max_completion_length=6)
+    trips, load = plumbing.read_transitions(transitions), lambda: engine.load_model(tiny_model)
+    kept, _ = train.filter_triplets(cfg, trips, tmp_path / "a", load, parity_reward)
+    rows = read_jsonl(tmp_path / "a" / "easiness.jsonl")
+    mixed = [r for r in rows if 0 < r["easiness"] < 1]
+    assert 0 < len(mixed) < len(rows) and [r["kept"] for r in rows] == [0 < r["easiness"] < 1 for r in rows]
+    assert [t["next_obs"] for t in kept] == [r["next_obs"] for r in mixed]
+    capsys.readouterr()
+    kept, _ = train.filter_triplets(cfg, trips, tmp_path / "b", load, lambda c, t: [0.0] * len(c))
+    assert len(kept) == len(rows) and "no triplet's K predictions were mixed" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def parrot(tmp_path_factory, tiny_model):
     """The tiny model fully fine-tuned to answer one world-model prompt with one long observation (over
