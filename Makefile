@@ -5,21 +5,31 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export ALFWORLD_DATA ?= $(HOME)/.cache/alfworld
 export HF_HUB_OFFLINE ?= 1
-# TORCH=cpu (`make setup TORCH=cpu`, on a fresh .venv): PyTorch's CPU build from its own index, for a machine
-# without an NVIDIA GPU (a laptop); unset (the default, for GPU machines): PyPI's torch, on Linux the CUDA
-# build with its nvidia-* wheels, several GB.
-TORCH ?=
-TORCH_INDEX := $(if $(filter cpu,$(TORCH)),--index-url https://download.pytorch.org/whl/cpu,$(if $(TORCH),$(error TORCH=$(TORCH): set TORCH=cpu or leave it unset)))
+# Which PyTorch build `make setup` installs, chosen here unless TORCH is set: PyPI's (on Linux the CUDA build with
+# its nvidia-* wheels, several GB) where an NVIDIA GPU answers `nvidia-smi -L`; else (a laptop, CI, no driver or
+# no GPU) PyTorch's CPU build from its own index. TORCH=cuda or TORCH=cpu forces either.
+TORCH_SET := $(filter command line environment environment override,$(origin TORCH))
+NVIDIA_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo yes)
+TORCH ?= $(if $(NVIDIA_GPU),cuda,cpu)
+ifeq ($(filter cpu cuda,$(TORCH)),)
+$(error TORCH=$(TORCH): set TORCH=cpu or TORCH=cuda, or leave it unset to choose by `nvidia-smi -L`)
+endif
+TORCH_WHY := $(if $(TORCH_SET),TORCH=$(TORCH) was set,$(if $(NVIDIA_GPU),an NVIDIA GPU answers nvidia-smi -L,no NVIDIA GPU answers nvidia-smi -L)); TORCH=cpu or TORCH=cuda forces either
+# cpu: torch alone from the CPU index (--no-deps: its dependencies are in the lock file, from PyPI); cuda: PyPI's
+# torch with its dependencies, the nvidia-* wheels among them
+TORCH_INSTALL := $(if $(filter cpu,$(TORCH)),--no-deps torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu,torch==2.13.0)
+TORCH_BUILD := $(if $(filter cpu,$(TORCH)),PyTorch's CPU build (its own index),PyPI's torch (on Linux the CUDA build))
 
 .PHONY: setup data train test sanity bench gpu-check arms agent-sanity clean
 
 setup: $(VENV)/.installed
 
-# torch first and alone, with its own dependencies (TORCH=cpu: from PyTorch's CPU index); then the lock file
-# with --no-deps, so exactly the pinned set is installed (torch==2.13.0 is there already: 2.13.0+cpu counts).
+# torch first and alone (the build chosen above, said in one line); then the lock file with --no-deps, so
+# exactly the pinned set is installed (torch==2.13.0 is there already: 2.13.0+cpu counts).
 $(VENV)/.installed: requirements.txt
+	@echo "torch: $(TORCH_BUILD): $(TORCH_WHY)"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0 $(TORCH_INDEX)
+	$(PY) -m pip install -q $(TORCH_INSTALL)
 	$(PY) -m pip install -q --no-deps -r requirements.txt
 	touch $@
 

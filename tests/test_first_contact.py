@@ -40,18 +40,23 @@ def test_a_wm_card_made_with_a_learning_curve_states_its_held_out_result(tiny_mo
 
 
 def test_the_all_card_puts_the_template_rule_beside_before_and_after(tmp_path):
+    """Each kind's card line carries that kind's numbers, whatever order the held-out sets were built in (on
+    61e63ba the card zipped HELDOUT_KINDS with lines built purposeful first: the kinds were swapped)."""
     out = tmp_path / "run"
     (out / "adapter").mkdir(parents=True)
     (out / "adapter" / "adapter_config.json").write_text(json.dumps(dict(base_model_name_or_path="org/m")))
     for kind, rule in (("explore", 0.729), ("purposeful", 0.667)):
         (out / f"wm_eval_template_{kind}.json").write_text(json.dumps(dict(wm_accuracy=rule)))
-    lines = [f"{k}: world-model accuracy 0.349 -> 0.370 (48 triplets); mean cosine 0.9 -> 0.9"
-             for k in ("explore", "purposeful")]
-    train.all_summary(train.Settings(), out, lines, 30, Path("warmup"), time.time())
+    held = {"purposeful": "world-model accuracy 0.200 -> 0.300 (48 triplets)",  # built first, as `all` does
+            "explore": "world-model accuracy 0.349 -> 0.370 (48 triplets)"}
+    train.all_summary(train.Settings(), out, ["(a) ...", "verdict: this run shows no world model above it"],
+                      held, 30, Path("warmup"), time.time())
     card = (out / "adapter" / "README.md").read_text()
     assert ("- held-out explore (valid_unseen, 20 games), before = the warm-up: the content-free template "
             "rule 0.729, world-model accuracy 0.349 -> 0.370 (48 triplets)") in card
-    assert "before = the warm-up: the content-free template rule 0.667, world-model accuracy 0.349" in card
+    assert ("- held-out purposeful (valid_unseen, 20 games), before = the warm-up: the content-free template "
+            "rule 0.667, world-model accuracy 0.200 -> 0.300") in card
+    assert "verdict: this run shows no world model above it" in card
 
 
 def test_a_cards_command_line_names_no_folder_of_the_machine(tmp_path, monkeypatch):
@@ -191,17 +196,44 @@ def test_the_first_runs_cost_line_counts_the_bundled_models_conversion(tiny_mode
     assert cost["seconds"] >= 1.5  # the run's total holds it
 
 
-def test_setup_can_install_pytorchs_cpu_build(tmp_path):
-    def setup(*extra):
-        r = subprocess.run(["make", "-n", "setup", f"VENV={tmp_path / 'venv'}", *extra], cwd=ROOT,
-                           capture_output=True, text=True)
-        return r.returncode, [x for x in r.stdout.splitlines() if "pip install" in x and "torch==" in x]
+def test_setup_picks_pytorchs_build_by_the_gpu_it_finds(tmp_path):
+    """`make setup` without TORCH: PyPI's torch where `nvidia-smi -L` lists a GPU, the CPU build where it is
+    missing or fails; TORCH=cpu / TORCH=cuda force either; the choice is one printed line. nvidia-smi is faked
+    on PATH; this machine has none, so its plain `make -n setup` shows the CPU build (fails on 61e63ba, whose
+    default was PyPI's torch everywhere)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
 
-    assert setup("TORCH=cpu") == (0, [f"{tmp_path / 'venv'}/bin/python -m pip install -q torch==2.13.0 "
-                                      "--index-url https://download.pytorch.org/whl/cpu"])
-    code, lines = setup()  # the default: PyPI's (on Linux the CUDA build), unchanged
-    assert code == 0 and len(lines) == 1 and "--index-url" not in lines[0]
-    assert all("TORCH=cpu" in (ROOT / name).read_text() for name in ("requirements.txt", "README.md"))
+    def setup(*extra, gpu=None):
+        env = dict(os.environ)
+        if gpu is not None:  # a fake nvidia-smi: `ok` lists a GPU, else it fails as a driverless one does
+            (fake / "nvidia-smi").write_text("#!/bin/sh\n" + ('echo "GPU 0: NVIDIA H200 (UUID: GPU-0)"\n'
+                                                              if gpu == "ok" else "exit 9\n"))
+            (fake / "nvidia-smi").chmod(0o755)
+            env["PATH"] = f"{fake}:{env['PATH']}"
+        env.pop("TORCH", None)
+        r = subprocess.run(["make", "-n", "setup", f"VENV={tmp_path / 'venv'}", *extra], cwd=ROOT, env=env,
+                           capture_output=True, text=True)
+        return r.returncode, [x for x in r.stdout.splitlines()
+                              if x.startswith('echo "torch: ') or "install -q" in x and "torch==" in x], r.stderr
+
+    cpu = (f"{tmp_path / 'venv'}/bin/python -m pip install -q --no-deps torch==2.13.0 "
+           "--index-url https://download.pytorch.org/whl/cpu")
+    cuda = f"{tmp_path / 'venv'}/bin/python -m pip install -q torch==2.13.0"
+    assert shutil.which("nvidia-smi") is None  # this machine: no NVIDIA GPU
+    for extra, gpu, install, why in [((), None, cpu, "no NVIDIA GPU answers nvidia-smi -L"),
+                                     ((), "fails", cpu, "no NVIDIA GPU answers nvidia-smi -L"),
+                                     ((), "ok", cuda, "an NVIDIA GPU answers nvidia-smi -L"),
+                                     (("TORCH=cuda",), None, cuda, "TORCH=cuda was set"),
+                                     (("TORCH=cpu",), "ok", cpu, "TORCH=cpu was set")]:
+        code, lines, _ = setup(*extra, gpu=gpu)
+        assert code == 0 and len(lines) == 2, (extra, gpu, lines)
+        assert lines[0].startswith('echo "torch: ') and why in lines[0] and lines[1] == install, (extra, gpu)
+    code, _, err = setup("TORCH=gpu")
+    assert code != 0 and "TORCH=gpu: set TORCH=cpu or TORCH=cuda" in err
+    reqs = (ROOT / "requirements.txt").read_text()
+    assert "setuptools==" in reqs  # torch's own requirement, not installed with the CPU build's --no-deps
+    assert "nvidia-smi" in reqs and "nvidia-smi" in (ROOT / "README.md").read_text()
 
 
 def test_the_gpu_plans_seeds_are_what_the_power_analysis_says():
