@@ -11,6 +11,10 @@ the lab's tables (issue 37 item 1; issue 47 item 6). numpy and the standard libr
 - `detectable(ci)`: the smallest difference a table could detect: (z_{1-alpha/2} + z_{power}) x the sd of
   the CI's own bootstrap replicates (two-sided 5 %, 80 % power): seed-to-seed and game-to-game spread both
   count, so it sits at about 1.4 x the CI's half-width, never far below it.
+- `exact_tests(a, b, units)`: how many paired items went up and down, and two exact tests beside the
+  bootstrap, which is coarse when few items change: a sign-flip test over units (each game's summed
+  difference keeps or flips its sign: all 2^games assignments up to 2^20, else 200,000 drawn) and McNemar's
+  (an exact binomial test of the items that went up against those that went down). scipy.stats does both.
 - `verdict(ci)`: "holds" only where the CI excludes 0 by more than its Monte-Carlo error (another RNG seed
   prints the same verdict), "no difference detected (borderline)" where a bound is 0 within that error (a
   CI that touches 0, or one whose bound no count of replicates would settle), else "no difference
@@ -124,6 +128,24 @@ def detectable(ci: dict, alpha: float = 0.05, power: float = 0.8) -> float:
     if ci.get("units", 0) < 2:
         return math.inf
     return (Z(1 - alpha / 2) + Z(power)) * ci["sd"]
+
+
+def exact_tests(a, b, units) -> dict:
+    """Items up / down (a above / below b), and the two-sided p of a sign-flip test over units (the sum of the
+    units' summed differences; exact up to 2^20 assignments) and of McNemar's exact test on the items."""
+    from scipy.stats import binomtest, permutation_test
+
+    by = _by_unit(a, b, units)
+    up, down = sum(x > y for x, y in zip(a, b)), sum(x < y for x, y in zip(a, b))
+    d = np.array([s for s, _ in by.values()], dtype=float)
+    if not d.any() or len(d) < 2:  # nothing changed, or one unit: every assignment gives the same |sum|
+        p_games = 1.0
+    else:
+        res = permutation_test((d,), np.sum, permutation_type="samples", alternative="two-sided",
+                               n_resamples=np.inf if len(d) <= 20 else N_BOOT, random_state=RNG_SEED)
+        p_games = float(res.pvalue)
+    p_items = float(binomtest(up, up + down, 0.5).pvalue) if up + down else 1.0
+    return dict(up=up, down=down, p_games=p_games, p_items=p_items)
 
 
 NO_DATA = "no data (nothing to compare)"

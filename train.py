@@ -16,6 +16,7 @@ baselines, policy, wm-sft, rft), then `main`. Support: plumbing.py, runs.py, cli
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import random
 import sys
@@ -472,7 +473,9 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
     kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
     sets = dict(heldout, train=dict(triplets=kept, file=str(filter_dir(cfg, out) / "kept.jsonl")))
     before_files = {kind: out / f"wm_eval_before_{kind}.json" for kind in sets}  # train: RWML's own prompts
-    if not all(f.exists() for f in before_files.values()):  # the model RWML starts from: warm-up or base
+    made = {kind: before_made_by(cfg, start, s) for kind, s in sets.items()}  # what a cached "before" must match
+    if not all(f.exists() and json.loads(f.read_text()).get("made_by") == made[kind]
+               for kind, f in before_files.items()):  # the model RWML starts from: warm-up or base
         model, tok = load()
         if start:
             from peft import PeftModel
@@ -482,7 +485,8 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
             for kind, f in before_files.items():
                 write_eval(f, dict(evaluate_heldout(cfg, model, tok, sets[kind]["triplets"], reward_fn),
                                    model="warm-up" if start else "base", transitions=sets[kind]["file"],
-                                   split=cfg.split if kind == "train" else cfg.heldout_split))
+                                   split=cfg.split if kind == "train" else cfg.heldout_split,
+                                   made_by=made[kind]))
         if start:
             model.unload()  # the bare base model again, for train_wm
     resume = cfg.resume or swap_checkpoint(out / "checkpoint")  # `all` continues where it stopped
@@ -493,7 +497,7 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
           + (f" and ROUGE-1 >= {cfg.rouge_gate}" if cfg.rouge_gate else "")
           + f", {cfg.eval_samples or 'one greedy'} prediction(s) per triplet; before = "
           f"{'the warm-up' if start else 'the base model'}, after = RWML ({cfg.max_steps} steps)")
-    lines = []
+    held = {}
     for kind, s in sets.items():
         with cost.stage("eval after"):
             after = dict(evaluate_heldout(cfg, model, load()[1], s["triplets"], reward_fn), model="RWML",
@@ -501,33 +505,95 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
         write_eval(out / f"wm_eval_rwml_{kind}.json", after)
         if kind != "train":
             baselines_line(cfg, out, kind, s["triplets"], s["file"], reward_fn)
-            lines.append(f"{kind}: " + before_after_line(json.loads(before_files[kind].read_text()), after))
-    lines += gain_lines(out, start)
-    all_summary(cfg, out, lines, len(kept), start, t0)  # the adapter's card, and what `train.py` prints last
+            held[kind] = before_after_line(json.loads(before_files[kind].read_text()), after)
+            print(f"{kind}: {held[kind]}")
+    all_summary(cfg, out, gain_lines(out, start), held, len(kept), start, t0)  # the card, the last lines
+
+
+def before_made_by(cfg, start, heldout: dict) -> dict:
+    """What made a "before" evaluation: a rerun reuses one only when all of this is the same (the model it
+    starts from, down to the warm-up's bytes; the triplets; how they are predicted and scored)."""
+    warm = Path(start) / "adapter_model.safetensors" if start else None
+    return dict(model=cfg.model, start=hashlib.sha256(warm.read_bytes()).hexdigest() if warm and warm.is_file() else None,
+                triplets=[triplet_key(t) for t in heldout["triplets"]],
+                **{k: getattr(cfg, k) for k in ("seed", "eval_samples", "temperature", "max_completion_length",
+                                                "wm_reasoning", "embedder", "tau_d", "rouge_gate")})
+
+
+# What `python train.py` prints last: differences of per-triplet means (a triplet's predictions averaged),
+# paired by triplet, each with a 95 % CI over games (stats.py), the items that changed each way and two exact
+# tests beside it (few items change: the bootstrap alone is then coarse), and the CI's half-width.
+def triplet_key(r: dict) -> list:
+    return [str(r.get("game")), r.get("rollout"), r.get("step"), r.get("action")]
+
+
+def compare(out: Path, arm: str, base: str, kind: str, key: str, rows=None) -> dict:
+    """`arm` - `base` on the held-out set `kind` (wm_eval_<arm>_<kind>.triplets.jsonl), paired by triplet;
+    `rows` keeps a subset of the base's rows (e.g. the targets the rule misses)."""
+    x, y = (read_jsonl(out / f"wm_eval_{w}_{kind}.triplets.jsonl") for w in (arm, base))
+    by_key = {json.dumps(triplet_key(r)): r for r in x}
+    if len(by_key) != len(x) or sorted(by_key) != sorted(json.dumps(triplet_key(r)) for r in y):
+        raise UserError(f"wm_eval_{arm}_{kind} and wm_eval_{base}_{kind} in {out} are not scores of the same "
+                        f"triplets: score both on one transitions file")
+    pairs = [(by_key[json.dumps(triplet_key(r))], r) for r in y if rows is None or rows(r)]
+    mean = [[sum(map(float, r[key])) / len(r[key]) for r in side] for side in zip(*pairs)] if pairs else [[], []]
+    games = [str(b["game"]) for _, b in pairs]
+    ci = stats.paired_bootstrap(*mean, games) if pairs else None
+    return dict(ci or {}, ci=ci, n=len(pairs), before=sum(mean[1]) / max(len(pairs), 1),
+                after=sum(mean[0]) / max(len(pairs), 1), **stats.exact_tests(*mean, games))
+
+
+def said(c: dict) -> str:
+    """A paired difference in words: the estimate, its 95 % CI over games, the verdict, the items that changed
+    each way, the exact tests, the CI's half-width."""
+    if not c["n"]:
+        return "no triplets"
+    return (f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] {stats.verdict(c)}; {c['up']} up, {c['down']} "
+            f"down (exact: sign-flip over games p {c['p_games']:.3f}, McNemar p {c['p_items']:.3f}); CI "
+            f"half-width {(c['hi'] - c['lo']) / 2:.3f}")
 
 
 def gain_lines(out: Path, start) -> list[str]:
-    """What the run showed, each a difference of per-triplet means (a triplet's predictions averaged), paired
-    on triplets, with a 95 % CI over games (stats.py): (a) the reward RWML trains on, on its own training
-    prompts, before -> after: whether the optimizer did its job; (b) held-out RWML - start per kind, under
-    the reward and exact match: what it generalised. From the per-triplet files (wm_eval_*.triplets.jsonl)."""
-    def gain(kind: str, key: str) -> dict:
-        b, a = (read_jsonl(out / f"wm_eval_{w}_{kind}.triplets.jsonl") for w in ("before", "rwml"))
-        mean = [[sum(map(float, r[key])) / len(r[key]) for r in rows] for rows in (a, b)]
-        ci = stats.paired_bootstrap(*mean, [str(r["game"]) for r in b])
-        return dict(ci, before=sum(mean[1]) / len(b), after=sum(mean[0]) / len(a), n=len(b))
-
-    def said(c: dict) -> str:
-        return f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] {stats.verdict(c, stats.detectable(c))}"
-
-    name, a = "the warm-up" if start else "the base model", gain("train", "rewards")
+    """(a) the reward RWML trains on, on its own training prompts, before -> after: whether the optimizer did its
+    job; (b) held-out RWML - start per kind, reward and exact match: what it generalised; (c) RWML - the
+    content-free template rule: whether it is a world model at all; (d) beyond the rule, the targets whose
+    answer the prompt holds; then the verdict in words (`world_model_verdict`)."""
+    name, a = "the warm-up" if start else "the base model", compare(out, "rwml", "before", "train", "rewards")
     lines = [f"(a) the reward RWML trains on, on its {a['n']} training prompts ({a['units']} games): {name} "
              f"{a['before']:.3f} -> RWML {a['after']:.3f}, {said(a)} (95 % CI over games)"]
+    rule = {}
     for kind in HELDOUT_KINDS:
-        r, e = gain(kind, "rewards"), gain(kind, "exact")
+        r, e = compare(out, "rwml", "before", kind, "rewards"), compare(out, "rwml", "before", kind, "exact")
         lines.append(f"(b) held-out {kind}, RWML - {name} ({r['n']} triplets, {r['units']} games): reward "
                      f"{said(r)}; exact match {said(e)}")
-    return lines
+    if not all((out / f"wm_eval_template_{k}.triplets.jsonl").is_file() for k in HELDOUT_KINDS):
+        return lines  # a run scored without the baselines (a lab re-score of (a), (b) alone)
+    for kind in HELDOUT_KINDS:
+        r, rule[kind] = (compare(out, "rwml", "template", kind, k) for k in ("rewards", "exact"))
+        lines.append(f"(c) held-out {kind}, RWML {rule[kind]['after']:.3f} - the template rule "
+                     f"{rule[kind]['before']:.3f} (exact match): {said(rule[kind])}; reward {said(r)}")
+    for kind in HELDOUT_KINDS:
+        shown = compare(out, "rwml", "before", kind, "exact",
+                        rows=lambda t: not t["template_hit"] and not t["unseen_objects"])
+        unseen = compare(out, "rwml", "before", kind, "exact",
+                         rows=lambda t: not t["template_hit"] and t["unseen_objects"])
+        lines.append(f"(d) held-out {kind}, the rule's misses whose answer the prompt holds ({shown['n']}): "
+                     f"RWML - {name}, exact match {said(shown)}; those naming objects the prompt never shows "
+                     f"({unseen['n']}): {name} {unseen['before']:.3f}, RWML {unseen['after']:.3f}")
+    return lines + [world_model_verdict(rule)]
+
+
+def world_model_verdict(rule: dict) -> str:
+    """The last line: a world model above the content-free rule only where RWML - the rule, exact match, holds on
+    every held-out kind. A copy of the rule (difference 0), a coin and a flipped sign fail it
+    (lab/results/wm_dev/)."""
+    above = all(stats.verdict(c) == "holds" for c in rule.values())
+    each = ", ".join(f"{k} {c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]" for k, c in rule.items())
+    return ("verdict: this run shows a world model above the content-free template rule (RWML - the rule, exact "
+            f"match, holds on every held-out kind: {each})" if above else
+            "verdict: this run shows no world model above the content-free template rule: RWML - the rule, exact "
+            f"match, does not hold on every held-out kind ({each}); what it learned, the rule's 25 lines "
+            "already say")
 
 
 def evaluate_heldout(cfg: Settings, model, tok, heldout: list[dict], reward_fn) -> dict:
@@ -580,16 +646,15 @@ def _f1(r: dict) -> str:
     return "-" if r.get("item_f1") is None else f"{r['item_f1']:.3f}"
 
 
-def all_summary(cfg, out: Path, lines: list[str], kept: int, start, t0: float) -> None:
-    """`all`'s end: the adapter's card (the held-out lines, the template rule's beside), and those lines, its
-    time and its folder."""
-    rule = {k: json.loads((out / f"wm_eval_template_{k}.json").read_text())["wm_accuracy"]
-            for k in HELDOUT_KINDS}
+def all_summary(cfg, out: Path, lines: list[str], held: dict[str, str], kept: int, start, t0: float) -> None:
+    """`all`'s end: the adapter's card (each held-out kind's line, the template rule's beside), and the gain
+    lines, the verdict, its time and its folder."""
+    rule = {k: json.loads((out / f"wm_eval_template_{k}.json").read_text())["wm_accuracy"] for k in held}
     write_card(out / "adapter", cfg, "all", data={TRIPLETS_KEPT: kept},
                bundled=cfg.model == engine.BUNDLED_MODEL,
                heldout=[f"held-out {k} ({cfg.heldout_split}, {cfg.heldout_games} games), before = "
                         f"{'the warm-up' if start else 'the base model'}: the content-free template rule "
-                        f"{rule[k]:.3f}, {line.split(': ', 1)[1]}" for k, line in zip(HELDOUT_KINDS, lines)])
+                        f"{rule[k]:.3f}, {line}" for k, line in held.items()] + lines[-1:])
     plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")  # + before / after
     print("\n".join(lines) + f"\n{(time.time() - t0) / 60:.1f} min -> {out} (per-triplet outputs: "
           f"{out}/wm_eval_*.triplets.jsonl)")

@@ -299,6 +299,80 @@ def test_the_gain_lines_are_the_per_triplet_files_numbers(tmp_path):
     assert "-0.600 [-0.900, -0.300] reversed" in train.gain_lines(tmp_path, start="warm-up")[0]
 
 
+def write_rows(folder, name, rows):
+    (folder / f"wm_eval_{name}.triplets.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def held_rows(exact, hit, unseen):  # one greedy prediction per triplet, two triplets per game
+    return [dict(game=f"g{i // 2}", rollout=0, step=i % 2, action=f"a{i}", rewards=[float(e)], exact=[e],
+                 template_hit=h, unseen_objects=u) for i, (e, h, u) in enumerate(zip(exact, hit, unseen))]
+
+
+def test_before_and_after_are_paired_by_triplet_not_by_row(tmp_path):
+    """The files of one held-out set in another row order give the same numbers (on 61e63ba the pairing was
+    by position: a reordered file changed the result); files of other triplets are refused in one line."""
+    n = 20
+    before = held_rows([False] * n, [True] * n, [False] * n)
+    after = held_rows([True] * 12 + [False] * 8, [True] * n, [False] * n)
+    for name, rows in (("before_train", before), ("rwml_train", after)):
+        write_rows(tmp_path, name, rows)
+    for kind in train.HELDOUT_KINDS:
+        write_rows(tmp_path, f"before_{kind}", before)
+        write_rows(tmp_path, f"rwml_{kind}", after[::-1])  # the same triplets, the other way round
+    lines = train.gain_lines(tmp_path, start="warm-up")
+    assert "+0.600 [" in lines[0] and "12 up, 0 down" in lines[0]
+    assert all("reward +0.600 [" in x and "exact match +0.600 [" in x for x in lines[1:3])
+    write_rows(tmp_path, "rwml_explore", [dict(r, action="other") for r in after])
+    with pytest.raises(UserError, match="not scores of the same triplets"):
+        train.gain_lines(tmp_path, start="warm-up")
+
+
+def test_the_verdict_fails_for_a_rule_copier_and_passes_above_the_rule(tmp_path):
+    """(c) RWML - the template rule and (d) the rule's misses split by whether the prompt holds the answer; the
+    last line says in words whether the run shows a world model above the rule: a copy of the rule (difference
+    0) does not, a model right on the rule's hits and on 8 of its 10 misses per game-pair does; the exact tests
+    count the items that changed each way."""
+    n = 40
+    hit = [i % 4 != 0 for i in range(n)]  # the rule hits 3 of 4
+    unseen = [i % 8 == 0 for i in range(n)]  # half its misses name objects the prompt never shows
+    rule = held_rows(hit, hit, unseen)
+    for kind in ("train", *train.HELDOUT_KINDS):
+        write_rows(tmp_path, f"before_{kind}", held_rows([False] * n, hit, unseen))
+        write_rows(tmp_path, f"template_{kind}", rule)
+        write_rows(tmp_path, f"rwml_{kind}", rule)  # the rule-copier
+    lines = train.gain_lines(tmp_path, start="warm-up")
+    assert [x[:3] for x in lines] == ["(a)", "(b)", "(b)", "(c)", "(c)", "(d)", "(d)", "ver"]
+    assert "the template rule 0.750 (exact match): +0.000 [+0.000, +0.000] no difference detected" in lines[3]
+    assert "the rule's misses whose answer the prompt holds (5): RWML - the warm-up, exact match +0.000" in lines[5]
+    assert "those naming objects the prompt never shows (5)" in lines[5]
+    assert lines[-1].startswith("verdict: this run shows no world model above the content-free template rule")
+    better = held_rows([h or not u for h, u in zip(hit, unseen)], hit, unseen)  # + the misses the prompt holds
+    for kind in train.HELDOUT_KINDS:
+        write_rows(tmp_path, f"rwml_{kind}", better)
+    lines = train.gain_lines(tmp_path, start="warm-up")
+    assert "the template rule 0.750 (exact match): +0.125 [" in lines[3] and "5 up, 0 down" in lines[3]
+    assert "McNemar p 0.062" in lines[3]  # 5 up, 0 down: 2 x 0.5^5
+    assert lines[-1].startswith("verdict: this run shows a world model above the content-free template rule")
+
+
+def test_a_cached_before_is_reused_only_when_what_made_it_is_the_same(tmp_path):
+    """`all` reuses wm_eval_before_* only when the model it starts from (the warm-up's bytes), the triplets and
+    the scoring are those of this run (on 61e63ba any file of that name was reused)."""
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    (warm / "adapter_model.safetensors").write_bytes(b"one")
+    held = dict(triplets=[dict(game="g", rollout=0, step=0, action="open drawer 1")])
+    cfg = train.Settings()
+    made = train.before_made_by(cfg, warm, held)
+    assert made == train.before_made_by(cfg, warm, dict(held))
+    (warm / "adapter_model.safetensors").write_bytes(b"two")
+    assert train.before_made_by(cfg, warm, held) != made
+    (warm / "adapter_model.safetensors").write_bytes(b"one")
+    for other in (dict(cfg=train.Settings(tau_d=0.2)), dict(cfg=train.Settings(eval_samples=4)),
+                  dict(held=dict(triplets=[dict(held["triplets"][0], step=1)]))):
+        assert train.before_made_by(other.get("cfg", cfg), warm, other.get("held", held)) != made, other
+
+
 def check_gain_lines(run, out: str) -> None:
     """The run's last lines (a) and (b) are what its per-triplet files give: each triplet's mean over its
     predictions, before (the warm-up) and after (RWML), paired; the CI over games recomputed here by hand."""
