@@ -88,10 +88,12 @@ def load_embedder(name: str = BUNDLED_EMBEDDER, device: str | None = None):
 class SimToRealReward:
     """r_WM for batches of completions. Target embeddings are computed once and cached; predictions are
     embedded in batches. `metric`: "embedding" (default) or "rouge"; `binary=False` gives the similarity
-    itself (clipped at 0); `rouge_gate` > 0: a binary reward also needs ROUGE-1 F >= rouge_gate."""
+    itself (clipped at 0); `rouge_gate` > 0: a binary reward also needs ROUGE-1 F >= rouge_gate. Alone,
+    `SimToRealReward()` is ALFWorld's reward as a run uses it (envs.Alfworld's tau_d and gate: the reward
+    audit's); other environments' come from their classes (train.make_reward)."""
 
-    def __init__(self, embedder: str = BUNDLED_EMBEDDER, tau_d: float = 0.1, metric: str = "embedding",
-                 binary: bool = True, rouge_gate: float = 0.0, batch_size: int = 64):
+    def __init__(self, embedder: str = BUNDLED_EMBEDDER, tau_d: float = 0.01, metric: str = "embedding",
+                 binary: bool = True, rouge_gate: float = 0.9, batch_size: int = 64):
         if metric not in ("embedding", "rouge"):
             raise UserError(f"unknown reward metric {metric!r}; choose embedding or rouge")
         if not 0 < tau_d <= 2:

@@ -6,7 +6,8 @@ points to the project's notes on the paper there (what the paper says, and which
 silent). The README's steps use the same numbers.
 
   §2 Data: the base model plays the environment; every turn is a (history, action, next obs) triplet;
-     world-model prompts, (history, action) -> <think> then <next_state>; the 90 / 10 split.
+     world-model prompts, (history, action) -> <next_state> (the paper's <think> first: --wm-reasoning); the
+     split that trains the filter's copy (paper 90 / 10; ours 65 / 35, --filter-split).
   §3 Reward: the sim-to-real gap in a sentence-embedding space (reward.py).
   §4 "Too easy" subsampling with a separately fine-tuned copy.
   §5 GRPO on world-model prompts: advantages, token weights, the clipped loss with KL, the step; the call
@@ -159,7 +160,8 @@ def play(model, tokenizer, env, episodes: list[dict], *, actor=None, history_len
 
 # ============================================================ §2 Data: world-model prompts, the 90 / 10 split
 # The same LLM that acts now predicts: given the task, the history and an action, what will the game say?
-# It reasons in <think>, then writes <next_state>; only the <next_state> text is scored (reward.py).
+# With --wm-reasoning (the paper's) it reasons in <think>, then writes <next_state>; by default (ours) its reply
+# starts at <next_state>. Only the <next_state> text is scored (reward.py).
 
 # The system prompt and the question come from the triplet's environment (`env`; ALFWorld when absent):
 # its class in worlds.ENVIRONMENTS holds them (`wm_system`, `wm_ask`), e.g. envs.Alfworld.
@@ -205,7 +207,8 @@ def sample_predictions(model, tokenizer, triplets: list[Triplet], *, reasoning: 
 
 def split_triplets(triplets: list[Triplet], frac: float = 0.1,
                    seed: int = 0) -> tuple[list[Triplet], list[Triplet]]:
-    """The paper's 90 / 10 split: (RWML training triplets, triplets that train the easiness filter)."""
+    """The paper's 90 / 10 split (ours 65 / 35, --filter-split): (RWML training triplets, triplets that train
+    the easiness filter's copy, which is also the warm-up)."""
     if len(triplets) < 2:
         raise UserError(f"need at least 2 triplets to split, got {len(triplets)}; collect more games")
     order = list(range(len(triplets)))
@@ -285,10 +288,15 @@ def easy_subsample(scores: list[float], easy_share: float = 0.3, keep_prob: floa
 
 
 # ==================================================================================================== §5 GRPO
-#   A_i  = (r_i - mean(r_group)) / std(r_group)
-#   loss = -mean_t[min(rho_t A_i, clip(rho_t, 1 - eps, 1 + eps_high) A_i)] + beta KL_k3(pi_theta || pi_ref),
-#   rho_t = pi_theta(token) / pi_old(token)
-# pi_ref is the adapter's starting point, held without a second copy of the weights (`reference_policy`).
+#   A_i  = r_i - mean(r_group)                   ours (scale_rewards none, Dr. GRPO); the paper's divides by
+#                                                std(r_group) (scale_rewards group)
+#   loss = sum_i,t w_it [-min(rho_t A_i, clip(rho_t, 1 - eps, 1 + eps_high) A_i) + beta KL_k3(pi_theta || pi_ref)],
+#   rho_t = pi_theta(token) / pi_old(token); w_it = 1 / (B * max_completion_length) (ours, dr_grpo; the paper's
+#   grpo: 1 / (|o_i| * B))
+# With num_iterations 1 (the default) pi_old is pi_theta at the update itself: rho is 1, the clip never binds,
+# and the loss's gradient is plain REINFORCE with a group baseline; the clip matters from num_iterations 2.
+# pi_ref is the adapter's starting point (the warm-up adapter, else the bare base model), held without a
+# second copy of the weights (`reference_policy`).
 
 @dataclass
 class GRPOArgs:

@@ -13,7 +13,7 @@ UNRELATED = ["You open the fridge 1. The fridge 1 is open. In it, you see a toma
 
 @pytest.fixture(scope="module")
 def reward():
-    return SimToRealReward(tau_d=0.1)
+    return SimToRealReward(tau_d=0.1, rouge_gate=0)  # the plain embedding reward at 0.1
 
 
 def wrap(s):
@@ -63,7 +63,7 @@ def test_continuous_and_rouge_options():
     cont = SimToRealReward(binary=False)
     a, b = cont([wrap(PARAPHRASE[0]), wrap(UNRELATED[0])], [REAL[0], REAL[0]])
     assert 0.9 < a < 1.0 and 0.0 <= b < 0.6
-    rouge = SimToRealReward(metric="rouge", tau_d=0.3)
+    rouge = SimToRealReward(metric="rouge", tau_d=0.3, rouge_gate=0)
     assert rouge([wrap("the cat sat on the mat")], ["the cat sat on a mat"]) == [1.0]
     assert rouge_l("a b c d", "a c d e") == pytest.approx(2 * 3 / 8)
     assert rouge_l("", "a") == 0.0
@@ -160,5 +160,18 @@ def test_the_rouge_gate_refuses_what_the_embedding_alone_passes():
     real = "You arrive at countertop 1. On the countertop 1, you see a apple 2, a bread 1, and a knife 3."
     wrong = "You arrive at countertop 1. On the countertop 1, you see a tomato 4, a cup 2, and a fork 1."
     preds = [f"<next_state>{x}</next_state>" for x in (real, wrong)]
-    assert SimToRealReward(tau_d=0.5)(preds, [real, real]) == [1.0, 1.0]
+    assert SimToRealReward(tau_d=0.5, rouge_gate=0)(preds, [real, real]) == [1.0, 1.0]
     assert SimToRealReward(tau_d=0.5, rouge_gate=0.9)(preds, [real, real]) == [1.0, 0.0]
+
+
+def test_the_reward_alone_is_alfworlds_as_a_run_uses_it():
+    """`SimToRealReward()` with no arguments is ALFWorld's reward (tau_d and the ROUGE-1 gate of envs.Alfworld,
+    from the reward audit); on 61e63ba it was tau_d 0.1 without the gate, a reward no run used."""
+    import inspect
+
+    import envs
+    from reward import SimToRealReward
+
+    params = inspect.signature(SimToRealReward).parameters
+    assert (params["tau_d"].default, params["rouge_gate"].default) == (envs.Alfworld.tau_d,
+                                                                       envs.Alfworld.rouge_gate)
