@@ -101,6 +101,10 @@ class HeldoutArgs:
     heldout_split: str = arg("valid_unseen", "the test split, never used to choose a thing", resume_free=True)
     heldout_games: int = arg(20, "held-out games; each gives explore and purposeful (walkthrough) "
                                  "triplets", min=1, resume_free=True)
+    coin_control: bool = arg(True, "also train the matched COIN arm (the same warm-up, prompts, batches, "
+                                   "sampling seed and steps; a fair coin, its own, for a reward) and score "
+                                   "it: RWML - COIN is what the reward added to self-training on its own "
+                                   "samples")
 
 
 @dataclass
@@ -339,8 +343,9 @@ def make_reward(cfg: rwml.WorldModelArgs) -> SimToRealReward:
     return SimToRealReward(cfg.embedder, cfg.tau_d, cfg.reward_metric, cfg.reward_binary, cfg.rouge_gate)
 
 
-def reward_control(cfg, triplets: list[dict], reward_fn, out: Path):
-    """(triplets, reward function) under a control: MIS (another triplet's target) or COIN (a fair coin)."""
+def reward_control(cfg, triplets: list[dict], reward_fn, out: Path, coin_seed: int | None = None):
+    """(triplets, reward function) under a control: MIS (another triplet's target) or COIN (a fair coin,
+    seeded by `coin_seed`, else the run's seed)."""
     if cfg.reward_control == "mis":
         targets, unchanged = mis_targets([t["next_obs"] for t in triplets], cfg.seed)
         out.mkdir(parents=True, exist_ok=True)
@@ -349,7 +354,9 @@ def reward_control(cfg, triplets: list[dict], reward_fn, out: Path):
         print(f"mis: {unchanged:.1%} of triplets keep a target equal to their own (one text is over half "
               "of all)")
         return [dict(t, next_obs=x) for t, x in zip(triplets, targets)], reward_fn
-    return triplets, coin_reward(cfg.seed) if cfg.reward_control == "coin" else reward_fn
+    if cfg.reward_control == "coin":
+        return triplets, coin_reward(cfg.seed if coin_seed is None else coin_seed)
+    return triplets, reward_fn
 
 
 def start_adapter(cfg, model, adapter: Path | str | None = None):
@@ -397,13 +404,13 @@ def next_batch(state: dict, n: int, size: int, seed: int) -> list[int]:
 
 
 def train_wm(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn, start: Path | None = None,
-             heldout: list[dict] | None = None):
+             heldout: list[dict] | None = None, coin_seed: int | None = None):
     """RWML: GRPO of a LoRA adapter on world-model prompts, from `start` (the warm-up adapter) or a fresh
     adapter; with eval_steps, world-model accuracy on `heldout` triplets along the way (eval/* metrics).
     Returns the peft model."""
     if not triplets:
         raise UserError("no training triplets left after filtering; collect more games")
-    triplets, reward_fn = reward_control(cfg, triplets, reward_fn, out)
+    triplets, reward_fn = reward_control(cfg, triplets, reward_fn, out, coin_seed)
     model, tok = load()
     model, optimizer, state, writer = start_training(cfg, model, start, out)  # the seed alone decides
     print(run_header(model, cfg, f"wm: RWML GRPO on {len(triplets)} triplets (the filter's output)"
@@ -473,7 +480,7 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
     kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
     sets = dict(heldout, train=dict(triplets=kept, file=str(filter_dir(cfg, out) / "kept.jsonl")))
     before_files = {kind: out / f"wm_eval_before_{kind}.json" for kind in sets}  # train: RWML's own prompts
-    made = {kind: before_made_by(cfg, start, s) for kind, s in sets.items()}  # what a cached "before" must match
+    made = {kind: before_made_by(cfg, start, s) for kind, s in sets.items()}  # a cached "before" must match
     if not all(f.exists() and json.loads(f.read_text()).get("made_by") == made[kind]
                for kind, f in before_files.items()):  # the model RWML starts from: warm-up or base
         model, tok = load()
@@ -507,17 +514,44 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
             baselines_line(cfg, out, kind, s["triplets"], s["file"], reward_fn)
             held[kind] = before_after_line(json.loads(before_files[kind].read_text()), after)
             print(f"{kind}: {held[kind]}")
+    if cfg.coin_control:
+        coin_control(cfg, out, load, reward_fn, start, model, kept, heldout)
     all_summary(cfg, out, gain_lines(out, start), held, len(kept), start, t0)  # the card, the last lines
+
+
+COIN_STREAM = 1_000_003  # the matched COIN arm's coin: seed + this, so a coin run's control is another coin
+
+
+def coin_control(cfg, out: Path, load, reward_fn, start, model, kept: list[dict], heldout: dict) -> None:
+    """The matched COIN arm (issue 56): RWML's recipe with a fair coin for a reward, from the same warm-up, on
+    the same prompts in the same batches with the same sampling seed, scored on the same held-out triplets
+    (wm_eval_coin_<kind>): GRPO on a model's own samples moves its greedy predictions without any reward;
+    RWML - COIN is what the reward added. Resumes as `all` does (out/coin_control)."""
+    model.unload()  # the bare base model again: the control starts from the warm-up as RWML did
+    ctrl = out / "coin_control"
+    ctrl.mkdir(parents=True, exist_ok=True)
+    with cost.stage("coin control grpo"):
+        arm = train_wm(dataclasses.replace(cfg, reward_control="coin", eval_steps=0,
+                                           resume=cfg.resume or swap_checkpoint(ctrl / "checkpoint")),
+                       kept, ctrl, load, reward_fn, start, coin_seed=cfg.seed + COIN_STREAM)
+    for kind in HELDOUT_KINDS:
+        with cost.stage("coin control eval"):
+            write_eval(out / f"wm_eval_coin_{kind}.json",
+                       dict(evaluate_heldout(cfg, arm, load()[1], heldout[kind]["triplets"], reward_fn),
+                            model="COIN (matched)", split=cfg.heldout_split,
+                            transitions=heldout[kind]["file"]))
+    arm.unload()
 
 
 def before_made_by(cfg, start, heldout: dict) -> dict:
     """What made a "before" evaluation: a rerun reuses one only when all of this is the same (the model it
     starts from, down to the warm-up's bytes; the triplets; how they are predicted and scored)."""
     warm = Path(start) / "adapter_model.safetensors" if start else None
-    return dict(model=cfg.model, start=hashlib.sha256(warm.read_bytes()).hexdigest() if warm and warm.is_file() else None,
-                triplets=[triplet_key(t) for t in heldout["triplets"]],
-                **{k: getattr(cfg, k) for k in ("seed", "eval_samples", "temperature", "max_completion_length",
-                                                "wm_reasoning", "embedder", "tau_d", "rouge_gate")})
+    sha = hashlib.sha256(warm.read_bytes()).hexdigest() if warm and warm.is_file() else None
+    return dict(model=cfg.model, start=sha, triplets=[triplet_key(t) for t in heldout["triplets"]],
+                **{k: getattr(cfg, k) for k in ("seed", "eval_samples", "temperature",
+                                                "max_completion_length", "wm_reasoning", "embedder", "tau_d",
+                                                "rouge_gate")})
 
 
 # What `python train.py` prints last: differences of per-triplet means (a triplet's predictions averaged),
@@ -536,7 +570,8 @@ def compare(out: Path, arm: str, base: str, kind: str, key: str, rows=None) -> d
         raise UserError(f"wm_eval_{arm}_{kind} and wm_eval_{base}_{kind} in {out} are not scores of the same "
                         f"triplets: score both on one transitions file")
     pairs = [(by_key[json.dumps(triplet_key(r))], r) for r in y if rows is None or rows(r)]
-    mean = [[sum(map(float, r[key])) / len(r[key]) for r in side] for side in zip(*pairs)] if pairs else [[], []]
+    mean = ([[sum(map(float, r[key])) / len(r[key]) for r in side] for side in zip(*pairs)] if pairs
+            else [[], []])
     games = [str(b["game"]) for _, b in pairs]
     ci = stats.paired_bootstrap(*mean, games) if pairs else None
     return dict(ci or {}, ci=ci, n=len(pairs), before=sum(mean[1]) / max(len(pairs), 1),
@@ -548,14 +583,14 @@ def said(c: dict) -> str:
     each way, the exact tests, the CI's half-width."""
     if not c["n"]:
         return "no triplets"
-    return (f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] {stats.verdict(c)}; {c['up']} up, {c['down']} "
-            f"down (exact: sign-flip over games p {c['p_games']:.3f}, McNemar p {c['p_items']:.3f}); CI "
-            f"half-width {(c['hi'] - c['lo']) / 2:.3f}")
+    return (f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] {stats.verdict(c)}; {c['up']} up, "
+            f"{c['down']} down (exact: sign-flip over games p {c['p_games']:.3f}, McNemar p "
+            f"{c['p_items']:.3f}); CI half-width {(c['hi'] - c['lo']) / 2:.3f}")
 
 
 def gain_lines(out: Path, start) -> list[str]:
-    """(a) the reward RWML trains on, on its own training prompts, before -> after: whether the optimizer did its
-    job; (b) held-out RWML - start per kind, reward and exact match: what it generalised; (c) RWML - the
+    """(a) the reward RWML trains on, on its own training prompts, before -> after: whether the optimizer did
+    its job; (b) held-out RWML - start per kind, reward and exact match: what it generalised; (c) RWML - the
     content-free template rule: whether it is a world model at all; (d) beyond the rule, the targets whose
     answer the prompt holds; then the verdict in words (`world_model_verdict`)."""
     name, a = "the warm-up" if start else "the base model", compare(out, "rwml", "before", "train", "rewards")
@@ -572,6 +607,12 @@ def gain_lines(out: Path, start) -> list[str]:
         r, rule[kind] = (compare(out, "rwml", "template", kind, k) for k in ("rewards", "exact"))
         lines.append(f"(c) held-out {kind}, RWML {rule[kind]['after']:.3f} - the template rule "
                      f"{rule[kind]['before']:.3f} (exact match): {said(rule[kind])}; reward {said(r)}")
+    coin = {}
+    if all((out / f"wm_eval_coin_{k}.triplets.jsonl").is_file() for k in HELDOUT_KINDS):
+        for kind in HELDOUT_KINDS:
+            r, coin[kind] = (compare(out, "rwml", "coin", kind, k) for k in ("rewards", "exact"))
+            lines.append(f"(e) held-out {kind}, RWML {coin[kind]['after']:.3f} - the matched COIN arm "
+                         f"{coin[kind]['before']:.3f} (exact match): {said(coin[kind])}; reward {said(r)}")
     for kind in HELDOUT_KINDS:
         shown = compare(out, "rwml", "before", kind, "exact",
                         rows=lambda t: not t["template_hit"] and not t["unseen_objects"])
@@ -580,20 +621,30 @@ def gain_lines(out: Path, start) -> list[str]:
         lines.append(f"(d) held-out {kind}, the rule's misses whose answer the prompt holds ({shown['n']}): "
                      f"RWML - {name}, exact match {said(shown)}; those naming objects the prompt never shows "
                      f"({unseen['n']}): {name} {unseen['before']:.3f}, RWML {unseen['after']:.3f}")
-    return lines + [world_model_verdict(rule)]
+    return lines + [world_model_verdict(rule, coin)]
 
 
-def world_model_verdict(rule: dict) -> str:
-    """The last line: a world model above the content-free rule only where RWML - the rule, exact match, holds on
-    every held-out kind. A copy of the rule (difference 0), a coin and a flipped sign fail it
-    (lab/results/wm_dev/)."""
-    above = all(stats.verdict(c) == "holds" for c in rule.values())
-    each = ", ".join(f"{k} {c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]" for k, c in rule.items())
-    return ("verdict: this run shows a world model above the content-free template rule (RWML - the rule, exact "
-            f"match, holds on every held-out kind: {each})" if above else
-            "verdict: this run shows no world model above the content-free template rule: RWML - the rule, exact "
-            f"match, does not hold on every held-out kind ({each}); what it learned, the rule's 25 lines "
-            "already say")
+def world_model_verdict(rule: dict, coin: dict) -> str:
+    """The last line, one verdict over every control: the reward (not self-training on its own samples) raised
+    held-out accuracy only where RWML - the matched COIN arm, exact match, holds on every held-out kind; a
+    world model above the content-free rule only where RWML - the rule, exact match, holds on every kind. A
+    copy of the rule (difference 0), a coin and a flipped sign fail (lab/results/wm_dev/)."""
+    def each(cs: dict) -> str:
+        return ", ".join(f"{k} {c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]" for k, c in cs.items())
+
+    def holds(cs: dict) -> bool:
+        return bool(cs) and all(stats.verdict(c) == "holds" for c in cs.values())
+
+    line = "verdict: "
+    if coin:
+        line += ("the reward, not self-training on its own samples, raised held-out accuracy (RWML - COIN, "
+                 f"exact match, holds on every held-out kind: {each(coin)}); " if holds(coin) else
+                 "not shown that the reward, rather than self-training on its own samples, raised held-out "
+                 f"accuracy (RWML - COIN, exact match: {each(coin)}); ")
+    return line + ("this run shows a world model above the content-free template rule (RWML - the rule, "
+                   f"exact match, holds on every held-out kind: {each(rule)})" if holds(rule) else
+                   "this run shows no world model above the content-free template rule (RWML - the rule, "
+                   f"exact match: {each(rule)}): what it learned, the rule's 25 lines already say")
 
 
 def evaluate_heldout(cfg: Settings, model, tok, heldout: list[dict], reward_fn) -> dict:

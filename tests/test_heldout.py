@@ -266,7 +266,13 @@ def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
             assert {"wm_accuracy", "exact_match", "item_f1", "item_n"} <= summary.keys()
             assert (tmp_path / "run" / f"wm_eval_{label}_{kind}.triplets.jsonl").is_file()
         assert f"{kind}: world-model accuracy" in out
+        assert (tmp_path / "run" / f"wm_eval_coin_{kind}.triplets.jsonl").is_file()  # the matched COIN arm
+        assert f"(e) held-out {kind}, RWML " in out
     assert "strict: exact match" in out and (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "run" / "coin_control" / "adapter" / "adapter_config.json").is_file()
+    said = out.splitlines()
+    end = next(i for i, x in enumerate(said) if " min -> " in x)
+    assert said[end - 1].startswith("verdict: ")  # the gain lines end with the verdict in words
     check_gain_lines(tmp_path / "run", out)
 
 
@@ -328,10 +334,10 @@ def test_before_and_after_are_paired_by_triplet_not_by_row(tmp_path):
 
 
 def test_the_verdict_fails_for_a_rule_copier_and_passes_above_the_rule(tmp_path):
-    """(c) RWML - the template rule and (d) the rule's misses split by whether the prompt holds the answer; the
-    last line says in words whether the run shows a world model above the rule: a copy of the rule (difference
-    0) does not, a model right on the rule's hits and on 8 of its 10 misses per game-pair does; the exact tests
-    count the items that changed each way."""
+    """(c) RWML - the template rule and (d) the rule's misses split by whether the prompt holds the answer;
+    the last line says in words whether the run shows a world model above the rule: a copy of the rule
+    (difference 0) does not, a model right on the rule's hits and on the misses whose answer the prompt holds
+    does; the exact tests count the items that changed each way."""
     n = 40
     hit = [i % 4 != 0 for i in range(n)]  # the rule hits 3 of 4
     unseen = [i % 8 == 0 for i in range(n)]  # half its misses name objects the prompt never shows
@@ -343,10 +349,11 @@ def test_the_verdict_fails_for_a_rule_copier_and_passes_above_the_rule(tmp_path)
     lines = train.gain_lines(tmp_path, start="warm-up")
     assert [x[:3] for x in lines] == ["(a)", "(b)", "(b)", "(c)", "(c)", "(d)", "(d)", "ver"]
     assert "the template rule 0.750 (exact match): +0.000 [+0.000, +0.000] no difference detected" in lines[3]
-    assert "the rule's misses whose answer the prompt holds (5): RWML - the warm-up, exact match +0.000" in lines[5]
+    assert "the rule's misses whose answer the prompt holds (5): RWML - the warm-up, exact match +0.000" \
+        in lines[5]
     assert "those naming objects the prompt never shows (5)" in lines[5]
     assert lines[-1].startswith("verdict: this run shows no world model above the content-free template rule")
-    better = held_rows([h or not u for h, u in zip(hit, unseen)], hit, unseen)  # + the misses the prompt holds
+    better = held_rows([h or not u for h, u in zip(hit, unseen)], hit, unseen)  # + the prompt's misses
     for kind in train.HELDOUT_KINDS:
         write_rows(tmp_path, f"rwml_{kind}", better)
     lines = train.gain_lines(tmp_path, start="warm-up")
@@ -356,8 +363,8 @@ def test_the_verdict_fails_for_a_rule_copier_and_passes_above_the_rule(tmp_path)
 
 
 def test_a_cached_before_is_reused_only_when_what_made_it_is_the_same(tmp_path):
-    """`all` reuses wm_eval_before_* only when the model it starts from (the warm-up's bytes), the triplets and
-    the scoring are those of this run (on 61e63ba any file of that name was reused)."""
+    """`all` reuses wm_eval_before_* only when the model it starts from (the warm-up's bytes), the triplets
+    and the scoring are those of this run (on 61e63ba any file of that name was reused)."""
     warm = tmp_path / "warm"
     warm.mkdir()
     (warm / "adapter_model.safetensors").write_bytes(b"one")
@@ -438,3 +445,30 @@ def test_the_heldout_explore_set_is_played_once_then_reused(tiny_model, tmp_path
         (tmp_path / "b" / "heldout" / "episodes.jsonl").read_bytes()
     train.heldout_triplets(dataclasses.replace(cfg, max_turns=3), tmp_path / "c", load)
     assert len(loads) == 2 and len(list((tmp_path / "cache" / "heldout").iterdir())) == 2
+
+
+def test_the_verdict_says_whether_the_reward_beat_self_training(tmp_path):
+    """Issue 56: (e) RWML - the matched COIN arm, and the verdict's first half: a run no better than its COIN
+    arm (a coin run: its arm is another coin) is told the reward was not shown to matter; one above it on
+    both kinds is told the reward, not self-training, raised held-out accuracy. The matched arm's coin is its
+    own stream, not the run's (a coin run's control is not itself)."""
+    n = 40
+    hit, unseen = [i % 4 != 0 for i in range(n)], [False] * n
+    for kind in ("train", *train.HELDOUT_KINDS):
+        write_rows(tmp_path, f"before_{kind}", held_rows([False] * n, hit, unseen))
+        write_rows(tmp_path, f"template_{kind}", held_rows(hit, hit, unseen))
+        write_rows(tmp_path, f"rwml_{kind}", held_rows(hit, hit, unseen))
+    for kind in train.HELDOUT_KINDS:
+        write_rows(tmp_path, f"coin_{kind}", held_rows(hit, hit, unseen))  # as good as RWML
+    lines = train.gain_lines(tmp_path, start="warm-up")
+    assert [x[:3] for x in lines].count("(e)") == 2
+    assert lines[-1].startswith("verdict: not shown that the reward, rather than self-training")
+    for kind in train.HELDOUT_KINDS:
+        write_rows(tmp_path, f"coin_{kind}", held_rows([False] * n, hit, unseen))
+    lines = train.gain_lines(tmp_path, start="warm-up")
+    assert "the matched COIN arm 0.000 (exact match): +0.750 [" in lines[5]
+    assert lines[-1].startswith("verdict: the reward, not self-training on its own samples, raised held-out")
+    cfg = train.Settings(reward_control="coin")
+    run = train.reward_control(cfg, [], None, tmp_path)[1]
+    ctrl = train.reward_control(cfg, [], None, tmp_path, coin_seed=cfg.seed + train.COIN_STREAM)[1]
+    assert run(["x"] * 64) != ctrl(["x"] * 64)
