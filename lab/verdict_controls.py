@@ -1,12 +1,19 @@
 """Issue 53 item 3: the verdict `python train.py` ends with, on the dev split, for the real RWML and for three
 broken world models it must fail: a rule-copier (every prediction the content-free template rule's
 sentence), a coin for a reward, GRPO's advantage sign flipped. RWML - COIN (issue 56) pairs each arm with
-recipe_dev's `coin`, trained from the same warm-up on the same prompts with the same seed (for the `coin` arm
-itself that is the same run: its difference is 0 by construction, not a test). No training: the committed greedy predictions
-of lab/results/recipe_dev (valid_seen, seed 0: `mixed` is the recipe `python train.py` runs, `coin` and
-`flip` its broken twins from the same warm-up), the template rule scored here on the same triplets.
+recipe_dev's `coin`, trained from the same warm-up on the same prompts with the same seed (for the `coin`
+arm itself that is the same run: its difference is 0 by construction, not a test). No training: the
+committed greedy predictions of lab/results/recipe_dev (valid_seen, seed 0: `mixed` is the recipe
+`python train.py` runs, `coin` and `flip` its broken twins from the same warm-up), the template rule scored
+here on the same triplets.
 
     python lab/verdict_controls.py [--recipe-dev lab/results/recipe_dev] [--out lab/results/wm_dev/controls]
+    python lab/verdict_controls.py --ceiling [--out lab/results/wm_dev/ceiling.md]
+
+--ceiling: how much room the held-out sets leave above the rule. The purposeful triplets (walkthroughs) of
+the 20 valid_seen games, built at history lengths H 1, 2, 4, 8: how many of the rule's exact-match misses
+have their answer in the prompt (no object the prompt never names), the only ones a model can get right
+without guessing.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
+import envs  # noqa: E402
 import rwml  # noqa: E402
 import train  # noqa: E402
 from common import UserError, read_jsonl, write_jsonl  # noqa: E402
@@ -31,11 +39,31 @@ from reward import SimToRealReward  # noqa: E402
 ARMS = dict(rwml="mixed", coin="coin", flip="flip", rule_copier=None, oracle=None, rule_plus_prompt=None)
 
 
+def ceiling(out: Path, split: str = "valid_seen", games: int = 20) -> None:
+    rows = ["| H | triplets | rule exact | rule misses | misses whose answer the prompt holds | best "
+            "non-guessing exact |", "|---|---|---|---|---|---|"]
+    for h in (1, 2, 4, 8):
+        trips = envs.walkthrough_triplets(split, games, history_len=h, seed=0, wrong_first=False)
+        miss = [t for t in trips
+                if not envs.exact_match(envs.template_prediction(t["action"]), t["next_obs"])]
+        shown = [t for t in miss if not envs.unseen_objects(t)]
+        n = len(trips)
+        rows.append(f"| {h} | {n} | {(n - len(miss)) / n:.3f} | {len(miss)} | {len(shown)} | "
+                    f"{(n - len(miss) + len(shown)) / n:.3f} |")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(rows) + "\n")
+    print("\n".join(rows))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe-dev", type=Path, default=ROOT / "lab/results/recipe_dev")
-    ap.add_argument("--out", type=Path, default=ROOT / "lab/results/wm_dev/controls")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--ceiling", action="store_true", help="the room above the rule by history length")
     args = ap.parse_args(argv)
+    if args.ceiling:
+        return ceiling(args.out or ROOT / "lab/results/wm_dev/ceiling.md")
+    args.out = args.out or ROOT / "lab/results/wm_dev/controls"
     ev, held = args.recipe_dev / "seed0" / "eval", args.recipe_dev / "valid_seen"
     if not ev.is_dir() or not held.is_dir():
         raise UserError(f"{args.recipe_dev} holds no seed0/eval or valid_seen: give --recipe-dev the folder "
@@ -60,7 +88,7 @@ def main(argv=None) -> None:
             shutil.copy(ev / f"warmup_mixed_{kind}.triplets.jsonl",
                         run / f"wm_eval_before_{kind}.triplets.jsonl")
             write_jsonl(run / f"wm_eval_template_{kind}.triplets.jsonl", rule[kind])
-            if kind != "train":  # the matched COIN arm: recipe_dev's coin, from the same warm-up, prompts, seed
+            if kind != "train":  # the matched COIN arm: recipe_dev's coin (the same warm-up, prompts, seed)
                 shutil.copy(ev / f"coin_{kind}.triplets.jsonl", run / f"wm_eval_coin_{kind}.triplets.jsonl")
             after = read_jsonl(ev / f"{stem}_{kind}.triplets.jsonl") if stem else made(arm, kind)
             write_jsonl(run / f"wm_eval_rwml_{kind}.triplets.jsonl", after)
