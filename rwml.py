@@ -160,8 +160,8 @@ def play(model, tokenizer, env, episodes: list[dict], *, actor=None, history_len
 
 # ============================================================ §2 Data: world-model prompts, the 90 / 10 split
 # The same LLM that acts now predicts: given the task, the history and an action, what will the game say?
-# With --wm-reasoning (the paper's) it reasons in <think>, then writes <next_state>; by default (ours) its reply
-# starts at <next_state>. Only the <next_state> text is scored (reward.py).
+# With --wm-reasoning (the paper's) it reasons in <think>, then writes <next_state>; by default (ours) its
+# reply starts at <next_state>. Only the <next_state> text is scored (reward.py).
 
 # The system prompt and the question come from the triplet's environment (`env`; ALFWorld when absent):
 # its class in worlds.ENVIRONMENTS holds them (`wm_system`, `wm_ask`), e.g. envs.Alfworld.
@@ -290,9 +290,10 @@ def easy_subsample(scores: list[float], easy_share: float = 0.3, keep_prob: floa
 # ==================================================================================================== §5 GRPO
 #   A_i  = r_i - mean(r_group)                   ours (scale_rewards none, Dr. GRPO); the paper's divides by
 #                                                std(r_group) (scale_rewards group)
-#   loss = sum_i,t w_it [-min(rho_t A_i, clip(rho_t, 1 - eps, 1 + eps_high) A_i) + beta KL_k3(pi_theta || pi_ref)],
-#   rho_t = pi_theta(token) / pi_old(token); w_it = 1 / (B * max_completion_length) (ours, dr_grpo; the paper's
-#   grpo: 1 / (|o_i| * B))
+#   loss = sum_i,t w_it [-min(rho_t A_i, clip(rho_t, 1 - eps, 1 + eps_high) A_i)
+#                        + beta KL_k3(pi_theta || pi_ref)],
+#   rho_t = pi_theta(token) / pi_old(token); w_it = 1 / (B * max_completion_length) (ours, dr_grpo; the
+#   paper's grpo: 1 / (|o_i| * B))
 # With num_iterations 1 (the default) pi_old is pi_theta at the update itself: rho is 1, the clip never binds,
 # and the loss's gradient is plain REINFORCE with a group baseline; the clip matters from num_iterations 2.
 # pi_ref is the adapter's starting point (the warm-up adapter, else the bare base model), held without a

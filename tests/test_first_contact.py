@@ -214,8 +214,9 @@ def test_setup_picks_pytorchs_build_by_the_gpu_it_finds(tmp_path):
         env.pop("TORCH", None)
         r = subprocess.run(["make", "-n", "setup", f"VENV={tmp_path / 'venv'}", *extra], cwd=ROOT, env=env,
                            capture_output=True, text=True)
-        return r.returncode, [x for x in r.stdout.splitlines()
-                              if x.startswith('echo "torch: ') or "install -q" in x and "torch==" in x], r.stderr
+        said = [x for x in r.stdout.splitlines()
+                if x.startswith('echo "torch: ') or "install -q" in x and "torch==" in x]
+        return r.returncode, said, r.stderr
 
     cpu = (f"{tmp_path / 'venv'}/bin/python -m pip install -q --no-deps torch==2.13.0 "
            "--index-url https://download.pytorch.org/whl/cpu")
@@ -246,3 +247,13 @@ def test_the_gpu_plans_seeds_are_what_the_power_analysis_says():
     text = (ROOT / "configs" / "agent_gpu.env").read_text()
     assert f'SEEDS="$(seq 0 {needed - 1})"' in text and f"gives {needed} seeds per arm at 140 games" in text
     assert "EVAL_GAMES=70" in text  # 70 dev + 70 test games: the 140
+
+
+def test_the_readme_says_no_more_than_its_intervals():
+    """Issue 53 item 6: sentences stronger than their CIs on 61e63ba, each gone: a non-detection read as
+    equality or as "nothing learned", one COIN seed read as every seed, a CI width never measured."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    for claim in ("does as well or better", "Nothing is learned on the listed items",
+                  "and beats COIN on both kinds", "a narrower CI over games |", "95 % CIs over seeds and games;"):
+        assert claim not in text, claim
+    assert "on the same 32 prompts +0.062 [+0.000, +0.167], no difference detected" in text

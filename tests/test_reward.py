@@ -165,8 +165,9 @@ def test_the_rouge_gate_refuses_what_the_embedding_alone_passes():
 
 
 def test_the_reward_alone_is_alfworlds_as_a_run_uses_it():
-    """`SimToRealReward()` with no arguments is ALFWorld's reward (tau_d and the ROUGE-1 gate of envs.Alfworld,
-    from the reward audit); on 61e63ba it was tau_d 0.1 without the gate, a reward no run used."""
+    """`SimToRealReward()` with no arguments is ALFWorld's reward (tau_d and the ROUGE-1 gate of
+    envs.Alfworld, from the reward audit); on 61e63ba it was tau_d 0.1 without the gate, a reward no run
+    used."""
     import inspect
 
     import envs
