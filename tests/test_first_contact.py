@@ -254,6 +254,7 @@ def test_the_readme_says_no_more_than_its_intervals():
     equality or as "nothing learned", one COIN seed read as every seed, a CI width never measured."""
     text = " ".join((ROOT / "README.md").read_text().split())
     for claim in ("does as well or better", "Nothing is learned on the listed items",
-                  "and beats COIN on both kinds", "a narrower CI over games |", "95 % CIs over seeds and games;"):
+                  "and beats COIN on both kinds", "a narrower CI over games |",
+                  "95 % CIs over seeds and games;"):
         assert claim not in text, claim
     assert "on the same 32 prompts +0.062 [+0.000, +0.167], no difference detected" in text
