@@ -126,6 +126,9 @@ class FilterArgs:
     mixed_only: bool = arg(True, "keep only the triplets whose K warm-up predictions were neither all right "
                                  "nor all wrong: only their GRPO groups carry a gradient (ours, with warmup)")
     warmup: bool = arg(True, "RWML starts from the SFT copy (format warm-up), its KL reference (paper: no)")
+    warmup_transitions: str | None = arg(None, "more triplets the SFT copy (the warm-up) trains on besides its "
+                                               "split, never GRPO's: transitions.jsonl files, comma-separated "
+                                               "(e.g. walkthroughs and model-free play of more train games)")
 
 
 @dataclass
@@ -291,6 +294,7 @@ def _filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load, rewar
         return cached
     seed = job["seed"]
     train, filter_set = rwml.split_triplets(triplets, cfg.filter_split, seed)
+    extra = [t for f in (cfg.warmup_transitions or "").split(",") if f for t in read_jsonl(Path(f))]
     info = dict(easy_share=None)
     if cfg.easy_filter or cfg.warmup:
         model, tok = load()
@@ -299,13 +303,13 @@ def _filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load, rewar
         copy = engine.add_lora(model, cfg.lora_r, cfg.lora_alpha, 0.0, cfg.lora_target_modules)
         with cost.stage("filter sft"):
             info["sft_losses"] = engine.sft(
-                copy, tok, [rwml.wm_prompt(t, reasoning=False) for t in filter_set],
-                [rwml.wm_answer(t) for t in filter_set], system=rwml.wm_system(filter_set[0]),
+                copy, tok, [rwml.wm_prompt(t, reasoning=False) for t in filter_set + extra],
+                [rwml.wm_answer(t) for t in filter_set + extra], system=rwml.wm_system(filter_set[0]),
                 prefix=rwml.wm_prefix(False), epochs=cfg.sft_epochs, lr=cfg.sft_learning_rate, seed=seed)
         if cfg.warmup:
             out.mkdir(parents=True, exist_ok=True)
             save_adapter(copy, out, "warmup_adapter", cfg=cfg, stage="filter",
-                         data={"filter-split triplets (SFT)": len(filter_set)})
+                         data={"filter-split triplets (SFT)": len(filter_set), "more warm-up triplets": len(extra)})
     mixed, keep = cfg.mixed_only and cfg.warmup, [True] * len(train)
     if cfg.easy_filter or mixed:  # K predictions per triplet by the copy: easiness = their mean reward
         with cost.stage("easiness"):
