@@ -296,7 +296,8 @@ def kind_mix(triplets: list[dict]) -> str:
 # ------------------------------------------------------------- the caches: the filter's, the held-out set's
 
 FILTER_JOB = ("model", "easy_filter", "mixed_only", "filter_split", "filter_samples", "easy_share",
-              "easy_keep_prob", "warmup", "warmup_transitions", "sft_epochs", "sft_learning_rate", "embedder", "tau_d",
+              "easy_keep_prob", "warmup", "warmup_transitions", "sft_epochs", "sft_learning_rate", "embedder",
+              "tau_d",
               "rouge_gate", "reward_metric", "reward_binary", "max_completion_length", "lora_r", "lora_alpha",
               "lora_target_modules")
 

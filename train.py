@@ -126,9 +126,10 @@ class FilterArgs:
     mixed_only: bool = arg(True, "keep only the triplets whose K warm-up predictions were neither all right "
                                  "nor all wrong: only their GRPO groups carry a gradient (ours, with warmup)")
     warmup: bool = arg(True, "RWML starts from the SFT copy (format warm-up), its KL reference (paper: no)")
-    warmup_transitions: str | None = arg(None, "more triplets the SFT copy (the warm-up) trains on besides its "
-                                               "split, never GRPO's: transitions.jsonl files, comma-separated "
-                                               "(e.g. walkthroughs and model-free play of more train games)")
+    warmup_transitions: str | None = arg(None, "more triplets the SFT copy (the warm-up) trains on besides "
+                                               "its split, never GRPO's: transitions.jsonl files, "
+                                               "comma-separated (e.g. walkthroughs and the collection "
+                                               "policy's play of more train games; lab/results/wm_dev)")
 
 
 @dataclass
@@ -294,8 +295,13 @@ def _filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load, rewar
         return cached
     seed = job["seed"]
     train, filter_set = rwml.split_triplets(triplets, cfg.filter_split, seed)
-    extra = [t for f in (cfg.warmup_transitions or "").split(",") if f for t in read_jsonl(Path(f))]
     info = dict(easy_share=None)
+    more = [Path(f) for f in (cfg.warmup_transitions or "").split(",") if f]
+    if missing := [str(f) for f in more if not f.is_file()]:
+        raise UserError(f"--warmup-transitions: {', '.join(missing)} not found; give transitions.jsonl files "
+                        "of `train.py collect`, comma-separated")
+    extra = [t for f in more for t in read_jsonl(f)]
+    info["more_warmup_triplets"] = len(extra)
     if cfg.easy_filter or cfg.warmup:
         model, tok = load()
         torch.manual_seed(seed)
@@ -309,7 +315,8 @@ def _filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load, rewar
         if cfg.warmup:
             out.mkdir(parents=True, exist_ok=True)
             save_adapter(copy, out, "warmup_adapter", cfg=cfg, stage="filter",
-                         data={"filter-split triplets (SFT)": len(filter_set), "more warm-up triplets": len(extra)})
+                         data={"filter-split triplets (SFT)": len(filter_set),
+                               "more warm-up triplets": len(extra)})
     mixed, keep = cfg.mixed_only and cfg.warmup, [True] * len(train)
     if cfg.easy_filter or mixed:  # K predictions per triplet by the copy: easiness = their mean reward
         with cost.stage("easiness"):

@@ -1,4 +1,5 @@
 """Stage-1 training end to end on a tiny model: checkpoints, resume, skipped steps, 4-bit gradients."""
+import dataclasses
 import json
 import math
 import os
@@ -9,6 +10,7 @@ import torch
 import engine
 import envs
 import plumbing
+import runs
 import rwml
 import train
 import worlds
@@ -398,3 +400,29 @@ def test_eval_steps_draws_the_heldout_curve_without_changing_training(tiny_model
     assert [drop(r) for r in curve[1:]] == [drop(r) for r in plain]
     with pytest.raises(UserError, match="--eval-transitions"):
         train.main(common + ["--eval-steps", "2", "--out", str(tmp_path / "none")])
+
+
+def test_the_warm_up_can_train_on_more_triplets_than_its_split(parrot, tmp_path, capsys):
+    """Issue 53's lever (lab/results/wm_dev): --warmup-transitions adds triplets to the warm-up's SFT, never
+    to GRPO's kept set; it is part of the filter's cache key (another file: made again); a missing file is one
+    line that names the flag."""
+    from reward import SimToRealReward
+
+    folder, trip = parrot
+    trips = [dict(trip, step=i) for i in range(10)]
+    more = tmp_path / "more.jsonl"
+    more.write_text("".join(json.dumps(dict(trip, step=100 + i, game="other")) + "\n" for i in range(7)))
+    cfg = train.Settings(model=folder, filter_split=0.4, sft_epochs=1, filter_samples=2,
+                         warmup_transitions=str(more))
+    kept, warm = train.filter_triplets(cfg, trips, tmp_path / "f", lambda: engine.load_model(folder),
+                                       SimToRealReward())
+    info = json.loads((tmp_path / "f" / "filter.json").read_text())
+    assert info["more_warmup_triplets"] == 7 and info["num_filter_split"] == 4
+    assert all(t["game"] != "other" for t in kept)  # GRPO never sees them
+    assert "- data: more warm-up triplets: 7" in (warm / "README.md").read_text()
+    plain = dataclasses.replace(cfg, warmup_transitions=None)
+    assert runs.filter_cache(plain, trips, tmp_path / "f")[1] is None  # another warm-up: not reused
+    assert runs.filter_cache(cfg, trips, tmp_path / "f")[1] is not None
+    with pytest.raises(UserError, match="--warmup-transitions: .*nosuch.jsonl not found"):
+        train.filter_triplets(dataclasses.replace(cfg, warmup_transitions=str(tmp_path / "nosuch.jsonl")),
+                              trips, tmp_path / "g", lambda: engine.load_model(folder), SimToRealReward())
