@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 import engine
 import envs
+import stats
 import worlds
 from common import UserError, file_problem, read_jsonl, write_atomic, write_jsonl
 from plumbing import (PROMPT_TAIL, check_resume, group_table, jsonl_writer, read_transitions, run_header,
@@ -506,3 +507,30 @@ def policy_eval_games(cfg) -> list:
                         "(e.g. dev)")
     return worlds.games(cfg.env, split, cfg.eval_games, 0, cfg.domain,
                         (cfg.world_size, cfg.nb_objects, cfg.quest_length))
+
+
+def before_made_by(cfg, start, heldout: dict) -> dict:
+    """What made a "before" evaluation: a rerun reuses one only when all of this is the same (the model it
+    starts from, down to the warm-up's bytes; the triplets; how they are predicted and scored)."""
+    warm = Path(start) / "adapter_model.safetensors" if start else None
+    sha = hashlib.sha256(warm.read_bytes()).hexdigest() if warm and warm.is_file() else None
+    return dict(model=cfg.model, start=sha, triplets=[stats.triplet_key(t) for t in heldout["triplets"]],
+                **{k: getattr(cfg, k) for k in ("seed", "eval_samples", "temperature",
+                                                "max_completion_length", "wm_reasoning", "embedder", "tau_d",
+                                                "rouge_gate")})
+
+
+def before_after_line(before: dict, after: dict) -> str:
+    change_b, change_a = before["per_kind"]["change"], after["per_kind"]["change"]
+    beyond_b, beyond_a = before["per_kind"]["beyond_template"], after["per_kind"]["beyond_template"]
+    return (f"world-model accuracy {before['wm_accuracy']:.3f} -> {after['wm_accuracy']:.3f} "
+            f"({before['n']} triplets); without \"Nothing happens.\" {change_b['wm_accuracy']:.3f} -> "
+            f"{change_a['wm_accuracy']:.3f} ({change_b['n']}); beyond the template rule "
+            f"{beyond_b['wm_accuracy']:.3f} -> {beyond_a['wm_accuracy']:.3f} ({beyond_b['n']}); mean cosine "
+            f"{before['mean_cosine']:.3f} -> {after['mean_cosine']:.3f}; strict: exact match "
+            f"{before['exact_match']:.3f} -> {after['exact_match']:.3f}, item F1 {_f1(before)} -> "
+            f"{_f1(after)} ({before['item_n']} listing targets)")
+
+
+def _f1(r: dict) -> str:
+    return "-" if r.get("item_f1") is None else f"{r['item_f1']:.3f}"

@@ -16,7 +16,6 @@ baselines, policy, wm-sft, rft), then `main`. Support: plumbing.py, runs.py, cli
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import random
 import sys
@@ -34,6 +33,7 @@ import engine
 import envs
 import rwml
 import stats
+from stats import said
 import worlds
 from cli import parse_stage, run_cli
 from common import RERUN, UserError, arg, read_jsonl, write_atomic, write_jsonl
@@ -42,9 +42,10 @@ from plumbing import (CONTROLS, TRIPLETS_KEPT, card_run, check_run, close_tracke
                       sample_triplets, save_adapter, save_checkpoint, start_run, swap_checkpoint, use_4bit,
                       write_card, write_eval)
 from reward import SimToRealReward, coin_reward, mis_targets
-from runs import (cached_heldout, check_stage, claim_out, collection_summary, collection_todo, filter_cache,
-                  kind_mix, log_groups, policy_eval_games, releases_locks, save_filter, settle_env,
-                  split_games, stage_inputs, telling, walkthroughs, wm_row)
+from runs import (before_after_line, before_made_by, cached_heldout, check_stage, claim_out,
+                  collection_summary, collection_todo, filter_cache, kind_mix, log_groups, policy_eval_games,
+                  releases_locks, save_filter, settle_env, split_games, stage_inputs, telling, walkthroughs,
+                  wm_row)
 
 # ----------------------------------------------------------------- the settings: what a user sets, once each
 # Defaults: the small-model recipe that shows RWML learning on the bundled 135M model on a CPU; departures
@@ -554,49 +555,11 @@ def coin_control(cfg, out: Path, load, reward_fn, start, model, kept: list[dict]
     arm.unload()
 
 
-def before_made_by(cfg, start, heldout: dict) -> dict:
-    """What made a "before" evaluation: a rerun reuses one only when all of this is the same (the model it
-    starts from, down to the warm-up's bytes; the triplets; how they are predicted and scored)."""
-    warm = Path(start) / "adapter_model.safetensors" if start else None
-    sha = hashlib.sha256(warm.read_bytes()).hexdigest() if warm and warm.is_file() else None
-    return dict(model=cfg.model, start=sha, triplets=[triplet_key(t) for t in heldout["triplets"]],
-                **{k: getattr(cfg, k) for k in ("seed", "eval_samples", "temperature",
-                                                "max_completion_length", "wm_reasoning", "embedder", "tau_d",
-                                                "rouge_gate")})
-
-
-# What `python train.py` prints last: differences of per-triplet means (a triplet's predictions averaged),
-# paired by triplet, each with a 95 % CI over games (stats.py), the items that changed each way and two exact
-# tests beside it (few items change: the bootstrap alone is then coarse), and the CI's half-width.
-def triplet_key(r: dict) -> list:
-    return [str(r.get("game")), r.get("rollout"), r.get("step"), r.get("action")]
-
-
-def compare(out: Path, arm: str, base: str, kind: str, key: str, rows=None) -> dict:
-    """`arm` - `base` on the held-out set `kind` (wm_eval_<arm>_<kind>.triplets.jsonl), paired by triplet;
-    `rows` keeps a subset of the base's rows (e.g. the targets the rule misses)."""
-    x, y = (read_jsonl(out / f"wm_eval_{w}_{kind}.triplets.jsonl") for w in (arm, base))
-    by_key = {json.dumps(triplet_key(r)): r for r in x}
-    if len(by_key) != len(x) or sorted(by_key) != sorted(json.dumps(triplet_key(r)) for r in y):
-        raise UserError(f"wm_eval_{arm}_{kind} and wm_eval_{base}_{kind} in {out} are not scores of the same "
-                        f"triplets: score both on one transitions file")
-    pairs = [(by_key[json.dumps(triplet_key(r))], r) for r in y if rows is None or rows(r)]
-    mean = ([[sum(map(float, r[key])) / len(r[key]) for r in side] for side in zip(*pairs)] if pairs
-            else [[], []])
-    games = [str(b["game"]) for _, b in pairs]
-    ci = stats.paired_bootstrap(*mean, games) if pairs else None
-    return dict(ci or {}, ci=ci, n=len(pairs), before=sum(mean[1]) / max(len(pairs), 1),
-                after=sum(mean[0]) / max(len(pairs), 1), **stats.exact_tests(*mean, games))
-
-
-def said(c: dict) -> str:
-    """A paired difference in words: the estimate, its 95 % CI over games, the verdict, the items that changed
-    each way, the exact tests, the CI's half-width."""
-    if not c["n"]:
-        return "no triplets"
-    return (f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] {stats.verdict(c)}; {c['up']} up, "
-            f"{c['down']} down (exact: sign-flip over games p {c['p_games']:.3f}, McNemar p "
-            f"{c['p_items']:.3f}); CI half-width {(c['hi'] - c['lo']) / 2:.3f}")
+def compare(*args, **kwargs) -> dict:  # stats.compare; other triplets are the user's to fix: one line
+    try:
+        return stats.compare(*args, **kwargs)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def gain_lines(out: Path, start) -> list[str]:
@@ -690,22 +653,6 @@ def baselines_line(cfg, out: Path, kind: str, trips: list[dict], file: str, rewa
     print(f"{kind} ({file}): content-free baselines: template rule {rules['template']['wm_accuracy']:.3f}, "
           f"always \"Nothing happens.\" {rules['nothing']['wm_accuracy']:.3f}, copy the observation "
           f"{rules['copy']['wm_accuracy']:.3f}")
-
-
-def before_after_line(before: dict, after: dict) -> str:
-    change_b, change_a = before["per_kind"]["change"], after["per_kind"]["change"]
-    beyond_b, beyond_a = before["per_kind"]["beyond_template"], after["per_kind"]["beyond_template"]
-    return (f"world-model accuracy {before['wm_accuracy']:.3f} -> {after['wm_accuracy']:.3f} "
-            f"({before['n']} triplets); without \"Nothing happens.\" {change_b['wm_accuracy']:.3f} -> "
-            f"{change_a['wm_accuracy']:.3f} ({change_b['n']}); beyond the template rule "
-            f"{beyond_b['wm_accuracy']:.3f} -> {beyond_a['wm_accuracy']:.3f} ({beyond_b['n']}); mean cosine "
-            f"{before['mean_cosine']:.3f} -> {after['mean_cosine']:.3f}; strict: exact match "
-            f"{before['exact_match']:.3f} -> {after['exact_match']:.3f}, item F1 {_f1(before)} -> "
-            f"{_f1(after)} ({before['item_n']} listing targets)")
-
-
-def _f1(r: dict) -> str:
-    return "-" if r.get("item_f1") is None else f"{r['item_f1']:.3f}"
 
 
 def all_summary(cfg, out: Path, lines: list[str], held: dict[str, str], kept: int, start, t0: float) -> None:
