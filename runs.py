@@ -514,7 +514,7 @@ def before_made_by(cfg, start, heldout: dict) -> dict:
     starts from, down to the warm-up's bytes; the triplets; how they are predicted and scored)."""
     warm = Path(start) / "adapter_model.safetensors" if start else None
     sha = hashlib.sha256(warm.read_bytes()).hexdigest() if warm and warm.is_file() else None
-    return dict(model=cfg.model, start=sha, triplets=[stats.triplet_key(t) for t in heldout["triplets"]],
+    return dict(model=cfg.model, start=sha, triplets=[triplet_key(t) for t in heldout["triplets"]],
                 **{k: getattr(cfg, k) for k in ("seed", "eval_samples", "temperature",
                                                 "max_completion_length", "wm_reasoning", "embedder", "tau_d",
                                                 "rouge_gate")})
@@ -534,3 +534,38 @@ def before_after_line(before: dict, after: dict) -> str:
 
 def _f1(r: dict) -> str:
     return "-" if r.get("item_f1") is None else f"{r['item_f1']:.3f}"
+
+
+# What `python train.py` prints last: differences of per-triplet means (a triplet's predictions averaged),
+# read from a run's per-triplet files (wm_eval_*.triplets.jsonl), paired by triplet, each with a 95 % CI over
+# games (stats.py), the items that changed each way and two exact tests beside it (few items change: the
+# bootstrap alone is then coarse), and the CI's half-width.
+def triplet_key(r: dict) -> list:
+    return [str(r.get("game")), r.get("rollout"), r.get("step"), r.get("action")]
+
+
+def compare(out: Path, arm: str, base: str, kind: str, key: str, rows=None) -> dict:
+    """`arm` - `base` on the held-out set `kind` (wm_eval_<arm>_<kind>.triplets.jsonl), paired by triplet;
+    `rows` keeps a subset of the base's rows (e.g. the targets the rule misses)."""
+    x, y = (read_jsonl(out / f"wm_eval_{w}_{kind}.triplets.jsonl") for w in (arm, base))
+    by_key = {json.dumps(triplet_key(r)): r for r in x}
+    if len(by_key) != len(x) or sorted(by_key) != sorted(json.dumps(triplet_key(r)) for r in y):
+        raise UserError(f"wm_eval_{arm}_{kind} and wm_eval_{base}_{kind} in {out} are not scores of the "
+                        "same triplets: score both on one transitions file")
+    pairs = [(by_key[json.dumps(triplet_key(r))], r) for r in y if rows is None or rows(r)]
+    mean = ([[sum(map(float, r[key])) / len(r[key]) for r in side] for side in zip(*pairs)] if pairs
+            else [[], []])
+    games = [str(b["game"]) for _, b in pairs]
+    ci = stats.paired_bootstrap(*mean, games) if pairs else None
+    return dict(ci or {}, ci=ci, n=len(pairs), before=sum(mean[1]) / max(len(pairs), 1),
+                after=sum(mean[0]) / max(len(pairs), 1), **stats.exact_tests(*mean, games))
+
+
+def said(c: dict) -> str:
+    """A paired difference in words: the estimate, its 95 % CI over games, the verdict, the items that changed
+    each way, the exact tests, the CI's half-width."""
+    if not c["n"]:
+        return "no triplets"
+    return (f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] {stats.verdict(c)}; {c['up']} up, "
+            f"{c['down']} down (exact: sign-flip over games p {c['p_games']:.3f}, McNemar p "
+            f"{c['p_items']:.3f}); CI half-width {(c['hi'] - c['lo']) / 2:.3f}")

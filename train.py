@@ -33,7 +33,6 @@ import engine
 import envs
 import rwml
 import stats
-from stats import said
 import worlds
 from cli import parse_stage, run_cli
 from common import RERUN, UserError, arg, read_jsonl, write_atomic, write_jsonl
@@ -42,7 +41,7 @@ from plumbing import (CONTROLS, TRIPLETS_KEPT, card_run, check_run, close_tracke
                       sample_triplets, save_adapter, save_checkpoint, start_run, swap_checkpoint, use_4bit,
                       write_card, write_eval)
 from reward import SimToRealReward, coin_reward, mis_targets
-from runs import (before_after_line, before_made_by, cached_heldout, check_stage, claim_out,
+from runs import (before_after_line, before_made_by, cached_heldout, compare, said, check_stage, claim_out,
                   collection_summary, collection_todo, filter_cache, kind_mix, log_groups, policy_eval_games,
                   releases_locks, save_filter, settle_env, split_games, stage_inputs, telling, walkthroughs,
                   wm_row)
@@ -555,18 +554,12 @@ def coin_control(cfg, out: Path, load, reward_fn, start, model, kept: list[dict]
     arm.unload()
 
 
-def compare(*args, **kwargs) -> dict:  # stats.compare; other triplets are the user's to fix: one line
-    try:
-        return stats.compare(*args, **kwargs)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-
-
 def gain_lines(out: Path, start) -> list[str]:
     """(a) the reward RWML trains on, on its own training prompts, before -> after: whether the optimizer did
     its job; (b) held-out RWML - start per kind, reward and exact match: what it generalised; (c) RWML - the
     content-free template rule: whether it is a world model at all; (d) beyond the rule, the targets whose
-    answer the prompt holds; then the verdict in words (`world_model_verdict`)."""
+    answer the prompt holds; (e) RWML - the matched COIN arm; then the verdict in words
+    (`world_model_verdict`)."""
     name, a = "the warm-up" if start else "the base model", compare(out, "rwml", "before", "train", "rewards")
     lines = [f"(a) the reward RWML trains on, on its {a['n']} training prompts ({a['units']} games): {name} "
              f"{a['before']:.3f} -> RWML {a['after']:.3f}, {said(a)} (95 % CI over games)"]
@@ -581,12 +574,6 @@ def gain_lines(out: Path, start) -> list[str]:
         r, rule[kind] = (compare(out, "rwml", "template", kind, k) for k in ("rewards", "exact"))
         lines.append(f"(c) held-out {kind}, RWML {rule[kind]['after']:.3f} - the template rule "
                      f"{rule[kind]['before']:.3f} (exact match): {said(rule[kind])}; reward {said(r)}")
-    coin = {}
-    if all((out / f"wm_eval_coin_{k}.triplets.jsonl").is_file() for k in HELDOUT_KINDS):
-        for kind in HELDOUT_KINDS:
-            r, coin[kind] = (compare(out, "rwml", "coin", kind, k) for k in ("rewards", "exact"))
-            lines.append(f"(e) held-out {kind}, RWML {coin[kind]['after']:.3f} - the matched COIN arm "
-                         f"{coin[kind]['before']:.3f} (exact match): {said(coin[kind])}; reward {said(r)}")
     for kind in HELDOUT_KINDS:
         shown = compare(out, "rwml", "before", kind, "exact",
                         rows=lambda t: not t["template_hit"] and not t["unseen_objects"])
@@ -595,6 +582,12 @@ def gain_lines(out: Path, start) -> list[str]:
         lines.append(f"(d) held-out {kind}, the rule's misses whose answer the prompt holds ({shown['n']}): "
                      f"RWML - {name}, exact match {said(shown)}; those naming objects the prompt never shows "
                      f"({unseen['n']}): {name} {unseen['before']:.3f}, RWML {unseen['after']:.3f}")
+    coin = {}
+    if all((out / f"wm_eval_coin_{k}.triplets.jsonl").is_file() for k in HELDOUT_KINDS):
+        for kind in HELDOUT_KINDS:
+            r, coin[kind] = (compare(out, "rwml", "coin", kind, k) for k in ("rewards", "exact"))
+            lines.append(f"(e) held-out {kind}, RWML {coin[kind]['after']:.3f} - the matched COIN arm "
+                         f"{coin[kind]['before']:.3f} (exact match): {said(coin[kind])}; reward {said(r)}")
     return lines + [world_model_verdict(rule, coin)]
 
 

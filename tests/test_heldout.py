@@ -466,7 +466,8 @@ def test_the_verdict_says_whether_the_reward_beat_self_training(tmp_path):
     for kind in train.HELDOUT_KINDS:
         write_rows(tmp_path, f"coin_{kind}", held_rows([False] * n, hit, unseen))
     lines = train.gain_lines(tmp_path, start="warm-up")
-    assert "the matched COIN arm 0.000 (exact match): +0.750 [" in lines[5]
+    assert [x[:3] for x in lines] == ["(a)", "(b)", "(b)", "(c)", "(c)", "(d)", "(d)", "(e)", "(e)", "ver"]
+    assert "the matched COIN arm 0.000 (exact match): +0.750 [" in lines[7]
     assert lines[-1].startswith("verdict: the reward, not self-training on its own samples, raised held-out")
     cfg = train.Settings(reward_control="coin")
     run = train.reward_control(cfg, [], None, tmp_path)[1]

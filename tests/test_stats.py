@@ -199,3 +199,13 @@ def test_the_committed_agent_and_textworld_tables_are_what_their_files_give():
     assert lines == (res / "agent_sanity" / "agent_stats_test.md").read_text().splitlines()
     wm = (res / "tw_wm_test" / "tw_wm_test.md").read_text().splitlines()
     assert "\n".join(rescore.evals_report(res / "tw_wm_test" / "eval_test")).splitlines()[1:] == wm[1:]
+
+
+def test_the_sign_flip_test_leaves_out_games_that_did_not_change():
+    """exact_tests enumerates the units whose summed difference is not 0 (a 0 has the same |sum| with either
+    sign): adding unchanged games changes no p, and 12 changed games among 40 are enumerated exactly."""
+    a, b = [1.0, 1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0, 0.0]
+    base = stats.exact_tests(a, b, ["g1", "g2", "g3", "g4", "g5"])
+    padded = stats.exact_tests(a + [1.0] * 30, b + [1.0] * 30, ["g1", "g2", "g3", "g4", "g5"]
+                               + [f"z{i}" for i in range(30)])
+    assert base == padded and base["p_games"] == 12 / 32  # |sum| >= 3 in 12 of the 32 sign patterns
