@@ -308,6 +308,11 @@ def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | No
     kept_file, meta_file, warm = out / "kept.jsonl", out / "filter.json", out / "warmup_adapter"
     seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
     job = {k: getattr(cfg, k) for k in FILTER_JOB} | {"seed": seed, "num_triplets": len(triplets)}
+    # by content, not by name: the same triplets and warm-up files in another run's folder are the same job
+    more = [Path(f) for f in (cfg.warmup_transitions or "").split(",") if f]
+    warm_files = b"".join(f.read_bytes() for f in more if f.is_file())
+    job.update(triplets=_sha(json.dumps(triplets, sort_keys=True).encode()),
+               warmup_transitions=_sha(warm_files) if more else None)
     stored = json.loads(meta_file.read_text())["job"] if meta_file.exists() else None
     if kept_file.exists() and stored in (job, job | {"warmup": True}) and (  # kept is the same without it
             not cfg.warmup or (warm / "adapter_config.json").is_file()
@@ -347,7 +352,7 @@ def heldout_key(cfg) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def cached_heldout(cfg, out: Path, load, collect) -> Path:
+def cached_heldout(cfg, out: Path, load, collect, what: str = "the held-out explore triplets") -> Path:
     """The held-out explore collection, played once per `heldout_key` and copied from $RWML_CACHE/heldout
     after that (settings and seed are the same for every run: replaying costs minutes, changes nothing). An
     entry is copied only whole, its files as its sha256.json says; a damaged one is played again, replaced."""
@@ -359,10 +364,10 @@ def cached_heldout(cfg, out: Path, load, collect) -> Path:
             out.mkdir(parents=True, exist_ok=True)
             for name, data in files.items():
                 write_atomic(out / name, data)
-            print(f"collect: reused the held-out explore triplets from {cache} (the same settings, games, "
+            print(f"collect: reused {what} from {cache} (the same settings, games, "
                   "model and code played them before; delete the folder to play them again)")
         else:
-            print(f"collect: the cached held-out set {cache} is not whole ({why}); playing it again to "
+            print(f"collect: the cached set {cache} is not whole ({why}); playing it again to "
                   "replace it")
             with contextlib.suppress(OSError):  # aside first: no reader sees half a folder
                 os.replace(cache, aside := cache.with_name(f"{cache.name}.{os.getpid()}.damaged"))

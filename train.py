@@ -101,6 +101,10 @@ class HeldoutArgs:
     heldout_split: str = arg("valid_unseen", "the test split, never used to choose a thing", resume_free=True)
     heldout_games: int = arg(20, "held-out games; each gives explore and purposeful (walkthrough) "
                                  "triplets", min=1, resume_free=True)
+    warmup_games: int = arg(32, "all: the warm-up's SFT also trains on the expert walkthroughs and the "
+                                "collection policy's own play of this many other train games (never GRPO's;"
+                                " lab/results/wm_dev: it brought RWML to the template rule on valid_seen); "
+                                "0 = off", min=0)
     coin_control: bool = arg(True, "also train the matched COIN arm (the same warm-up, prompts, batches, "
                                    "sampling seed and steps; a fair coin, its own, for a reward) and score "
                                    "it: RWML - COIN is what the reward added to self-training on its own "
@@ -311,7 +315,8 @@ def _filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load, rewar
             info["sft_losses"] = engine.sft(
                 copy, tok, [rwml.wm_prompt(t, reasoning=False) for t in filter_set + extra],
                 [rwml.wm_answer(t) for t in filter_set + extra], system=rwml.wm_system(filter_set[0]),
-                prefix=rwml.wm_prefix(False), epochs=cfg.sft_epochs, lr=cfg.sft_learning_rate, seed=seed)
+                prefix=rwml.wm_prefix(False), epochs=cfg.sft_epochs or (1 if extra else 3),
+                lr=cfg.sft_learning_rate, seed=seed)
         if cfg.warmup:
             out.mkdir(parents=True, exist_ok=True)
             save_adapter(copy, out, "warmup_adapter", cfg=cfg, stage="filter",
@@ -488,6 +493,9 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
         heldout = heldout_triplets(cfg, out, load)
     with cost.stage("collect"):
         trips = read_jsonl(collect(cfg, out / "collect", load))
+    if cfg.warmup and cfg.warmup_games:
+        with cost.stage("warm-up collect"):
+            cfg = dataclasses.replace(cfg, warmup_transitions=",".join(warmup_collections(cfg, out, load)))
     kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
     sets = dict(heldout, train=dict(triplets=kept, file=str(filter_dir(cfg, out) / "kept.jsonl")))
     before_files = {kind: out / f"wm_eval_before_{kind}.json" for kind in sets}  # train: RWML's own prompts
@@ -528,6 +536,20 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
     if cfg.coin_control:
         coin_control(cfg, out, load, reward_fn, start, model, kept, heldout)
     all_summary(cfg, out, gain_lines(out, start), held, len(kept), start, t0)  # the card, the last lines
+
+
+WARMUP_STREAM = 100  # the warm-up's more train games: seed + this draws them (lab/wm_dev.sh's MORE_SEED)
+
+
+def warmup_collections(cfg, out: Path, load) -> list[str]:
+    """The warm-up's more triplets (issue 53): the expert walkthroughs of `warmup_games` other train games (no
+    model) and the collection policy's own play of them, as `collect` plays (its invalid actions give the
+    "Nothing happens." targets walkthroughs lack). The play is cached as the held-out set is."""
+    more = dataclasses.replace(cfg, num_games=cfg.warmup_games, seed=cfg.seed + WARMUP_STREAM, adapter=None)
+    walk = collect(dataclasses.replace(more, walkthrough=True), out / "warmup_walk", load)
+    play = cached_heldout(dataclasses.replace(more, walkthrough=False), out / "warmup_play", load, collect,
+                          what="the warm-up's more train triplets")
+    return [f for f in (cfg.warmup_transitions, str(walk), str(play)) if f]
 
 
 COIN_STREAM = 1_000_003  # the matched COIN arm's coin: seed + this, so a coin run's control is another coin
@@ -787,7 +809,7 @@ def sft_adapter(cfg, model, tok, prompts: list[str], answers: list[str], system:
     model = start_adapter(cfg, model, start)
     with cost.stage("sft"):
         losses = engine.sft(model, tok, prompts, answers, system=system, prefix=prefix,
-                            epochs=epochs or cfg.sft_epochs, lr=lr or cfg.sft_learning_rate,
+                            epochs=epochs or cfg.sft_epochs or 3, lr=lr or cfg.sft_learning_rate,
                             batch_size=batch_size, seed=cfg.seed, shuffle=shuffle)
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "config.json", config_json(cfg))

@@ -6,6 +6,7 @@ import re
 import pytest
 
 import envs
+from common import read_jsonl
 import eval as ev
 import runs
 import rwml
@@ -256,7 +257,7 @@ def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
     """`python train.py` (stage all), small: train and held-out collections, filter and warm-up, RWML, the
     held-out accuracy before -> after beside the baselines and the strict metrics, with per-triplet files."""
     train.main(["--model", tiny_model, "--num-games", "2", "--max-turns", "3", "--heldout-games", "1",
-                "--eval-max-triplets", "3", "--eval-samples", "1", "--max-steps", "1", "--sft-epochs", "1",
+                "--eval-max-triplets", "3", "--eval-samples", "1", "--max-steps", "1", "--warmup-games", "1",
                 "--num-generations", "2", "--prompts-per-step", "2", "--max-completion-length", "8",
                 "--out", str(tmp_path / "run")])
     out = capsys.readouterr().out
@@ -270,6 +271,10 @@ def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
         assert f"(e) held-out {kind}, RWML " in out
     assert "strict: exact match" in out and (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
     assert (tmp_path / "run" / "coin_control" / "adapter" / "adapter_config.json").is_file()
+    filtered = json.loads((tmp_path / "run" / "filter" / "filter.json").read_text())
+    walk, play = (read_jsonl(tmp_path / "run" / d / "transitions.jsonl")  # the warm-up's more games
+                  for d in ("warmup_walk", "warmup_play"))
+    assert walk and play and filtered["more_warmup_triplets"] == len(walk) + len(play)
     said = out.splitlines()
     end = next(i for i, x in enumerate(said) if " min -> " in x)
     assert said[end - 1].startswith("verdict: ")  # the gain lines end with the verdict in words
