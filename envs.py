@@ -8,8 +8,8 @@ game files (as `alfworld.agents.environment.AlfredTWEnv` does). What we add is
     commands that choose mode picks from;
   - the content-free baselines a world model must beat, and the expert walkthroughs as triplets;
   - `Alfworld`: the interface's ALFWorld, whose class holds its facts (tau_d, prompts, reply cap, splits).
-The other environments and the registry of all three (`worlds.ENVIRONMENTS`, `make`, `games`): worlds.py;
-the worker processes and engine caches, which only make the games faster: gamepool.py.
+The other environments and the registry of all three: integrations/worlds.py; the worker processes and
+engine caches, which only make the games faster: support/gamepool.py.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import re
 import sys
 from pathlib import Path
 
-import gamepool
-from common import UserError, utf8_clean
+from support import gamepool
+from support.common import UserError, utf8_clean
 
 SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")  # valid_seen = ID, valid_unseen = OOD
 TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",

@@ -28,16 +28,16 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import choose
-import engine
+from integrations import choose, worlds
+from support import engine
 import envs
 import rwml
-import worlds
-from cli import check_fields, commands_help, parse_config, run_cli
-from common import UserError, again, arg, stored_config, write_atomic
-from plumbing import (check_adapter, check_cache, check_context, check_writable, read_transitions,
-                      sample_triplets, write_eval)
-from runs import check_play, episode_log, finished_episodes, random_policy, recorded, triplets_env
+from support.cli import check_fields, commands_help, parse_config, run_cli
+from support.common import UserError, again, arg, stored_config, write_atomic
+from support.plumbing import (check_adapter, check_cache, check_context, check_writable, read_transitions,
+                              sample_triplets, write_eval)
+from integrations.runs import (check_play, episode_log, finished_episodes, random_policy, recorded,
+                               triplets_env)
 from train import (ACTORS, AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs, make_reward,
                    triplet_problem)
 

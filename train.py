@@ -11,7 +11,7 @@ Every setting is declared once (`common.arg`), in a group read together; a stage
 names (its --help; a flag it does not read warns). Each is a flag (`num_games` -> `--num-games`) and a key
 of a `--config` JSON or YAML file (defaults < file < flags). Read top to bottom: the settings, the stages'
 shared parts, one section per stage (collect, filter, wm, all: the default run, its held-out sets and
-baselines, policy, wm-sft, rft), then `main`. Support: plumbing.py, runs.py, cli.py; TRL, verl: bridges.py.
+baselines, policy, wm-sft, rft), then `main`. Support: support/; bookkeeping, TRL, verl: integrations/.
 """
 from __future__ import annotations
 
@@ -26,25 +26,22 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-import bridges
-import choose
-import cost
-import engine
+from integrations import bridges, choose, worlds
+from support import cost, engine, stats
 import envs
 import rwml
-import stats
-import worlds
-from cli import parse_stage, run_cli
-from common import RERUN, UserError, arg, read_jsonl, write_atomic, write_jsonl
-from plumbing import (CONTROLS, TRIPLETS_KEPT, card_run, check_run, close_tracker, config_json,
-                      context_problem, filter_dir, jsonl_writer, keep_rng, log_row, plot_rewards, run_header,
-                      sample_triplets, save_adapter, save_checkpoint, start_run, swap_checkpoint, use_4bit,
-                      write_card, write_eval)
+from support.cli import parse_stage, run_cli
+from support.common import RERUN, UserError, arg, read_jsonl, write_atomic, write_jsonl
+from support.plumbing import (CONTROLS, TRIPLETS_KEPT, card_run, check_run, close_tracker, config_json,
+                              context_problem, filter_dir, jsonl_writer, keep_rng, log_row, plot_rewards,
+                              run_header, sample_triplets, save_adapter, save_checkpoint, start_run,
+                              swap_checkpoint, use_4bit, write_card, write_eval)
 from reward import SimToRealReward, coin_reward, mis_targets
-from runs import (before_after_line, before_made_by, cached_heldout, compare, said, check_stage, claim_out,
-                  collection_summary, collection_todo, filter_cache, kind_mix, log_groups, policy_eval_games,
-                  releases_locks, save_filter, settle_env, split_games, stage_inputs, telling, walkthroughs,
-                  wm_row)
+from integrations.runs import (warmup_collections, before_after_line, before_made_by, cached_heldout, compare,
+                               said, check_stage, claim_out, collection_summary, collection_todo,
+                               filter_cache, kind_mix, log_groups, policy_eval_games, releases_locks,
+                               save_filter, settle_env, split_games, stage_inputs, telling, walkthroughs,
+                               wm_row)
 
 # ----------------------------------------------------------------- the settings: what a user sets, once each
 # Defaults: the small-model recipe that shows RWML learning on the bundled 135M model on a CPU; departures
@@ -77,7 +74,7 @@ class AdapterArgs:
 class PlayArgs:
     _argument_group_name = "how the agent plays (collect, policy, rft; eval.py agent)"
     action_mode: str = arg("generate", "generate: free ReAct replies (paper); choose: a softmax over the "
-                           "admissible commands (choose.py)", choices=tuple(ACTORS))
+                           "admissible commands (integrations/choose.py)", choices=tuple(ACTORS))
     split: str | None = arg("train", "the games' split")
     num_games: int | None = arg(16, "the paper plays every train game (3553); small default for a CPU "
                                     "sanity run", min=1)
@@ -495,7 +492,7 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
         trips = read_jsonl(collect(cfg, out / "collect", load))
     if cfg.warmup and cfg.warmup_games:
         with cost.stage("warm-up collect"):
-            cfg = dataclasses.replace(cfg, warmup_transitions=",".join(warmup_collections(cfg, out, load)))
+            cfg = dataclasses.replace(cfg, warmup_transitions=warmup_collections(cfg, out, load, collect))
     kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
     sets = dict(heldout, train=dict(triplets=kept, file=str(filter_dir(cfg, out) / "kept.jsonl")))
     before_files = {kind: out / f"wm_eval_before_{kind}.json" for kind in sets}  # train: RWML's own prompts
@@ -536,20 +533,6 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
     if cfg.coin_control:
         coin_control(cfg, out, load, reward_fn, start, model, kept, heldout)
     all_summary(cfg, out, gain_lines(out, start), held, len(kept), start, t0)  # the card, the last lines
-
-
-WARMUP_STREAM = 100  # the warm-up's more train games: seed + this draws them (lab/wm_dev.sh's MORE_SEED)
-
-
-def warmup_collections(cfg, out: Path, load) -> list[str]:
-    """The warm-up's more triplets (issue 53): the expert walkthroughs of `warmup_games` other train games (no
-    model) and the collection policy's own play of them, as `collect` plays (its invalid actions give the
-    "Nothing happens." targets walkthroughs lack). The play is cached as the held-out set is."""
-    more = dataclasses.replace(cfg, num_games=cfg.warmup_games, seed=cfg.seed + WARMUP_STREAM, adapter=None)
-    walk = collect(dataclasses.replace(more, walkthrough=True), out / "warmup_walk", load)
-    play = cached_heldout(dataclasses.replace(more, walkthrough=False), out / "warmup_play", load, collect,
-                          what="the warm-up's more train triplets")
-    return [f for f in (cfg.warmup_transitions, str(walk), str(play)) if f]
 
 
 COIN_STREAM = 1_000_003  # the matched COIN arm's coin: seed + this, so a coin run's control is another coin

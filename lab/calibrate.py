@@ -13,12 +13,12 @@ from dataclasses import asdict, dataclass
 
 from tqdm.auto import tqdm
 
-import engine
+from support import engine
 import rwml
-from cli import check_fields, parse_config, run_cli
-from common import arg, write_atomic
+from support.cli import check_fields, parse_config, run_cli
+from support.common import arg, write_atomic
 from eval import WMEvalConfig, with_env_defaults
-from plumbing import check_adapter, check_context, check_writable, read_transitions, sample_triplets
+from support.plumbing import check_adapter, check_context, check_writable, read_transitions, sample_triplets
 from repo_path import repo_path, stored_config
 from reward import SimToRealReward, parse_next_state
 from train import make_reward, triplet_problem

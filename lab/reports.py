@@ -17,9 +17,9 @@ import statistics
 from dataclasses import dataclass
 
 import envs
-from cli import commands_help, parse_config, resume_free, run_cli
-from common import UserError, arg, read_jsonl, write_atomic
-from plumbing import check_writable
+from support.cli import commands_help, parse_config, resume_free, run_cli
+from support.common import UserError, arg, read_jsonl, write_atomic
+from support.plumbing import check_writable
 from train import HELDOUT_KINDS, Settings
 from repo_path import repo_path
 

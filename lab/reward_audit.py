@@ -32,9 +32,9 @@ import statistics
 from dataclasses import dataclass
 
 import envs
-from cli import commands_help, parse_config, run_cli
-from common import UserError, arg, write_atomic
-from plumbing import check_writable
+from support.cli import commands_help, parse_config, run_cli
+from support.common import UserError, arg, write_atomic
+from support.plumbing import check_writable
 from repo_path import is_local_path, repo_path
 from reward import rouge1
 
@@ -118,7 +118,7 @@ def textworld_observations(num_games: int, seed: int, walk_steps: int, split: st
     engine's answer to a command on something absent (the wrong event)."""
     import textworld
 
-    import worlds
+    from integrations import worlds
 
     game, out = worlds.TwGame(max_turns=100), []
     for path in worlds.textworld_games(split, num_games, seed):
@@ -496,7 +496,7 @@ def token_lengths(pairs: list[dict], cap: int) -> list[str]:
     the dev half chooses (CAP_RULE)."""
     from transformers import AutoTokenizer
 
-    import engine
+    from support import engine
 
     tok = AutoTokenizer.from_pretrained(engine._bundled_smollm2())
     lines = [f"token length of <next_state>{{obs}}</next_state> (the bundled SmolLM2 tokenizer), cap {cap}; "

@@ -28,8 +28,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 import envs  # noqa: E402
 import rwml  # noqa: E402
 import train  # noqa: E402
-from common import UserError, read_jsonl, write_jsonl  # noqa: E402
-from plumbing import sample_triplets  # noqa: E402
+from support.common import UserError, read_jsonl, write_jsonl  # noqa: E402
+from support.plumbing import sample_triplets  # noqa: E402
 from reward import SimToRealReward  # noqa: E402
 
 # arm -> recipe_dev's eval stem, or how its predictions are made here: the rule's sentence; the real next

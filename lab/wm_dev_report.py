@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 import train  # noqa: E402
-from common import UserError, read_jsonl  # noqa: E402
+from support.common import UserError, read_jsonl  # noqa: E402
 
 KINDS = train.HELDOUT_KINDS
 

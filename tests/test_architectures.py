@@ -10,7 +10,7 @@ import pytest
 import torch
 from bench.random_models import build
 
-import engine
+from support import engine
 import envs
 import rwml
 import train

@@ -7,12 +7,10 @@ from pathlib import Path
 
 import pytest
 
-import engine
+from support import engine, gamepool, plumbing
 import envs
-import gamepool
-import plumbing
 import train
-import worlds
+from integrations import worlds
 from envs import UserError
 
 REAL_MODEL = engine.MODEL_CACHE / "SmolLM2-135M-Instruct"

@@ -5,14 +5,12 @@ import json
 import pytest
 import torch
 
-import choose
-import engine
+from integrations import choose, worlds
+from support import engine, plumbing
 import envs
 import eval as evaluate
-import plumbing
 import rwml
 import train
-import worlds
 from envs import UserError
 import reports
 

@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-import cli
-import plumbing
-import runs
+from support import cli, plumbing
+from integrations import runs
 import train
 from envs import UserError
 

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 
 import envs
-import gamepool
+from support import gamepool
 from envs import Game, UserError, list_games
-from gamepool import EnvPool
+from support.gamepool import EnvPool
 
 
 def walkthrough(game):

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-import engine
-import plumbing
+from support import engine, plumbing
 import train
 from envs import UserError
-from plumbing import read_jsonl
+from support.plumbing import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 WM_ARGS = ["--no-easy-filter", "--no-warmup", "--prompts-per-step", "2", "--num-generations", "2",

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-import engine
+from support import engine
 import envs
 import rwml
 

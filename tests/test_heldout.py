@@ -6,9 +6,9 @@ import re
 import pytest
 
 import envs
-from common import read_jsonl
+from support.common import read_jsonl
 import eval as ev
-import runs
+from integrations import runs
 import rwml
 import train
 from envs import UserError
@@ -431,7 +431,7 @@ def test_the_heldout_explore_set_is_played_once_then_reused(tiny_model, tmp_path
     from $RWML_CACHE/heldout by the next; a setting that changes it (the step budget) plays it again."""
     import dataclasses
 
-    import engine
+    from support import engine
 
     monkeypatch.setattr(engine, "MODEL_CACHE", tmp_path / "cache")
     loads = []

@@ -22,22 +22,51 @@ MODULE_MAX, PLUMBING_MAX, TOTAL_MAX = 860, 700, 6760
 # layer or of a later one. The bottom; the engine, the games' speed, the command line; the environment
 # interface (and ALFWorld), the reward, choose mode, plumbing; the other environments and the registry; the
 # method, the stages' bookkeeping, the bridges; the stages; evaluation.
-LAYERS = (("common", "cost", "stats"), ("engine", "gamepool", "cli"),
-          ("envs", "reward", "choose", "plumbing", "verl_reward"), ("worlds",), ("rwml", "runs", "bridges"),
-          ("train",), ("eval",))
-SUPPORT = ("common", "cost", "stats", "engine", "gamepool", "cli", "choose", "plumbing", "worlds", "runs",
-           "bridges", "verl_reward")
+# Imports run down this list: a module imports only modules of the layers above its own, never one of its own
+# layer or of a later one. The bottom; the engine, the games' speed, the command line; the environment
+# interface (and ALFWorld), the reward, choose mode, plumbing; the other environments and the registry; the
+# method, the stages' bookkeeping, the bridges; the stages; evaluation.
+LAYERS = (("support.common", "support.cost", "support.stats"),
+          ("support.engine", "support.gamepool", "support.cli"),
+          ("envs", "reward", "integrations.choose", "support.plumbing", "integrations.verl_reward"),
+          ("integrations.worlds",), ("rwml", "integrations.runs", "integrations.bridges"), ("train",),
+          ("eval",))
+FIVE = ("rwml", "reward", "envs", "train", "eval")  # the card's files: the root holds these and no other
+PACKAGES = ("support", "integrations")  # support: below the five, never importing them; integrations: beside
 LAB = ("reports", "bench", "lab")
 
 
+def path(name: str) -> Path:  # "support.engine" -> support/engine.py
+    return ROOT / (name.replace(".", "/") + ".py")
+
+
 def lines(name: str) -> list[str]:
-    return (ROOT / f"{name}.py").read_text().splitlines()
+    return path(name).read_text().splitlines()
 
 
-def imports(path: Path) -> set[str]:
-    nodes = list(ast.walk(ast.parse(path.read_text())))  # function-level imports count too
-    found = {a.name.split(".")[0] for n in nodes if isinstance(n, ast.Import) for a in n.names}
-    return found | {n.module.split(".")[0] for n in nodes if isinstance(n, ast.ImportFrom) and n.module}
+def modules() -> set[str]:
+    found = {p.stem for p in ROOT.glob("*.py")}
+    return found | {f"{pkg}.{p.stem}" for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py")
+                    if p.stem != "__init__"}
+
+
+def imports(file: Path) -> set[str]:
+    """The modules `file` imports, dotted (`from support import engine` -> support.engine); function-level
+    imports count too."""
+    nodes = list(ast.walk(ast.parse(file.read_text())))
+    found = {a.name for n in nodes if isinstance(n, ast.Import) for a in n.names}
+    for n in nodes:
+        if isinstance(n, ast.ImportFrom) and n.module:
+            found |= {f"{n.module}.{a.name}" for a in n.names} if n.module in PACKAGES else {n.module}
+    return found
+
+
+def test_the_root_holds_the_five_files_of_the_card_and_machinery_lives_in_packages():
+    assert sorted(p.stem for p in ROOT.glob("*.py")) == sorted(FIVE)
+    for name in modules() - set(FIVE):
+        if name.startswith("support."):  # support sits below the five: none of theirs, no integration
+            found = imports(path(name))
+            assert not found & (set(FIVE) | {m for m in modules() if m.startswith("integrations.")}), name
 
 
 def test_the_readers_files_stay_within_their_budgets():
@@ -48,9 +77,9 @@ def test_the_readers_files_stay_within_their_budgets():
 
 
 def test_no_module_is_too_long_and_the_code_stays_small():
-    sizes = {p.stem: len(p.read_text().splitlines()) for p in ROOT.glob("*.py")}
+    sizes = {name: len(lines(name)) for name in modules()}
     assert not {k: n for k, n in sizes.items() if n > MODULE_MAX}, sizes
-    assert sizes["plumbing"] <= PLUMBING_MAX, sizes["plumbing"]
+    assert sizes["support.plumbing"] <= PLUMBING_MAX, sizes["support.plumbing"]
     assert sum(sizes.values()) <= TOTAL_MAX, f"{sum(sizes.values())} lines of Python outside tests/ and lab/"
 
 
@@ -62,18 +91,18 @@ def test_rwml_py_holds_the_method_in_the_papers_order():
 
 
 def test_support_modules_say_so_in_their_first_line():
-    for name in SUPPORT:
-        doc = ast.get_docstring(ast.parse((ROOT / f"{name}.py").read_text())) or ""
+    for name in modules() - set(FIVE):
+        doc = ast.get_docstring(ast.parse(path(name).read_text())) or ""
         assert doc.startswith("Support"), f"{name}.py's docstring starts {doc[:40]!r}"
 
 
 def test_imports_run_one_way_over_every_module_and_nothing_imports_the_lab():
     layer = {name: i for i, names in enumerate(LAYERS) for name in names}
-    modules = {p.stem for p in ROOT.glob("*.py")}
-    assert modules == set(layer), f"place every module in LAYERS: {sorted(modules ^ set(layer))}"
-    for name in modules:
-        found = imports(ROOT / f"{name}.py")
-        up = {m for m in found & modules if layer[m] >= layer[name]}
+    every = modules()
+    assert every == set(layer), f"place every module in LAYERS: {sorted(every ^ set(layer))}"
+    for name in every:
+        found = imports(path(name))
+        up = {m for m in found & every if layer[m] >= layer[name]}
         assert not up, f"{name}.py imports {sorted(up)}, of its own layer or a later one (LAYERS)"
         assert not found & set(LAB), f"{name}.py imports the lab: {sorted(found & set(LAB))}"
 

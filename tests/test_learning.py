@@ -5,7 +5,7 @@ import pytest
 import torch
 from bench.random_models import build
 
-import engine
+from support import engine
 import rwml
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import engine
+from support import engine
 import rwml
 import train
 
@@ -87,7 +87,7 @@ def test_each_stage_has_its_own_peak_and_the_run_the_highest():
     import resource
     import time
 
-    import cost
+    from support import cost
 
     with cost.run(None) as run:
         with cost.stage("outer"):

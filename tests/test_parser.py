@@ -60,7 +60,7 @@ def test_inefficient_actions():
 
 
 def test_tau2_parser_never_raises_and_cleans_lone_surrogates():
-    from worlds import parse_tau2_action
+    from integrations.worlds import parse_tau2_action
 
     deep = '<tool_call>{"name": "x", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"
     assert parse_tau2_action(deep) == dict(kind="tool", name="", arguments={}, well_formed=False,
@@ -79,7 +79,7 @@ def test_a_lone_surrogate_in_a_transitions_file_passes_the_context_check(tiny_mo
     which raised UnicodeEncodeError where the triplet had trained and scored before (issue 39, item 1)."""
     import json
 
-    import plumbing
+    from support import plumbing
     import train
 
     t = dict(task="put a mug in the sink", history=[{"observation": "You are in a room."}], action="look",

@@ -4,14 +4,13 @@ import json
 import pytest
 import torch
 
-import engine
+from support import engine, plumbing
 import envs
 import rwml
 import train
-import plumbing
-import worlds
+from integrations import worlds
 from envs import UserError
-from plumbing import read_jsonl
+from support.plumbing import read_jsonl
 from reward import coin_reward, mis_targets
 
 

@@ -16,13 +16,11 @@ import psutil
 import pytest
 import torch
 
-import engine
+from support import engine, gamepool, plumbing
 import envs
-import gamepool
-import plumbing
 import train
-import worlds
-from plumbing import read_jsonl
+from integrations import worlds
+from support.plumbing import read_jsonl
 from reward import parse_next_state
 
 # ----------------------------------------------------------------------------- the parsers, fuzzed
@@ -98,7 +96,8 @@ ROOT = Path(__file__).resolve().parent.parent
 POOL_SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})
-import envs, gamepool, train
+import envs, train
+from support import gamepool
 
 def main():
     with gamepool.EnvPool(2, game_cls=envs.Game) as pool:

@@ -11,15 +11,12 @@ from pathlib import Path
 
 import pytest
 
-import cli
-import engine
+from support import cli, engine, gamepool, plumbing
 import envs
-import gamepool
 import eval as evaluate
-import plumbing
 import train
-import worlds
-from plumbing import read_jsonl
+from integrations import worlds
+from support.plumbing import read_jsonl
 from reward import SimToRealReward
 import reports
 
@@ -184,7 +181,8 @@ def lock_is_free(out: Path) -> bool:
 HOLDER = """
 import sys, time
 sys.path.insert(0, {root!r})
-import gamepool, train
+import train
+from support import gamepool
 gamepool.EnvPool = lambda *a, **k: time.sleep(600)  # a collection that holds its folder, playing
 train.main(["collect", "--model", {model!r}, "--num-games", "1", "--num-workers", "1", "--out", {out!r}])
 """

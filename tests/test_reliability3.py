@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import envs
-import plumbing
+from support import plumbing
 import train
-from plumbing import read_jsonl
+from support.plumbing import read_jsonl
 from test_reliability2 import WM_ARGS, nothing_slow, one_line, wm_run  # noqa: F401 (fixtures)
 
 

@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 
 import eval as evaluate
-import runs
+from integrations import runs, worlds
 import train
-import worlds
 from envs import UserError
-from plumbing import read_jsonl
+from support.plumbing import read_jsonl
 from test_reliability2 import nothing_slow, one_line  # noqa: F401 (a fixture)
 
 TW = worlds.ENVIRONMENTS["textworld"]
@@ -133,7 +132,7 @@ def test_eval_wm_scores_at_the_triplets_tau_d_and_names_a_collect_json_that_disa
 def heldout(tiny_model, tmp_path, monkeypatch):
     """cached_heldout with a stand-in collection (2 triplets, 1 episode; one copied in is finished, as
     collect's): (play(out) -> its triplets, the folders it played in, the cache entry)."""
-    import engine
+    from support import engine
 
     monkeypatch.setattr(engine, "MODEL_CACHE", tmp_path / "cache")
     cfg = train.Settings(model=tiny_model, split="valid_unseen", num_games=1, seed=0)
@@ -176,7 +175,7 @@ def test_a_damaged_heldout_cache_entry_is_played_again_never_copied(how, heldout
     capsys.readouterr()
     assert len(play("third")) == 2 and len(plays) == 2  # played again, not copied
     out = capsys.readouterr().out
-    assert f"collect: the cached held-out set {entry} is not whole (" in out and "playing it again" in out
+    assert f"collect: the cached set {entry} is not whole (" in out and "playing it again" in out
     assert len(play("fourth")) == 2 and len(plays) == 2  # the entry replaced, whole again
     first, fourth = (tmp_path / name / "collect.json" for name in ("first", "fourth"))
     assert fourth.read_text() == first.read_text()

@@ -120,13 +120,13 @@ def test_lone_surrogates_are_embedded_not_raised(reward):
 
 
 def test_verl_export_and_compute_score_reproduce_our_rewards(tiny_model, transitions, tmp_path, reward):
-    """`train.py export --format verl` writes verl's GRPO parquet; `bridges.compute_score` (verl's custom
+    """`train.py export --format verl` writes verl's GRPO parquet; `verl_reward.compute_score` (verl's custom
     reward signature) on its rows gives exactly SimToRealReward's rewards of our completions (the real
     embedder)."""
     pq = pytest.importorskip("pyarrow.parquet")
     import rwml
     import train
-    from bridges import compute_score
+    from integrations.verl_reward import compute_score
 
     out = tmp_path / "verl"
     train.main(["export", "--format", "verl", "--model", tiny_model, "--transitions", transitions,

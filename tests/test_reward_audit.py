@@ -196,10 +196,10 @@ def test_a_bad_tau_is_one_line_on_the_command_line(tmp_path):
 def test_tau_d_and_the_cap_default_to_the_audits_per_environment(tmp_path):
     """Unset, tau_d and the completion cap are the environment's (chosen on the audit's dev half); a value
     given on the command line or in code wins; eval.py wm takes the environment of the transitions."""
-    import cli
+    from support import cli
     import eval as evaluate
     import train
-    import worlds
+    from integrations import worlds
 
     cfg = train.Settings()
     assert (cfg.tau_d, cfg.rouge_gate, cfg.max_completion_length) == (0.01, 0.9, 80)

@@ -9,12 +9,10 @@ import sys
 import pytest
 import torch
 
-import cli
-import engine
+from support import cli, engine, plumbing
 import envs
-import plumbing
 import train
-from plumbing import read_jsonl
+from support.plumbing import read_jsonl
 
 ARGV = ["wm", "--no-easy-filter", "--no-warmup", "--max-steps", "1", "--prompts-per-step", "2",
         "--num-generations", "3", "--max-completion-length", "6", "--micro-batch-size", "6",

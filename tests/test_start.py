@@ -5,8 +5,7 @@ import warnings
 import pytest
 import torch
 
-import engine
-import plumbing
+from support import engine, plumbing
 import train
 from envs import UserError
 

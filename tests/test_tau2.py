@@ -3,11 +3,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import engine
-import worlds
+from support import engine, plumbing
+from integrations import worlds
 from envs import UserError
 import reports
-import plumbing
 
 
 def play_tau2(model, tok, domain: str, tasks: list, max_turns: int, user_max_new_tokens: int = 96,

@@ -7,15 +7,13 @@ import os
 import pytest
 import torch
 
-import engine
+from support import engine, plumbing
 import envs
-import plumbing
-import runs
+from integrations import runs, worlds
 import rwml
 import train
-import worlds
 from envs import UserError
-from plumbing import read_jsonl
+from support.plumbing import read_jsonl
 
 
 def wm(tiny_model, transitions, out, max_steps, *extra):
@@ -404,8 +402,8 @@ def test_eval_steps_draws_the_heldout_curve_without_changing_training(tiny_model
 
 def test_the_warm_up_can_train_on_more_triplets_than_its_split(parrot, tmp_path, capsys):
     """Issue 53's lever (lab/results/wm_dev): --warmup-transitions adds triplets to the warm-up's SFT, never
-    to GRPO's kept set; it is part of the filter's cache key (another file: made again); a missing file is one
-    line that names the flag."""
+    to GRPO's kept set; its content is part of the filter's cache key (another file: made again; the same
+    bytes elsewhere: reused), as are the triplets'; a missing file is one line that names the flag."""
     from reward import SimToRealReward
 
     folder, trip = parrot
@@ -423,6 +421,13 @@ def test_the_warm_up_can_train_on_more_triplets_than_its_split(parrot, tmp_path,
     plain = dataclasses.replace(cfg, warmup_transitions=None)
     assert runs.filter_cache(plain, trips, tmp_path / "f")[1] is None  # another warm-up: not reused
     assert runs.filter_cache(cfg, trips, tmp_path / "f")[1] is not None
+    moved = tmp_path / "elsewhere.jsonl"  # keyed by content: the same file elsewhere (another run's folder)
+    moved.write_bytes(more.read_bytes())
+    there = dataclasses.replace(cfg, warmup_transitions=str(moved))
+    assert runs.filter_cache(there, trips, tmp_path / "f")[1] is not None
+    moved.write_text(more.read_text().replace('"step": 100', '"step": 99'))  # a triplet changed: made again
+    assert runs.filter_cache(there, trips, tmp_path / "f")[1] is None
+    assert runs.filter_cache(cfg, trips[:-1] + [dict(trips[-1], next_obs="other")], tmp_path / "f")[1] is None
     with pytest.raises(UserError, match="--warmup-transitions: .*nosuch.jsonl not found"):
         train.filter_triplets(dataclasses.replace(cfg, warmup_transitions=str(tmp_path / "nosuch.jsonl")),
                               trips, tmp_path / "g", lambda: engine.load_model(folder), SimToRealReward())

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-import plumbing
+from support import plumbing
 import train
 from envs import UserError
-from plumbing import read_jsonl
+from support.plumbing import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_trl = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("trl", "datasets")),
@@ -105,7 +105,7 @@ def letters_reward(completions, targets):  # as in test_trl.py
 
 train.make_reward = lambda cfg: letters_reward
 runs = []
-import bridges
+from integrations import bridges
 train_wm_trl = bridges.train_wm_trl
 bridges.train_wm_trl = lambda cfg, kept, out, *a: runs.append((out, train_wm_trl(cfg, kept, out, *a)))
 train.main(sys.argv[1:])

@@ -1,4 +1,4 @@
-"""The verl bridge: the reward file verl loads by path (verl_reward.py; bridges.py for older commands), its
+"""The verl bridge: the reward file verl loads by path (integrations/verl_reward.py), its
 keyword arguments and hostile inputs, verl's reward managers, `train.py export`'s files."""
 import json
 import os
@@ -15,8 +15,7 @@ import pytest
 from verl_loaders import load_reward  # copies of verl's loaders (verl 0.9.1 and 0.6.1)
 
 REPO = Path(__file__).resolve().parent.parent
-ENTRY = REPO / "verl_reward.py"
-BRIDGES = REPO / "bridges.py"
+ENTRY = REPO / "integrations" / "verl_reward.py"
 LOADERS = Path(__file__).resolve().parent / "verl_loaders.py"
 REAL = "You open the drawer 1. The drawer 1 is open. In it, you see nothing."
 WRONG = "You open the drawer 2. The drawer 2 is open. In it, you see a pen 1."  # d ~ 0.2 (test_reward.py)
@@ -29,18 +28,6 @@ def run_elsewhere(script: str, cwd: Path) -> list[str]:
     run = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout.strip().splitlines()
-
-
-def test_bridges_compute_score_still_loads_the_older_way(tmp_path):
-    """Commands written before verl_reward.py (`custom_reward_function.path=.../bridges.py`) keep working
-    under verl < 0.7's loader, from the folder verl runs in, with verl's own keyword arguments."""
-    lines = run_elsewhere(f"""
-import runpy
-score = runpy.run_path({str(LOADERS)!r})["load_reward"]({str(BRIDGES)!r}, "older")
-print(score("rwml_alfworld", {REAL!r} + "</next_state>", {REAL!r}, dict(assistant_prefix="<next_state>"),
-            reward_router_address="http://localhost:1", reward_model_tokenizer=None))
-""", tmp_path)
-    assert lines[-1] == "1.0"
 
 
 @pytest.mark.parametrize("loader", ["current", "older"])
@@ -165,7 +152,7 @@ def test_compute_score_reads_reward_binary_strings(score):
 
 def test_compute_score_takes_tau_d_and_the_embedder_from_reward_kwargs():
     """verl's custom_reward_function.reward_kwargs arrive as keyword arguments: they override the row's."""
-    from bridges import compute_score  # the old path; verl_reward.compute_score itself
+    from integrations.verl_reward import compute_score
     from reward import BUNDLED_EMBEDDER
 
     row = dict(assistant_prefix="<next_state>", embedder="/no/such/embedder", tau_d=0.1)

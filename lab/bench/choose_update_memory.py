@@ -18,10 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: t
 
 import torch  # noqa: E402
 
-import choose  # noqa: E402
-import engine  # noqa: E402
+from integrations import choose  # noqa: E402
+from support import engine  # noqa: E402
 import rwml  # noqa: E402
-import worlds  # noqa: E402
+from integrations import worlds  # noqa: E402
 
 
 def main() -> None:

@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: the project's modules
 
-import engine  # noqa: E402
+from support import engine  # noqa: E402
 import rwml  # noqa: E402
 import train  # noqa: E402
-import worlds  # noqa: E402
+from integrations import worlds  # noqa: E402
 
 
 def play_once(model, tok, env, games: list, mode: str, max_new_tokens: int) -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: the project's modules
 
 import envs  # noqa: E402
-import gamepool  # noqa: E402
+from support import gamepool  # noqa: E402
 
 
 def script(game: str, start: dict, length: int) -> list[str]:

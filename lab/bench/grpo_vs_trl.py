@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: the project's modules
 
-import engine  # noqa: E402
+from support import engine  # noqa: E402
 
 ARMS = ("ours", "trl")
 
@@ -171,7 +171,7 @@ def table(runs: list[dict], cfg: BenchConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from cli import parse_config
+    from support.cli import parse_config
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--run"]:  # a child process: one arm, one JSON line on stdout
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import trl  # noqa: F401 (is it installed?)
     except ImportError:
-        from common import UserError
+        from support.common import UserError
 
         raise UserError("TRL is not installed: pip install --no-deps -r lab/bench/requirements.txt") from None
     runs = []
@@ -211,6 +211,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from cli import run_cli
+    from support.cli import run_cli
 
     run_cli(main)

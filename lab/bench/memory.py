@@ -21,13 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: the project's modules
 
-import engine  # noqa: E402
+from support import engine  # noqa: E402
 
 
 def one_step(job: str, arm: str, model_name: str, a) -> dict:
     import torch
 
-    import cost
+    from support import cost
     import envs
     import rwml
 

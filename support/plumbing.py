@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-import engine
-from cli import check_fields, resume_free
-from common import PATH_KEYS, UserError, file_problem, read_jsonl, repo_path, stored_config, write_atomic
-from common import write_jsonl
+from support import engine
+from support.cli import check_fields, resume_free
+from support.common import (PATH_KEYS, UserError, file_problem, read_jsonl, repo_path, stored_config,
+                            write_atomic, write_jsonl)
 
 # ------------------------------------------------------------------- checks before anything slow runs
 

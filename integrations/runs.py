@@ -25,13 +25,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-import engine
+from support import engine, stats
 import envs
-import stats
-import worlds
-from common import UserError, file_problem, read_jsonl, write_atomic, write_jsonl
-from plumbing import (PROMPT_TAIL, check_resume, group_table, jsonl_writer, read_transitions, run_header,
-                      sample_triplets)
+from integrations import worlds
+from support.common import ROOT, UserError, file_problem, read_jsonl, write_atomic, write_jsonl
+from support.plumbing import (PROMPT_TAIL, check_resume, group_table, jsonl_writer, read_transitions,
+                              run_header, sample_triplets)
 from reward import parse_next_state
 
 # ------------------------------------------------------------- the --out lock: one run at a time in a folder
@@ -342,14 +341,27 @@ def heldout_key(cfg) -> str:
     model = Path(cfg.model)
     weights = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in model.iterdir()
                      if f.is_file()) if model.is_dir() else None
-    code = [hashlib.sha256((Path(__file__).parent / f"{m}.py").read_bytes()).hexdigest()
-            for m in ("rwml", "envs", "engine", "worlds")]
+    code = [hashlib.sha256((ROOT / f"{m}.py").read_bytes()).hexdigest()
+            for m in ("rwml", "envs", "support/engine", "integrations/worlds")]
     games = [envs.game_id(g) for g in split_games(cfg)]
     key = dict(job=collect_job(cfg), env=cfg.env, num_envs=cfg.num_envs, games=games, weights=weights,
                torch=torch.__version__, transformers=transformers.__version__,
                threads=torch.get_num_threads(),
                code=code)
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+WARMUP_STREAM = 100  # the warm-up's more train games: seed + this draws them (lab/wm_dev.sh's MORE_SEED)
+
+
+def warmup_collections(cfg, out: Path, load, collect) -> str:
+    """`all`'s more warm-up triplets (issue 53): walkthroughs of `warmup_games` other train games and the
+    collection policy's play of them (its "Nothing happens." targets; cached as the held-out set is)."""
+    more = dataclasses.replace(cfg, num_games=cfg.warmup_games, seed=cfg.seed + WARMUP_STREAM, adapter=None)
+    walk = collect(dataclasses.replace(more, walkthrough=True), out / "warmup_walk", load)
+    play = cached_heldout(dataclasses.replace(more, walkthrough=False), out / "warmup_play", load, collect,
+                          what="the warm-up's more train triplets")
+    return ",".join(str(f) for f in (cfg.warmup_transitions, walk, play) if f)
 
 
 def cached_heldout(cfg, out: Path, load, collect, what: str = "the held-out explore triplets") -> Path:

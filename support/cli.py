@@ -22,7 +22,7 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
-from common import RERUN, UserError, clip, closest, did_you_mean
+from support.common import RERUN, UserError, clip, closest, did_you_mean
 
 
 class _Parser(HfArgumentParser):

@@ -8,22 +8,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-# verl loads this file by path (custom_reward_function.path) without its folder on sys.path: put it there
-if __name__ != "bridges":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from tqdm.auto import tqdm
 
-import cost
-import engine
-from common import UserError, arg, write_atomic, write_jsonl
-from plumbing import (PROMPT_TAIL, TRIPLETS_KEPT, card_folder, check_settings, config_json, filter_dir,
-                      group_table, plot_rewards, process_state, run_header, save_adapter)
+from support import cost, engine
+from support.common import UserError, arg, write_atomic, write_jsonl
+from support.plumbing import (PROMPT_TAIL, TRIPLETS_KEPT, card_folder, check_settings, config_json,
+                              filter_dir, group_table, plot_rewards, process_state, run_header, save_adapter)
 from reward import BUNDLED_EMBEDDER, parse_next_state
 
 
@@ -237,10 +231,3 @@ def export_verl(cfg, trips: list[dict], out: Path, load, reward_fn, filter_tripl
           "custom_reward_function.name=compute_score")
     return paths[0], paths[1]
 
-
-def compute_score(*args, **kwargs):
-    """The reward verl loads: verl_reward.compute_score (the file to give verl, see there), kept here for
-    commands written with `custom_reward_function.path=<this folder>/bridges.py` (verl < 0.7 only)."""
-    import verl_reward
-
-    return verl_reward.compute_score(*args, **kwargs)

@@ -14,7 +14,7 @@ import sys
 import time
 from contextlib import suppress
 
-from common import RERUN, UserError
+from support.common import RERUN, UserError
 
 _ORIGINALS: dict = {}
 

@@ -14,7 +14,7 @@ import os
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent  # the repository
+ROOT = Path(__file__).resolve().parent.parent  # the repository (this file is in support/)
 RERUN = "rerun the same command to continue (with --resume for train.py wm and policy)"
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 import envs
-from common import UserError, arg, did_you_mean, utf8_clean
-from engine import chat_template, load_model, sample
+from support.common import UserError, arg, did_you_mean, utf8_clean
+from support.engine import chat_template, load_model, sample
 from envs import Alfworld, Game, _literal, tag_blocks
 
 

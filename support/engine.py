@@ -24,8 +24,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-import cost
-from common import UserError, arg, file_problem
+from support import cost
+from support.common import UserError, arg, file_problem
 
 
 def quiet_libraries() -> None:
@@ -762,7 +762,6 @@ class LoraArgs:
 @dataclass
 class SFTArgs:
     _argument_group_name = "SFT: the filter's copy (the warm-up) and RFT"
-    sft_epochs: int | None = arg(None, "epochs of the filter's SFT copy (the warm-up) and of RFT; None = 3, "
-                                       "or 1 when the warm-up has more triplets (all's warmup_games, "
-                                       "warmup_transitions)", min=1)
+    sft_epochs: int | None = arg(None, "epochs of the SFT copy (the warm-up) and of RFT; None = 3, or 1 "
+                                       "when the warm-up has more triplets (warmup_games, ...)", min=1)
     sft_learning_rate: float = arg(5e-4, "their learning rate", check=lambda v: v > 0, why="must be above 0")

@@ -21,7 +21,7 @@ import types
 from collections.abc import Mapping
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
+_ROOT = Path(__file__).resolve().parent.parent  # the repository: reward.py, support/
 _PRIVATE = "_rwml_verl_"  # the repository's modules as this file loads them: _rwml_verl_reward, ...
 
 
@@ -34,7 +34,11 @@ class _RepoFinder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path=None, target=None):
         if path is None and fullname in self.names:
-            return importlib.util.spec_from_file_location(fullname, _HERE / f"{fullname}.py")
+            where = _ROOT / fullname  # a package (its submodules then load from its folder) or a file
+            if where.is_dir():
+                return importlib.util.spec_from_file_location(
+                    fullname, where / "__init__.py", submodule_search_locations=[str(where)])
+            return importlib.util.spec_from_file_location(fullname, where.with_suffix(".py"))
         return None
 
 
@@ -43,17 +47,17 @@ def _load_private(name: str):
     then kept under private names only (`_rwml_verl_<name>`): afterwards `sys.modules` holds the host's
     modules of those names again (or none), and `sys.path` is untouched. Loaded once per process."""
     done = sys.modules.get(_PRIVATE + name)
-    if done is not None and getattr(done, "__file__", None) == str(_HERE / f"{name}.py"):
+    if done is not None and getattr(done, "__file__", None) == str(_ROOT / f"{name}.py"):
         return done
-    names = {p.stem for p in _HERE.glob("*.py")} - {Path(__file__).stem}
-    hidden = {n: sys.modules.pop(n) for n in names if n in sys.modules}  # the host's, back afterwards
+    names = {p.stem for p in _ROOT.glob("*.py")} | {p.parent.name for p in _ROOT.glob("*/__init__.py")}
+    hidden = {n: sys.modules.pop(n) for n in [m for m in sys.modules if m.split(".")[0] in names]}
     finder = _RepoFinder(names)
     sys.meta_path.insert(0, finder)
     try:
         importlib.import_module(name)
     finally:
         sys.meta_path.remove(finder)
-        ours = {n: sys.modules.pop(n) for n in names if n in sys.modules}
+        ours = {n: sys.modules.pop(n) for n in [m for m in sys.modules if m.split(".")[0] in names]}
         sys.modules.update(hidden)
     for n, module in ours.items():  # private names: what pickle or typing finds via obj.__module__
         module.__name__ = _PRIVATE + n

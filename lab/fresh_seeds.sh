@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issues 53 and 56 on valid_unseen (the test split): the default run, `python train.py`, on fresh seeds (none
+# chose anything), then a coin run of each seed (--reward-control coin: its matched COIN arm is another coin)
+# on the same data: the collections, the warm-up's more games, the filter, the warm-up and the "before"
+# scores are copied from the real run's folder and reused (their caches are keyed by content and settings,
+# so the coin run would have made the same files).
+#   SEEDS="41 42" OUT=runs/fresh bash lab/fresh_seeds.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-runs/fresh}
+OUT=${OUT#"$PWD/"}
+SEEDS=${SEEDS:-41 42}
+mkdir -p "$OUT"
+for s in $SEEDS; do
+    [ -f "$OUT/seed$s/adapter/README.md" ] || $PY train.py --seed "$s" --out "$OUT/seed$s" > "$OUT/seed$s.log" 2>&1
+done
+for s in $SEEDS; do
+    c=$OUT/coin$s
+    mkdir -p "$c"
+    for d in collect heldout heldout_purposeful warmup_walk warmup_play filter; do
+        [ -d "$c/$d" ] || cp -r "$OUT/seed$s/$d" "$c/$d"
+    done
+    cp -n "$OUT/seed$s"/wm_eval_before_* "$c/"
+    $PY train.py --seed "$s" --reward-control coin --out "$c" > "$c.log" 2>&1
+done
