@@ -28,18 +28,18 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from integrations import choose, worlds
-from support import engine
 import envs
 import rwml
+from train import (ACTORS, AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs, make_reward,
+                   triplet_problem)
+from integrations import choose, worlds
+from integrations.runs import (check_play, episode_log, finished_episodes, random_policy, recorded,
+                               triplets_env)
+from support import engine
 from support.cli import check_fields, commands_help, parse_config, run_cli
 from support.common import UserError, again, arg, stored_config, write_atomic
 from support.plumbing import (check_adapter, check_cache, check_context, check_writable, read_transitions,
                               sample_triplets, write_eval)
-from integrations.runs import (check_play, episode_log, finished_episodes, random_policy, recorded,
-                               triplets_env)
-from train import (ACTORS, AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs, make_reward,
-                   triplet_problem)
 
 COMMANDS = {  # name -> its line in `eval.py --help`
     "agent": "success rate of the model (+ adapter) playing held-out games, over seeds",

@@ -30,13 +30,13 @@ from typing import TypedDict
 import torch
 from tqdm.auto import tqdm
 
-from support import cost
 import envs
+from reward import BUNDLED_EMBEDDER, parse_next_state
 from integrations import worlds
+from support import cost
 from support.common import UserError, again, arg
 from support.engine import (Batch, EngineArgs, by_length, completion_logprobs, group_logprobs, micro_batches,
                             optimizer_step, pack, reference_policy, sample_chat, to_device)
-from reward import BUNDLED_EMBEDDER, parse_next_state
 
 # ======================================================================================== §2 Data: collection
 # The base model plays ALFWorld's *training* games at temperature 1.0 (3 rollouts per game in the

@@ -26,22 +26,22 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from integrations import bridges, choose, worlds
-from support import cost, engine, stats
 import envs
 import rwml
+from reward import SimToRealReward, coin_reward, mis_targets
+from integrations import bridges, choose, worlds
+from integrations.runs import (warmup_collections, before_after_line, before_made_by, cached_heldout, compare,
+                               said, check_stage, claim_out, collection_summary, collection_todo,
+                               filter_cache, kind_mix, log_groups, policy_eval_games, releases_locks,
+                               save_filter, settle_env, split_games, stage_inputs, telling, walkthroughs,
+                               wm_row)
+from support import cost, engine, stats
 from support.cli import parse_stage, run_cli
 from support.common import RERUN, UserError, arg, read_jsonl, write_atomic, write_jsonl
 from support.plumbing import (CONTROLS, TRIPLETS_KEPT, card_run, check_run, close_tracker, config_json,
                               context_problem, filter_dir, jsonl_writer, keep_rng, log_row, plot_rewards,
                               run_header, sample_triplets, save_adapter, save_checkpoint, start_run,
                               swap_checkpoint, use_4bit, write_card, write_eval)
-from reward import SimToRealReward, coin_reward, mis_targets
-from integrations.runs import (warmup_collections, before_after_line, before_made_by, cached_heldout, compare,
-                               said, check_stage, claim_out, collection_summary, collection_todo,
-                               filter_cache, kind_mix, log_groups, policy_eval_games, releases_locks,
-                               save_filter, settle_env, split_games, stage_inputs, telling, walkthroughs,
-                               wm_row)
 
 # ----------------------------------------------------------------- the settings: what a user sets, once each
 # Defaults: the small-model recipe that shows RWML learning on the bundled 135M model on a CPU; departures

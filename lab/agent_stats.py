@@ -94,14 +94,14 @@ def rate(runs: list[dict], games: list[str]) -> str:
     return f"{pct(ci['diff'])} [{pct(ci['lo'])}, {pct(ci['hi'])}]{seeds}"
 
 
-RULE = stats.RULE[0].upper() + stats.RULE[1:].replace("could detect", "could detect (points)") + "."
+RULE = stats.RULE[0].upper() + stats.RULE[1:].replace("CI half-width", "CI half-width (points)") + "."
 
 
 def said(c: dict) -> tuple[str, str]:
-    """A comparison's cells: the difference in points with its CI; the verdict with what it could detect."""
+    """A comparison's cells: the difference in points with its CI; the verdict with the CI's half-width."""
     return (f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]",
-            f"{stats.verdict(c).replace('holds', 'holds (CI excludes 0)')}; could detect >= "
-            f"{100 * c['could_detect']:.1f} points")
+            f"{stats.verdict(c).replace('holds', 'holds (CI excludes 0)')}; CI half-width "
+            f"{100 * c['half_width']:.1f} points")
 
 
 def compare(xs: list[dict], ys: list[dict], games: list[str]) -> dict:
@@ -109,7 +109,7 @@ def compare(xs: list[dict], ys: list[dict], games: list[str]) -> dict:
     ys = ys if len(ys) == len(xs) else ys * len(xs)
     runs = [([x[g] for g in games], [y[g] for g in games], games) for x, y in zip(xs, ys)]
     ci = stats.two_level_bootstrap(runs)
-    ci["could_detect"] = stats.detectable(ci)  # from the CI's own replicates: seeds, then games
+    ci["half_width"] = stats.half_width(ci)  # the CI over seeds, then games
     return ci
 
 

@@ -173,7 +173,7 @@ def ci_text(ci):
 
 def paired(data, seeds, x, y, split, metric, kinds=None):
     """The two-level bootstrap of arm x - arm y on their common triplets (those the metric scores), with the
-    smallest difference it could detect (from the same replicates); None without such triplets."""
+    CI's half-width; None without such triplets."""
     runs = []
     for seed in seeds:
         run = ([], [], [])
@@ -191,7 +191,7 @@ def paired(data, seeds, x, y, split, metric, kinds=None):
     if not runs:
         return None
     ci = stats.two_level_bootstrap(runs)
-    return dict(ci, items=len(runs[0][0]), smallest=stats.detectable(ci))
+    return dict(ci, items=len(runs[0][0]), half_width=stats.half_width(ci))
 
 
 def arm_table(data, seeds, splits=SPLITS, arms=ARMS) -> list[str]:
@@ -221,7 +221,7 @@ def arm_table(data, seeds, splits=SPLITS, arms=ARMS) -> list[str]:
 
 
 def comparison_table(data, seeds, splits=SPLITS, compare=COMPARE) -> tuple[list[str], list[dict]]:
-    lines = ["| split | comparison | metric | diff [95 % CI] | per seed | could detect (80 % power) "
+    lines = ["| split | comparison | metric | diff [95 % CI] | per seed | CI half-width "
              "| verdict |", "|" + "---|" * 7]
     found = []
     for split in splits:
@@ -233,10 +233,11 @@ def comparison_table(data, seeds, splits=SPLITS, compare=COMPARE) -> tuple[list[
                     found.append(dict(split=split, x=x, y=y, metric=metric, verdict=v))
                     lines.append(f"| {split} | {x} − {y} | {name} | – | – | – | {v} |")
                     continue
-                found.append(dict(split=split, x=x, y=y, metric=metric, verdict=v,
-                                  **{k: c[k] for k in ("diff", "lo", "hi", "per_seed", "smallest", "items")}))
+                keep = ("diff", "lo", "hi", "per_seed", "half_width", "items")
+                found.append(dict(split=split, x=x, y=y, metric=metric, verdict=v, **{k: c[k] for k in keep}))
                 lines.append(f"| {split} | {x} − {y} | {name} | {ci_text(c)} | "
-                             f"{'/'.join(f'{d:+.3f}' for d in c['per_seed'])} | {c['smallest']:.3f} | {v} |")
+                             f"{'/'.join(f'{d:+.3f}' for d in c['per_seed'])} | {c['half_width']:.3f} "
+                             f"| {v} |")
     return lines, found
 
 

@@ -8,9 +8,9 @@ the lab's tables (issue 37 item 1; issue 47 item 6). numpy and the standard libr
   games with replacement (one draw of games shared by the drawn seeds: our seeds play the same games).
   N_BOOT (200,000) replicates by default; besides the CI it returns the replicates' sd and how many
   replicates lie below, at or below, at or above, above 0 (what places a bound on either side of 0).
-- `detectable(ci)`: the smallest difference a table could detect: (z_{1-alpha/2} + z_{power}) x the sd of
-  the CI's own bootstrap replicates (two-sided 5 %, 80 % power): seed-to-seed and game-to-game spread both
-  count, so it sits at about 1.4 x the CI's half-width, never far below it.
+- `half_width(ci)`: the CI's half-width, named so, where a table once printed "could detect" (a power figure
+  taken at the observed effect: post hoc, smallest where little changed; issue 53 item 5). Seed-to-seed and
+  game-to-game spread both count where the CI is two_level_bootstrap's.
 - `exact_tests(a, b, units)`: how many paired items went up and down, and two exact tests beside the
   bootstrap, which is coarse when few items change: a sign-flip test over units (each game's summed
   difference keeps or flips its sign: all 2^games assignments up to 2^20, else 200,000 drawn) and McNemar's
@@ -121,13 +121,10 @@ def _replicates(total: np.ndarray, items: np.ndarray, n: int, rng) -> np.ndarray
                     np.where(present, taken, 0.0).sum(axis=1) / np.maximum(present.sum(axis=1), 1), 0.0)
 
 
-def detectable(ci: dict, alpha: float = 0.05, power: float = 0.8) -> float:
-    """The smallest true difference the table detects with the given power (two-sided alpha), from the
-    resampling that gave its CI: (z_{1-alpha/2} + z_power) x the sd of the bootstrap replicates (seeds, then
-    games); infinite for fewer than 2 units (nothing to resample)."""
-    if ci.get("units", 0) < 2:
-        return math.inf
-    return (Z(1 - alpha / 2) + Z(power)) * ci["sd"]
+def half_width(ci: dict) -> float:
+    """The CI's half-width, (hi - lo) / 2: what a table gives beside a difference it did not detect (a CI
+    over seeds and games where several seeds are pooled); infinite for fewer than 2 units."""
+    return math.inf if ci.get("units", 0) < 2 else (ci["hi"] - ci["lo"]) / 2
 
 
 def exact_tests(a, b, units) -> dict:
@@ -155,15 +152,14 @@ NO_DATA = "no data (nothing to compare)"
 
 RULE = ("verdict: \"holds\" only where the CI excludes 0 by more than its Monte-Carlo error (the count of "
         "replicates on the far side of 0 below 2.5 % by more than 2.576 sd), \"(borderline)\" where a bound "
-        "is 0 within that error; could detect: (z 0.975 + z 0.8) x the sd of the same replicates (80 % "
-        "power, two-sided 5 %); stats.py")
+        "is 0 within that error; CI half-width: (hi - lo) / 2 of the same CI; stats.py")
 COUNTS = ("below_0", "at_most_0", "at_least_0", "above_0")
 
 
-def verdict(ci: dict | None, smallest: float | None = None) -> str:
+def verdict(ci: dict | None, half: float | None = None) -> str:
     """"holds" where the CI's lower bound is above 0 by more than its Monte-Carlo error ("reversed": the
     upper bound below 0), "no difference detected (borderline)" where one bound is 0 within that error,
-    else "no difference detected" (with what the table could detect, when given); NO_DATA for a comparison
+    else "no difference detected" (with the CI's half-width, when given); NO_DATA for a comparison
     without items (None, or no bounds).
 
     With n replicates and q = (1 - level) / 2, the lower bound is the replicate of rank about n q: it is
@@ -190,5 +186,5 @@ def verdict(ci: dict | None, smallest: float | None = None) -> str:
             return "holds" if ci["lo"] > 0 else "reversed"
         borderline = False
     return ("no difference detected" + (" (borderline)" if borderline else "")
-            + (f"; could detect >= {smallest:.3f}" if smallest is not None else ""))
+            + (f"; CI half-width {half:.3f}" if half is not None else ""))
 
