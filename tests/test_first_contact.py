@@ -257,3 +257,21 @@ def test_the_readme_says_no_more_than_its_intervals():
                   "95 % CIs over seeds and games;"):
         assert claim not in text, claim
     assert "on the same 32 prompts +0.062 [+0.000, +0.167], no difference detected" in text
+
+
+def test_the_readmes_output_block_is_a_committed_run_of_the_default_on_a_seed_that_chose_nothing():
+    """Issue 53 item 4: every line of README's output block is a line the run printed, in the folder it names;
+    that run used today's defaults (its config's fields that decide the result are the Settings' defaults) on
+    a seed no study chose with (0 chose the recipe; 1, 2 are stage1_shipped's)."""
+    readme = (ROOT / "README.md").read_text()
+    block = [line[4:] for line in readme.split("## The method")[0].splitlines() if line.startswith("    (")
+             or line.startswith("    verdict")]
+    run = ROOT / "lab" / "results" / "fresh_seeds" / "seed41"
+    assert len(block) >= 4 and "seed 41" in readme and "(lab/results/fresh_seeds/)" in readme
+    printed = set((run / "run_log.txt").read_text().splitlines())
+    assert [line for line in block if line not in printed] == []
+    config, defaults = json.loads((run / "config.json").read_text()), train.Settings()
+    for key in ("warmup_games", "max_steps", "num_games", "heldout_split", "history_len", "tau_d",
+                "sft_epochs", "mixed_only", "easy_filter", "learning_rate", "beta"):
+        assert config[key] == getattr(defaults, key), key
+    assert config["seed"] not in (0, 1, 2, 12, 21) and config["heldout_split"] == "valid_unseen"

@@ -256,10 +256,11 @@ def test_the_sanity_heading_states_the_tau_d_its_runs_used(tmp_path):
 def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
     """`python train.py` (stage all), small: train and held-out collections, filter and warm-up, RWML, the
     held-out accuracy before -> after beside the baselines and the strict metrics, with per-triplet files."""
-    train.main(["--model", tiny_model, "--num-games", "2", "--max-turns", "3", "--heldout-games", "1",
-                "--eval-max-triplets", "3", "--eval-samples", "1", "--max-steps", "1", "--warmup-games", "1",
-                "--num-generations", "2", "--prompts-per-step", "2", "--max-completion-length", "8",
-                "--out", str(tmp_path / "run")])
+    argv = ["--model", tiny_model, "--num-games", "2", "--max-turns", "3", "--heldout-games", "1",
+            "--eval-max-triplets", "3", "--eval-samples", "1", "--max-steps", "1", "--warmup-games", "1",
+            "--num-generations", "2", "--prompts-per-step", "2", "--max-completion-length", "8",
+            "--out", str(tmp_path / "run")]
+    train.main(argv)
     out = capsys.readouterr().out
     for kind in train.HELDOUT_KINDS:
         for label in ("before", "rwml", "template"):
@@ -279,6 +280,11 @@ def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
     end = next(i for i, x in enumerate(said) if " min -> " in x)
     assert said[end - 1].startswith("verdict: ")  # the gain lines end with the verdict in words
     check_gain_lines(tmp_path / "run", out)
+    train.main(argv)  # `python train.py` again: it continues the finished run (on c290165: "cannot resume")
+    again = capsys.readouterr().out
+    said = again.splitlines()
+    end = next(i for i, x in enumerate(said) if " min -> " in x)
+    assert "resumed from" in again and said[end - 1].startswith("verdict: ")
 
 
 def test_the_gain_lines_are_the_per_triplet_files_numbers(tmp_path):
@@ -456,7 +462,8 @@ def test_the_verdict_says_whether_the_reward_beat_self_training(tmp_path):
     """Issue 56: (e) RWML - the matched COIN arm, and the verdict's first half: a run no better than its COIN
     arm (a coin run: its arm is another coin) is told the reward was not shown to matter; one above it on
     both kinds is told the reward, not self-training, raised held-out accuracy. The matched arm's coin is its
-    own stream, not the run's (a coin run's control is not itself)."""
+    own stream, not the run's (a coin run's control is not itself). Above its COIN arm but not above its
+    warm-up is not shown either: one coin arm's noise can put it below a coin run (fresh_seeds, seed 41)."""
     n = 40
     hit, unseen = [i % 4 != 0 for i in range(n)], [False] * n
     for kind in ("train", *train.HELDOUT_KINDS):
@@ -474,6 +481,12 @@ def test_the_verdict_says_whether_the_reward_beat_self_training(tmp_path):
     assert [x[:3] for x in lines] == ["(a)", "(b)", "(b)", "(c)", "(c)", "(d)", "(d)", "(e)", "(e)", "ver"]
     assert "the matched COIN arm 0.000 (exact match): +0.750 [" in lines[7]
     assert lines[-1].startswith("verdict: the reward, not self-training on its own samples, raised held-out")
+    for kind in train.HELDOUT_KINDS:  # above its COIN arm but not above its warm-up: a coin run on seed 41
+        write_rows(tmp_path, f"before_{kind}", held_rows(hit, hit, unseen))
+    lines = train.gain_lines(tmp_path, start="warm-up")
+    assert "the matched COIN arm 0.000 (exact match): +0.750 [" in lines[7]
+    assert lines[-1].startswith("verdict: not shown that the reward, rather than self-training")
+    assert "RWML - the warm-up: explore +0.000 [+0.000, +0.000]" in lines[-1]
     cfg = train.Settings(reward_control="coin")
     run = train.reward_control(cfg, [], None, tmp_path)[1]
     ctrl = train.reward_control(cfg, [], None, tmp_path, coin_seed=cfg.seed + train.COIN_STREAM)[1]

@@ -22,10 +22,6 @@ MODULE_MAX, PLUMBING_MAX, TOTAL_MAX = 860, 700, 6760
 # layer or of a later one. The bottom; the engine, the games' speed, the command line; the environment
 # interface (and ALFWorld), the reward, choose mode, plumbing; the other environments and the registry; the
 # method, the stages' bookkeeping, the bridges; the stages; evaluation.
-# Imports run down this list: a module imports only modules of the layers above its own, never one of its own
-# layer or of a later one. The bottom; the engine, the games' speed, the command line; the environment
-# interface (and ALFWorld), the reward, choose mode, plumbing; the other environments and the registry; the
-# method, the stages' bookkeeping, the bridges; the stages; evaluation.
 LAYERS = (("support.common", "support.cost", "support.stats"),
           ("support.engine", "support.gamepool", "support.cli"),
           ("envs", "reward", "integrations.choose", "support.plumbing", "integrations.verl_reward"),
