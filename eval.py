@@ -37,7 +37,7 @@ from integrations.runs import (check_play, episode_log, finished_episodes, rando
                                triplets_env)
 from support import engine
 from support.cli import check_fields, commands_help, parse_config, run_cli
-from support.common import UserError, again, arg, stored_config, write_atomic
+from support.common import UserError, again, arg, names, stored_config, write_atomic
 from support.plumbing import (check_adapter, check_cache, check_context, check_writable, read_transitions,
                               sample_triplets, write_eval)
 
@@ -69,9 +69,10 @@ class AgentEvalConfig(PlayArgs, worlds.WorldArgs):
     top_p: float = again(rwml.SamplingArgs, "top_p")
     seeds: int = arg(3, "independent runs of every game; mean and std over them (seed: games, draws)", min=1)
     policy: str = arg("model", "or random: a uniform admissible command each turn (a baseline; no model "
-                               "loads)", choices=("model", "random"))
+                               "loads)", choices=("model", "random"), part_of="episodes")
     sampled: bool = arg(False, "choose mode: draw at --temperature (the policy stage 2 trains), --seeds "
-                               "episodes per game played side by side; off: greedy, one episode per game")
+                               "episodes per game played side by side; off: greedy, one episode per game",
+                        part_of="episodes")
     out: str = arg("results.json", "the result file (its episodes inside)")
 
 
@@ -174,11 +175,6 @@ def _summarize(episodes: list[dict], seeds: int) -> dict:
     return result
 
 
-EPISODE_JOB = ("model", "adapter", "env", "domain", "user_model", "split", "num_games", "num_tasks", "seed",
-               "max_turns", "history_len", "temperature", "top_p", "max_new_tokens", "action_mode", "policy",
-               "world_size", "nb_objects", "quest_length", "sampled")  # what logged episodes count under
-
-
 def evaluate_agent(cfg: AgentEvalConfig) -> dict:
     """Every game (tau2: task) of the split(s), `seeds` times, all in one batched `rwml.play`; then ALFWorld's
     success and action quality (per split and task type) or tau2's average reward and pass^k."""
@@ -194,7 +190,8 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
     games = {sp: worlds.games(cfg.env, sp, cfg.num_tasks if tau2 else cfg.num_games, cfg.seed, cfg.domain,
                               (cfg.world_size, cfg.nb_objects, cfg.quest_length)) for sp in splits}
     t0 = time.time()
-    log, job = Path(cfg.out + ".episodes.jsonl"), {k: recorded(cfg)[k] for k in EPISODE_JOB}
+    key = ["episodes", "collect", *(f"collect:{e}" for e in worlds.ENVIRONMENTS)]  # a collection's, and more
+    log, job = Path(cfg.out + ".episodes.jsonl"), {k: recorded(cfg)[k] for k in names(cfg, *key)}
     done = finished_episodes(log, job)  # an interrupted run's
     # a game's episodes side by side: they start in one state, scored once (choose.choose_actions)
     every = [dict(game=g, split=sp, seed=s) for sp in splits for g in games[sp] for s in range(cfg.seeds)]

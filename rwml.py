@@ -83,9 +83,10 @@ class Running:
 class SamplingArgs:
     _argument_group_name = "sampling: the agent's replies, the GRPO groups"
     temperature: float = arg(1.0, "sampling temperature of collection and GRPO groups (training divides by "
-                                  "it)", check=lambda v: v >= 0, why="must be 0 or more")
+                                  "it)", check=lambda v: v >= 0, why="must be 0 or more",
+                             part_of="collect card:wm card:policy")
     top_p: float = arg(1.0, "nucleus sampling of the replies and the groups", check=lambda v: 0 < v <= 1,
-                       why="must be in (0, 1]")
+                       why="must be in (0, 1]", part_of="collect")
 
 
 def play(model, tokenizer, env, episodes: list[dict], *, actor=None, history_len: int = 2,
@@ -227,20 +228,23 @@ _PER_ENV = "None: the environment's ({})".format
 @dataclass
 class WorldModelArgs:
     _argument_group_name = "the world model's answer and its reward (METHOD.md §3)"
-    embedder: str = arg(BUNDLED_EMBEDDER, "any sentence-transformers model id or folder")
+    embedder: str = arg(BUNDLED_EMBEDDER, "any sentence-transformers model id or folder", part_of="filter")
     tau_d: float | None = arg(None, "r = 1 iff 1 - cos(E(prediction), E(real)) < tau_d; " + _PER_ENV(
         ", ".join(f"{k} {c.tau_d}" for k, c in worlds.ENVIRONMENTS.items())) + "; lab/results/reward_audit",
-        check=lambda v: 0 < v <= 2, why="must be in (0, 2] (a cosine distance)")
+        check=lambda v: 0 < v <= 2, why="must be in (0, 2] (a cosine distance)", part_of="filter card:wm")
     rouge_gate: float | None = arg(None, "> 0: r = 1 also needs ROUGE-1 F >= this (the gate of the authors' "
                                          "code); " + _PER_ENV(", ".join(f"{k} {c.rouge_gate}" for k, c in
                                                                         worlds.ENVIRONMENTS.items())),
-                                   check=lambda v: 0 <= v <= 1, why="must be between 0 and 1 (0 = off)")
-    reward_metric: str = arg("embedding", 'or "rouge" (ablation)', choices=("embedding", "rouge"))
-    reward_binary: bool = arg(True, "False = the continuous-cosine ablation")
+                                   check=lambda v: 0 <= v <= 1, why="must be between 0 and 1 (0 = off)",
+                                   part_of="filter")
+    reward_metric: str = arg("embedding", 'or "rouge" (ablation)', choices=("embedding", "rouge"),
+                             part_of="filter card:wm")
+    reward_binary: bool = arg(True, "False = the continuous-cosine ablation", part_of="filter")
     wm_reasoning: bool = arg(False, "<think> then <next_state> (paper: True); off: reply from <next_state> "
                                     "on")
     max_completion_length: int | None = arg(None, "tokens per world-model prediction; " + _PER_ENV(", ".join(
-        f"{k} {c.max_completion_length}" for k, c in worlds.ENVIRONMENTS.items())), min=1)
+        f"{k} {c.max_completion_length}" for k, c in worlds.ENVIRONMENTS.items())), min=1,
+                                            part_of="filter card:wm")
 
 
 # ================================================================================== §4 "Too easy" subsampling
@@ -304,11 +308,12 @@ def easy_subsample(scores: list[float], easy_share: float = 0.3, keep_prob: floa
 class GRPOArgs:
     _argument_group_name = "GRPO (METHOD.md §5): TRL's names; TRL's defaults where the paper is silent"
     num_generations: int = arg(4, "completions per prompt, a group (TRL: 8; 4: a step affords 4 prompts; "
-                                  "README)", min=2)
+                                  "README)", min=2, part_of="card:wm card:policy")
     beta: float = arg(0.1, "KL weight; the reference is the warm-up adapter, else the bare base model (TRL: "
-                           "0)", check=lambda v: v >= 0, why="must be 0 or more")
+                           "0)", check=lambda v: v >= 0, why="must be 0 or more",
+                      part_of="card:wm card:policy")
     loss_type: str = arg("dr_grpo", "how token losses are averaged (paper: grpo)",
-                         choices=("grpo", "dapo", "dr_grpo"))
+                         choices=("grpo", "dapo", "dr_grpo"), part_of="card:wm")
     scale_rewards: str = arg("none", "the std that divides advantages (paper: group)",
                              choices=("group", "batch", "none"))
     epsilon: float = arg(0.2, "clip range of the probability ratio", check=lambda v: v >= 0,

@@ -55,40 +55,45 @@ ACTORS = dict(generate=rwml.GENERATE, choose=choose.CHOOSE)  # --action-mode: wh
 @dataclass
 class ModelArgs:
     _argument_group_name = "every stage: the model, the environment, the seed, the run's folder"
-    model: str = arg(engine.BUNDLED_MODEL, "any HF causal-LM id or local folder")
+    model: str = arg(engine.BUNDLED_MODEL, "any HF causal-LM id or local folder", part_of="filter collect")
     load_in_4bit: bool | None = arg(None, "NF4 base weights (QLoRA); None = on with CUDA and >= 1B "
                                           "parameters")
     env: str = arg("alfworld", "or textworld (generated games) or tau2 (tool use; games = tasks); its "
-                   "class (worlds.ENVIRONMENTS) holds its defaults", choices=tuple(worlds.ENVIRONMENTS))
-    seed: int = arg(0, "seeds every random draw of a run", **_SEED)
+                   "class (worlds.ENVIRONMENTS) holds its defaults", choices=tuple(worlds.ENVIRONMENTS),
+                   part_of="episodes")
+    seed: int = arg(0, "seeds every random draw of a run", **_SEED, part_of="collect card")
     out: str = arg("runs/rwml", "the run's folder", resume_free=True)
 
 
 @dataclass
 class AdapterArgs:
     _argument_group_name = "the adapter to start from"
-    adapter: str | None = arg(None, "a peft adapter on top (collect: play with it; policy: start from it)")
+    adapter: str | None = arg(None, "a peft adapter on top (collect: play with it; policy: start from it)",
+                              part_of="collect")
 
 
 @dataclass
 class PlayArgs:
     _argument_group_name = "how the agent plays (collect, policy, rft; eval.py agent)"
     action_mode: str = arg("generate", "generate: free ReAct replies (paper); choose: a softmax over the "
-                           "admissible commands (integrations/choose.py)", choices=tuple(ACTORS))
-    split: str | None = arg("train", "the games' split")
+                           "admissible commands (integrations/choose.py)", choices=tuple(ACTORS),
+                           part_of="episodes card:policy")
+    split: str | None = arg("train", "the games' split", part_of="collect")
     num_games: int | None = arg(16, "the paper plays every train game (3553); small default for a CPU "
-                                    "sanity run", min=1)
-    max_turns: int = arg(10, "environment steps per episode (paper: 30; `eval.py agent` uses 30)", min=1)
-    history_len: int = arg(1, "H: previous (observation, action) pairs the agent sees (paper: 2)", min=0)
-    max_new_tokens: int = arg(64, "agent reply: <think>...</think><action>...</action>", min=1)
+                                    "sanity run", min=1, part_of="collect:alfworld collect:textworld")
+    max_turns: int = arg(10, "environment steps per episode (paper: 30; `eval.py agent` uses 30)", min=1,
+                         part_of="collect card:rft card:policy")
+    history_len: int = arg(1, "H: past (observation, action) pairs the agent sees (paper: 2)", min=0,
+                           part_of="collect")
+    max_new_tokens: int = arg(64, "a reply: <think>...</think><action>...</action>", min=1, part_of="collect")
 
 
 @dataclass
 class CollectArgs:
     _argument_group_name = "collect (METHOD.md §2): the model plays train games; every turn is a triplet"
-    rollouts_per_game: int = arg(1, "the paper: 3 for ALFWorld", min=1)
+    rollouts_per_game: int = arg(1, "the paper: 3 for ALFWorld", min=1, part_of="collect card:rft")
     explore_prob: float = arg(0.85, "share of turns whose action is drawn by kind, not by the model "
-                                    "(paper: 0)", **_SHARE)
+                                    "(paper: 0)", **_SHARE, part_of="collect:alfworld collect:textworld")
     walkthrough: bool = arg(False, "play each game's expert walkthrough, not the model (no model loads)")
 
 
@@ -115,31 +120,38 @@ class FilterArgs:
     filter_dir: str | None = arg(None, "where the filter's outputs are kept and reused (None = "
                                        "<out>/filter)", resume_free=True)
     filter_seed: int | None = arg(None, "seed of the split, the SFT copy and its scores (None = seed): runs "
-                                        "with other seeds can then share one filter and one warm-up", **_SEED)
+                                        "with other seeds can then share one filter and one warm-up", **_SEED,
+                                  part_of="card:filter")
     easy_filter: bool = arg(False, '"too easy" subsampling (paper: True); off: RWML forgot take / close / '
-                                   'move')
+                                   'move', part_of="filter")
     filter_split: float = arg(0.35, "share of triplets that trains the SFT copy, never seen by GRPO "
                                     "(paper: 0.1)", check=lambda v: 0 < v < 1,
-                              why="the share of triplets that trains the SFT copy must be between 0 and 1")
-    filter_samples: int = arg(4, "K predictions per training triplet (paper: 10)", min=1)
-    easy_share: float = arg(0.3, "tau_easy is set so that about this share counts as easy", **_SHARE)
-    easy_keep_prob: float = arg(0.1, "easy triplets are kept with this probability", **_SHARE)
+                              why="the share of triplets that trains the SFT copy must be between 0 and 1",
+                              part_of="filter card:filter")
+    filter_samples: int = arg(4, "K predictions per training triplet (paper: 10)", min=1, part_of="filter")
+    easy_share: float = arg(0.3, "tau_easy is set so that this share is easy", **_SHARE, part_of="filter")
+    easy_keep_prob: float = arg(0.1, "the chance an easy triplet is kept", **_SHARE, part_of="filter")
     mixed_only: bool = arg(True, "keep only the triplets whose K warm-up predictions were neither all right "
-                                 "nor all wrong: only their GRPO groups carry a gradient (ours, with warmup)")
-    warmup: bool = arg(True, "RWML starts from the SFT copy (format warm-up), its KL reference (paper: no)")
+                                 "nor all wrong: only their GRPO groups carry a gradient (ours, with warmup)",
+                           part_of="filter")
+    warmup: bool = arg(True, "RWML starts from the SFT copy (format warm-up), its KL reference (paper: no)",
+                       part_of="filter")
     warmup_transitions: str | None = arg(None, "more triplets the SFT copy (the warm-up) trains on besides "
                                                "its split, never GRPO's: transitions.jsonl files, "
                                                "comma-separated (e.g. walkthroughs and the collection "
-                                               "policy's play of more train games; lab/results/wm_dev)")
+                                               "policy's play of more train games; lab/results/wm_dev)",
+                                         part_of="filter")
 
 
 @dataclass
 class StepArgs:
     _argument_group_name = "the optimizer's steps"
-    learning_rate: float = arg(1e-4, "AdamW's, constant", check=lambda v: v > 0, why="must be above 0")
-    max_steps: int = arg(20, "optimizer steps", min=1, resume_free=True)
+    learning_rate: float = arg(1e-4, "AdamW's, constant", check=lambda v: v > 0, why="must be above 0",
+                               part_of="card:wm card:wm-sft card:policy")
+    max_steps: int = arg(20, "optimizer steps", min=1, resume_free=True,
+                         part_of="card:wm card:wm-sft card:policy")
     prompts_per_step: int = arg(4, "world-model prompts per step, each with num_generations completions",
-                                min=1)
+                                min=1, part_of="card:wm card:wm-sft")
 
 
 @dataclass
@@ -175,8 +187,9 @@ class RunArgs:
 class PolicyArgs:
     _argument_group_name = "stage 2 (METHOD.md §6): policy RL on task success, num_generations per game"
     init: str = arg("base", "what --adapter holds: base (none) | rwml | wm-sft | rft; the KL reference, "
-                            "frozen", choices=("base", "rwml", "wm-sft", "rft"))
-    games_per_step: int = arg(2, "games per policy step, drawn from the num_games train games", min=1)
+                            "frozen", choices=("base", "rwml", "wm-sft", "rft"), part_of="card:policy")
+    games_per_step: int = arg(2, "games per policy step (of the num_games train games)", min=1,
+                              part_of="card:policy")
     eval_games: int = arg(10, "held-out games of the learning curve", min=1, resume_free=True)
     eval_split: str | None = arg(None, "their split; None = the environment's dev split (its class's "
                                        "`splits`)", resume_free=True)

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from support import engine, stats
 import envs
 from integrations import worlds
-from support.common import ROOT, UserError, file_problem, read_jsonl, write_atomic, write_jsonl
+from support.common import ROOT, UserError, file_problem, names, read_jsonl, write_atomic, write_jsonl
 from support.plumbing import (PROMPT_TAIL, check_resume, group_table, jsonl_writer, read_transitions,
                               run_header, sample_triplets)
 from reward import parse_next_state
@@ -97,8 +97,8 @@ def check_stage(cfg, stage: str) -> None:
         if stage not in ("wm", "filter"):
             raise UserError(f"--trainer trl trains the wm stage only; `train.py {stage}` has our trainer "
                             "alone")
-        for f in dataclasses.fields(cfg):
-            if f.name in NO_TRL and getattr(cfg, f.name) != f.default:
+        for f in dataclasses.fields(cfg):  # our speed-ups TRL lacks
+            if "no-trl" in f.metadata.get("part_of", ()) and getattr(cfg, f.name) != f.default:
                 raise UserError(f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)!r} has no counterpart "
                                 "in TRL's GRPOTrainer; leave it out with --trainer trl")
         if cfg.eval_steps:
@@ -128,8 +128,6 @@ def check_stage(cfg, stage: str) -> None:
     if stage in ("collect", "policy", "rft") and cfg.env == "alfworld":
         split_games(cfg)  # ALFWorld's data there, the split and --num-games: before --out or a cost line
     dict(policy=check_init, all=check_heldout).get(stage, lambda cfg: None)(cfg)
-
-NO_TRL = ("shared_prompt_forward", "logits_chunk_size", "micro_batch_tokens")  # our speed-ups TRL lacks
 
 
 def check_play(cfg) -> None:
@@ -226,17 +224,10 @@ def stage_inputs(cfg, stage: str, problem) -> tuple[list[dict] | None, list[dict
 
 def collect_job(cfg) -> dict:
     """A collection's settings, as its collect.json holds them."""
-    job = {k: getattr(cfg, k) for k in ("model", "adapter", "seed", "split", "num_games", "rollouts_per_game",
-                                        "max_turns", "history_len", "temperature", "top_p", "max_new_tokens",
-                                        "explore_prob")}
+    job = {k: getattr(cfg, k) for k in names(cfg, "collect", f"collect:{cfg.env}")}
     if cfg.action_mode != "generate":  # written only when set: collections made before the field stay valid
         job["action_mode"] = cfg.action_mode
-    if cfg.env == "textworld":
-        job.update({k: getattr(cfg, k) for k in ("env", "world_size", "nb_objects", "quest_length")})
-    elif cfg.env != "alfworld":  # tau2: the model's own actions only
-        del job["num_games"], job["explore_prob"]
-        job.update(env=cfg.env, domain=cfg.domain, num_tasks=cfg.num_tasks, user_model=cfg.user_model)
-    return job
+    return job | ({} if cfg.env == "alfworld" else dict(env=cfg.env))  # as before the other environments
 
 
 def collection_todo(cfg, out: Path, games: list) -> tuple[list[dict], int]:
@@ -295,18 +286,11 @@ def kind_mix(triplets: list[dict]) -> str:
 
 # ------------------------------------------------------------- the caches: the filter's, the held-out set's
 
-FILTER_JOB = ("model", "easy_filter", "mixed_only", "filter_split", "filter_samples", "easy_share",
-              "easy_keep_prob", "warmup", "warmup_transitions", "sft_epochs", "sft_learning_rate", "embedder",
-              "tau_d",
-              "rouge_gate", "reward_metric", "reward_binary", "max_completion_length", "lora_r", "lora_alpha",
-              "lora_target_modules")
-
-
 def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | None]:
     """The filter's settings (its cache key) and, if `out` holds a whole output of them, (kept, warm-up)."""
     kept_file, meta_file, warm = out / "kept.jsonl", out / "filter.json", out / "warmup_adapter"
     seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
-    job = {k: getattr(cfg, k) for k in FILTER_JOB} | {"seed": seed, "num_triplets": len(triplets)}
+    job = {k: getattr(cfg, k) for k in names(cfg, "filter")} | {"seed": seed, "num_triplets": len(triplets)}
     # by content, not by name: the same triplets and warm-up files in another run's folder are the same job
     more = [Path(f) for f in (cfg.warmup_transitions or "").split(",") if f]
     warm_files = b"".join(f.read_bytes() for f in more if f.is_file())

@@ -611,12 +611,15 @@ class WorldArgs:
     _argument_group_name = "the games: workers, TextWorld's sizes, tau2's domain and customer"
     num_envs: int = arg(16, "episodes played (and generated for) together", min=1)
     num_workers: int = arg(2, "game processes (0 = play in this process)", min=0, resume_free=True)
-    world_size: int = arg(2, "textworld: rooms of a generated game (tw-make's --world-size)", min=1)
-    nb_objects: int = arg(4, "textworld: objects of a generated game", min=1)
+    world_size: int = arg(2, "textworld: rooms of a generated game (tw-make's --world-size)", min=1,
+                          part_of="collect:textworld")
+    nb_objects: int = arg(4, "textworld: objects of a generated game", min=1, part_of="collect:textworld")
     quest_length: int = arg(2, "textworld: steps of the winning quest (at 2 random play wins ~25 % in 10 "
-                               "steps)", min=1)
-    domain: str = arg("retail", "tau2: airline | retail | telecom", choices=TAU2_DOMAINS)
+                               "steps)", min=1, part_of="collect:textworld")
+    domain: str = arg("retail", "tau2: airline | retail | telecom", choices=TAU2_DOMAINS,
+                      part_of="collect:tau2")
     user_model: str | None = arg(None, "tau2's simulated customer: any HF causal LM; None = the agent's "
-                                       "model (adapter off)")
+                                       "model (adapter off)", part_of="collect:tau2")
     num_tasks: int | None = arg(4, "tau2: tasks of the split (None = all; retail train has 74)",
-                                check=lambda v: v >= 1, why="must be at least 1 (or left out: all tasks)")
+                                check=lambda v: v >= 1, why="must be at least 1 (or left out: all tasks)",
+                                part_of="collect:tau2")

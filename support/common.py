@@ -46,15 +46,24 @@ def utf8_clean(text: str) -> str:
 # ----------------------------------------------------------------------------- a setting, declared once
 
 def arg(default, help: str, *, choices: tuple | None = None, min: float | None = None, check=None,
-        why: str | None = None, resume_free: bool = False):
+        why: str | None = None, resume_free: bool = False, part_of: str = ""):
     """A setting: a dataclass field that is also a flag (`num_games` -> `--num-games`) and a `--config` key.
     Its help, choices and bounds live here, on the field, and nowhere else: `cli.parse_config` shows them,
     `cli.check_fields` enforces them (`check(value)` false: "--name value: `why`"; None, a
     setting left out, always passes). `resume_free`: changes no trained weight, so --resume takes another
-    value (evaluations, speed, the step budget)."""
-    meta = dict(help=help, choices=choices, min=min, check=check, why=why, resume_free=resume_free)
+    value (evaluations, speed, the step budget). `part_of`, what else it decides (`names`): "filter" the
+    filter's cache key; "collect" (every env's), "collect:<env>" a collection's collect.json; these and
+    "episodes" eval.py's logged episodes' key; "card" (every stage's), "card:<stage>" a model card's settings;
+    "no-trl" TRL's trainer has none."""
+    meta = dict(help=help, choices=choices, min=min, check=check, why=why, resume_free=resume_free,
+                part_of=tuple(part_of.split()))
     meta = {k: v for k, v in meta.items() if v is not None and v is not False}  # min=0 stays
     return dataclasses.field(default=default, metadata=meta)
+
+
+def names(cfg, *tags: str) -> tuple[str, ...]:
+    """The settings of `cfg` (a config or its class) whose `part_of` holds one of `tags`, in their order."""
+    return tuple(f.name for f in dataclasses.fields(cfg) if set(tags) & set(f.metadata.get("part_of", ())))
 
 
 def again(cls, name: str, default=dataclasses.MISSING, help: str | None = None):

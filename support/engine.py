@@ -742,19 +742,20 @@ class EngineArgs:
     micro_batch_size: int = arg(8, "completions per forward/backward (gradient accumulation inside a step)",
                                 min=1, resume_free=True)
     micro_batch_tokens: int = arg(512, "and at most this many padded tokens (0: no limit; a bigger group "
-                                  "alone)")
+                                  "alone)", part_of="no-trl")
     shared_prompt_forward: bool = arg(True, "training forward: a group's completions share one prompt "
-                                            "forward", resume_free=True)
-    logits_chunk_size: int = arg(512, "completion tokens per vocabulary projection", min=1, resume_free=True)
+                                            "forward", resume_free=True, part_of="no-trl")
+    logits_chunk_size: int = arg(512, "completion tokens per vocabulary projection", min=1, resume_free=True,
+                                 part_of="no-trl")
 
 
 @dataclass
 class LoraArgs:
     _argument_group_name = "the LoRA adapter every stage trains"
-    lora_r: int = arg(16, "LoRA rank (paper: full fine-tuning)", min=1)
-    lora_alpha: int = arg(32, "LoRA scale alpha / r", min=1)
+    lora_r: int = arg(16, "LoRA rank (paper: full fine-tuning)", min=1, part_of="filter card")
+    lora_alpha: int = arg(32, "LoRA scale alpha / r", min=1, part_of="filter card")
     lora_dropout: float = arg(0.0, "LoRA dropout", check=lambda v: 0 <= v <= 1, why="must be between 0 and 1")
-    lora_target_modules: str = arg("all-linear", 'or e.g. "q_proj,k_proj,v_proj,o_proj"')
+    lora_target_modules: str = arg("all-linear", 'or e.g. "q_proj,k_proj,v_proj,o_proj"', part_of="filter")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, more time",
                                        resume_free=True)
 
@@ -763,5 +764,7 @@ class LoraArgs:
 class SFTArgs:
     _argument_group_name = "SFT: the filter's copy (the warm-up) and RFT"
     sft_epochs: int | None = arg(None, "epochs of the SFT copy (the warm-up) and of RFT; None = 3, or 1 "
-                                       "when the warm-up has more triplets (warmup_games, ...)", min=1)
-    sft_learning_rate: float = arg(5e-4, "their learning rate", check=lambda v: v > 0, why="must be above 0")
+                                       "when the warm-up has more triplets (warmup_games, ...)", min=1,
+                                 part_of="filter card:filter card:rft")
+    sft_learning_rate: float = arg(5e-4, "their learning rate", check=lambda v: v > 0, why="must be above 0",
+                                   part_of="filter card:filter card:rft")

@@ -25,7 +25,7 @@ import torch
 
 from support import engine
 from support.cli import check_fields, resume_free
-from support.common import (PATH_KEYS, UserError, file_problem, read_jsonl, repo_path, stored_config,
+from support.common import (PATH_KEYS, UserError, file_problem, names, read_jsonl, repo_path, stored_config,
                             write_atomic, write_jsonl)
 
 # ------------------------------------------------------------------- checks before anything slow runs
@@ -557,19 +557,6 @@ METHODS = {  # stage -> what its adapter is, the model card's title line
 }
 
 
-CARD_FIELDS = {  # stage -> the settings its card lists (all of them: the run's config.json)
-    "wm": ("learning_rate", "beta", "num_generations", "prompts_per_step", "max_steps", "temperature",
-           "max_completion_length", "loss_type", "tau_d", "reward_metric", "lora_r", "lora_alpha", "seed"),
-    "filter": ("sft_learning_rate", "sft_epochs", "filter_split", "lora_r", "lora_alpha", "filter_seed",
-               "seed"),
-    "wm-sft": ("learning_rate", "prompts_per_step", "max_steps", "lora_r", "lora_alpha", "seed"),
-    "rft": ("sft_learning_rate", "sft_epochs", "rollouts_per_game", "max_turns", "lora_r", "lora_alpha",
-            "seed"),
-    "policy": ("init", "learning_rate", "beta", "num_generations", "games_per_step", "max_steps",
-               "temperature", "max_turns", "action_mode", "lora_r", "lora_alpha", "seed"),
-}
-
-
 TRIPLETS_KEPT = "training triplets (the filter's output)"  # a model card's data line
 
 
@@ -617,8 +604,8 @@ def write_card(folder: Path, cfg=None, stage: str | None = None, data: dict | No
                      "`engine.load_model(\"bundled:SmolLM2-135M-Instruct\", adapter)` loads that exact base)")
     lines += [f"- data: {label}: {n}" for label, n in (data or {}).items()]
     if cfg is not None:
-        lines.append("- settings: " + ", ".join(f"{k} {getattr(cfg, k)}" for k in CARD_FIELDS.get(kind, ())
-                                                if hasattr(cfg, k))
+        lines.append("- settings: " + ", ".join(f"{k} {getattr(cfg, k)}"
+                                                for k in names(cfg, "card", f"card:{kind}"))
                      + f" (every setting: {'filter.json' if kind == 'filter' else 'config.json'} beside "
                        "this folder)")
     lines += [f"- {line}" for line in [*(heldout or []), *extra]]

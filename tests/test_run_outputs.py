@@ -76,7 +76,7 @@ def test_adapter_loads_from_a_copy_of_the_run_folder(run, tiny_model, tmp_path):
     card = (copy / "adapter" / "README.md").read_text()
     assert "[More Information Needed]" not in card
     for part in ("# RWML: world-model GRPO", "stage `train.py wm`", "- data: training triplets",
-                 "learning_rate 0.0001, beta 0.1, num_generations 3, prompts_per_step 2, max_steps 1",
+                 "learning_rate 0.0001", "beta 0.1", "num_generations 3", "prompts_per_step 2", "max_steps 1",
                  "- command: `python train.py wm --no-easy-filter", "AutoPeftModelForCausalLM"):
         assert part in card, part
     assert "Q4_1" not in card  # not the bundled model
