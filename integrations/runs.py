@@ -227,7 +227,7 @@ def collect_job(cfg) -> dict:
     job = {k: getattr(cfg, k) for k in names(cfg, "collect", f"collect:{cfg.env}")}
     if cfg.action_mode != "generate":  # written only when set: collections made before the field stay valid
         job["action_mode"] = cfg.action_mode
-    return job | ({} if cfg.env == "alfworld" else dict(env=cfg.env))  # as before the other environments
+    return job | ({} if cfg.env == "alfworld" else dict(env=cfg.env))  # ALFWorld collect.json files name none
 
 
 def collection_todo(cfg, out: Path, games: list) -> tuple[list[dict], int]:
