@@ -30,8 +30,8 @@ from pathlib import Path
 
 import envs
 import rwml
-from train import (ACTORS, AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs, make_reward,
-                   triplet_problem)
+from train import (ACTORS, AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs, SamplingArgs,
+                   WorldModelArgs, make_reward, triplet_problem)
 from integrations import choose, worlds
 from integrations.runs import (check_play, episode_log, finished_episodes, random_policy, recorded,
                                triplets_env)
@@ -65,8 +65,8 @@ class AgentEvalConfig(PlayArgs, worlds.WorldArgs):
     max_turns: int = again(PlayArgs, "max_turns", 30)
     max_new_tokens: int = again(PlayArgs, "max_new_tokens", 128)
     num_envs: int = again(worlds.WorldArgs, "num_envs", 10)
-    temperature: float = again(rwml.SamplingArgs, "temperature", 0.7, "the agent's (0 = greedy)")
-    top_p: float = again(rwml.SamplingArgs, "top_p")
+    temperature: float = again(SamplingArgs, "temperature", 0.7, "the agent's (0 = greedy)")
+    top_p: float = again(SamplingArgs, "top_p")
     seeds: int = arg(3, "independent runs of every game; mean and std over them (seed: games, draws)", min=1)
     policy: str = arg("model", "or random: a uniform admissible command each turn (a baseline; no model "
                                "loads)", choices=("model", "random"), part_of="episodes")
@@ -77,7 +77,7 @@ class AgentEvalConfig(PlayArgs, worlds.WorldArgs):
 
 
 @dataclass
-class WMEvalConfig(rwml.WorldModelArgs):
+class WMEvalConfig(WorldModelArgs):
     """The world model's settings of train.py, on a transitions file."""
     _argument_group_name = "eval.py wm: the model and the held-out triplets"
     model: str = again(ModelArgs, "model")
@@ -88,7 +88,7 @@ class WMEvalConfig(rwml.WorldModelArgs):
     eval_max_triplets: int = again(RWMLArgs, "eval_max_triplets", help="held-out triplets scored, a seeded "
                                    "sample (0 = all)")
     eval_samples: int = again(RWMLArgs, "eval_samples")
-    temperature: float = again(rwml.SamplingArgs, "temperature", help="the predictions' (train.py's)")
+    temperature: float = again(SamplingArgs, "temperature", help="the predictions' (train.py's)")
     baseline: str | None = arg(None, "score a content-free rule instead of a model", choices=envs.BASELINES)
     out: str = arg("wm.json", "the result file (each triplet's outputs beside it: wm.triplets.jsonl)")
 

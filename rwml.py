@@ -1,29 +1,32 @@
 """RWML -- Reinforcement World Model Learning for LLM agents (Yu et al., arXiv 2602.05842): the method, on
 ALFWorld, with the agent writing free-form replies (generate mode, the paper's).
 
-Read top to bottom; the order is the paper's, numbered as METHOD.md (next to this file) numbers it: `§N`
-points to the project's notes on the paper there (what the paper says, and which default we take where it is
-silent). The README's steps use the same numbers.
+Read top to bottom: the order is the paper's, numbered as METHOD.md (next to this file) numbers it; `§N`
+points to the project's notes there (what the paper says, which default we take where it is silent). The
+README's steps use the same numbers. Settings live in train.py (a function here reads the fields it names
+from its `cfg`); time and memory are counted there too.
 
-  §2 Data: the base model plays the environment; every turn is a (history, action, next obs) triplet;
-     world-model prompts, (history, action) -> <next_state> (the paper's <think> first: --wm-reasoning); the
-     split that trains the filter's copy (paper 90 / 10; ours 65 / 35, --filter-split).
-  §3 Reward: the sim-to-real gap in a sentence-embedding space (reward.py).
-  §4 "Too easy" subsampling with a separately fine-tuned copy.
-  §5 GRPO on world-model prompts: advantages, token weights, the clipped loss with KL, the step; the call
-     that gives log pi (`batch_logprobs`: engine.logprobs's numbers, computed fast).
+  §2 Data: the model plays the environment; every turn is a (history, action, next obs) triplet. World-model
+     prompts: (history, action) -> the reply starts at <next_state> and holds the predicted observation
+     (ours; the paper's thinks in <think> first: --wm-reasoning). The split that trains the filter's copy
+     (ours 35 %, --filter-split; the paper's 10 %).
+  §3 Reward: the sim-to-real gap in a sentence-embedding space, with a ROUGE-1 gate (reward.py).
+  §4 "Too easy" subsampling with a separately fine-tuned copy (ours: the copy is also RWML's warm-up, and
+     only triplets whose samples are mixed are kept).
+  §5 GRPO on world-model prompts: advantages, token weights, the clipped loss with KL, the step; log pi
+     defined plainly (`logprobs`), computed fast (`batch_logprobs`); the KL's reference (`reference_policy`).
   §6 Stage 2: policy RL on task success, started from the RWML model; the paper's actor (`GENERATE`).
   §8 Evaluation: world-model accuracy on held-out triplets.
 §7 (the baselines) is in train.py. Support, called at the edges (skip on a first read): support/engine.py
-(models, sampling, SFT, LoRA, an update's `Batch`, log pi plainly and fast), integrations/choose.py (choose
-mode's actor), integrations/worlds.py (tau2-bench, TextWorld, the registry: each environment's class holds its
+(models, sampling, SFT, LoRA, an update's `Batch`, log pi fast), integrations/choose.py (choose mode's
+actor), integrations/worlds.py (tau2-bench, TextWorld, the registry: each environment's class holds its
 prompts, tau_d, reply cap).
-
-Where to start: §5 (`grpo_loss`, `grpo_update`), then tests/test_grpo.py, then §2-§4.
 """
 from __future__ import annotations
 
 import random
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TypedDict
 
@@ -31,12 +34,11 @@ import torch
 from tqdm.auto import tqdm
 
 import envs
-from reward import BUNDLED_EMBEDDER, parse_next_state
+from reward import parse_next_state
 from integrations import worlds
-from support import cost
-from support.common import UserError, again, arg
-from support.engine import (Batch, EngineArgs, by_length, completion_logprobs, group_logprobs, micro_batches,
-                            optimizer_step, pack, reference_policy, sample_chat, to_device)
+from support.common import UserError
+from support.engine import (Batch, add_lora, by_length, completion_logprobs, group_logprobs, micro_batches,
+                            optimizer_step, pack, sample_chat, sft, to_device)
 
 # ======================================================================================== §2 Data: collection
 # The base model plays ALFWorld's *training* games at temperature 1.0 (3 rollouts per game in the
@@ -77,16 +79,6 @@ class Running:
     summary: dict
     obs: str
     past: list = field(default_factory=list)
-
-
-@dataclass
-class SamplingArgs:
-    _argument_group_name = "sampling: the agent's replies, the GRPO groups"
-    temperature: float = arg(1.0, "sampling temperature of collection and GRPO groups (training divides by "
-                                  "it)", check=lambda v: v >= 0, why="must be 0 or more",
-                             part_of="collect card:wm card:policy")
-    top_p: float = arg(1.0, "nucleus sampling of the replies and the groups", check=lambda v: 0 < v <= 1,
-                       why="must be in (0, 1]", part_of="collect")
 
 
 def play(model, tokenizer, env, episodes: list[dict], *, actor=None, history_len: int = 2,
@@ -160,7 +152,7 @@ def play(model, tokenizer, env, episodes: list[dict], *, actor=None, history_len
     return summaries
 
 
-# ============================================================ §2 Data: world-model prompts, the 90 / 10 split
+# ====================================================== §2 Data: world-model prompts, the filter's split
 # The same LLM that acts now predicts: given the task, the history and an action, what will the game say?
 # With --wm-reasoning (the paper's) it reasons in <think>, then writes <next_state>; by default (ours) its
 # reply starts at <next_state>. Only the <next_state> text is scored (reward.py).
@@ -220,37 +212,16 @@ def split_triplets(triplets: list[Triplet], frac: float = 0.1,
 
 
 # ================================================================================================== §3 Reward
-# r_WM = 1 if 1 - cos(E(pred), E(real)) < tau_d else 0, with E a sentence-embedding model: reward.py. Unset,
-# tau_d and the reply's cap are the environment's (its class, e.g. envs.Alfworld): train.Settings, eval.py wm.
-_PER_ENV = "None: the environment's ({})".format
-
-
-@dataclass
-class WorldModelArgs:
-    _argument_group_name = "the world model's answer and its reward (METHOD.md §3)"
-    embedder: str = arg(BUNDLED_EMBEDDER, "any sentence-transformers model id or folder", part_of="filter")
-    tau_d: float | None = arg(None, "r = 1 iff 1 - cos(E(prediction), E(real)) < tau_d; " + _PER_ENV(
-        ", ".join(f"{k} {c.tau_d}" for k, c in worlds.ENVIRONMENTS.items())) + "; lab/results/reward_audit",
-        check=lambda v: 0 < v <= 2, why="must be in (0, 2] (a cosine distance)", part_of="filter card:wm")
-    rouge_gate: float | None = arg(None, "> 0: r = 1 also needs ROUGE-1 F >= this (the gate of the authors' "
-                                         "code); " + _PER_ENV(", ".join(f"{k} {c.rouge_gate}" for k, c in
-                                                                        worlds.ENVIRONMENTS.items())),
-                                   check=lambda v: 0 <= v <= 1, why="must be between 0 and 1 (0 = off)",
-                                   part_of="filter")
-    reward_metric: str = arg("embedding", 'or "rouge" (ablation)', choices=("embedding", "rouge"),
-                             part_of="filter card:wm")
-    reward_binary: bool = arg(True, "False = the continuous-cosine ablation", part_of="filter")
-    wm_reasoning: bool = arg(False, "<think> then <next_state> (paper: True); off: reply from <next_state> "
-                                    "on")
-    max_completion_length: int | None = arg(None, "tokens per world-model prediction; " + _PER_ENV(", ".join(
-        f"{k} {c.max_completion_length}" for k, c in worlds.ENVIRONMENTS.items())), min=1,
-                                            part_of="filter card:wm")
+# r_WM = 1 iff 1 - cos(E(pred), E(real)) < tau_d and ROUGE-1 F(pred, real) >= the gate (the authors' code),
+# E a sentence-embedding model: reward.py. Unset, tau_d, the gate and the reply's cap are the environment's
+# (its class, e.g. envs.Alfworld).
 
 
 # ================================================================================== §4 "Too easy" subsampling
-# A separate copy (here: a separate LoRA adapter, removed afterwards) is fine-tuned on the 10 % split to
-# predict s_t+1 directly. Its K samples per training triplet give easiness = mean r_WM; the easiest ~30 %
-# are kept with probability 0.1. Without this, Qwen2.5-7B collapses (paper, Table 4).
+# A separate copy (here: a separate LoRA adapter, removed afterwards) is fine-tuned on the filter's split (the
+# paper's 10 %, ours 35 %) to predict s_t+1 directly. Its K samples per training triplet give easiness = mean
+# r_WM; the paper keeps the easiest ~30 % with probability 0.1 (without this Qwen2.5-7B collapses, its Table
+# 4). Ours: the copy is RWML's warm-up too, and GRPO gets only the triplets whose K samples were mixed.
 
 def easiness(model, tokenizer, triplets: list[Triplet], reward_fn, *, k: int = 10, max_new_tokens: int = 96,
              temperature: float = 1.0, batch_size: int = 32) -> list[float]:
@@ -292,6 +263,43 @@ def easy_subsample(scores: list[float], easy_share: float = 0.3, keep_prob: floa
     return keep, easy, tau_easy
 
 
+def filter_copy(model, tokenizer, split: list[Triplet], cfg, *, more: list[Triplet] = (), seed: int = 0):
+    """The separate copy, a LoRA adapter of its own, fine-tuned (SFT, direct predictions) on the filter's
+    split and `more` triplets never GRPO's (ours: other train games'; 1 epoch, else 3). Returns (the copy: the
+    caller keeps it as the warm-up, then unloads it; each epoch's loss)."""
+    torch.manual_seed(seed)
+    copy = add_lora(model, cfg.lora_r, cfg.lora_alpha, 0.0, cfg.lora_target_modules)
+    rows = list(split) + list(more)
+    losses = sft(copy, tokenizer, [wm_prompt(t, reasoning=False) for t in rows], [wm_answer(t) for t in rows],
+                 system=wm_system(rows[0]), prefix=wm_prefix(False),
+                 epochs=cfg.sft_epochs or (1 if more else 3), lr=cfg.sft_learning_rate, seed=seed)
+    return copy, losses
+
+
+def filter_keep(copy, tokenizer, train: list[Triplet], reward_fn, cfg,
+                seed: int = 0) -> tuple[list[bool], dict]:
+    """Which training triplets GRPO gets: the copy's cfg.filter_samples predictions per triplet give its
+    easiness; cfg.easy_filter: the paper's subsampling (`easy_subsample`); cfg.mixed_only (ours, with the
+    warm-up): only triplets whose K predictions were neither all right nor all wrong, the only ones whose
+    GRPO groups carry a gradient. Returns (keep, what happened: per-triplet `scores` and `easy`, shares)."""
+    scores = easiness(copy, tokenizer, train, reward_fn, k=cfg.filter_samples,
+                      max_new_tokens=cfg.max_completion_length, temperature=1.0)
+    keep, info = [True] * len(train), dict(scores=scores, easy=[False] * len(train), easy_share=None,
+                                           mean_easiness=sum(scores) / len(scores), easiness_counts={
+                                               f"{v:g}": scores.count(v) for v in sorted(set(scores))})
+    if cfg.easy_filter:
+        keep, info["easy"], tau_easy = easy_subsample(scores, cfg.easy_share, cfg.easy_keep_prob, seed)
+        info.update(tau_easy=tau_easy, easy_share=sum(info["easy"]) / max(len(train), 1),
+                    target_easy_share=cfg.easy_share)
+    if cfg.mixed_only and cfg.warmup:  # all K right or all K wrong: no gradient in that triplet's groups
+        info.update(mixed_share=sum(0 < e < 1 for e in scores) / len(scores))
+        if any(mixed := [k and 0 < e < 1 for k, e in zip(keep, scores)]):
+            keep = mixed
+        else:  # RWML would have nothing to train on (a tiny or untrained model): say so, keep the rest
+            print("filter: no triplet's K predictions were mixed; --mixed-only keeps all", file=sys.stderr)
+    return keep, info
+
+
 # ==================================================================================================== §5 GRPO
 #   A_i  = r_i - mean(r_group)                   ours (scale_rewards none, Dr. GRPO); the paper's divides by
 #                                                std(r_group) (scale_rewards group)
@@ -301,37 +309,9 @@ def easy_subsample(scores: list[float], easy_share: float = 0.3, keep_prob: floa
 #   paper's grpo: 1 / (|o_i| * B))
 # With num_iterations 1 (the default) pi_old is pi_theta at the update itself: rho is 1, the clip never binds,
 # and the loss's gradient is plain REINFORCE with a group baseline; the clip matters from num_iterations 2.
-# pi_ref is the adapter's starting point (the warm-up adapter, else the bare base model), held without a
-# second copy of the weights (`reference_policy`).
+# pi_ref is the adapter's starting point (the warm-up adapter, else the bare base model): `reference_policy`.
 
-@dataclass
-class GRPOArgs:
-    _argument_group_name = "GRPO (METHOD.md §5): TRL's names; TRL's defaults where the paper is silent"
-    num_generations: int = arg(4, "completions per prompt, a group (TRL: 8; 4: a step affords 4 prompts; "
-                                  "README)", min=2, part_of="card:wm card:policy")
-    beta: float = arg(0.1, "KL weight; the reference is the warm-up adapter, else the bare base model (TRL: "
-                           "0)", check=lambda v: v >= 0, why="must be 0 or more",
-                      part_of="card:wm card:policy")
-    loss_type: str = arg("dr_grpo", "how token losses are averaged (paper: grpo)",
-                         choices=("grpo", "dapo", "dr_grpo"), part_of="card:wm")
-    scale_rewards: str = arg("none", "the std that divides advantages (paper: group)",
-                             choices=("group", "batch", "none"))
-    epsilon: float = arg(0.2, "clip range of the probability ratio", check=lambda v: v >= 0,
-                         why="must be 0 or more")
-    epsilon_high: float | None = arg(None, "DAPO's clip-higher; None = epsilon", check=lambda v: v >= 0,
-                                     why="must be 0 or more (or left out: --epsilon)")
-    num_iterations: int = arg(1, "updates per generated batch (mu)", min=1)
-    max_grad_norm: float = arg(1.0, "gradient clipping", check=lambda v: v >= 0, why="must be 0 or more")
-
-
-@dataclass
-class GRPOConfig(GRPOArgs, SamplingArgs, EngineArgs):
-    """What grpo_step and policy_step read (train.py passes every setting, train.Settings)."""
-    max_completion_length: int = again(WorldModelArgs, "max_completion_length",  # ALFWorld's
-                                       envs.Alfworld.max_completion_length)
-
-
-# One update's data, a group's rows next to each other: engine.Batch; log pi defined plainly: engine.logprobs.
+# One update's data, a group's rows next to each other: engine.Batch; log pi defined plainly: `logprobs`.
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group"):
     """Group-normalised advantages (TRL's `scale_rewards`: group / batch / none; std is unbiased)."""
@@ -390,18 +370,17 @@ def loss_stats(logp, old_logp, ref_logp, advantages, weights, *, epsilon: float 
     return dict(kl=float((kl * live).sum() / n), clip_ratio=float((clipped.float() * live).sum() / n))
 
 
-def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, cfg: GRPOConfig, *,
+def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, cfg, *,
               reasoning: bool = True) -> dict:
     """One RWML step on a batch of world-model prompts: sample a group of predictions per prompt, score
     them against the real next observations, normalise within groups, `num_iterations` updates."""
     G = cfg.num_generations
     model.eval()  # sampling
-    with cost.stage("grpo sampling"):
-        roll = sample_predictions(model, tokenizer, triplets, reasoning=reasoning, n=G,
-                                  max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                                  top_p=cfg.top_p)
-        targets = [t["next_obs"] for t in triplets for _ in range(G)]
-        rewards = torch.tensor(reward_fn(roll.texts, targets), dtype=torch.float)
+    roll = sample_predictions(model, tokenizer, triplets, reasoning=reasoning, n=G,
+                              max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                              top_p=cfg.top_p)
+    targets = [t["next_obs"] for t in triplets for _ in range(G)]
+    rewards = torch.tensor(reward_fn(roll.texts, targets), dtype=torch.float)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     advantages = group_advantages(rewards, G, cfg.scale_rewards)
     batch = Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask, advantages=advantages,
@@ -409,8 +388,7 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, c
     if cfg.shared_prompt_forward:  # a group's completions share its prompt's forward, as in sampling
         P = ids.shape[1] - cmask.shape[1]
         batch = replace(batch, prompt_ids=ids[::G, :P], prompt_mask=attn[::G, :P], group_size=G)
-    with cost.stage("grpo update"):
-        stats = grpo_update(model, optimizer, batch, cfg)
+    stats = grpo_update(model, optimizer, batch, cfg)
     grouped, states = rewards.view(-1, G), [parse_next_state(t) for t in roll.texts]
     lengths = cmask.sum(1).float()  # TRL's completions/* (clipped: cut at max_completion_length, no stop)
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if G > 1 else 0.0,
@@ -436,7 +414,7 @@ def nothing_by_group(states: list[str | None], advantages: torch.Tensor, G: int)
                 group_nothing_advantage=(nothing * advantages.view(-1, G)).sum(1).tolist())
 
 
-def grpo_update(model, optimizer, batch: Batch, cfg: GRPOConfig, actor=None) -> list[dict]:
+def grpo_update(model, optimizer, batch: Batch, cfg, actor=None) -> list[dict]:
     """`num_iterations` optimizer steps on one batch of sampled sequences, in micro-batches. A non-finite
     loss or gradient skips that update. `actor`: whose log pi the batch holds (§6): the sampled tokens
     (`GENERATE`, the default: `batch_logprobs`), or choose mode's choices (choose.CHOOSE)."""
@@ -447,7 +425,10 @@ def grpo_update(model, optimizer, batch: Batch, cfg: GRPOConfig, actor=None) -> 
     model.eval()
     with torch.no_grad():  # pi_old: with one update it is pi_theta, ratio 1, no forward needed
         old = [actor.logprobs(model, mb, cfg) for mb in micro] if cfg.num_iterations > 1 else None
-        ref = reference_logprobs(model, micro, cfg, actor) if cfg.beta else None
+        ref = None
+        if cfg.beta:  # pi_ref: the adapter's start, without a second copy of the weights
+            with reference_policy(model):
+                ref = [actor.logprobs(model, mb, cfg) for mb in micro]
     model.train()
     stats = []
     for _ in range(cfg.num_iterations):
@@ -469,11 +450,25 @@ def grpo_update(model, optimizer, batch: Batch, cfg: GRPOConfig, actor=None) -> 
     return stats
 
 
-def batch_logprobs(model, mb: Batch, cfg: GRPOConfig) -> torch.Tensor:
-    """log pi(token) of a micro-batch's completion tokens ([B, C]): engine.logprobs's numbers, computed
-    faster by the engine: each group's prompt once (`group_logprobs`), or every row whole in chunks of the
-    vocabulary projection (`completion_logprobs`); each shortcut checked once per model against
-    engine.logprobs (`engine.fast_paths`)."""
+def logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
+             *, temperature: float = 1.0) -> torch.Tensor:
+    """log pi_theta(o_t | q, o_<t) of every completion token, defined plainly: rows are [left-padded prompt |
+    completion] (C = completion_mask's width), positions count each row's own tokens from 0; the logits at
+    position j predict token j + 1, divided by the temperature the samples were drawn at; log-softmax, the
+    sampled token's entry. [B, C], 0 off the completion. Training computes the same numbers faster
+    (`batch_logprobs`); tests/test_grpo.py holds each of the engine's paths to this."""
+    C = completion_mask.shape[1]
+    positions = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: each text starts at 0
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+    logits = logits[:, -C - 1:-1].float() / temperature  # the positions that predict the completion's tokens
+    return logits.log_softmax(-1).gather(-1, input_ids[:, -C:, None]).squeeze(-1) * completion_mask
+
+
+def batch_logprobs(model, mb: Batch, cfg) -> torch.Tensor:
+    """`logprobs` of a micro-batch's completion tokens ([B, C]), computed faster by the engine: each group's
+    prompt once (`group_logprobs`), or every row whole in chunks of the vocabulary projection
+    (`completion_logprobs`); each shortcut checked once per model against the model's full logits
+    (`engine.fast_paths`), which give way to them where they disagree."""
     ids, cmask = mb.input_ids, mb.completion_mask
     if mb.group_size > 1:
         completions = ids[:, ids.shape[1] - cmask.shape[1]:]
@@ -483,10 +478,22 @@ def batch_logprobs(model, mb: Batch, cfg: GRPOConfig) -> torch.Tensor:
                                chunk_size=cfg.logits_chunk_size)
 
 
-def reference_logprobs(model, micro: list, cfg: GRPOConfig, actor) -> list[torch.Tensor]:
-    """log pi_ref: the adapter's start, a frozen copy, or the adapter off (engine.reference_policy)."""
-    with reference_policy(model):
-        return [actor.logprobs(model, mb, cfg) for mb in micro]
+@contextmanager
+def reference_policy(model):
+    """pi_ref for the KL term, without a second copy of the weights: the frozen adapter "ref" when there is
+    one (train.start_adapter: RWML from the warm-up, whose KL reference is the warm-up adapter; stage 2 from
+    an RWML, WM-SFT or RFT adapter), else the model with its adapter disabled (a fresh LoRA: the bare base
+    model)."""
+    if "ref" in getattr(model, "peft_config", {}):
+        active = model.active_adapter
+        model.set_adapter("ref", inference_mode=True)
+        try:
+            yield
+        finally:
+            model.set_adapter(active)  # trainable again; "ref" stays frozen
+    else:
+        with model.disable_adapter():
+            yield
 
 
 # ====================================================================== §6 Stage 2: policy RL on task success
@@ -523,20 +530,18 @@ def rollouts(model, tokenizer, env, games: list, n: int, **play_kwargs) -> list[
     return play(model, tokenizer, env, episodes, record_tokens=True, **play_kwargs)
 
 
-def policy_step(model, tokenizer, optimizer, env, games: list, cfg: GRPOConfig, actor=None,
+def policy_step(model, tokenizer, optimizer, env, games: list, cfg, actor=None,
                 **play_kwargs) -> dict:
     """One stage-2 step: num_generations episodes of each game, sampled at cfg's temperature with replies of
     at most max_completion_length tokens; terminal reward won; GRPO on every turn."""
     turns = []
-    with cost.stage("policy rollouts"):
-        summaries = rollouts(model, tokenizer, env, games, cfg.num_generations, temperature=cfg.temperature,
-                             top_p=cfg.top_p, max_new_tokens=cfg.max_completion_length, on_turn=turns.append,
-                             desc="policy rollouts", actor=actor, **play_kwargs)
-    with cost.stage("policy update"):
-        return policy_update(model, tokenizer, optimizer, turns, summaries, cfg, actor)
+    summaries = rollouts(model, tokenizer, env, games, cfg.num_generations, temperature=cfg.temperature,
+                         top_p=cfg.top_p, max_new_tokens=cfg.max_completion_length, on_turn=turns.append,
+                         desc="policy rollouts", actor=actor, **play_kwargs)
+    return policy_update(model, tokenizer, optimizer, turns, summaries, cfg, actor)
 
 
-def policy_update(model, tokenizer, optimizer, turns: list[Triplet], summaries: list[dict], cfg: GRPOConfig,
+def policy_update(model, tokenizer, optimizer, turns: list[Triplet], summaries: list[dict], cfg,
                   actor=None) -> dict:
     """GRPO on recorded episodes: `summaries` in groups of num_generations episodes of one game, `turns`
     as `play(record_tokens=True)` gives them, by `actor` (default GENERATE); the reward is won."""
@@ -576,7 +581,7 @@ class Generate:
         return {s: roll.texts[j] for j, s in enumerate(slots)}, tokens
 
     @staticmethod
-    def batch(turns: list[Triplet], advantages: torch.Tensor, cfg: GRPOConfig, tokenizer) -> Batch:
+    def batch(turns: list[Triplet], advantages: torch.Tensor, cfg, tokenizer) -> Batch:
         ids, attn, cmask, a, w = policy_batch(turns, advantages, tokenizer.pad_token_id, cfg.loss_type,
                                               cfg.max_completion_length, keep_zero_advantage=bool(cfg.beta))
         return Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask, advantages=a, weights=w)

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 import envs
 import rwml
-from reward import SimToRealReward, coin_reward, mis_targets
+from reward import BUNDLED_EMBEDDER, SimToRealReward, coin_reward, mis_targets
 from integrations import bridges, choose, worlds
 from integrations.runs import (warmup_collections, before_after_line, before_made_by, cached_heldout, compare,
                                said, check_stage, claim_out, collection_summary, collection_todo,
@@ -37,7 +37,7 @@ from integrations.runs import (warmup_collections, before_after_line, before_mad
                                wm_row)
 from support import cost, engine, stats
 from support.cli import parse_stage, run_cli
-from support.common import RERUN, UserError, arg, read_jsonl, write_atomic, write_jsonl
+from support.common import RERUN, UserError, again, arg, read_jsonl, write_atomic, write_jsonl
 from support.plumbing import (CONTROLS, TRIPLETS_KEPT, card_run, check_run, close_tracker, config_json,
                               context_problem, filter_dir, jsonl_writer, keep_rng, log_row, plot_rewards,
                               run_header, sample_triplets, save_adapter, save_checkpoint, start_run,
@@ -45,7 +45,7 @@ from support.plumbing import (CONTROLS, TRIPLETS_KEPT, card_run, check_run, clos
 
 # ----------------------------------------------------------------- the settings: what a user sets, once each
 # Defaults: the small-model recipe that shows RWML learning on the bundled 135M model on a CPU; departures
-# from the paper say "(paper: ...)" (configs/paper.json undoes them). GRPO's settings: rwml.py; more: support.
+# from the paper say "(paper: ...)" (configs/paper.json undoes them); the engine's: support/engine.py.
 SEED_MAX = 2**32 - 1  # numpy's bound (transformers' set_seed); torch's is 2**64 - 1
 _SEED = dict(check=lambda v: 0 <= v <= SEED_MAX, why=f"must be between 0 and {SEED_MAX}")
 _SHARE = dict(check=lambda v: 0 <= v <= 1, why="must be between 0 and 1")
@@ -89,6 +89,16 @@ class PlayArgs:
 
 
 @dataclass
+class SamplingArgs:
+    _argument_group_name = "sampling: the agent's replies, the GRPO groups"
+    temperature: float = arg(1.0, "sampling temperature of collection and GRPO groups (training divides by "
+                                  "it)", check=lambda v: v >= 0, why="must be 0 or more",
+                             part_of="collect card:wm card:policy")
+    top_p: float = arg(1.0, "nucleus sampling of the replies and the groups", check=lambda v: 0 < v <= 1,
+                       why="must be in (0, 1]", part_of="collect")
+
+
+@dataclass
 class CollectArgs:
     _argument_group_name = "collect (METHOD.md §2): the model plays train games; every turn is a triplet"
     rollouts_per_game: int = arg(1, "the paper: 3 for ALFWorld", min=1, part_of="collect card:rft")
@@ -111,6 +121,31 @@ class HeldoutArgs:
                                    "sampling seed and steps; a fair coin, its own, for a reward) and score "
                                    "it: RWML - COIN is what the reward added to self-training on its own "
                                    "samples")
+
+
+_PER_ENV = "None: the environment's ({})".format
+
+
+@dataclass
+class WorldModelArgs:
+    _argument_group_name = "the world model's answer and its reward (METHOD.md §3)"
+    embedder: str = arg(BUNDLED_EMBEDDER, "any sentence-transformers model id or folder", part_of="filter")
+    tau_d: float | None = arg(None, "r = 1 iff 1 - cos(E(prediction), E(real)) < tau_d; " + _PER_ENV(
+        ", ".join(f"{k} {c.tau_d}" for k, c in worlds.ENVIRONMENTS.items())) + "; lab/results/reward_audit",
+        check=lambda v: 0 < v <= 2, why="must be in (0, 2] (a cosine distance)", part_of="filter card:wm")
+    rouge_gate: float | None = arg(None, "> 0: r = 1 also needs ROUGE-1 F >= this (the gate of the authors' "
+                                         "code); " + _PER_ENV(", ".join(f"{k} {c.rouge_gate}" for k, c in
+                                                                        worlds.ENVIRONMENTS.items())),
+                                   check=lambda v: 0 <= v <= 1, why="must be between 0 and 1 (0 = off)",
+                                   part_of="filter")
+    reward_metric: str = arg("embedding", 'or "rouge" (ablation)', choices=("embedding", "rouge"),
+                             part_of="filter card:wm")
+    reward_binary: bool = arg(True, "False = the continuous-cosine ablation", part_of="filter")
+    wm_reasoning: bool = arg(False, "<think> then <next_state> (paper: True); off: reply from <next_state> "
+                                    "on")
+    max_completion_length: int | None = arg(None, "tokens per world-model prediction; " + _PER_ENV(", ".join(
+        f"{k} {c.max_completion_length}" for k, c in worlds.ENVIRONMENTS.items())), min=1,
+                                            part_of="filter card:wm")
 
 
 @dataclass
@@ -155,6 +190,33 @@ class StepArgs:
 
 
 @dataclass
+class GRPOArgs:
+    _argument_group_name = "GRPO (METHOD.md §5): TRL's names; TRL's defaults where the paper is silent"
+    num_generations: int = arg(4, "completions per prompt, a group (TRL: 8; 4: a step affords 4 prompts; "
+                                  "README)", min=2, part_of="card:wm card:policy")
+    beta: float = arg(0.1, "KL weight; the reference is the warm-up adapter, else the bare base model (TRL: "
+                           "0)", check=lambda v: v >= 0, why="must be 0 or more",
+                      part_of="card:wm card:policy")
+    loss_type: str = arg("dr_grpo", "how token losses are averaged (paper: grpo)",
+                         choices=("grpo", "dapo", "dr_grpo"), part_of="card:wm")
+    scale_rewards: str = arg("none", "the std that divides advantages (paper: group)",
+                             choices=("group", "batch", "none"))
+    epsilon: float = arg(0.2, "clip range of the probability ratio", check=lambda v: v >= 0,
+                         why="must be 0 or more")
+    epsilon_high: float | None = arg(None, "DAPO's clip-higher; None = epsilon", check=lambda v: v >= 0,
+                                     why="must be 0 or more (or left out: --epsilon)")
+    num_iterations: int = arg(1, "updates per generated batch (mu)", min=1)
+    max_grad_norm: float = arg(1.0, "gradient clipping", check=lambda v: v >= 0, why="must be 0 or more")
+
+
+@dataclass
+class GRPOConfig(GRPOArgs, SamplingArgs, engine.EngineArgs):
+    """What rwml.grpo_step and rwml.policy_step read, alone (tests, benches); a run passes its Settings."""
+    max_completion_length: int = again(WorldModelArgs, "max_completion_length",  # ALFWorld's
+                                       envs.Alfworld.max_completion_length)
+
+
+@dataclass
 class RWMLArgs:
     _argument_group_name = "RWML (METHOD.md §3, §5): GRPO on world-model prompts, with a LoRA adapter"
     reward_control: str = arg("none", "controls: mis = another triplet's next observation, coin = a fair "
@@ -196,8 +258,8 @@ class PolicyArgs:
 
 
 @dataclass
-class Settings(ModelArgs, AdapterArgs, PlayArgs, worlds.WorldArgs, rwml.SamplingArgs, CollectArgs,
-               HeldoutArgs, rwml.WorldModelArgs, FilterArgs, engine.SFTArgs, engine.LoraArgs, rwml.GRPOArgs,
+class Settings(ModelArgs, AdapterArgs, PlayArgs, worlds.WorldArgs, SamplingArgs, CollectArgs,
+               HeldoutArgs, WorldModelArgs, FilterArgs, engine.SFTArgs, engine.LoraArgs, GRPOArgs,
                engine.EngineArgs, StepArgs, RWMLArgs, RunArgs, PolicyArgs, bridges.TRLArgs, bridges.VerlArgs):
     """Every setting of every stage: what `train.py` parses (a stage reads its groups, `STAGES`)."""
 
@@ -207,25 +269,25 @@ class Settings(ModelArgs, AdapterArgs, PlayArgs, worlds.WorldArgs, rwml.Sampling
                 setattr(self, name, getattr(worlds.ENVIRONMENTS[self.env], name))
 
 
-_PLAY = (PlayArgs, worlds.WorldArgs, rwml.SamplingArgs)  # the agent plays
-_WM = (rwml.WorldModelArgs, FilterArgs, engine.SFTArgs, engine.LoraArgs)  # triplets, filtered, a world model
+_PLAY = (PlayArgs, worlds.WorldArgs, SamplingArgs)  # the agent plays
+_WM = (WorldModelArgs, FilterArgs, engine.SFTArgs, engine.LoraArgs)  # triplets, filtered, a world model
 STAGES = {  # name -> its line in `train.py --help`, the setting groups it reads (its --help, its warnings)
     "all": ("collect (train + held-out games), then wm; held-out accuracy before / after",
-            (ModelArgs, *_PLAY, CollectArgs, HeldoutArgs, *_WM, rwml.GRPOArgs, engine.EngineArgs, StepArgs,
+            (ModelArgs, *_PLAY, CollectArgs, HeldoutArgs, *_WM, GRPOArgs, engine.EngineArgs, StepArgs,
              RWMLArgs, RunArgs)),
     "collect": ("the model plays the games; every turn -> a triplet (METHOD.md §2)",
                 (ModelArgs, AdapterArgs, *_PLAY, CollectArgs)),
     "filter": ("split, SFT copy, \"too easy\" subsampling; the warm-up adapter (METHOD.md §4)",
                (ModelArgs, *_WM, bridges.TRLArgs)),
     "wm": ("RWML: world-model GRPO, sim-to-real reward; runs filter first (METHOD.md §3, §5)",
-           (ModelArgs, *_WM, rwml.SamplingArgs, rwml.GRPOArgs, engine.EngineArgs, StepArgs, RWMLArgs, RunArgs,
+           (ModelArgs, *_WM, SamplingArgs, GRPOArgs, engine.EngineArgs, StepArgs, RWMLArgs, RunArgs,
             bridges.TRLArgs)),
     "wm-sft": ("baseline: next-observation SFT on the same triplets (METHOD.md §7)",
                (ModelArgs, *_WM, StepArgs)),
     "rft": ("baseline: SFT on the model's own successful episodes (METHOD.md §7)",
             (ModelArgs, *_PLAY, CollectArgs, engine.SFTArgs, engine.LoraArgs)),
     "policy": ("stage 2: multi-turn GRPO on task success, from base / RWML / WM SFT / RFT (METHOD.md §6)",
-               (ModelArgs, AdapterArgs, *_PLAY, rwml.GRPOArgs, engine.EngineArgs, engine.LoraArgs, StepArgs,
+               (ModelArgs, AdapterArgs, *_PLAY, GRPOArgs, engine.EngineArgs, engine.LoraArgs, StepArgs,
                 RunArgs, PolicyArgs)),
     "export": ("verl's GRPO parquets: the kept triplets and the held-out filter split (runs filter first, no "
                "warm-up); reward: verl_reward.compute_score", (ModelArgs, *_WM, bridges.VerlArgs)),
@@ -298,74 +360,47 @@ def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
 
 
 def _filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn):
-    """"Too easy" subsampling: `filter_split` of the triplets trains a separate LoRA copy (SFT, no reasoning);
-    its K predictions per other triplet give easiness = mean r_WM; easy iff easiness >= tau_easy (about
-    `easy_share` easy); easy ones are kept with probability `easy_keep_prob`; with `mixed_only` (ours) only
-    triplets whose K predictions were neither all right nor all wrong. With `warmup` the copy is kept
+    """§4 (rwml.filter_copy, rwml.filter_keep), cached in `out`. With `warmup` the copy is kept
     (out/warmup_adapter): RWML, its baselines and controls start from it (and it is the KL reference).
-    Cached in `out`. Returns (kept triplets, warm-up adapter or None)."""
+    Returns (kept triplets, warm-up adapter or None)."""
     job, cached = filter_cache(cfg, triplets, out)
     if cached:
         return cached
     seed = job["seed"]
-    train, filter_set = rwml.split_triplets(triplets, cfg.filter_split, seed)
-    info = dict(easy_share=None)
+    train, split = rwml.split_triplets(triplets, cfg.filter_split, seed)
     more = [Path(f) for f in (cfg.warmup_transitions or "").split(",") if f]
     if missing := [str(f) for f in more if not f.is_file()]:
         raise UserError(f"--warmup-transitions: {', '.join(missing)} not found; give transitions.jsonl files "
                         "of `train.py collect`, comma-separated")
-    extra = [t for f in more for t in read_jsonl(f)]
-    info["more_warmup_triplets"] = len(extra)
+    more = [t for f in more for t in read_jsonl(f)]
+    keep, info = [True] * len(train), dict(easy_share=None, more_warmup_triplets=len(more))
     if cfg.easy_filter or cfg.warmup:
         model, tok = load()
-        torch.manual_seed(seed)
-        # the separate copy: a LoRA adapter of its own, trained, used, then removed (kept on disk for warmup)
-        copy = engine.add_lora(model, cfg.lora_r, cfg.lora_alpha, 0.0, cfg.lora_target_modules)
         with cost.stage("filter sft"):
-            info["sft_losses"] = engine.sft(
-                copy, tok, [rwml.wm_prompt(t, reasoning=False) for t in filter_set + extra],
-                [rwml.wm_answer(t) for t in filter_set + extra], system=rwml.wm_system(filter_set[0]),
-                prefix=rwml.wm_prefix(False), epochs=cfg.sft_epochs or (1 if extra else 3),
-                lr=cfg.sft_learning_rate, seed=seed)
+            copy, info["sft_losses"] = rwml.filter_copy(model, tok, split, cfg, more=more, seed=seed)
         if cfg.warmup:
             out.mkdir(parents=True, exist_ok=True)
             save_adapter(copy, out, "warmup_adapter", cfg=cfg, stage="filter",
-                         data={"filter-split triplets (SFT)": len(filter_set),
-                               "more warm-up triplets": len(extra)})
-    mixed, keep = cfg.mixed_only and cfg.warmup, [True] * len(train)
-    if cfg.easy_filter or mixed:  # K predictions per triplet by the copy: easiness = their mean reward
-        with cost.stage("easiness"):
-            scores = rwml.easiness(copy, tok, train, reward_fn, k=cfg.filter_samples,
-                                   max_new_tokens=cfg.max_completion_length, temperature=1.0)
-        info.update(mean_easiness=sum(scores) / len(scores),
-                    easiness_counts={f"{v:g}": scores.count(v) for v in sorted(set(scores))})
-        easy = [False] * len(train)
-    if cfg.easy_filter:
-        keep, easy, tau_easy = rwml.easy_subsample(scores, cfg.easy_share, cfg.easy_keep_prob, seed)
-        info.update(tau_easy=tau_easy, easy_share=sum(easy) / max(len(easy), 1),
-                    target_easy_share=cfg.easy_share)
-    if mixed:  # all K right or all K wrong: that triplet's GRPO groups would carry no gradient (ours)
-        info.update(mixed_share=sum(0 < e < 1 for e in scores) / len(scores))
-        if any(mixed_keep := [k and 0 < e < 1 for k, e in zip(keep, scores)]):
-            keep = mixed_keep
-        else:  # RWML would have nothing to train on (a tiny or untrained model): say so, keep the rest
-            print("filter: no triplet's K predictions were mixed; --mixed-only keeps all", file=sys.stderr)
-    kept = [t for t, k in zip(train, keep) if k]
-    if cfg.easy_filter or mixed:
-        out.mkdir(parents=True, exist_ok=True)
-        write_jsonl(out / "easiness.jsonl", [
-            dict(game=t.get("game"), step=t.get("step"), rollout=t.get("rollout"), next_obs=t["next_obs"],
-                 easiness=s, easy=e, kept=k) for t, s, e, k in zip(train, scores, easy, keep)])
-    if cfg.easy_filter or cfg.warmup:
+                         data={"filter-split triplets (SFT)": len(split), "more warm-up triplets": len(more)})
+        if cfg.easy_filter or (cfg.mixed_only and cfg.warmup):
+            with cost.stage("easiness"):
+                keep, scored = rwml.filter_keep(copy, tok, train, reward_fn, cfg, seed)
+            scores, easy = scored.pop("scores"), scored.pop("easy")
+            info.update(scored)
+            out.mkdir(parents=True, exist_ok=True)
+            write_jsonl(out / "easiness.jsonl", [
+                dict(game=t.get("game"), step=t.get("step"), rollout=t.get("rollout"), next_obs=t["next_obs"],
+                     easiness=s, easy=e, kept=k) for t, s, e, k in zip(train, scores, easy, keep)])
         copy.unload()  # back to the bare base model; its weights were never touched
+    kept = [t for t, k in zip(train, keep) if k]
     save_filter(out, job, dict(info, num_triplets=len(triplets), num_train=len(train), num_filter_split=len(
-        filter_set), num_kept=len(kept), kept_kinds=kind_mix(kept)), kept)
+        split), num_kept=len(kept), kept_kinds=kind_mix(kept)), kept)
     return kept, out / "warmup_adapter" if cfg.warmup else None
 
 
 # ------------------------------------- §3, §5 wm: RWML, GRPO on world-model prompts with the embedding reward
 
-def make_reward(cfg: rwml.WorldModelArgs) -> SimToRealReward:
+def make_reward(cfg: WorldModelArgs) -> SimToRealReward:
     return SimToRealReward(cfg.embedder, cfg.tau_d, cfg.reward_metric, cfg.reward_binary, cfg.rouge_gate)
 
 
@@ -387,7 +422,7 @@ def reward_control(cfg, triplets: list[dict], reward_fn, out: Path, coin_seed: i
 
 def start_adapter(cfg, model, adapter: Path | str | None = None):
     """The KL reference's construction: a fresh LoRA, whose reference is the base model (the adapter off), or
-    a saved adapter trained on beside a frozen copy "ref", the reference (engine.reference_policy): RWML from
+    a saved adapter trained on beside a frozen copy "ref", the reference (rwml.reference_policy): RWML from
     the warm-up (its reference is the warm-up), stage 2 from an RWML, WM-SFT or RFT adapter."""
     if adapter is None:
         return engine.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
@@ -707,7 +742,7 @@ def train_policy(cfg: Settings, out: Path, load):
                 step_games = random.Random(cfg.seed * 1000 + state["step"]).sample(
                     games, min(cfg.games_per_step, len(games)))
                 t0 = time.time()
-                with cost.stage("policy grpo"):  # rwml.policy_step: "policy rollouts", "policy update"
+                with cost.stage("policy grpo"):
                     res = rwml.policy_step(model, tok, optimizer, env, step_games, policy_grpo,
                                            ACTORS[cfg.action_mode], history_len=cfg.history_len,
                                            num_envs=cfg.num_envs)

@@ -1,9 +1,10 @@
 """Support (skip on a first read): the speed engine.
 
 Models (the bundled SmolLM2, any HF id or folder, 4-bit where it pays), chat templates, sampling (a group
-shares its prompt's forward), SFT, LoRA, an update's `Batch` and its micro-batches, and log pi: defined
-plainly (`logprobs`), then computed fast (chunked vocabulary projection, shared-prompt forward), each fast
-path checked once per model against `logprobs`.
+shares its prompt's forward), SFT, LoRA, an update's `Batch` and its micro-batches, and log pi computed
+fast (chunked vocabulary projection, shared-prompt forward), each fast path checked once per model against the
+model's own full logits (`full_logprobs`); rwml.logprobs defines log pi plainly, and the tests hold every path
+to it.
 """
 from __future__ import annotations
 
@@ -508,34 +509,15 @@ class Batch:
     group_size: int = 1  # G when prompt_ids is set
 
 
-def logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
-             *, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(token) defined plainly: rows are [left-padded prompt | completion] (C = completion_mask's
-    width); the model's own forward gives the logits that predict each completion token, divided by the
-    sampling temperature; log-softmax, then the sampled token's entry ([B, C]; 0 off the completion). The
-    fast paths below compute the same numbers (`fast_paths` checks them against this)."""
+def full_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
+                  *, temperature: float = 1.0) -> torch.Tensor:
+    """rwml.logprobs (the definition; support imports nothing from the five, tests/test_grpo.py holds the two
+    equal): a model's path where its shortcuts disagree, and what `fast_paths` checks them against."""
     C = completion_mask.shape[1]
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
                    position_ids=position_ids_from(attention_mask), logits_to_keep=C + 1).logits[:, :-1]
-    logp = (logits.float() / temperature).log_softmax(-1).gather(-1, input_ids[:, -C:, None]).squeeze(-1)
-    return logp * completion_mask
-
-
-@contextmanager
-def reference_policy(model):
-    """pi_ref for the KL term: the frozen adapter "ref" when there is one (train.start_adapter: RWML from the
-    warm-up, whose KL reference is the warm-up adapter; stage 2 from an RWML, WM-SFT or RFT adapter), else
-    the model with its adapter disabled (a fresh LoRA: the bare base model)."""
-    if "ref" in getattr(model, "peft_config", {}):
-        active = model.active_adapter
-        model.set_adapter("ref", inference_mode=True)
-        try:
-            yield
-        finally:
-            model.set_adapter(active)  # trainable again; "ref" stays frozen
-    else:
-        with model.disable_adapter():
-            yield
+    return (logits.float() / temperature).log_softmax(-1).gather(-1, input_ids[:, -C:, None]).squeeze(-1) \
+        * completion_mask
 
 
 def to_device(batch: Batch, device) -> Batch:
@@ -595,9 +577,9 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
                         chunk_size: int = 512) -> torch.Tensor:
     """log pi(token) of the completion tokens ([B, C]; 0 where completion_mask is 0) of [left-padded prompt
     | completion] rows: the projection runs on `chunk_size` tokens at a time, recomputed in backward, so
-    vocabulary-sized logits never exist for the whole batch. Where `fast_paths` says no: `logprobs`."""
+    vocabulary-sized logits never exist for the whole batch. Where `fast_paths` says no: `full_logprobs`."""
     if not fast_paths(model).head:
-        return logprobs(model, input_ids, attention_mask, completion_mask, temperature=temperature)
+        return full_logprobs(model, input_ids, attention_mask, completion_mask, temperature=temperature)
     return _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size)
 
 
@@ -692,7 +674,7 @@ def _probe_fast_paths(model, base) -> FastPaths:
     training = model.training
     model.eval()  # no dropout: both paths must compute the same function
     try:
-        want = logprobs(model, ids, attn, cmask)
+        want = full_logprobs(model, ids, attn, cmask)
         ours, head = _check(_decoder_logprobs, (model, ids, attn, cmask, 1.0, 512), want, tol)
         group = (model, ids[:, :P], attn[:, :P], ids[:, P:].repeat_interleave(2, 0),
                  cmask.repeat_interleave(2, 0), 1.0, 512)  # each prompt's completion twice

@@ -7,6 +7,7 @@ import torch
 from support import engine
 import envs
 import rwml
+import train
 
 # ------------------------------------------------------------------ advantages
 
@@ -122,7 +123,7 @@ def test_chunked_logprobs_and_gradients_match_naive(tiny):
     grads = []
     for fn in (lambda: engine.completion_logprobs(model, ids, attn, cmask, chunk_size=5),
                lambda: naive_logprobs(model, ids, attn, cmask),
-               lambda: engine.logprobs(model, ids, attn, cmask)):  # the plain definition, engine.logprobs
+               lambda: rwml.logprobs(model, ids, attn, cmask)):  # the plain definition, rwml.logprobs
         model.zero_grad()
         lp = fn()
         w = rwml.token_weights(cmask, "grpo", 12)
@@ -355,7 +356,7 @@ def test_micro_batches_accumulate_to_the_big_batch_update(lora_model, loss_type)
                              weights=rwml.token_weights(cmask, loss_type, 16))
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-        cfg = rwml.GRPOConfig(micro_batch_size=micro, beta=0.0, max_grad_norm=1e9, loss_type=loss_type)
+        cfg = train.GRPOConfig(micro_batch_size=micro, beta=0.0, max_grad_norm=1e9, loss_type=loss_type)
         rwml.grpo_update(model, opt, batch, cfg)
         deltas.append({n: p.detach() - before[n] for n, p in model.named_parameters() if p.requires_grad})
     for other in deltas[1:]:

@@ -69,7 +69,7 @@ def test_grpo_token_budget_makes_the_same_update(lora_model, shared):
         counts.append(len(engine.micro_batches(batch, 6, budget)))
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-        cfg = rwml.GRPOConfig(micro_batch_size=6, micro_batch_tokens=budget, beta=0.1, max_grad_norm=1e9)
+        cfg = train.GRPOConfig(micro_batch_size=6, micro_batch_tokens=budget, beta=0.1, max_grad_norm=1e9)
         rwml.grpo_update(model, opt, batch, cfg)
         deltas.append({n: p.detach() - before[n] for n, p in model.named_parameters() if p.requires_grad})
     assert counts[0] == 1 and counts[1] == 3 if shared else counts[1] == 6
@@ -113,10 +113,7 @@ def test_every_run_ends_with_a_cost_line_and_cost_json(tiny_model, transitions, 
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("cost: ")]
     data = json.loads((tmp_path / "cost.json").read_text())
     assert len(line) == 1 and " | filter " in line[0] and " | grpo " in line[0]
-    # the last two inside grpo
-    assert list(data["stages"]) == ["filter", "grpo", "grpo sampling", "grpo update"]
-    assert data["stages"]["grpo sampling"]["seconds"] + data["stages"]["grpo update"]["seconds"] \
-        <= data["stages"]["grpo"]["seconds"]
+    assert list(data["stages"]) == ["filter", "grpo"]  # train.py's stages: rwml.py keeps no accounts
     assert 0 < data["stages"]["grpo"]["peak_rss_gb"] <= data["peak_rss_gb"] and data["seconds"] > 0
 
 

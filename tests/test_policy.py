@@ -63,7 +63,7 @@ def test_policy_step_with_all_equal_groups_trains_nothing(tiny_model):
     model = engine.add_lora(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    cfg = rwml.GRPOConfig(num_generations=2, max_completion_length=6, beta=0.0)
+    cfg = train.GRPOConfig(num_generations=2, max_completion_length=6, beta=0.0)
     with worlds.make("alfworld", num_workers=0, max_turns=2) as env:
         res = rwml.policy_step(model, tok, opt, env, envs.list_games("train", 2, seed=0), cfg, num_envs=4)
     assert res["reward_mean"] == 0 and res["frac_reward_zero_std"] == 1
@@ -115,8 +115,8 @@ def test_policy_update_raises_the_won_episodes_replies_and_lowers_the_lost_ones(
 
     before = episode_logps()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    cfg = rwml.GRPOConfig(num_generations=2, beta=0.0, micro_batch_size=4, max_completion_length=32,
-                          loss_type="grpo", scale_rewards="group")  # the paper's GRPO
+    cfg = train.GRPOConfig(num_generations=2, beta=0.0, micro_batch_size=4, max_completion_length=32,
+                           loss_type="grpo", scale_rewards="group")  # the paper's GRPO
     res = rwml.policy_update(model, tok, opt, turns, [s_won, s_lost], cfg)
     after = episode_logps()
     assert (res["reward_mean"] == 0.5 and res["frac_reward_zero_std"] == 0
@@ -150,7 +150,7 @@ def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
     args = roll.input_ids, roll.attention_mask, roll.completion_mask
     with torch.no_grad():
         policy = engine.completion_logprobs(model, *args)
-        with engine.reference_policy(model):
+        with rwml.reference_policy(model):
             ref = engine.completion_logprobs(model, *args)
         with model.disable_adapter():
             bare = engine.completion_logprobs(model, *args)
@@ -164,7 +164,7 @@ def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
     assert first[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # starts at its reference
     second = rwml.grpo_update(model, opt, batch, cfg)
     assert second[0]["kl"] > 0  # the policy moved away from it ...
-    with torch.no_grad(), engine.reference_policy(model):
+    with torch.no_grad(), rwml.reference_policy(model):
         # ... and the reference did not move
         assert torch.allclose(engine.completion_logprobs(model, *args), ref)
     assert all(".default." in n for n, p in model.named_parameters() if p.requires_grad)

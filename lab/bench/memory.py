@@ -30,6 +30,7 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
     from support import cost
     import envs
     import rwml
+    import train
 
     model, tok = engine.load_model(model_name)
     torch.manual_seed(0)
@@ -90,8 +91,8 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
                              advantages=torch.linspace(-1, 2, a.sequences),  # not symmetric: loss is not 0
                              weights=rwml.token_weights(cmask, "grpo", a.completion))
         tokens = ids.numel()
-        cfg = rwml.GRPOConfig(micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens,
-                              beta=0.0)
+        cfg = train.GRPOConfig(micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens,
+                               beta=0.0)
         opt = torch.optim.AdamW(params, lr=1e-5)
         if arm == "ours":
             def step():
@@ -144,7 +145,6 @@ ARMS = dict(sft=("naive", "ours", "trl"), grpo=("naive", "ours"), sample=("gener
 
 
 def main() -> None:
-    import rwml
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--model", default="bundled:SmolLM2-135M-Instruct")
@@ -156,7 +156,7 @@ def main() -> None:
     p.add_argument("--length", type=int, default=400, help="GRPO: tokens per sequence (prompt + completion)")
     p.add_argument("--completion", type=int, default=64, help="GRPO: completion tokens per sequence")
     p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--micro-batch-tokens", type=int, default=rwml.GRPOConfig.micro_batch_tokens)
+    p.add_argument("--micro-batch-tokens", type=int, default=engine.EngineArgs.micro_batch_tokens)
     p.add_argument("--arm", help=argparse.SUPPRESS)  # the child process: job:arm
     a = p.parse_args()
     if a.arm:
