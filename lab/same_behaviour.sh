@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 54 item 5 (issue 35's check): the same small runs at two commits give identical adapters and metrics.
 # Per commit, in its own worktree: collect 3 games' walkthroughs; wm 2 steps on them (the filter, its warm-up,
-# RWML); policy on TextWorld in choose mode, 2 steps. Then every adapter's weights (sha256) and every
-# metrics row but its clock fields are compared.       OUT=runs/same bash lab/same_behaviour.sh A B
+# RWML; again with a coin for a reward); policy on TextWorld in choose mode, 2 steps. Then every adapter's
+# weights (sha256) and every metrics row but its clock fields are compared.       OUT=runs/same bash lab/same_behaviour.sh A B
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$PWD/.venv/bin/python}
@@ -15,6 +15,10 @@ for c in "$1" "$2"; do
      [ -f "$d/collect/transitions.jsonl" ] || $PY train.py collect --walkthrough --num-games 3 --out "$d/collect"
      [ -f "$d/wm/adapter/adapter_model.safetensors" ] || $PY train.py wm --max-steps 2 --out "$d/wm" \
          --transitions "$d/collect/transitions.jsonl"
+     # a coin for a reward: every step's groups carry a gradient (2 steps of the real reward on 3 games may all
+     # score 0, leaving the adapter its warm-up's)
+     [ -f "$d/wm_coin/adapter/adapter_model.safetensors" ] || $PY train.py wm --max-steps 2 --out "$d/wm_coin" \
+         --transitions "$d/collect/transitions.jsonl" --filter-dir "$d/wm/filter" --reward-control coin
      [ -f "$d/policy/adapter/adapter_model.safetensors" ] || $PY train.py policy --env textworld \
          --action-mode choose --max-steps 2 --out "$d/policy") > "$d.log" 2>&1
 done

@@ -1,5 +1,5 @@
 """Support (skip on a first read): intervals and paired comparisons, for what `python train.py` prints and for
-the lab's tables (issue 37 item 1; issue 47 item 6). numpy and the standard library only.
+the lab's tables (issue 37 item 1; issue 47 item 6). numpy, and scipy.stats where it has the test.
 
 - `wilson(k, n)`: the 95 % Wilson score interval of one rate (one run).
 - `paired_bootstrap(a, b, units)`: the difference of two arms' mean outcomes on the same items (triplets or
@@ -36,12 +36,11 @@ MC_Z = Z(0.995)  # a bound's Monte-Carlo error: 2.576 sd of the count of replica
 
 
 def wilson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
-    """The Wilson score interval of k successes in n trials (Wilson 1927); (0, 1) when n is 0."""
-    if n <= 0:
-        return 0.0, 1.0
-    z, p = Z(0.5 + level / 2), k / n
-    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, (centre - half) / (1 + z * z / n)), min(1.0, (centre + half) / (1 + z * z / n))
+    """The Wilson score interval of k successes in n trials (Wilson 1927; scipy.stats); (0, 1) when n is 0."""
+    from scipy.stats import binomtest
+
+    ci = binomtest(k, n).proportion_ci(level, method="wilson") if n > 0 else None
+    return (float(ci.low), float(ci.high)) if ci else (0.0, 1.0)
 
 
 def _by_unit(a, b, units) -> dict:
