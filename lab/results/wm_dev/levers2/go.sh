@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # dev (valid_seen) levers for issue 53 item 1, seed 0
 set -x
-export ALFWORLD_DATA=/work/alfworld HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
-PY=/work/main/.venv/bin/python
+export ALFWORLD_DATA=${ALFWORLD_DATA:-~/.cache/alfworld} HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
+PY=.venv/bin/python
 arm=$1
 case $arm in
   default) $PY train.py --heldout-split valid_seen --seed 0 --no-coin-control --out runs/dev/default ;;
