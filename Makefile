@@ -49,7 +49,7 @@ data: setup
 train: data
 	$(PY) train.py $(ARGS)
 
-# TRL for the tests of `--trainer trl` and for lab/bench/; ruff for the lint check; training needs neither
+# TRL for the tests of lab/trl_grpo.py and for lab/bench/; ruff for the lint check; training needs neither
 $(VENV)/.installed-trl: $(VENV)/.installed lab/bench/requirements.txt
 	$(PY) -m pip install -q --no-deps -r lab/bench/requirements.txt
 	touch $@

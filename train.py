@@ -3,7 +3,7 @@
     python train.py                      # the default run (stage `all`) on the bundled defaults
     python train.py collect --num-games 50 --rollouts-per-game 3 --max-turns 30 --out runs/collect
     python train.py wm --transitions runs/collect/transitions.jsonl --max-steps 200 --out runs/wm
-    python train.py wm ... --resume | --reward-control mis|coin | --trainer trl (TRL's GRPOTrainer)
+    python train.py wm ... --resume | --reward-control mis|coin
     python train.py wm-sft --transitions runs/collect/transitions.jsonl --out runs/wm_sft
     python train.py policy --init rwml --adapter runs/wm/adapter --num-games 8 --out runs/policy
 
@@ -11,7 +11,8 @@ Every setting is declared once (`common.arg`), in a group read together; a stage
 names (its --help; a flag it does not read warns). Each is a flag (`num_games` -> `--num-games`) and a key
 of a `--config` JSON or YAML file (defaults < file < flags). Read top to bottom: the settings, the stages'
 shared parts, one section per stage (collect, filter, wm, all: the default run, its held-out sets and
-baselines, policy, wm-sft, rft), then `main`. Support: support/; bookkeeping, TRL, verl: integrations/.
+baselines, policy, wm-sft, rft), then `main`. Support: support/; bookkeeping, verl: integrations/; TRL's
+GRPOTrainer: lab/trl_grpo.py.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from tqdm.auto import tqdm
 import envs
 import rwml
 from reward import BUNDLED_EMBEDDER, SimToRealReward, coin_reward, mis_targets
-from integrations import bridges, choose, worlds
+from integrations import choose, verl_export, worlds
 from integrations.runs import (warmup_collections, before_after_line, before_made_by, cached_heldout, compare,
                                said, check_stage, claim_out, collection_summary, collection_todo,
                                filter_cache, kind_mix, log_groups, policy_eval_games, releases_locks,
@@ -260,7 +261,7 @@ class PolicyArgs:
 @dataclass
 class Settings(ModelArgs, AdapterArgs, PlayArgs, worlds.WorldArgs, SamplingArgs, CollectArgs,
                HeldoutArgs, WorldModelArgs, FilterArgs, engine.SFTArgs, engine.LoraArgs, GRPOArgs,
-               engine.EngineArgs, StepArgs, RWMLArgs, RunArgs, PolicyArgs, bridges.TRLArgs, bridges.VerlArgs):
+               engine.EngineArgs, StepArgs, RWMLArgs, RunArgs, PolicyArgs, verl_export.VerlArgs):
     """Every setting of every stage: what `train.py` parses (a stage reads its groups, `STAGES`)."""
 
     def __post_init__(self):  # unset: the environment's, from its class (an unknown --env: check_fields)
@@ -278,10 +279,9 @@ STAGES = {  # name -> its line in `train.py --help`, the setting groups it reads
     "collect": ("the model plays the games; every turn -> a triplet (METHOD.md §2)",
                 (ModelArgs, AdapterArgs, *_PLAY, CollectArgs)),
     "filter": ("split, SFT copy, \"too easy\" subsampling; the warm-up adapter (METHOD.md §4)",
-               (ModelArgs, *_WM, bridges.TRLArgs)),
+               (ModelArgs, *_WM)),
     "wm": ("RWML: world-model GRPO, sim-to-real reward; runs filter first (METHOD.md §3, §5)",
-           (ModelArgs, *_WM, SamplingArgs, GRPOArgs, engine.EngineArgs, StepArgs, RWMLArgs, RunArgs,
-            bridges.TRLArgs)),
+           (ModelArgs, *_WM, SamplingArgs, GRPOArgs, engine.EngineArgs, StepArgs, RWMLArgs, RunArgs)),
     "wm-sft": ("baseline: next-observation SFT on the same triplets (METHOD.md §7)",
                (ModelArgs, *_WM, StepArgs)),
     "rft": ("baseline: SFT on the model's own successful episodes (METHOD.md §7)",
@@ -290,7 +290,7 @@ STAGES = {  # name -> its line in `train.py --help`, the setting groups it reads
                (ModelArgs, AdapterArgs, *_PLAY, GRPOArgs, engine.EngineArgs, engine.LoraArgs, StepArgs,
                 RunArgs, PolicyArgs)),
     "export": ("verl's GRPO parquets: the kept triplets and the held-out filter split (runs filter first, no "
-               "warm-up); reward: verl_reward.compute_score", (ModelArgs, *_WM, bridges.VerlArgs)),
+               "warm-up); reward: verl_reward.compute_score", (ModelArgs, *_WM, verl_export.VerlArgs)),
 }
 
 
@@ -311,7 +311,7 @@ def make_env(cfg, episodes: int | None = None):
 
 def wm_texts(t: dict, reasoning: bool) -> tuple[str, str, str, str]:
     """A triplet's world-model chat as the adapters learn it, (system prompt, prompt, reply prefix, stop):
-    for the model cards and the bridges, which take it as an argument rather than import the method."""
+    for the model cards and verl's export, which take it as an argument rather than import the method."""
     return rwml.wm_system(t), rwml.wm_prompt(t, reasoning), rwml.wm_prefix(reasoning), rwml.WM_STOP
 
 
@@ -891,11 +891,8 @@ def run_stage(stage: str, cfg: Settings, out: Path, t0: float, trips: list[dict]
             train_all(cfg, out, load, make_reward(cfg), t0)
         elif stage == "export":  # the filter, then verl's train and held-out parquets
             needs_reward = cfg.easy_filter or cfg.mixed_only and cfg.export_warmup  # the filter scores
-            bridges.export_verl(cfg, trips, out, load, needs_reward and make_reward(cfg), filter_triplets,
-                                rwml.split_triplets, wm_texts)
-        elif cfg.trainer == "trl":  # filter / wm in TRL's GRPOTrainer
-            bridges.wm_trl(stage, cfg, trips, out, load, make_reward(cfg), filter_triplets, reward_control,
-                           wm_texts, rwml.group_advantages)
+            verl_export.export_verl(cfg, trips, out, load, needs_reward and make_reward(cfg), filter_triplets,
+                                    rwml.split_triplets, wm_texts)
         else:  # filter, wm
             reward_fn = make_reward(cfg)
             kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)

@@ -1,2 +1,2 @@
-"""Integrations, beside the five: tau2-bench, TextWorld and the environments' registry, choose mode, TRL and
-verl (and verl's reward file), the stages' bookkeeping (caches, checks). Skip them on a first read."""
+"""Integrations, beside the five: tau2-bench, TextWorld and the environments' registry, choose mode, verl's
+export and reward file, the stages' bookkeeping (caches, checks). Skip them on a first read."""

@@ -62,12 +62,10 @@ def claim_out(cfg, out: Path, stage: str) -> None:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         _LOCKS[key] = fd
-    if stage in ("wm", "policy", "all"):  # the other trainer's run (finished or not) is never overwritten
-        other, pattern = ("trl", "trl/checkpoint-*") if cfg.trainer == "ours" else ("ours", "checkpoint*")
-        if found := next(out.glob(pattern), None):
-            raise UserError(f"{out} holds a run of --trainer {other} ({found}), which --trainer "
-                            f"{cfg.trainer} cannot continue; use another --out")
-    if stage in ("wm", "policy", "all") and cfg.trainer == "ours":
+    if stage in ("wm", "policy", "all"):
+        if found := next(out.glob("trl/checkpoint-*"), None):  # lab/trl_grpo.py's run is never overwritten
+            raise UserError(f"{out} holds a run of TRL's GRPOTrainer ({found}), which train.py cannot "
+                            "continue; use another --out")
         check_resume(cfg, out, "policy" if stage == "policy" else "wm", cfg.resume or stage == "all")
 
 
@@ -93,23 +91,6 @@ def check_stage(cfg, stage: str) -> None:
         raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: {why}")
 
     check_play(cfg)
-    if cfg.trainer == "trl":  # the wm stage (and its filter), TRL installed, no field TRL would ignore
-        if stage not in ("wm", "filter"):
-            raise UserError(f"--trainer trl trains the wm stage only; `train.py {stage}` has our trainer "
-                            "alone")
-        for f in dataclasses.fields(cfg):  # our speed-ups TRL lacks
-            if "no-trl" in f.metadata.get("part_of", ()) and getattr(cfg, f.name) != f.default:
-                raise UserError(f"--{f.name.replace('_', '-')} {getattr(cfg, f.name)!r} has no counterpart "
-                                "in TRL's GRPOTrainer; leave it out with --trainer trl")
-        if cfg.eval_steps:
-            bad("eval_steps", "the held-out learning curve is our trainer's; --trainer trl would log no "
-                "held-out rows: leave --eval-steps out, or drop --trainer trl")
-        if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
-            raise UserError("--trainer trl needs TRL: pip install --no-deps -r lab/bench/requirements.txt")
-        if cfg.use_vllm and importlib.util.find_spec("vllm") is None:
-            bad("use_vllm", "needs vLLM, which is not installed: pip install vllm, or leave --use-vllm out")
-    elif cfg.use_vllm:
-        bad("use_vllm", "generation in vLLM is TRL's; add --trainer trl")
     if stage == "wm" and cfg.eval_transitions and not cfg.eval_steps:
         bad("eval_transitions", "is read only by the learning curve, which is off: add --eval-steps N (a "
             "held-out evaluation every N steps), or leave --eval-transitions out")
@@ -212,7 +193,7 @@ def stage_inputs(cfg, stage: str, problem) -> tuple[list[dict] | None, list[dict
     """The triplets a stage trains on and, for `wm --eval-steps`, its held-out ones, read before it starts,
     each checked (`problem(triplet)`: train.triplet_problem)."""
     trips = read_transitions(cfg.transitions, problem) if stage in TRIPLET_STAGES else None
-    if stage != "wm" or cfg.trainer != "ours" or not cfg.eval_steps:
+    if stage != "wm" or not cfg.eval_steps:
         return trips, None
     if not cfg.eval_transitions:
         raise UserError("wm --eval-steps scores held-out triplets along the way: give them with "

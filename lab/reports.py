@@ -124,7 +124,7 @@ def _wm_cell(wm: dict | None) -> str:
 
 
 # metrics.jsonl's rows, as train.py writes them: a training step's (`wm` / `all`: plumbing.wm_row; `policy`:
-# its stats; `--trainer trl`: TRL's log_history) has step and reward, and the held-out evaluation's numbers on
+# its stats; lab/trl_grpo.py: TRL's log_history) has step and reward, and the held-out evaluation's numbers on
 # the --eval-steps steps; an --eval-on-start run's step-0 row holds only step and the evaluation (no reward)
 CURVE_EVALS = ("eval_wm_accuracy", "eval_mean_cosine", "eval_beyond_template",  # wm, all
                "eval_success", "eval_mean_steps", "eval_invalid")  # policy

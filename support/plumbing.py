@@ -30,11 +30,13 @@ from support.common import (PATH_KEYS, UserError, file_problem, names, read_json
 
 # ------------------------------------------------------------------- checks before anything slow runs
 
-def check_run(cfg, stage_check=None) -> None:
-    """Everything a stage checks before anything slow runs (`stage_check(cfg)`: the stage's own)."""
+def check_run(cfg, stage_check=None, processes: bool = False) -> None:
+    """Everything a stage checks before anything slow runs (`stage_check(cfg)`: the stage's own);
+    `processes`: the caller shares its work between `accelerate launch`'s processes (lab/trl_grpo.py)."""
     check_fields(cfg)
     check_cache(cfg)
-    check_single_process(cfg)
+    if not processes:
+        check_single_process()
     if stage_check:
         stage_check(cfg)
     if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:  # not after the filter
@@ -67,12 +69,12 @@ def check_cache(cfg) -> None:
                         + fix)
 
 
-def check_single_process(cfg) -> None:
+def check_single_process() -> None:
     """N processes (WORLD_SIZE) of our trainer would run N same jobs into one --out: only TRL's splits."""
     world = int(os.environ.get("WORLD_SIZE") or 1)
-    if world > 1 and cfg.trainer != "trl":
-        raise UserError(f"launched as {world} processes (WORLD_SIZE={world}), but only `train.py wm "
-                        "--trainer trl` shares work between processes; add --trainer trl, or run one process")
+    if world > 1:
+        raise UserError(f"launched as {world} processes (WORLD_SIZE={world}), but only TRL's GRPOTrainer "
+                        "(lab/trl_grpo.py) shares work between processes; run that, or one process")
 
 
 def use_4bit(cfg) -> bool:
@@ -575,8 +577,7 @@ def write_card(folder: Path, cfg=None, stage: str | None = None, data: dict | No
     base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
     method = METHODS.get(kind, kind)
     if cfg is not None and kind == "wm":
-        method += "".join((f"; {CONTROLS[cfg.reward_control]}" if cfg.reward_control in CONTROLS else "",
-                           "; in TRL's GRPOTrainer" if cfg.trainer == "trl" else ""))
+        method += f"; {CONTROLS[cfg.reward_control]}" if cfg.reward_control in CONTROLS else ""
     if cfg is not None and kind == "policy":
         method += f", from {cfg.init}" + (f" ({shown_arg(cfg.adapter)})" if cfg.adapter else "")
         data = data or {f"{cfg.split} {'tasks' if cfg.env == 'tau2' else 'games'} ({cfg.env})":

@@ -22,7 +22,7 @@ READER_TOTAL = 2544
 # at 80cec84, 6,5xx after it with verl_reward.py, stats.py (train.py prints intervals) and issues 49 / 50's
 # checks (triplets' environment, whole held-out cache, cards, cost); this ceiling stops the growth until a
 # feature leaves)
-MODULE_MAX, PLUMBING_MAX, TOTAL_MAX = 908, 700, 6780
+MODULE_MAX, PLUMBING_MAX, TOTAL_MAX = 908, 700, 6630
 # Imports run down this list: a module imports only modules of the layers above its own, never one of its own
 # layer or of a later one. The bottom; the engine, the games' speed, the command line; the environment
 # interface (and ALFWorld), the reward, choose mode, plumbing; the other environments and the registry; the
@@ -30,7 +30,7 @@ MODULE_MAX, PLUMBING_MAX, TOTAL_MAX = 908, 700, 6780
 LAYERS = (("support.common", "support.cost", "support.stats"),
           ("support.engine", "support.gamepool", "support.cli"),
           ("envs", "reward", "integrations.choose", "support.plumbing", "integrations.verl_reward"),
-          ("integrations.worlds",), ("rwml", "integrations.runs", "integrations.bridges"), ("train",),
+          ("integrations.worlds",), ("rwml", "integrations.runs", "integrations.verl_export"), ("train",),
           ("eval",))
 FIVE = ("rwml", "reward", "envs", "train", "eval")  # the card's files: the root holds these and no other
 PACKAGES = ("support", "integrations")  # support: below the five, never importing them; integrations: beside

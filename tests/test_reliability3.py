@@ -1,6 +1,6 @@
-"""Issue 39, items 2, 3 and part of 6: a trainer switch never overwrites a run, a resume logs no held-out
-episode twice, and a lock folder, a cut collect.json, a deep --config, --use-vllm without vLLM and a triplet's
-unknown env are one line each."""
+"""Issue 39, items 2, 3 and part of 6: a trainer switch (train.py, lab/trl_grpo.py) never overwrites a run, a
+resume logs no held-out episode twice, and a lock folder, a cut collect.json, a deep --config, --use-vllm
+without vLLM and a triplet's unknown env are one line each."""
 import importlib.util
 import json
 import shutil
@@ -11,6 +11,7 @@ import pytest
 import envs
 from support import plumbing
 import train
+import trl_grpo
 from support.plumbing import read_jsonl
 from test_reliability2 import WM_ARGS, nothing_slow, one_line, wm_run  # noqa: F401 (fixtures)
 
@@ -21,24 +22,24 @@ def test_a_finished_run_of_our_trainer_is_not_overwritten_by_trl(wm_run, tmp_pat
     before = {p.name: p.read_bytes() for p in (out / "metrics.jsonl", out / "config.json")}
     for extra in ([], ["--resume"]):
         with pytest.raises(envs.UserError) as e:
-            train.main([*wm_run[1], "--trainer", "trl", *extra, "--out", str(out)])
-        assert one_line(e) == (f"{out} holds a run of --trainer ours ({out / 'checkpoint'}), which --trainer "
-                               "trl cannot continue; use another --out")
+            trl_grpo.main([*wm_run[1][1:], *extra, "--out", str(out)])
+        assert one_line(e) == (f"{out} holds a run of train.py ({out / 'checkpoint'}), which TRL cannot "
+                               "continue; use another --out")
     assert before == {p.name: p.read_bytes() for p in (out / "metrics.jsonl", out / "config.json")}
 
 
 @pytest.mark.parametrize("stage", ["wm", "policy"])
 def test_a_run_of_trl_is_not_overwritten_by_our_trainer(stage, tiny_model, transitions, tmp_path,
                                                         nothing_slow):  # noqa: F811
-    out = tmp_path / "run"  # what a finished `wm --trainer trl` leaves: TRL's checkpoint, the adapter, logs
+    out = tmp_path / "run"  # what a finished lab/trl_grpo.py leaves: TRL's checkpoint, the adapter, logs
     (out / "trl" / "checkpoint-2").mkdir(parents=True)
     (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     argv = ["wm", "--transitions", transitions, *WM_ARGS] if stage == "wm" else ["policy", "--num-games", "1"]
     for extra in ([], ["--resume"]):
         with pytest.raises(envs.UserError) as e:
             train.main([*argv, "--model", tiny_model, *extra, "--out", str(out)])
-        assert one_line(e) == (f"{out} holds a run of --trainer trl ({out / 'trl' / 'checkpoint-2'}), which "
-                               "--trainer ours cannot continue; use another --out")
+        assert one_line(e) == (f"{out} holds a run of TRL's GRPOTrainer ({out / 'trl' / 'checkpoint-2'}), "
+                               "which train.py cannot continue; use another --out")
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
 
 
@@ -111,11 +112,9 @@ def test_use_vllm_without_vllm_is_one_line_before_the_model_loads(tiny_model, tr
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "vllm" else find(name, *a))
     with pytest.raises(envs.UserError) as e:
-        train.main(["wm", "--trainer", "trl", "--use-vllm", "--model", tiny_model,
-                    "--transitions", transitions, "--no-easy-filter", "--no-warmup",
-                    "--out", str(tmp_path / "run")])
-    assert one_line(e) == ("--use-vllm True: needs vLLM, which is not installed: pip install vllm, or leave "
-                           "--use-vllm out")
+        trl_grpo.main(["--use-vllm", "--model", tiny_model, "--transitions", transitions, "--no-easy-filter",
+                       "--no-warmup", "--out", str(tmp_path / "run")])
+    assert one_line(e) == "--use-vllm needs vLLM, which is not installed: pip install vllm, or leave it out"
 
 
 @pytest.mark.parametrize("env, shown", [("minecraft", '"minecraft"'), (5, "5"), (["tau2"], '["tau2"]'),

@@ -1,5 +1,5 @@
 """`lab/reports.py report` on every run the CLI makes (issue 50 item 3): the metrics.jsonl of `train.py wm`
-(with and without --eval-steps and --eval-on-start, --trainer trl), `train.py policy` (with and without its
+(with and without --eval-steps and --eval-on-start, lab/trl_grpo.py), `train.py policy` (with and without its
 held-out curve) and `train.py` (stage all), built here row by row as train.py writes them, no model."""
 import json
 
@@ -56,7 +56,7 @@ def policy_rows(steps: int, eval_steps: int = 0, on_start: bool = False) -> list
 
 
 def trl_rows(steps: int) -> list[dict]:
-    """bridges.train_wm_trl's metrics.jsonl: TRL's log_history rows that hold a reward."""
+    """lab/trl_grpo.py's metrics.jsonl: TRL's log_history rows that hold a reward."""
     return [{"loss": 0.0, "grad_norm": 0.2, "learning_rate": 1e-4, "num_tokens": 1800.0 * step,
              "completions/mean_length": 20.0, "completions/min_length": 12.0, "completions/max_length": 30.0,
              "completions/clipped_ratio": 0.0, "completions/mean_terminated_length": 20.0,
@@ -84,7 +84,7 @@ SHAPES = {  # the command -> its metrics rows and the result JSON put beside the
     "train.py wm": (wm_rows(4), "eval_wm.json", WM_RESULT),
     "train.py wm --eval-steps 2": (wm_rows(4, 2), "eval_wm.json", WM_RESULT),
     "train.py wm --eval-steps 2 --eval-on-start": (wm_rows(4, 2, True), "eval_wm.json", WM_RESULT),
-    "train.py wm --trainer trl": (trl_rows(4), "eval_wm.json", WM_RESULT),
+    "lab trl_grpo": (trl_rows(4), "eval_wm.json", WM_RESULT),
     "train.py policy": (policy_rows(3), "eval_agent.json", AGENT_RESULT),
     "train.py policy --eval-steps 1": (policy_rows(3, 1), "eval_agent.json", AGENT_RESULT),
     "train.py policy --eval-steps 2 --eval-on-start": (policy_rows(3, 2, True), "eval_agent.json",

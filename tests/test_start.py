@@ -40,11 +40,11 @@ def test_mps_is_used_where_there_is_no_cuda(monkeypatch):
 
 def test_multi_process_launch_needs_trl(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")  # as `accelerate launch --num_processes 2` sets it
-    with pytest.raises(UserError, match=r"launched as 2 processes .*add --trainer trl"):
+    with pytest.raises(UserError, match=r"launched as 2 processes .*\(lab/trl_grpo.py\) shares work"):
         train.main(["collect", "--num-games", "1", "--out", str(tmp_path)])
-    plumbing.check_single_process(train.Settings(trainer="trl"))  # TRL's trainer shares the work
+    plumbing.check_run(train.Settings(out=str(tmp_path)), processes=True)  # TRL's trainer shares the work
     monkeypatch.setenv("WORLD_SIZE", "1")
-    plumbing.check_single_process(train.Settings())
+    plumbing.check_single_process()
 
 
 def test_quiet_start_drops_the_two_notes_only(tiny_model, caplog):

@@ -1,5 +1,6 @@
-"""Stage 1 through TRL's GRPOTrainer (`train.py wm --trainer trl`): in one process, and in two processes
-under accelerate launch (gloo on CPU), where both must end with the same adapter."""
+"""Stage 1 through TRL's GRPOTrainer, the lab's worked example (`lab/trl_grpo.py`, train.py wm's flags): in
+one process, and in two processes under accelerate launch (gloo on CPU), where both must end with the same
+adapter."""
 import importlib.util
 import json
 import os
@@ -12,6 +13,7 @@ import pytest
 
 from support import plumbing
 import train
+import trl_grpo
 from envs import UserError
 from support.plumbing import read_jsonl
 
@@ -27,7 +29,7 @@ def letters_reward(completions, targets):
 
 
 def wm_args(tiny_model, transitions, out, *extra):
-    return ["wm", "--trainer", "trl", "--model", tiny_model, "--transitions", transitions, "--no-easy-filter",
+    return ["--model", tiny_model, "--transitions", transitions, "--no-easy-filter",
             "--sft-epochs", "1", "--max-steps", "2", "--prompts-per-step", "2", "--num-generations", "2",
             "--max-completion-length", "8", "--micro-batch-size", "2", "--learning-rate", "1e-2",
             "--out", str(out), *extra]
@@ -43,7 +45,7 @@ def test_trl_wm_from_the_warmup_saves_an_adapter_eval_reads(tiny_model, transiti
 
     monkeypatch.setattr(train, "make_reward", lambda cfg: letters_reward)
     out = tmp_path / "run"
-    train.main(wm_args(tiny_model, transitions, out))  # warm-up on: TRL trains the filter's SFT copy on
+    trl_grpo.main(wm_args(tiny_model, transitions, out))  # warm-up on: TRL trains the filter's SFT copy on
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     # as ours
@@ -59,7 +61,7 @@ def test_trl_wm_from_the_warmup_saves_an_adapter_eval_reads(tiny_model, transiti
     trained = load_file(out / "adapter" / "adapter_model.safetensors")
     assert warm.keys() == trained.keys() and any((warm[k] != trained[k]).any() for k in warm)
     card = (out / "adapter" / "README.md").read_text()  # our card, as our trainer's: the query snippet too
-    assert "in TRL's GRPOTrainer" in card and "## Query this world model" in card
+    assert "trained in TRL's GRPOTrainer (lab/trl_grpo.py)" in card and "## Query this world model" in card
     # issue 50.4: TRL's checkpoint holds our card, not peft's template naming the local model as base_model
     assert not (out / "trl" / "README.md").exists()
     checkpoint = (out / "trl" / "checkpoint-2" / "README.md").read_text()
@@ -72,32 +74,33 @@ def test_trl_wm_from_the_warmup_saves_an_adapter_eval_reads(tiny_model, transiti
                    "--max-completion-length", "4", "--out", str(tmp_path / "wm.json")])
     assert json.loads((tmp_path / "wm.json").read_text())["n"] == 2
     with pytest.raises(UserError, match="--resume"):  # TRL's checkpoint in <out>/trl is a run, as ours
-        train.main(wm_args(tiny_model, transitions, out))
+        trl_grpo.main(wm_args(tiny_model, transitions, out))
 
 
 def test_trl_rejects_what_it_cannot_run(tiny_model, transitions, tmp_path, monkeypatch):
-    """Before any model loads: a field TRL has no counterpart for, another stage, vLLM without TRL, and
-    TRL missing are one-line errors."""
+    """Before any model loads: a field TRL has no counterpart for, the held-out learning curve, a typo, and
+    TRL missing are one-line errors; train.py has no TRL flag left."""
     for extra, message in [(["--logits-chunk-size", "64"], "--logits-chunk-size 64 has no counterpart in"),
                            (["--no-shared-prompt-forward"], "--shared-prompt-forward False has no"),
-                           (["--trainer", "ours", "--use-vllm"], "add --trainer trl"),
-                           (["--trainer", "trl2"], "did you mean 'trl'")]:
+                           (["--eval-steps", "2"], "--eval-steps 2: the held-out learning curve is train"),
+                           (["--use-vlm"], "did you mean --use-vllm")]:
         with pytest.raises(UserError, match=message):
-            train.main(wm_args(tiny_model, transitions, tmp_path, *extra))
-    with pytest.raises(UserError, match="trains the wm stage only"):
-        train.main(["policy", "--trainer", "trl", "--out", str(tmp_path)])
+            trl_grpo.main(wm_args(tiny_model, transitions, tmp_path, *extra))
+    with pytest.raises(UserError, match="unknown argument '--use-vllm'"):
+        train.main(["wm", "--use-vllm", "--out", str(tmp_path)])
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl"
                         else find_spec(name, *a))
     with pytest.raises(UserError, match=r"pip install --no-deps -r lab/bench/requirements.txt"):
-        train.main(wm_args(tiny_model, transitions, tmp_path))
+        trl_grpo.main(wm_args(tiny_model, transitions, tmp_path))
     assert not (tmp_path / "filter").exists()
 
 
 RANK_SCRIPT = """
 import hashlib, sys
-sys.path.insert(0, {root!r})
+sys.path[:0] = [{root!r}, {root!r} + "/lab"]
 import train
+import trl_grpo
 
 def letters_reward(completions, targets):  # as in test_trl.py
     return [sum(ch.isalpha() for ch in c) / max(len(c), 1) for c in completions]
@@ -105,10 +108,9 @@ def letters_reward(completions, targets):  # as in test_trl.py
 
 train.make_reward = lambda cfg: letters_reward
 runs = []
-from integrations import bridges
-train_wm_trl = bridges.train_wm_trl
-bridges.train_wm_trl = lambda cfg, kept, out, *a: runs.append((out, train_wm_trl(cfg, kept, out, *a)))
-train.main(sys.argv[1:])
+train_wm_trl = trl_grpo.train_wm_trl
+trl_grpo.train_wm_trl = lambda cfg, kept, out, *a: runs.append((out, train_wm_trl(cfg, kept, out, *a)))
+trl_grpo.main(sys.argv[1:])
 out, model = runs[0]
 from peft import get_peft_model_state_dict
 
@@ -116,7 +118,7 @@ weights = get_peft_model_state_dict(model)
 digest = hashlib.sha256(b"".join(k.encode() + weights[k].detach().cpu().contiguous().numpy().tobytes()
                                  for k in sorted(weights))).hexdigest()
 moved = any(v.abs().sum() > 0 for k, v in weights.items() if "lora_B" in k)
-rank = bridges.process_state().process_index
+rank = trl_grpo.process_state().process_index
 (out / f"rank{{rank}}.txt").open("w").write(f"{{digest}} {{moved}}")
 """
 
