@@ -30,8 +30,9 @@ from pathlib import Path
 
 import envs
 import rwml
-from train import (ACTORS, AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs, SamplingArgs,
-                   WorldModelArgs, make_reward, triplet_problem)
+from train import make_reward, triplet_problem
+from integrations.settings import (ACTORS, AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs,
+                                   SamplingArgs, WorldModelArgs)
 from integrations import choose, worlds
 from integrations.runs import (check_play, episode_log, finished_episodes, random_policy, recorded,
                                triplets_env)

@@ -3,8 +3,8 @@ ALFWorld, with the agent writing free-form replies (generate mode, the paper's).
 
 Read top to bottom: the order is the paper's, numbered as METHOD.md (next to this file) numbers it; `§N`
 points to the project's notes there (what the paper says, which default we take where it is silent). The
-README's steps use the same numbers. Settings live in train.py (a function here reads the fields it names
-from its `cfg`); time and memory are counted there too.
+README's steps use the same numbers. Settings live in integrations/settings.py (a function here reads the
+fields it names from its `cfg`); time and memory are counted in train.py.
 
   §2 Data: the model plays the environment; every turn is a (history, action, next obs) triplet. World-model
      prompts: (history, action) -> the reply starts at <next_state> and holds the predicted observation

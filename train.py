@@ -1,4 +1,4 @@
-"""RWML training: the settings, one function per stage in the paper's order (METHOD.md §N), what each prints.
+"""RWML training: one function per stage in the paper's order (METHOD.md §N), and what each prints.
 
     python train.py                      # the default run (stage `all`) on the bundled defaults
     python train.py collect --num-games 50 --rollouts-per-game 3 --max-turns 30 --out runs/collect
@@ -7,12 +7,12 @@
     python train.py wm-sft --transitions runs/collect/transitions.jsonl --out runs/wm_sft
     python train.py policy --init rwml --adapter runs/wm/adapter --num-games 8 --out runs/policy
 
-Every setting is declared once (`common.arg`), in a group read together; a stage reads the groups `STAGES`
-names (its --help; a flag it does not read warns). Each is a flag (`num_games` -> `--num-games`) and a key
-of a `--config` JSON or YAML file (defaults < file < flags). Read top to bottom: the settings, the stages'
-shared parts, one section per stage (collect, filter, wm, all: the default run, its held-out sets and
-baselines, policy, wm-sft, rft), then `main`. Support: support/; bookkeeping, verl: integrations/; TRL's
-GRPOTrainer: lab/trl_grpo.py.
+Every setting is declared once, with its default, help and bounds, in integrations/settings.py (`Settings`);
+a stage reads the groups `STAGES` names (its --help; a flag it does not read warns). Each is a flag
+(`num_games` -> `--num-games`) and a key of a `--config` JSON or YAML file (defaults < file < flags). Read
+top to bottom: the stages' shared parts, one section per stage (collect, filter, wm, all: the default run,
+its held-out sets and baselines, policy, wm-sft, rft), then `main`. Support: support/; bookkeeping, verl:
+integrations/; TRL's GRPOTrainer: lab/trl_grpo.py.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,8 +28,8 @@ from tqdm.auto import tqdm
 
 import envs
 import rwml
-from reward import BUNDLED_EMBEDDER, SimToRealReward, coin_reward, mis_targets
-from integrations import choose, verl_export, worlds
+from reward import SimToRealReward, coin_reward, mis_targets
+from integrations import verl_export, worlds
 from integrations.runs import (warmup_collections, before_after_line, before_made_by, cached_heldout, compare,
                                said, check_stage, claim_out, collection_summary, collection_todo,
                                filter_cache, kind_mix, log_groups, policy_eval_games, releases_locks,
@@ -38,261 +37,12 @@ from integrations.runs import (warmup_collections, before_after_line, before_mad
                                wm_row)
 from support import cost, engine, stats
 from support.cli import parse_stage, run_cli
-from support.common import RERUN, UserError, again, arg, read_jsonl, write_atomic, write_jsonl
+from support.common import RERUN, UserError, read_jsonl, write_atomic, write_jsonl
 from support.plumbing import (CONTROLS, TRIPLETS_KEPT, card_run, check_run, close_tracker, config_json,
                               context_problem, filter_dir, jsonl_writer, keep_rng, log_row, plot_rewards,
                               run_header, sample_triplets, save_adapter, save_checkpoint, start_run,
                               swap_checkpoint, use_4bit, write_card, write_eval)
-
-# ----------------------------------------------------------------- the settings: what a user sets, once each
-# Defaults: the small-model recipe that shows RWML learning on the bundled 135M model on a CPU; departures
-# from the paper say "(paper: ...)" (configs/paper.json undoes them); the engine's: support/engine.py.
-SEED_MAX = 2**32 - 1  # numpy's bound (transformers' set_seed); torch's is 2**64 - 1
-_SEED = dict(check=lambda v: 0 <= v <= SEED_MAX, why=f"must be between 0 and {SEED_MAX}")
-_SHARE = dict(check=lambda v: 0 <= v <= 1, why="must be between 0 and 1")
-ACTORS = dict(generate=rwml.GENERATE, choose=choose.CHOOSE)  # --action-mode: who writes the agent's replies
-
-
-@dataclass
-class ModelArgs:
-    _argument_group_name = "every stage: the model, the environment, the seed, the run's folder"
-    model: str = arg(engine.BUNDLED_MODEL, "any HF causal-LM id or local folder", part_of="filter collect")
-    load_in_4bit: bool | None = arg(None, "NF4 base weights (QLoRA); None = on with CUDA and >= 1B "
-                                          "parameters")
-    env: str = arg("alfworld", "or textworld (generated games) or tau2 (tool use; games = tasks); its "
-                   "class (worlds.ENVIRONMENTS) holds its defaults", choices=tuple(worlds.ENVIRONMENTS),
-                   part_of="episodes")
-    seed: int = arg(0, "seeds every random draw of a run", **_SEED, part_of="collect card")
-    out: str = arg("runs/rwml", "the run's folder", resume_free=True)
-
-
-@dataclass
-class AdapterArgs:
-    _argument_group_name = "the adapter to start from"
-    adapter: str | None = arg(None, "a peft adapter on top (collect: play with it; policy: start from it)",
-                              part_of="collect")
-
-
-@dataclass
-class PlayArgs:
-    _argument_group_name = "how the agent plays (collect, policy, rft; eval.py agent)"
-    action_mode: str = arg("generate", "generate: free ReAct replies (paper); choose: a softmax over the "
-                           "admissible commands (integrations/choose.py)", choices=tuple(ACTORS),
-                           part_of="episodes card:policy")
-    split: str | None = arg("train", "the games' split", part_of="collect")
-    num_games: int | None = arg(16, "the paper plays every train game (3553); small default for a CPU "
-                                    "sanity run", min=1, part_of="collect:alfworld collect:textworld")
-    max_turns: int = arg(10, "environment steps per episode (paper: 30; `eval.py agent` uses 30)", min=1,
-                         part_of="collect card:rft card:policy")
-    history_len: int = arg(1, "H: past (observation, action) pairs the agent sees (paper: 2)", min=0,
-                           part_of="collect")
-    max_new_tokens: int = arg(64, "a reply: <think>...</think><action>...</action>", min=1, part_of="collect")
-
-
-@dataclass
-class SamplingArgs:
-    _argument_group_name = "sampling: the agent's replies, the GRPO groups"
-    temperature: float = arg(1.0, "sampling temperature of collection and GRPO groups (training divides by "
-                                  "it)", check=lambda v: v >= 0, why="must be 0 or more",
-                             part_of="collect card:wm card:policy")
-    top_p: float = arg(1.0, "nucleus sampling of the replies and the groups", check=lambda v: 0 < v <= 1,
-                       why="must be in (0, 1]", part_of="collect")
-
-
-@dataclass
-class CollectArgs:
-    _argument_group_name = "collect (METHOD.md §2): the model plays train games; every turn is a triplet"
-    rollouts_per_game: int = arg(1, "the paper: 3 for ALFWorld", min=1, part_of="collect card:rft")
-    explore_prob: float = arg(0.85, "share of turns whose action is drawn by kind, not by the model "
-                                    "(paper: 0)", **_SHARE, part_of="collect:alfworld collect:textworld")
-    walkthrough: bool = arg(False, "play each game's expert walkthrough, not the model (no model loads)")
-
-
-@dataclass
-class HeldoutArgs:
-    _argument_group_name = "all: the held-out games, scored before and after"
-    heldout_split: str = arg("valid_unseen", "the test split, never used to choose a thing", resume_free=True)
-    heldout_games: int = arg(20, "held-out games; each gives explore and purposeful (walkthrough) "
-                                 "triplets", min=1, resume_free=True)
-    warmup_games: int = arg(32, "all: the warm-up's SFT also trains on the expert walkthroughs and the "
-                                "collection policy's own play of this many other train games (never GRPO's;"
-                                " lab/results/wm_dev: it brought RWML to the template rule on valid_seen); "
-                                "0 = off", min=0)
-    coin_control: bool = arg(True, "also train the matched COIN arm (the same warm-up, prompts, batches, "
-                                   "sampling seed and steps; a fair coin, its own, for a reward) and score "
-                                   "it: RWML - COIN is what the reward added to self-training on its own "
-                                   "samples")
-
-
-_PER_ENV = "None: the environment's ({})".format
-
-
-@dataclass
-class WorldModelArgs:
-    _argument_group_name = "the world model's answer and its reward (METHOD.md §3)"
-    embedder: str = arg(BUNDLED_EMBEDDER, "any sentence-transformers model id or folder", part_of="filter")
-    tau_d: float | None = arg(None, "r = 1 iff 1 - cos(E(prediction), E(real)) < tau_d; " + _PER_ENV(
-        ", ".join(f"{k} {c.tau_d}" for k, c in worlds.ENVIRONMENTS.items())) + "; lab/results/reward_audit",
-        check=lambda v: 0 < v <= 2, why="must be in (0, 2] (a cosine distance)", part_of="filter card:wm")
-    rouge_gate: float | None = arg(None, "> 0: r = 1 also needs ROUGE-1 F >= this (the gate of the authors' "
-                                         "code); " + _PER_ENV(", ".join(f"{k} {c.rouge_gate}" for k, c in
-                                                                        worlds.ENVIRONMENTS.items())),
-                                   check=lambda v: 0 <= v <= 1, why="must be between 0 and 1 (0 = off)",
-                                   part_of="filter")
-    reward_metric: str = arg("embedding", 'or "rouge" (ablation)', choices=("embedding", "rouge"),
-                             part_of="filter card:wm")
-    reward_binary: bool = arg(True, "False = the continuous-cosine ablation", part_of="filter")
-    wm_reasoning: bool = arg(False, "<think> then <next_state> (paper: True); off: reply from <next_state> "
-                                    "on")
-    max_completion_length: int | None = arg(None, "tokens per world-model prediction; " + _PER_ENV(", ".join(
-        f"{k} {c.max_completion_length}" for k, c in worlds.ENVIRONMENTS.items())), min=1,
-                                            part_of="filter card:wm")
-
-
-@dataclass
-class FilterArgs:
-    _argument_group_name = 'the "too easy" filter (METHOD.md §4): an SFT copy on its split scores the rest'
-    transitions: str | None = arg(None, "filter / wm / wm-sft / export: a collection's transitions.jsonl")
-    filter_dir: str | None = arg(None, "where the filter's outputs are kept and reused (None = "
-                                       "<out>/filter)", resume_free=True)
-    filter_seed: int | None = arg(None, "seed of the split, the SFT copy and its scores (None = seed): runs "
-                                        "with other seeds can then share one filter and one warm-up", **_SEED,
-                                  part_of="card:filter")
-    easy_filter: bool = arg(False, '"too easy" subsampling (paper: True); off: RWML forgot take / close / '
-                                   'move', part_of="filter")
-    filter_split: float = arg(0.35, "share of triplets that trains the SFT copy, never seen by GRPO "
-                                    "(paper: 0.1)", check=lambda v: 0 < v < 1,
-                              why="the share of triplets that trains the SFT copy must be between 0 and 1",
-                              part_of="filter card:filter")
-    filter_samples: int = arg(4, "K predictions per training triplet (paper: 10)", min=1, part_of="filter")
-    easy_share: float = arg(0.3, "tau_easy is set so that this share is easy", **_SHARE, part_of="filter")
-    easy_keep_prob: float = arg(0.1, "the chance an easy triplet is kept", **_SHARE, part_of="filter")
-    mixed_only: bool = arg(True, "keep only the triplets whose K warm-up predictions were neither all right "
-                                 "nor all wrong: only their GRPO groups carry a gradient (ours, with warmup)",
-                           part_of="filter")
-    warmup: bool = arg(True, "RWML starts from the SFT copy (format warm-up), its KL reference (paper: no)",
-                       part_of="filter")
-    warmup_transitions: str | None = arg(None, "more triplets the SFT copy (the warm-up) trains on besides "
-                                               "its split, never GRPO's: transitions.jsonl files, "
-                                               "comma-separated (e.g. walkthroughs and the collection "
-                                               "policy's play of more train games; lab/results/wm_dev)",
-                                         part_of="filter")
-
-
-@dataclass
-class StepArgs:
-    _argument_group_name = "the optimizer's steps"
-    learning_rate: float = arg(1e-4, "AdamW's, constant", check=lambda v: v > 0, why="must be above 0",
-                               part_of="card:wm card:wm-sft card:policy")
-    max_steps: int = arg(20, "optimizer steps", min=1, resume_free=True,
-                         part_of="card:wm card:wm-sft card:policy")
-    prompts_per_step: int = arg(4, "world-model prompts per step, each with num_generations completions",
-                                min=1, part_of="card:wm card:wm-sft")
-
-
-@dataclass
-class GRPOArgs:
-    _argument_group_name = "GRPO (METHOD.md §5): TRL's names; TRL's defaults where the paper is silent"
-    num_generations: int = arg(4, "completions per prompt, a group (TRL: 8; 4: a step affords 4 prompts; "
-                                  "README)", min=2, part_of="card:wm card:policy")
-    beta: float = arg(0.1, "KL weight; the reference is the warm-up adapter, else the bare base model (TRL: "
-                           "0)", check=lambda v: v >= 0, why="must be 0 or more",
-                      part_of="card:wm card:policy")
-    loss_type: str = arg("dr_grpo", "how token losses are averaged (paper: grpo)",
-                         choices=("grpo", "dapo", "dr_grpo"), part_of="card:wm")
-    scale_rewards: str = arg("none", "the std that divides advantages (paper: group)",
-                             choices=("group", "batch", "none"))
-    epsilon: float = arg(0.2, "clip range of the probability ratio", check=lambda v: v >= 0,
-                         why="must be 0 or more")
-    epsilon_high: float | None = arg(None, "DAPO's clip-higher; None = epsilon", check=lambda v: v >= 0,
-                                     why="must be 0 or more (or left out: --epsilon)")
-    num_iterations: int = arg(1, "updates per generated batch (mu)", min=1)
-    max_grad_norm: float = arg(1.0, "gradient clipping", check=lambda v: v >= 0, why="must be 0 or more")
-
-
-@dataclass
-class GRPOConfig(GRPOArgs, SamplingArgs, engine.EngineArgs):
-    """What rwml.grpo_step and rwml.policy_step read, alone (tests, benches); a run passes its Settings."""
-    max_completion_length: int = again(WorldModelArgs, "max_completion_length",  # ALFWorld's
-                                       envs.Alfworld.max_completion_length)
-
-
-@dataclass
-class RWMLArgs:
-    _argument_group_name = "RWML (METHOD.md §3, §5): GRPO on world-model prompts, with a LoRA adapter"
-    reward_control: str = arg("none", "controls: mis = another triplet's next observation, coin = a fair "
-                                      "coin", choices=("none", "mis", "coin"))
-    log_completions_steps: int = arg(4, "a step's whole groups to samples.jsonl and the log every this many",
-                                     min=1, resume_free=True)
-    eval_samples: int = arg(0, "held-out predictions per triplet, sampled at `temperature` (0 = one greedy)",
-                            min=0, resume_free=True)
-    eval_max_triplets: int = arg(96, "held-out triplets of each kind scored before and after (0 = all)",
-                                 min=0, resume_free=True)
-    eval_transitions: str | None = arg(None, "wm: held-out triplets for the curve (eval_max_triplets of "
-                                             "them)", resume_free=True)
-
-
-@dataclass
-class RunArgs:
-    _argument_group_name = "the training run: checkpoints, trackers, the learning curve"
-    resume: bool = arg(False, "continue the run in --out from its last checkpoint", resume_free=True)
-    save_steps: int = arg(4, "a checkpoint every this many steps (and at the end)", min=1, resume_free=True)
-    report_to: str = arg("none", "or tensorboard (<out>/tensorboard) or wandb (WANDB_MODE=offline: no "
-                                 "network)", choices=("none", "tensorboard", "wandb"), resume_free=True)
-    eval_steps: int = arg(0, "the learning curve: a held-out evaluation every this many steps and at the "
-                             "end (0 = off); policy: greedy success on eval_games games; wm / all: "
-                             "world-model accuracy on held-out triplets (all: its explore set; wm: "
-                             "eval_transitions)", min=0, resume_free=True)
-    eval_on_start: bool = arg(False, "and once before step 1 (TRL's eval_on_start)", resume_free=True)
-
-
-@dataclass
-class PolicyArgs:
-    _argument_group_name = "stage 2 (METHOD.md §6): policy RL on task success, num_generations per game"
-    init: str = arg("base", "what --adapter holds: base (none) | rwml | wm-sft | rft; the KL reference, "
-                            "frozen", choices=("base", "rwml", "wm-sft", "rft"), part_of="card:policy")
-    games_per_step: int = arg(2, "games per policy step (of the num_games train games)", min=1,
-                              part_of="card:policy")
-    eval_games: int = arg(10, "held-out games of the learning curve", min=1, resume_free=True)
-    eval_split: str | None = arg(None, "their split; None = the environment's dev split (its class's "
-                                       "`splits`)", resume_free=True)
-
-
-@dataclass
-class Settings(ModelArgs, AdapterArgs, PlayArgs, worlds.WorldArgs, SamplingArgs, CollectArgs,
-               HeldoutArgs, WorldModelArgs, FilterArgs, engine.SFTArgs, engine.LoraArgs, GRPOArgs,
-               engine.EngineArgs, StepArgs, RWMLArgs, RunArgs, PolicyArgs, verl_export.VerlArgs):
-    """Every setting of every stage: what `train.py` parses (a stage reads its groups, `STAGES`)."""
-
-    def __post_init__(self):  # unset: the environment's, from its class (an unknown --env: check_fields)
-        for name in worlds.ENV_DEFAULTS:
-            if getattr(self, name) is None and self.env in worlds.ENVIRONMENTS:
-                setattr(self, name, getattr(worlds.ENVIRONMENTS[self.env], name))
-
-
-_PLAY = (PlayArgs, worlds.WorldArgs, SamplingArgs)  # the agent plays
-_WM = (WorldModelArgs, FilterArgs, engine.SFTArgs, engine.LoraArgs)  # triplets, filtered, a world model
-STAGES = {  # name -> its line in `train.py --help`, the setting groups it reads (its --help, its warnings)
-    "all": ("collect (train + held-out games), then wm; held-out accuracy before / after",
-            (ModelArgs, *_PLAY, CollectArgs, HeldoutArgs, *_WM, GRPOArgs, engine.EngineArgs, StepArgs,
-             RWMLArgs, RunArgs)),
-    "collect": ("the model plays the games; every turn -> a triplet (METHOD.md §2)",
-                (ModelArgs, AdapterArgs, *_PLAY, CollectArgs)),
-    "filter": ("split, SFT copy, \"too easy\" subsampling; the warm-up adapter (METHOD.md §4)",
-               (ModelArgs, *_WM)),
-    "wm": ("RWML: world-model GRPO, sim-to-real reward; runs filter first (METHOD.md §3, §5)",
-           (ModelArgs, *_WM, SamplingArgs, GRPOArgs, engine.EngineArgs, StepArgs, RWMLArgs, RunArgs)),
-    "wm-sft": ("baseline: next-observation SFT on the same triplets (METHOD.md §7)",
-               (ModelArgs, *_WM, StepArgs)),
-    "rft": ("baseline: SFT on the model's own successful episodes (METHOD.md §7)",
-            (ModelArgs, *_PLAY, CollectArgs, engine.SFTArgs, engine.LoraArgs)),
-    "policy": ("stage 2: multi-turn GRPO on task success, from base / RWML / WM SFT / RFT (METHOD.md §6)",
-               (ModelArgs, AdapterArgs, *_PLAY, GRPOArgs, engine.EngineArgs, engine.LoraArgs, StepArgs,
-                RunArgs, PolicyArgs)),
-    "export": ("verl's GRPO parquets: the kept triplets and the held-out filter split (runs filter first, no "
-               "warm-up); reward: verl_reward.compute_score", (ModelArgs, *_WM, verl_export.VerlArgs)),
-}
-
+from integrations.settings import ACTORS, STAGES, Settings, WorldModelArgs  # every setting: its flag, default
 
 # ------------------------------------------------ the stages' shared parts: how the agent plays, the triplets
 

@@ -4,16 +4,13 @@
         with cost.stage("collect"):   # any stage, nested or not, entered once or many times
             ...
 
-Peak RSS per stage is the stage's own, not the process's running maximum, and the kernel's high-water mark
-is never reset (resetting it, /proc/self/clear_refs "5", would also hide the true peak from getrusage and
-from `/usr/bin/time -v`): a stage during which the process's high-water mark (VmHWM) rose peaked exactly
-there; any other stage's peak is the highest RSS a background thread sampled during it (every 50 ms;
-activations live for seconds). A stage that encloses others gets the highest of theirs and its own. The
-whole run's peak is the exact high-water mark. Without /proc only getrusage's ru_maxrss exists, which never
-goes down: stage figures are then "peak so far" (`stage_peaks` says which). Game worker processes are
-counted apart (`workers_peak_rss_gb`: the largest worker that has ended, getrusage RUSAGE_CHILDREN), as
-`/usr/bin/time -v` counts the largest process of a tree. On CUDA also torch.cuda.max_memory_allocated,
-whose peak is reset at each boundary.
+A stage's peak RSS is its own: the highest RSS a background thread sampled while it was open (every 50 ms;
+activations live for seconds), so a stage after a big one reports less and an enclosing stage the highest of
+its own and its children's. The whole run's peak is the kernel's high-water mark (VmHWM, never reset: what
+getrusage and `/usr/bin/time -v` report), or a stage's sample where the kernel's count trails it. Game worker
+processes are counted apart (the largest that has ended: getrusage RUSAGE_CHILDREN), as `/usr/bin/time -v`
+counts the largest process of a tree. On CUDA, also torch.cuda.max_memory_allocated, reset at each stage's
+start.
 
 Importing this module also tunes glibc's allocator (`tune_allocator`), and every stage boundary hands the
 heap's free pages back (`_trim`): without that, freed activations stay in RSS (lab/NOTEBOOK.md, the allocator)
@@ -30,34 +27,21 @@ from contextlib import contextmanager
 from pathlib import Path
 
 GB = 1024 ** 3
-_STATUS = Path("/proc/self/status")
+_KB = 1 if sys.platform == "darwin" else 1024  # ru_maxrss's unit: bytes on macOS, KiB on Linux
 
 
-def _status(field: str) -> int | None:
+def _status(field: str) -> int:
+    """A field of /proc/self/status in bytes (VmRSS, VmHWM); without /proc, getrusage's peak so far."""
     try:
-        for line in _STATUS.read_text().splitlines():
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _hwm_bytes() -> int:
-    """This process's peak RSS so far: VmHWM, or getrusage's ru_maxrss without /proc (the same number)."""
-    hwm = _status("VmHWM:")
-    if hwm is None:
-        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return hwm
-
-
-def _rss_bytes() -> int:
-    return _status("VmRSS:") or 0
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _KB
 
 
 def _workers_bytes() -> int:
     """The largest RSS of any child process that has ended and been waited for."""
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * _KB
 
 
 def _glibc():
@@ -87,7 +71,7 @@ def tune_allocator() -> None:
 
 def _trim() -> None:
     """Give the heap's free pages back to the OS at a stage boundary, so that one stage's leftovers are not
-    counted in (or added to) the next one's peak. RWML_TRIM=0: off (lab/NOTEBOOK.md's table)."""
+    counted in the next one's peak. RWML_TRIM=0: off (lab/NOTEBOOK.md's table)."""
     if _LIBC is not None and os.environ.get("RWML_TRIM", "1") == "1":
         _LIBC.malloc_trim(0)
 
@@ -102,72 +86,66 @@ def _cuda():
 
 
 class Tracker:
+    """The open stages and what each has used so far; a daemon thread raises their peaks every `interval`."""
+
     def __init__(self, interval: float = 0.05):
-        self.t0, self.stages, self.open = time.time(), {}, []
-        self.proc = _status("VmRSS:") is not None
-        self.last_hwm, self.sampled, self.cuda_peak = _hwm_bytes(), 0, 0
-        self.workers0 = _workers_bytes()
+        self.t0, self.stages, self.open, self.workers0 = time.time(), {}, [], _workers_bytes()
         self._stop = threading.Event()
-        if self.proc:
-            threading.Thread(target=self._sample, args=(interval,), daemon=True).start()
+        threading.Thread(target=self._sample, args=(interval,), daemon=True).start()
 
     def _sample(self, interval: float) -> None:
         while not self._stop.wait(interval):
-            self.sampled = max(self.sampled, _rss_bytes())
+            self._raise()
+
+    def _raise(self) -> None:
+        rss, cuda = _status("VmRSS:"), _cuda()
+        gpu = cuda.max_memory_allocated() if cuda else 0
+        for s in list(self.open):
+            s["peak"], s["cuda_peak"] = max(s["peak"], rss), max(s["cuda_peak"], gpu)
 
     def close(self) -> None:
         self._stop.set()
 
-    def _segment(self) -> None:
-        """Close the memory segment since the last boundary: its peak goes to every open stage."""
-        _trim()
-        hwm, cuda = _hwm_bytes(), _cuda()
-        sampled, self.sampled = self.sampled, 0
-        # a new record in this segment is its exact peak; else the highest sample (or the record so far)
-        rss = hwm if hwm > self.last_hwm or not self.proc else max(sampled, _rss_bytes())
-        self.last_hwm = hwm
-        gpu = cuda.max_memory_allocated() if cuda else 0
-        self.cuda_peak = max(self.cuda_peak, gpu)
-        for s in self.open:
-            s["peak"], s["cuda_peak"] = max(s["peak"], rss), max(s["cuda_peak"], gpu)
-        if cuda:
-            cuda.reset_peak_memory_stats()
-
     @contextmanager
     def stage(self, name: str):
-        self._segment()
+        _trim()
+        if cuda := _cuda():
+            cuda.reset_peak_memory_stats()
         t, w = time.time(), _workers_bytes()
         s = self.stages.setdefault(name, dict(seconds=0.0, peak=0, cuda_peak=0, calls=0, workers=None,
                                               first=t))
         self.open.append(s)
+        self._raise()
         try:
             yield
         finally:
-            self._segment()
-            del self.open[next(i for i, o in enumerate(self.open) if o is s)]  # by identity
+            self._raise()
+            self.open = [o for o in self.open if o is not s]
+            for o in self.open:  # the enclosing stages hold this one's peak
+                o["peak"], o["cuda_peak"] = max(o["peak"], s["peak"]), max(o["cuda_peak"], s["cuda_peak"])
+            _trim()
             s["seconds"] += time.time() - t
             s["calls"] += 1
             if _workers_bytes() > w:  # a worker that ended in this stage was the largest so far
                 s["workers"] = _workers_bytes()
 
     def summary(self) -> dict:
-        self._segment()
-
         def gb(b):
             return round(b / GB, 3)
 
-        workers = _workers_bytes()
-        out = dict(seconds=round(time.time() - self.t0, 1), peak_rss_gb=gb(_hwm_bytes()),
-                   workers_peak_rss_gb=gb(workers) if workers > self.workers0 else None,
-                   stage_peaks="exact or sampled" if self.proc else "running maximum", pid=os.getpid(),
+        workers, cuda = _workers_bytes(), any(s["cuda_peak"] for s in self.stages.values()) or _cuda()
+        # VmHWM can trail a sampled VmRSS by the kernel's per-thread counters (a few MB): the larger wins
+        peak = max([_status("VmHWM:")] + [s["peak"] for s in self.stages.values()])
+        out = dict(seconds=round(time.time() - self.t0, 1), peak_rss_gb=gb(peak),
+                   workers_peak_rss_gb=gb(workers) if workers > self.workers0 else None, pid=os.getpid(),
                    stages={})
-        if _cuda() or self.cuda_peak:
-            out["cuda_max_allocated_gb"] = gb(self.cuda_peak)
+        if cuda:
+            out["cuda_max_allocated_gb"] = gb(max([s["cuda_peak"] for s in self.stages.values()] or [0]))
         for name, s in self.stages.items():
             row = dict(seconds=round(s["seconds"], 1), peak_rss_gb=gb(s["peak"]), calls=s["calls"])
             if s["workers"]:
                 row["workers_peak_rss_gb"] = gb(s["workers"])
-            if out.get("cuda_max_allocated_gb") is not None:
+            if cuda:
                 row["cuda_max_allocated_gb"] = gb(s["cuda_peak"])
             out["stages"][name] = row
         return out
@@ -176,21 +154,15 @@ class Tracker:
 def line(summary: dict) -> str:
     """One line: the run's time and peak, then each stage's."""
     def one(s):
-        text = f"{_minutes(s['seconds'])} {s['peak_rss_gb']:.2f} GB"
-        if s.get("cuda_max_allocated_gb") is not None:
-            text += f" (GPU {s['cuda_max_allocated_gb']:.2f} GB)"
-        return text
+        minutes = f"{s['seconds']:.1f} s" if s["seconds"] < 60 else f"{s['seconds'] / 60:.1f} min"
+        gpu = s.get("cuda_max_allocated_gb")
+        gpu = f" (GPU {gpu:.2f} GB)" if gpu is not None else ""
+        return f"{minutes} {s['peak_rss_gb']:.2f} GB{gpu}"
 
     head = f"cost: {one(summary)} peak RSS"
     if summary.get("workers_peak_rss_gb"):
         head += f", largest worker {summary['workers_peak_rss_gb']:.2f} GB"
-    if summary["stage_peaks"] == "running maximum":
-        head += " (stage peaks: running maximum)"
     return " | ".join([head] + [f"{name} {one(s)}" for name, s in summary["stages"].items()])
-
-
-def _minutes(seconds: float) -> str:
-    return f"{seconds:.1f} s" if seconds < 60 else f"{seconds / 60:.1f} min"
 
 
 _TRACKER = Tracker()

@@ -14,6 +14,7 @@ from support import engine
 import envs
 import rwml
 import train
+from integrations.settings import GRPOConfig
 
 ARCHS = {"llama": "tiny-llama3", "tied": "tiny-smollm2", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3",
          "gemma2": "tiny-gemma2", "gemma3": "tiny-gemma3"}
@@ -198,14 +199,14 @@ def test_stage1_and_stage2_steps_then_the_saved_adapter_reloads(arch, tmp_path):
 
     name, folder = arch
     model, tok = load(folder)
-    cfg = train.GRPOConfig(num_generations=3, max_completion_length=8, micro_batch_size=6, beta=0.1)
+    cfg = GRPOConfig(num_generations=3, max_completion_length=8, micro_batch_size=6, beta=0.1)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     torch.manual_seed(2)
     res = rwml.grpo_step(model, tok, opt, TRIPLETS, parity_reward, cfg, reasoning=True)
     assert not res["updates"][0]["skipped"] and res["sample"].startswith(rwml.WM_PREFIX)
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if p.requires_grad)
-    res = rwml.policy_step(model, tok, opt, OneTurnGame(), ["g1", "g2"], train.GRPOConfig(
+    res = rwml.policy_step(model, tok, opt, OneTurnGame(), ["g1", "g2"], GRPOConfig(
         num_generations=2, max_completion_length=8, beta=0.1), num_envs=4)
     assert res["num_turns"] == 4 and res["trained_turns"] == 4 and not res["updates"][0]["skipped"]
 

@@ -11,6 +11,7 @@ import envs
 import eval as evaluate
 import rwml
 import train
+from integrations.settings import GRPOConfig
 from envs import UserError
 import reports
 
@@ -56,7 +57,7 @@ def test_choice_probabilities_sum_to_one_and_equal_one_forward_per_candidate(lor
     batch = choose.ChoiceBatch(choices=[(prompt_ids, cands, 3), (prompt_ids, cands, 0)],
                                completion_mask=torch.ones(2, 1), advantages=torch.zeros(2),
                                weights=torch.ones(2, 1))
-    cfg = train.GRPOConfig(temperature=temperature)
+    cfg = GRPOConfig(temperature=temperature)
     trained = choose.CHOOSE.logprobs(model, batch, cfg)
     assert trained.shape == (2, 1) and trained.requires_grad
     assert torch.allclose(trained.detach()[:, 0], want[[3, 0]], atol=1e-3)
@@ -122,7 +123,7 @@ def test_a_positive_advantage_raises_the_chosen_commands_probability(tiny_model)
     lost, s_lost = scripted_choices(tok, game, lambda cs, i: "look", 1, len(walk))
     assert s_won["won"] and not s_lost["won"]
     turns = won + lost
-    cfg, keep = train.GRPOConfig(num_generations=2, beta=0.0, micro_batch_size=4), train.GRPOConfig(beta=0.1)
+    cfg, keep = GRPOConfig(num_generations=2, beta=0.0, micro_batch_size=4), GRPOConfig(beta=0.1)
 
     def chosen_logps():
         with torch.no_grad():
@@ -308,7 +309,7 @@ def test_choose_mode_update_cut_by_a_token_budget_is_the_same_update(tiny_model)
     walk = json.loads(open(game).read())["walkthrough"]
     won, _ = scripted_choices(tok, game, lambda cs, i: walk[i], 0, len(walk))
     lost, _ = scripted_choices(tok, game, lambda cs, i: "look", 1, len(walk))
-    batch = choose.CHOOSE.batch(won + lost, torch.tensor([1.0, -1.0]), train.GRPOConfig(beta=0.1))
+    batch = choose.CHOOSE.batch(won + lost, torch.tensor([1.0, -1.0]), GRPOConfig(beta=0.1))
     tokens = [len(p) + sum(map(len, c)) for p, c, _ in batch.choices]
     budget = max(tokens) + 1  # about one turn a micro-batch
     cuts = choose.CHOOSE.micro_batches(batch, 8, budget)
@@ -326,7 +327,7 @@ def test_choose_mode_update_cut_by_a_token_budget_is_the_same_update(tiny_model)
                 torch.nn.init.normal_(p, std=0.05)  # a non-zero adapter: every LoRA weight gets a gradient
         before = {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1.0)
-        rwml.grpo_update(m, opt, batch, train.GRPOConfig(micro_batch_size=8, micro_batch_tokens=cut, beta=0.0,
+        rwml.grpo_update(m, opt, batch, GRPOConfig(micro_batch_size=8, micro_batch_tokens=cut, beta=0.0,
                                                          max_grad_norm=1e9), choose.CHOOSE)
         deltas.append({n: p.detach() - before[n] for n, p in m.named_parameters() if p.requires_grad})
     assert any(d.abs().sum() > 0 for d in deltas[0].values())

@@ -9,6 +9,7 @@ import pytest
 from support import cli, plumbing
 from integrations import runs
 import train
+from integrations.settings import ModelArgs, RunArgs
 from envs import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,8 +205,8 @@ def test_help_prints_choices_and_groups_flags_as_the_config_is_grouped(capsys):
     sections = [line[:-1] for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")]
     titles = {g._argument_group_name for g in train.STAGES["wm"][1]}
     assert titles <= set(sections) and len(sections) == len(titles) + 1  # + argparse's own "options"
-    assert out.index(train.ModelArgs._argument_group_name) < out.index("\n  --out STR") < out.index(
-        train.RunArgs._argument_group_name)
+    assert out.index(ModelArgs._argument_group_name) < out.index("\n  --out STR") < out.index(
+        RunArgs._argument_group_name)
 
 
 def test_every_field_of_every_config_has_help():

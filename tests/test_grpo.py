@@ -8,6 +8,7 @@ from support import engine
 import envs
 import rwml
 import train
+from integrations.settings import GRPOConfig
 
 # ------------------------------------------------------------------ advantages
 
@@ -205,7 +206,6 @@ def test_kl_is_zero_against_itself_and_positive_against_another_policy(tiny_mode
     """The k3 KL of a policy against itself is exactly 0, and > 0 against a different one: with an adapter
     that is not the identity, the warm-up-style reference (a frozen copy, "ref") gives 0 and the bare base
     model gives > 0. A reference that silently pointed at the wrong weights fails one of the two."""
-    import train
 
     model, tok = lora_model(seed=0, std=0.3)
     model.save_pretrained(tmp_path / "start")
@@ -356,7 +356,7 @@ def test_micro_batches_accumulate_to_the_big_batch_update(lora_model, loss_type)
                              weights=rwml.token_weights(cmask, loss_type, 16))
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-        cfg = train.GRPOConfig(micro_batch_size=micro, beta=0.0, max_grad_norm=1e9, loss_type=loss_type)
+        cfg = GRPOConfig(micro_batch_size=micro, beta=0.0, max_grad_norm=1e9, loss_type=loss_type)
         rwml.grpo_update(model, opt, batch, cfg)
         deltas.append({n: p.detach() - before[n] for n, p in model.named_parameters() if p.requires_grad})
     for other in deltas[1:]:

@@ -7,7 +7,7 @@ from bench.random_models import build
 
 from support import engine
 import rwml
-import train
+from integrations.settings import GRPOConfig
 
 
 def starts_with_a_letter(completions, targets=None, **kw):
@@ -32,7 +32,7 @@ def test_grpo_raises_the_reward_it_is_given(steerable_model):
     torch.manual_seed(0)
     model = engine.add_lora(model, r=8, alpha=16, target_modules="all-linear")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
-    cfg = train.GRPOConfig(num_generations=8, max_completion_length=4, micro_batch_size=16, beta=0.0)
+    cfg = GRPOConfig(num_generations=8, max_completion_length=4, micro_batch_size=16, beta=0.0)
     trips = [dict(task="open the box", history=[{"observation": f"You see box {i}."}], action=f"open box {i}",
                   next_obs=f"The box {i} is open.") for i in range(4)]
     rewards = []

@@ -10,6 +10,7 @@ import torch
 from support import engine
 import rwml
 import train
+from integrations.settings import GRPOConfig
 
 
 def test_token_micro_batches_cover_every_row_once_within_the_budget():
@@ -69,7 +70,7 @@ def test_grpo_token_budget_makes_the_same_update(lora_model, shared):
         counts.append(len(engine.micro_batches(batch, 6, budget)))
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-        cfg = train.GRPOConfig(micro_batch_size=6, micro_batch_tokens=budget, beta=0.1, max_grad_norm=1e9)
+        cfg = GRPOConfig(micro_batch_size=6, micro_batch_tokens=budget, beta=0.1, max_grad_norm=1e9)
         rwml.grpo_update(model, opt, batch, cfg)
         deltas.append({n: p.detach() - before[n] for n, p in model.named_parameters() if p.requires_grad})
     assert counts[0] == 1 and counts[1] == 3 if shared else counts[1] == 6
@@ -100,7 +101,6 @@ def test_each_stage_has_its_own_peak_and_the_run_the_highest():
                 del y
         s = run.summary()
     big, small, outer = (s["stages"][k]["peak_rss_gb"] for k in ("big", "small", "outer"))
-    assert s["stage_peaks"] == "exact or sampled"  # Linux: /proc/self/status
     assert big - small > 0.25 and outer == big and s["peak_rss_gb"] >= big
     assert abs(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20 - s["peak_rss_gb"]) < 0.01
     assert s["stages"]["big"]["calls"] == 1 and s["seconds"] >= 0

@@ -8,6 +8,7 @@ from support import engine, plumbing
 import envs
 import rwml
 import train
+from integrations.settings import GRPOConfig
 from integrations import worlds
 from envs import UserError
 from support.plumbing import read_jsonl
@@ -63,7 +64,7 @@ def test_policy_step_with_all_equal_groups_trains_nothing(tiny_model):
     model = engine.add_lora(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    cfg = train.GRPOConfig(num_generations=2, max_completion_length=6, beta=0.0)
+    cfg = GRPOConfig(num_generations=2, max_completion_length=6, beta=0.0)
     with worlds.make("alfworld", num_workers=0, max_turns=2) as env:
         res = rwml.policy_step(model, tok, opt, env, envs.list_games("train", 2, seed=0), cfg, num_envs=4)
     assert res["reward_mean"] == 0 and res["frac_reward_zero_std"] == 1
@@ -115,7 +116,7 @@ def test_policy_update_raises_the_won_episodes_replies_and_lowers_the_lost_ones(
 
     before = episode_logps()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    cfg = train.GRPOConfig(num_generations=2, beta=0.0, micro_batch_size=4, max_completion_length=32,
+    cfg = GRPOConfig(num_generations=2, beta=0.0, micro_batch_size=4, max_completion_length=32,
                            loss_type="grpo", scale_rewards="group")  # the paper's GRPO
     res = rwml.policy_update(model, tok, opt, turns, [s_won, s_lost], cfg)
     after = episode_logps()

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from integrations import choose  # noqa: E402
 from support import engine  # noqa: E402
 import rwml  # noqa: E402
-import train  # noqa: E402
+from integrations.settings import GRPOConfig  # noqa: E402
 from integrations import worlds  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def main() -> None:
                 if r["done"]:
                     break
             summaries.append(dict(won=ep == 0, steps=step + 1, invalid=0))
-    cfg = train.GRPOConfig(num_generations=4, beta=0.0, micro_batch_tokens=budget)
+    cfg = GRPOConfig(num_generations=4, beta=0.0, micro_batch_tokens=budget)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     t = time.time()
     res = rwml.policy_update(model, tok, opt, turns, summaries, cfg, choose.CHOOSE)

@@ -62,7 +62,7 @@ def run_ours(cfg: BenchConfig) -> dict:
     import torch
 
     import rwml
-    import train
+    from integrations.settings import GRPOConfig
     from reward import SimToRealReward
 
     trips, reward = job_triplets(cfg), SimToRealReward()
@@ -71,7 +71,7 @@ def run_ours(cfg: BenchConfig) -> dict:
     model = engine.add_lora(model, cfg.lora_r, cfg.lora_alpha, 0.0, ",".join(TARGETS))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                             weight_decay=0.0)
-    tcfg = train.GRPOConfig(num_generations=cfg.num_generations, beta=cfg.beta,
+    tcfg = GRPOConfig(num_generations=cfg.num_generations, beta=cfg.beta,
                             max_completion_length=cfg.max_completion_length,
                             micro_batch_size=cfg.micro_batch_size, loss_type="grpo", scale_rewards="group",
                             temperature=1.0)

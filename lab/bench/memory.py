@@ -30,7 +30,7 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
     from support import cost
     import envs
     import rwml
-    import train
+    from integrations.settings import GRPOConfig
 
     model, tok = engine.load_model(model_name)
     torch.manual_seed(0)
@@ -91,7 +91,7 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
                              advantages=torch.linspace(-1, 2, a.sequences),  # not symmetric: loss is not 0
                              weights=rwml.token_weights(cmask, "grpo", a.completion))
         tokens = ids.numel()
-        cfg = train.GRPOConfig(micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens,
+        cfg = GRPOConfig(micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens,
                                beta=0.0)
         opt = torch.optim.AdamW(params, lr=1e-5)
         if arm == "ours":
@@ -108,9 +108,9 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
                 opt.step()
                 return loss.item()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := RSS now (Linux): the peak of this update alone
-    before, t = cost._rss_bytes(), time.time()
+    before, t = cost._status("VmRSS:"), time.time()
     loss = step()
-    seconds, peak = time.time() - t, cost._hwm_bytes()
+    seconds, peak = time.time() - t, cost._status("VmHWM:")
     added = peak - before
     return dict(job=job, arm=arm, peak_rss_gb=round(peak / 2 ** 30, 3), added_gb=round(added / 2 ** 30, 3),
                 seconds=round(seconds, 2), tokens=tokens, tokens_per_s=round(tokens / seconds, 1), loss=loss,
