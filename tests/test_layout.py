@@ -96,9 +96,9 @@ def test_rwml_py_holds_the_method_in_the_papers_order():
 
 
 def test_rwml_py_declares_no_settings_keeps_no_accounts_and_defines_what_it_trains_on():
-    """Issue 54 item 4: the method alone. Settings are train.py's (a dataclass of `arg` fields here fails),
-    cost accounting too (an import of support.cost fails); the filters (§4), the plain log pi and the
-    reference-policy switch are rwml.py's own (the engine's fast paths are held to them:
+    """Issue 54 item 4: the method alone. Settings are integrations/settings.py's (a dataclass of `arg` fields
+    here fails), cost accounting too (an import of support.cost fails); the filters (§4), the plain log pi
+    and the reference-policy switch are rwml.py's own (the engine's fast paths are held to them:
     tests/test_grpo.py)."""
     import rwml
 
