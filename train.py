@@ -214,6 +214,33 @@ def next_batch(state: dict, n: int, size: int, seed: int) -> list[int]:
     return batch
 
 
+def training_loop(cfg, out: Path, model, optimizer, state: dict, writer, desc: str, step, evaluate=None,
+                  before_save=None) -> None:
+    """What world-model GRPO and stage 2 share: the bar; metrics.jsonl, a row per optimizer step (TRL's
+    names; the tracker too); the held-out curve (`evaluate(step)`: eval_* numbers every eval_steps, at the
+    end, and before step 1 with eval_on_start); a checkpoint every save_steps and at the end. `step()` runs
+    one batch and yields, for each optimizer step it took (state["step"] advanced), its row and the bar's
+    postfix."""
+    bar = tqdm(total=cfg.max_steps, initial=state["step"], desc=desc, unit="step", dynamic_ncols=True)
+    with open(out / "metrics.jsonl", "a") as metrics:
+        if evaluate and cfg.eval_on_start and state["step"] == 0:
+            log_row(metrics, writer, dict(step=0, **evaluate(0)))
+        while state["step"] < cfg.max_steps:
+            before = state["step"]
+            for row, postfix in step():
+                if evaluate and (state["step"] % cfg.eval_steps == 0 or state["step"] >= cfg.max_steps):
+                    row.update(evaluate(state["step"]))
+                log_row(metrics, writer, row)
+                bar.update(1)
+                bar.set_postfix(postfix)
+            if state["step"] // cfg.save_steps > before // cfg.save_steps or state["step"] >= cfg.max_steps:
+                if before_save:
+                    before_save()
+                save_checkpoint(out / "checkpoint", model, optimizer, state)
+    bar.close()
+    close_tracker(writer)
+
+
 def train_wm(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn, start: Path | None = None,
              heldout: list[dict] | None = None, coin_seed: int | None = None):
     """RWML: GRPO of a LoRA adapter on world-model prompts, from `start` (the warm-up adapter) or a fresh
@@ -230,46 +257,39 @@ def train_wm(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn, st
     coin = getattr(reward_fn, "rng", None)
     if coin is not None and "reward_rng" in state:
         coin.setstate(state["reward_rng"])
-    curve = heldout if cfg.eval_steps else None
 
     def evaluate(step: int) -> dict:  # world-model accuracy on the held-out triplets, as `all` scores them
         with keep_rng(), cost.stage("wm eval"):
-            r = evaluate_heldout(cfg, model, tok, curve, reward_fn)
+            r = evaluate_heldout(cfg, model, tok, heldout, reward_fn)
         return dict(eval_wm_accuracy=r["wm_accuracy"], eval_mean_cosine=r["mean_cosine"],
                     eval_beyond_template=r["per_kind"]["beyond_template"]["wm_accuracy"])
 
-    bar = tqdm(total=cfg.max_steps, initial=state["step"], desc="rwml grpo", unit="step", dynamic_ncols=True)
-    with open(out / "metrics.jsonl", "a") as metrics, open(out / "samples.jsonl", "a") as samples:
-        if curve and cfg.eval_on_start and state["step"] == 0:
-            log_row(metrics, writer, dict(step=0, **evaluate(0)))
-        while state["step"] < cfg.max_steps:
-            batch = [triplets[i] for i in next_batch(state, len(triplets), cfg.prompts_per_step, cfg.seed)]
-            t0 = time.time()
-            res = rwml.grpo_step(model, tok, optimizer, batch, reward_fn, cfg, reasoning=cfg.wm_reasoning)
-            seconds = (time.time() - t0) / len(res["updates"])
-            for u in res["updates"]:
-                if state["step"] >= cfg.max_steps:
-                    break
-                state["step"] += 1
-                log_row(metrics, writer, dict(
-                    wm_row(state, res, u, batch, cfg.learning_rate, seconds),
-                    **(evaluate(state["step"]) if curve and (state["step"] % cfg.eval_steps == 0
-                                                             or state["step"] >= cfg.max_steps) else {})))
-                if u["skipped"]:
-                    tqdm.write(f"wm: step {state['step']}: non-finite loss or gradient, update skipped")
-                bar.update(1)
-                bar.set_postfix(reward=f"{res['reward_mean']:.2f}", fmt=f"{res['format_rate']:.2f}",
-                                loss=f"{u['loss']:.3f}", kl=f"{u['kl']:.4f}")
-            if (state["step"] % cfg.log_completions_steps < len(res["updates"])
-                    or state["step"] == len(res["updates"])):
+    def step():  # one batch of prompts: num_iterations updates on its groups
+        batch = [triplets[i] for i in next_batch(state, len(triplets), cfg.prompts_per_step, cfg.seed)]
+        t0 = time.time()
+        res = rwml.grpo_step(model, tok, optimizer, batch, reward_fn, cfg, reasoning=cfg.wm_reasoning)
+        seconds = (time.time() - t0) / len(res["updates"])
+        for u in res["updates"]:
+            if state["step"] >= cfg.max_steps:
+                break
+            state["step"] += 1
+            if u["skipped"]:
+                tqdm.write(f"wm: step {state['step']}: non-finite loss or gradient, update skipped")
+            yield wm_row(state, res, u, batch, cfg.learning_rate, seconds), dict(
+                reward=f"{res['reward_mean']:.2f}", fmt=f"{res['format_rate']:.2f}", loss=f"{u['loss']:.3f}",
+                kl=f"{u['kl']:.4f}")
+        k = len(res["updates"])  # whole groups to samples.jsonl: the first batch, then every few steps
+        if state["step"] % cfg.log_completions_steps < k or state["step"] == k:
+            with open(out / "samples.jsonl", "a") as samples:
                 log_groups(samples, cfg, state["step"], batch,
                            [rwml.wm_prompt(t, cfg.wm_reasoning) for t in batch], res)
-            if state["step"] % cfg.save_steps < len(res["updates"]) or state["step"] >= cfg.max_steps:
-                if coin is not None:
-                    state["reward_rng"] = coin.getstate()
-                save_checkpoint(out / "checkpoint", model, optimizer, state)
-    bar.close()
-    close_tracker(writer)
+
+    def before_save():  # the coin's stream resumes where it stopped
+        if coin is not None:
+            state["reward_rng"] = coin.getstate()
+
+    training_loop(cfg, out, model, optimizer, state, writer, "rwml grpo", step,
+                  evaluate if heldout and cfg.eval_steps else None, before_save)
     adapter = save_adapter(model, out, cfg=cfg, data={TRIPLETS_KEPT: len(triplets)})
     plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")
     print(f"wm: {state['step']} steps; adapter -> {adapter}; metrics -> {out / 'metrics.jsonl'}")
@@ -481,37 +501,26 @@ def train_policy(cfg: Settings, out: Path, load):
         start = None if cfg.init == "base" else cfg.adapter
         model, optimizer, state, writer = start_training(cfg, model, start, out, "policy")
         policy_grpo = dataclasses.replace(cfg, max_completion_length=cfg.max_new_tokens)  # completion: reply
-        bar = tqdm(total=cfg.max_steps, initial=state["step"], desc=f"policy grpo ({cfg.init})", unit="step",
-                   dynamic_ncols=True)
-        with open(out / "metrics.jsonl", "a") as metrics:
-            if heldout and cfg.eval_on_start and state["step"] == 0:  # the curve's first point: the start
-                log_row(metrics, writer, dict(step=0, **heldout_success(model, tok, env, heldout, cfg, out,
-                                                                        0)))
-            while state["step"] < cfg.max_steps:
-                # the games of a step depend only on (seed, step): a resumed run plays the same ones
-                step_games = random.Random(cfg.seed * 1000 + state["step"]).sample(
-                    games, min(cfg.games_per_step, len(games)))
-                t0 = time.time()
-                with cost.stage("policy grpo"):
-                    res = rwml.policy_step(model, tok, optimizer, env, step_games, policy_grpo,
-                                           ACTORS[cfg.action_mode], history_len=cfg.history_len,
-                                           num_envs=cfg.num_envs)
-                state["step"] += 1
-                u = res["updates"][-1]
-                stats = {k: v for k, v in res.items() if k not in ("updates", "sample")}
-                row = dict(step=state["step"], **stats, **u, learning_rate=cfg.learning_rate,
-                           seconds=round(time.time() - t0, 2))
-                if heldout and (state["step"] % cfg.eval_steps == 0 or state["step"] >= cfg.max_steps):
-                    row.update(heldout_success(model, tok, env, heldout, cfg, out, state["step"]))
-                log_row(metrics, writer, row)
-                bar.update(1)
-                bar.set_postfix(success=f"{res['reward_mean']:.2f}",
-                                invalid=f"{res['invalid_action_rate']:.2f}", trained=res["trained_turns"],
-                                kl=f"{u['kl']:.4f}")
-                if state["step"] % cfg.save_steps == 0 or state["step"] >= cfg.max_steps:
-                    save_checkpoint(out / "checkpoint", model, optimizer, state)
-        bar.close()
-    close_tracker(writer)
+
+        def step():  # one step: games_per_step games, num_generations episodes each
+            # the games of a step depend only on (seed, step): a resumed run plays the same ones
+            step_games = random.Random(cfg.seed * 1000 + state["step"]).sample(
+                games, min(cfg.games_per_step, len(games)))
+            t0 = time.time()
+            with cost.stage("policy grpo"):
+                res = rwml.policy_step(model, tok, optimizer, env, step_games, policy_grpo,
+                                       ACTORS[cfg.action_mode], history_len=cfg.history_len,
+                                       num_envs=cfg.num_envs)
+            state["step"] += 1
+            u = res["updates"][-1]
+            stats = {k: v for k, v in res.items() if k not in ("updates", "sample")}
+            yield dict(step=state["step"], **stats, **u, learning_rate=cfg.learning_rate,
+                       seconds=round(time.time() - t0, 2)), dict(
+                success=f"{res['reward_mean']:.2f}", invalid=f"{res['invalid_action_rate']:.2f}",
+                trained=res["trained_turns"], kl=f"{u['kl']:.4f}")
+
+        training_loop(cfg, out, model, optimizer, state, writer, f"policy grpo ({cfg.init})", step,
+                      heldout and (lambda s: heldout_success(model, tok, env, heldout, cfg, out, s)))
     adapter = save_adapter(model, out)
     plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", f"policy GRPO from {cfg.init}: success per "
                  "step")
