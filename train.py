@@ -101,51 +101,49 @@ def collect(cfg: Settings, out: Path, load) -> Path:
     return transitions
 
 
-# -------------------------- §4 filter: the 90 / 10 split, the easiness copy (+ warm-up), too-easy subsampling
+# ----------------------- §4 filter: the filter's split, the easiness copy (+ warm-up), too-easy subsampling
 
 def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
                     reward_fn) -> tuple[list[dict], Path | None]:
-    with cost.stage("filter"):
-        return _filter_triplets(cfg, triplets, out, load, reward_fn)
-
-
-def _filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn):
     """§4 (rwml.filter_copy, rwml.filter_keep), cached in `out`. With `warmup` the copy is kept
     (out/warmup_adapter): RWML, its baselines and controls start from it (and it is the KL reference).
     Returns (kept triplets, warm-up adapter or None)."""
-    job, cached = filter_cache(cfg, triplets, out)
-    if cached:
-        return cached
-    seed = job["seed"]
-    train, split = rwml.split_triplets(triplets, cfg.filter_split, seed)
-    more = [Path(f) for f in (cfg.warmup_transitions or "").split(",") if f]
-    if missing := [str(f) for f in more if not f.is_file()]:
-        raise UserError(f"--warmup-transitions: {', '.join(missing)} not found; give transitions.jsonl files "
-                        "of `train.py collect`, comma-separated")
-    more = [t for f in more for t in read_jsonl(f)]
-    keep, info = [True] * len(train), dict(easy_share=None, more_warmup_triplets=len(more))
-    if cfg.easy_filter or cfg.warmup:
-        model, tok = load()
-        with cost.stage("filter sft"):
-            copy, info["sft_losses"] = rwml.filter_copy(model, tok, split, cfg, more=more, seed=seed)
-        if cfg.warmup:
-            out.mkdir(parents=True, exist_ok=True)
-            save_adapter(copy, out, "warmup_adapter", cfg=cfg, stage="filter",
-                         data={"filter-split triplets (SFT)": len(split), "more warm-up triplets": len(more)})
-        if cfg.easy_filter or (cfg.mixed_only and cfg.warmup):
-            with cost.stage("easiness"):
-                keep, scored = rwml.filter_keep(copy, tok, train, reward_fn, cfg, seed)
-            scores, easy = scored.pop("scores"), scored.pop("easy")
-            info.update(scored)
-            out.mkdir(parents=True, exist_ok=True)
-            write_jsonl(out / "easiness.jsonl", [
-                dict(game=t.get("game"), step=t.get("step"), rollout=t.get("rollout"), next_obs=t["next_obs"],
-                     easiness=s, easy=e, kept=k) for t, s, e, k in zip(train, scores, easy, keep)])
-        copy.unload()  # back to the bare base model; its weights were never touched
-    kept = [t for t, k in zip(train, keep) if k]
-    save_filter(out, job, dict(info, num_triplets=len(triplets), num_train=len(train), num_filter_split=len(
-        split), num_kept=len(kept), kept_kinds=kind_mix(kept)), kept)
-    return kept, out / "warmup_adapter" if cfg.warmup else None
+    with cost.stage("filter"):
+        job, cached = filter_cache(cfg, triplets, out)
+        if cached:
+            return cached
+        seed = job["seed"]
+        train, split = rwml.split_triplets(triplets, cfg.filter_split, seed)
+        more = [Path(f) for f in (cfg.warmup_transitions or "").split(",") if f]
+        if missing := [str(f) for f in more if not f.is_file()]:
+            raise UserError(f"--warmup-transitions: {', '.join(missing)} not found; give transitions.jsonl "
+                            "files of `train.py collect`, comma-separated")
+        more = [t for f in more for t in read_jsonl(f)]
+        keep, info = [True] * len(train), dict(easy_share=None, more_warmup_triplets=len(more))
+        if cfg.easy_filter or cfg.warmup:
+            model, tok = load()
+            with cost.stage("filter sft"):
+                copy, info["sft_losses"] = rwml.filter_copy(model, tok, split, cfg, more=more, seed=seed)
+            if cfg.warmup:
+                out.mkdir(parents=True, exist_ok=True)
+                save_adapter(copy, out, "warmup_adapter", cfg=cfg, stage="filter", data={
+                    "filter-split triplets (SFT)": len(split), "more warm-up triplets": len(more)})
+            if cfg.easy_filter or (cfg.mixed_only and cfg.warmup):
+                with cost.stage("easiness"):
+                    keep, scored = rwml.filter_keep(copy, tok, train, reward_fn, cfg, seed)
+                scores, easy = scored.pop("scores"), scored.pop("easy")
+                info.update(scored)
+                out.mkdir(parents=True, exist_ok=True)
+                write_jsonl(out / "easiness.jsonl", [
+                    dict(game=t.get("game"), step=t.get("step"), rollout=t.get("rollout"),
+                         next_obs=t["next_obs"], easiness=s, easy=e, kept=k)
+                    for t, s, e, k in zip(train, scores, easy, keep)])
+            copy.unload()  # back to the bare base model; its weights were never touched
+        kept = [t for t, k in zip(train, keep) if k]
+        info.update(num_triplets=len(triplets), num_train=len(train), num_filter_split=len(split),
+                    num_kept=len(kept), kept_kinds=kind_mix(kept))
+        save_filter(out, job, info, kept)
+        return kept, out / "warmup_adapter" if cfg.warmup else None
 
 
 # ------------------------------------- §3, §5 wm: RWML, GRPO on world-model prompts with the embedding reward
@@ -453,13 +451,10 @@ def heldout_triplets(cfg, out: Path, load) -> dict[str, dict]:
     """`all`'s held-out sets, explore and purposeful, of the same games for every seed (seed 0)."""
     held = dataclasses.replace(cfg, split=cfg.heldout_split, num_games=cfg.heldout_games, rollouts_per_game=1,
                                seed=0, adapter=None)
-    sets = {}
-    for kind in ("purposeful", "explore"):  # the walkthroughs first: they need no model
-        if kind == "purposeful":
-            path = collect(dataclasses.replace(held, walkthrough=True), out / "heldout_purposeful", load)
-        else:
-            path = cached_heldout(dataclasses.replace(held, walkthrough=False), out / "heldout", load,
-                                  collect)
+    sets, paths = {}, dict(  # the walkthroughs first: they need no model
+        purposeful=collect(dataclasses.replace(held, walkthrough=True), out / "heldout_purposeful", load),
+        explore=cached_heldout(dataclasses.replace(held, walkthrough=False), out / "heldout", load, collect))
+    for kind, path in paths.items():
         if not (trips := read_jsonl(path)):
             raise UserError(f"the held-out {kind} triplets ({path}) are empty; use more --heldout-games")
         sets[kind] = dict(triplets=sample_triplets(trips, cfg.eval_max_triplets), file=str(path))
@@ -522,8 +517,7 @@ def train_policy(cfg: Settings, out: Path, load):
         training_loop(cfg, out, model, optimizer, state, writer, f"policy grpo ({cfg.init})", step,
                       heldout and (lambda s: heldout_success(model, tok, env, heldout, cfg, out, s)))
     adapter = save_adapter(model, out)
-    plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", f"policy GRPO from {cfg.init}: success per "
-                 "step")
+    plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", f"policy GRPO from {cfg.init}: success")
     print(f"policy: {state['step']} steps from {cfg.init}; adapter -> {adapter}; "
           f"metrics -> {out / 'metrics.jsonl'}")
     return model
@@ -555,14 +549,12 @@ def train_wm_sft(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn
     stream = [kept[i] for _ in range(cfg.max_steps)
               for i in next_batch(state, len(kept), cfg.prompts_per_step, cfg.seed)]
     model, tok = load()
-    model, losses, adapter = sft_adapter(cfg, model, tok,
-                                         [rwml.wm_prompt(t, reasoning=False) for t in stream],
-                                         [rwml.wm_answer(t) for t in stream], rwml.wm_system(stream[0]), out,
-                                         prefix=rwml.wm_prefix(False), start=start, epochs=1,
-                                         batch_size=cfg.prompts_per_step, shuffle=False, lr=cfg.learning_rate,
-                                         data={TRIPLETS_KEPT: len(kept), "updates": cfg.max_steps},
-                                         num_triplets=len(kept), learning_rate=cfg.learning_rate,
-                                         updates=cfg.max_steps, start_adapter=str(start) if start else None)
+    model, losses, adapter = sft_adapter(
+        cfg, model, tok, [rwml.wm_prompt(t, False) for t in stream], [rwml.wm_answer(t) for t in stream],
+        rwml.wm_system(stream[0]), out, prefix=rwml.wm_prefix(False), start=start, epochs=1,
+        batch_size=cfg.prompts_per_step, shuffle=False, lr=cfg.learning_rate,
+        data={TRIPLETS_KEPT: len(kept), "updates": cfg.max_steps}, num_triplets=len(kept),
+        learning_rate=cfg.learning_rate, updates=cfg.max_steps, start_adapter=str(start) if start else None)
     print(f"wm-sft: {cfg.max_steps} updates of {cfg.prompts_per_step} triplets (of {len(kept)}) from "
           f"{'the warm-up adapter' if start else 'a fresh adapter'}, mean loss {losses[0]:.3f}; "
           f"adapter -> {adapter}")
@@ -571,8 +563,7 @@ def train_wm_sft(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn
 
 def train_rft(cfg: Settings, out: Path, load):
     """RFT: the model plays the train games (tau2: tasks) rollouts_per_game times; SFT on its successes."""
-    turns = []
-    games = split_games(cfg)
+    turns, games = [], split_games(cfg)
     with make_env(cfg, len(games) * cfg.rollouts_per_game) as env:
         model, tok = load()  # after make_env: ALFWorld's game workers fork without the model
         torch.manual_seed(cfg.seed)
