@@ -9,7 +9,7 @@
 
 agent: ALFWorld success on valid_seen (in distribution) or valid_unseen (out of distribution) with the
 paper's action-quality shares, per task type, mean and std over seeds (the paper: 3 runs); tau2-bench:
-average reward, pass^k and invalid tool calls (worlds.tau2_metrics). Each finished episode goes to
+average reward, pass^k and invalid tool calls (integrations/tau2.py). Each finished episode goes to
 <out>.episodes.jsonl at once: rerunning the command after an interruption plays only the rest.
 wm: world-model accuracy on held-out triplets (share with r_WM = 1, mean cosine, exact match), overall, per
 observation kind and beyond the template rule; on games never trained on (valid_seen: the dev split, for
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import envs
 import rwml
-from train import make_reward, triplet_problem
-from integrations.settings import (ACTORS, AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs,
-                                   SamplingArgs, WorldModelArgs)
-from integrations import choose, worlds
+from train import ACTORS, make_reward, triplet_problem
+from integrations.settings import (AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs, SamplingArgs,
+                                   WorldModelArgs)
+from integrations import choose, tau2, worlds
 from integrations.runs import (check_play, episode_log, finished_episodes, random_policy, recorded,
                                triplets_env)
 from support import engine
@@ -181,14 +181,14 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
     success and action quality (per split and task type) or tau2's average reward and pass^k."""
     import torch
 
-    tau2 = cfg.env == "tau2"
+    is_tau2 = cfg.env == "tau2"
     mode = "random" if cfg.policy == "random" else cfg.action_mode
     if mode == "choose" and cfg.seeds > 1 and not cfg.sampled:  # greedy: every seed plays the same
         print(f"eval: --action-mode choose evaluates greedily, so every seed plays the same episodes; "
               f"1 seed, not {cfg.seeds}")
         cfg = replace(cfg, seeds=1)
     splits = [s.strip() for s in (cfg.split or worlds.env_class(cfg.env).eval_split).split(",") if s.strip()]
-    games = {sp: worlds.games(cfg.env, sp, cfg.num_tasks if tau2 else cfg.num_games, cfg.seed, cfg.domain,
+    games = {sp: worlds.games(cfg.env, sp, cfg.num_tasks if is_tau2 else cfg.num_games, cfg.seed, cfg.domain,
                               (cfg.world_size, cfg.nb_objects, cfg.quest_length)) for sp in splits}
     t0 = time.time()
     key = ["episodes", "collect", *(f"collect:{e}" for e in worlds.ENVIRONMENTS)]  # a collection's, and more
@@ -210,12 +210,12 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
                     model, tok, env, todo, history_len=cfg.history_len, top_p=cfg.top_p,
                     temperature=0.0 if mode == "choose" and not cfg.sampled else cfg.temperature,
                     max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, on_episode=on_episode,
-                    desc=f"eval {cfg.domain if tau2 else ','.join(splits)}",
+                    desc=f"eval {cfg.domain if is_tau2 else ','.join(splits)}",
                     actor=choose.RANDOM if mode == "random" else ACTORS[mode], seed=cfg.seed + len(done))
         done.update(((e["split"], e["seed"], e["game"]), e) for e in played)
     episodes = [done[key(ep)] for ep in every]
-    if tau2:
-        result = dict(worlds.tau2_metrics(episodes, games[splits[0]], cfg.seeds), env="tau2",
+    if is_tau2:
+        result = dict(tau2.tau2_metrics(episodes, games[splits[0]], cfg.seeds), env="tau2",
                       domain=cfg.domain)
     else:
         result = _summarize(episodes, cfg.seeds)
@@ -287,7 +287,7 @@ def summary(r: dict, cfg, out: Path) -> str:
         return (f"parameters changed: {r['changed_share']:.4%} of {r['total']:,}; per module: " + ", ".join(
             f"{k} {v['changed_share']:.2%}" for k, v in r["per_module"].items()) + f" -> {out}")
     if r.get("env") == "tau2":
-        return worlds.tau2_summary(r, cfg.seeds) + f" -> {out}"
+        return tau2.tau2_summary(r, cfg.seeds) + f" -> {out}"
     splits = [f"  {sp}: success {x['success_rate']:.1%} (std {x['success_rate_std']:.1%}), invalid actions "
               f"{x['invalid_action_rate']:.1%}, {x['num_episodes']} episodes\n"
               for sp, x in r["per_split"].items() if len(r["per_split"]) > 1]

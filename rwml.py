@@ -18,9 +18,9 @@ fields it names from its `cfg`); time and memory are counted in train.py.
   §6 Stage 2: policy RL on task success, started from the RWML model; the paper's actor (`GENERATE`).
   §8 Evaluation: world-model accuracy on held-out triplets.
 §7 (the baselines) is in train.py. Support, called at the edges (skip on a first read): support/engine.py
-(models, sampling, SFT, LoRA, an update's `Batch`, log pi fast), integrations/choose.py (choose mode's
-actor), integrations/worlds.py (tau2-bench, TextWorld, the registry: each environment's class holds its
-prompts, tau_d, reply cap).
+(models, sampling, SFT, LoRA), support/update.py (an update's `Batch`, log pi fast), integrations/choose.py
+(choose mode's actor), integrations/worlds.py and tau2.py (TextWorld, tau2-bench, the registry: each
+environment's class holds its prompts, tau_d, reply cap).
 """
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ import envs
 from reward import parse_next_state
 from integrations import worlds
 from support.common import UserError
-from support.engine import (Batch, add_lora, by_length, completion_logprobs, group_logprobs, micro_batches,
-                            optimizer_step, pack, sample_chat, sft, to_device)
+from support.engine import add_lora, by_length, sample_chat, sft
+from support.update import (Batch, completion_logprobs, group_logprobs, micro_batches, optimizer_step, pack,
+                              to_device)
 
 # ======================================================================================== §2 Data: collection
 # The base model plays ALFWorld's *training* games at temperature 1.0 (3 rollouts per game in the
@@ -310,8 +311,7 @@ def filter_keep(copy, tokenizer, train: list[Triplet], reward_fn, cfg,
 # With num_iterations 1 (the default) pi_old is pi_theta at the update itself: rho is 1, the clip never binds,
 # and the loss's gradient is plain REINFORCE with a group baseline; the clip matters from num_iterations 2.
 # pi_ref is the adapter's starting point (the warm-up adapter, else the bare base model): `reference_policy`.
-
-# One update's data, a group's rows next to each other: engine.Batch; log pi defined plainly: `logprobs`.
+# One update's data, a group's rows next to each other: support/update.py's Batch; log pi plainly: `logprobs`.
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group"):
     """Group-normalised advantages (TRL's `scale_rewards`: group / batch / none; std is unbiased)."""
@@ -465,10 +465,10 @@ def logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, compl
 
 
 def batch_logprobs(model, mb: Batch, cfg) -> torch.Tensor:
-    """`logprobs` of a micro-batch's completion tokens ([B, C]), computed faster by the engine: each group's
-    prompt once (`group_logprobs`), or every row whole in chunks of the vocabulary projection
+    """`logprobs` of a micro-batch's completion tokens ([B, C]), computed faster (support/update.py): each
+    group's prompt once (`group_logprobs`), or every row whole in chunks of the vocabulary projection
     (`completion_logprobs`); each shortcut checked once per model against the model's full logits
-    (`engine.fast_paths`), which give way to them where they disagree."""
+    (`fast_paths`), which give way to them where they disagree."""
     ids, cmask = mb.input_ids, mb.completion_mask
     if mb.group_size > 1:
         completions = ids[:, ids.shape[1] - cmask.shape[1]:]

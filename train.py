@@ -10,9 +10,8 @@
 Every setting is declared once, with its default, help and bounds, in integrations/settings.py (`Settings`);
 a stage reads the groups `STAGES` names (its --help; a flag it does not read warns). Each is a flag
 (`num_games` -> `--num-games`) and a key of a `--config` JSON or YAML file (defaults < file < flags). Read
-top to bottom: the stages' shared parts, one section per stage (collect, filter, wm, all: the default run,
-its held-out sets and baselines, policy, wm-sft, rft), then `main`. Support: support/; bookkeeping, verl:
-integrations/; TRL's GRPOTrainer: lab/trl_grpo.py.
+top to bottom: the stages' shared parts, one section per stage (collect, filter, wm, all: the default run and
+its held-out sets, policy, wm-sft, rft), then `main`. Support: support/, integrations/, lab/trl_grpo.py.
 """
 from __future__ import annotations
 
@@ -29,22 +28,23 @@ from tqdm.auto import tqdm
 import envs
 import rwml
 from reward import SimToRealReward, coin_reward, mis_targets
-from integrations import verl_export, worlds
-from integrations.runs import (warmup_collections, before_after_line, before_made_by, cached_heldout, compare,
-                               said, check_stage, claim_out, collection_summary, collection_todo,
-                               filter_cache, kind_mix, log_groups, policy_eval_games, releases_locks,
-                               save_filter, settle_env, split_games, stage_inputs, telling, walkthroughs,
+from integrations import choose, verl_export, worlds
+from integrations.caches import cached_heldout, filter_cache, save_filter, warmup_collections
+from integrations.runs import (before_after_line, before_made_by, compare, said, check_stage, claim_out,
+                               collection_summary, collection_todo, kind_mix, log_groups, policy_eval_games,
+                               releases_locks, settle_env, split_games, stage_inputs, telling, walkthroughs,
                                wm_row)
 from support import cost, engine, stats
 from support.cli import parse_stage, run_cli
 from support.common import RERUN, UserError, read_jsonl, write_atomic, write_jsonl
-from support.plumbing import (CONTROLS, TRIPLETS_KEPT, card_run, check_run, close_tracker, config_json,
-                              context_problem, filter_dir, jsonl_writer, keep_rng, log_row, plot_rewards,
-                              run_header, sample_triplets, save_adapter, save_checkpoint, start_run,
-                              swap_checkpoint, use_4bit, write_card, write_eval)
-from integrations.settings import ACTORS, STAGES, Settings, WorldModelArgs  # every setting: its flag, default
+from support.plumbing import (check_run, close_tracker, config_json, context_problem, filter_dir,
+                              jsonl_writer, keep_rng, log_row, run_header, sample_triplets, save_checkpoint,
+                              start_run, swap_checkpoint, use_4bit, write_eval)
+from support.cards import CONTROLS, TRIPLETS_KEPT, card_run, plot_rewards, save_adapter, write_card
+from integrations.settings import STAGES, Settings, WorldModelArgs  # every setting: its flag, default
 
 # ------------------------------------------------ the stages' shared parts: how the agent plays, the triplets
+ACTORS = dict(generate=rwml.GENERATE, choose=choose.CHOOSE)  # --action-mode: who writes the agent's replies
 
 def play_kwargs(cfg) -> dict:
     """How the agent plays (`rwml.play`'s settings) in collection-like stages."""

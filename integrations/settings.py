@@ -9,16 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import envs
-import rwml
 from reward import BUNDLED_EMBEDDER
-from integrations import choose, verl_export, worlds
+from integrations import verl_export, worlds
 from support import engine
 from support.common import again, arg
 
 SEED_MAX = 2**32 - 1  # numpy's bound (transformers' set_seed); torch's is 2**64 - 1
 _SEED = dict(check=lambda v: 0 <= v <= SEED_MAX, why=f"must be between 0 and {SEED_MAX}")
 _SHARE = dict(check=lambda v: 0 <= v <= 1, why="must be between 0 and 1")
-ACTORS = dict(generate=rwml.GENERATE, choose=choose.CHOOSE)  # --action-mode: who writes the agent's replies
 
 
 @dataclass
@@ -45,7 +43,7 @@ class AdapterArgs:
 class PlayArgs:
     _argument_group_name = "how the agent plays (collect, policy, rft; eval.py agent)"
     action_mode: str = arg("generate", "generate: free ReAct replies (paper); choose: a softmax over the "
-                           "admissible commands (integrations/choose.py)", choices=tuple(ACTORS),
+                           "admissible commands (integrations/choose.py)", choices=("generate", "choose"),
                            part_of="episodes card:policy")
     split: str | None = arg("train", "the games' split", part_of="collect")
     num_games: int | None = arg(16, "the paper plays every train game (3553); small default for a CPU "

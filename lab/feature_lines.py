@@ -14,23 +14,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FEATURES = {  # feature -> {module: names (None: the whole module)}
-    "tau2-bench": {"integrations/worlds.py": (
-        "simulated_customer", "tau2_domain", "tau2_tasks", "parse_tau2_action", "tool_call_problem",
-        "Tau2Episode", "pass_hat_k", "BAD_CALL", "tau2_tools_text", "tau2_action_text", "Tau2",
-        "tau2_metrics",
-        "tau2_summary")},
+    "tau2-bench": {"integrations/tau2.py": None},
     "TextWorld": {"integrations/worlds.py": (
         "TW_SPLITS", "TW_POOL", "TW_MAX", "TW_GAME_KEYS", "tw_game_problem", "textworld_game_path",
         "make_textworld_game", "textworld_games", "TwGame", "TextWorld")},
     "choose mode": {"integrations/choose.py": None},
     "verl (export, reward file)": {"integrations/verl_export.py": None, "integrations/verl_reward.py": None},
     "the game pool (ALFWorld's speed)": {"support/gamepool.py": None},
-    "the engine's fast log-prob paths": {"support/engine.py": (
+    "the fast log-prob paths": {"support/update.py": (
         "_chunk_logps", "_decoder_logprobs", "_head_logprobs", "group_logprobs", "_shared_prompt_logprobs",
         "FastPaths", "_FAST_PATHS", "fast_paths", "_probe_fast_paths", "_check", "micro_batches",
         "_trimmed")},
-    "model cards": {"support/plumbing.py": ("card_run", "card_folder", "METHODS", "write_card", "WM_KINDS",
-                                            "shown_arg", "base_license", "_EXAMPLE", "query_snippet")},
+    "model cards": {"support/cards.py": ("card_run", "card_folder", "METHODS", "write_card", "WM_KINDS",
+                                         "shown_arg", "base_license", "_EXAMPLE", "query_snippet")},
     "cost line": {"support/cost.py": None},
 }
 

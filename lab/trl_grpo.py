@@ -33,9 +33,9 @@ from reward import parse_next_state  # noqa: E402
 from support import cost, engine  # noqa: E402
 from support.cli import parse_stage, run_cli  # noqa: E402
 from support.common import RERUN, UserError, arg, write_atomic, write_jsonl  # noqa: E402
-from support.plumbing import (PROMPT_TAIL, TRIPLETS_KEPT, card_folder, card_run, check_run,  # noqa: E402
-                              check_settings, config_json, filter_dir, group_table, plot_rewards,
-                              process_state, run_header, save_adapter, use_4bit)
+from support.plumbing import (PROMPT_TAIL, check_run, check_settings, config_json, filter_dir, group_table,
+                              process_state, run_header, use_4bit)
+from support.cards import TRIPLETS_KEPT, card_folder, card_run, plot_rewards, save_adapter
 
 CARD = "trained in TRL's GRPOTrainer (lab/trl_grpo.py)"
 

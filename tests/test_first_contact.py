@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from support import engine, plumbing
+from support import cards, engine, plumbing
 import train
 from envs import UserError
 from support.plumbing import read_jsonl
@@ -67,7 +67,7 @@ def test_a_cards_command_line_names_no_folder_of_the_machine(tmp_path, monkeypat
                                       str(ROOT / "runs" / "c" / "transitions.jsonl"), "--out",
                                       str(tmp_path / "run"), f"--config={tmp_path / 'c.json'}", "--seed", "3",
                                       "--filter-dir", "runs/f"])
-    plumbing.write_card(folder, train.Settings(), "wm")
+    cards.write_card(folder, train.Settings(), "wm")
     card = (folder / "README.md").read_text()
     assert ("- command: `python train.py wm --transitions runs/c/transitions.jsonl --out '<path>' "
             "'--config=<path>' --seed 3 --filter-dir runs/f`") in card
@@ -79,7 +79,7 @@ def test_a_card_states_the_base_models_license_where_it_is_known(tmp_path):
         folder = tmp_path / "adapter"
         folder.mkdir(exist_ok=True)
         (folder / "adapter_config.json").write_text(json.dumps(dict(base_model_name_or_path=base)))
-        plumbing.write_card(folder, train.Settings(), "wm-sft")
+        cards.write_card(folder, train.Settings(), "wm-sft")
         return (folder / "README.md").read_text().split("\n---\n")[0]  # the metadata
 
     assert "\nlicense: apache-2.0\n" in card(engine.BUNDLED_HUB_ID)  # SmolLM2's, the bundled model
@@ -114,7 +114,7 @@ def whole_steps(ax) -> bool:
 def test_the_reward_curve_has_a_y_label_and_whole_steps(tmp_path, figures):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(dict(step=s, reward=0.2 * s, format_rate=0.5))
                                                     + "\n" for s in (1, 2, 3)))
-    plumbing.plot_rewards(tmp_path / "metrics.jsonl", tmp_path / "reward_curve.png", "RWML")
+    cards.plot_rewards(tmp_path / "metrics.jsonl", tmp_path / "reward_curve.png", "RWML")
     ax, = figures["reward_curve.png"]
     assert ax.get_ylabel() and ax.get_xlabel() == "optimizer step" and whole_steps(ax)
 

@@ -18,22 +18,28 @@ ROOT = Path(__file__).resolve().parent.parent
 # full-logits path, which support needs and tests hold to rwml.logprobs; stats.wilson now scipy.stats's)
 # issue 54 item 2 (bf6f6e4 and after): TRL's trainer path left for lab/trl_grpo.py, the settings for
 # integrations/settings.py (train 908 -> 655), cost.py's stage peaks by sampling alone, one training loop for
-# both trainers: ceilings lowered to the new sizes (lab/results/layout: what the rest would cost to remove)
+# both trainers: ceilings lowered to the new sizes (lab/results/layout: what the rest would cost to remove);
+# then tau2-bench, the model cards and the caches left worlds.py, plumbing.py and runs.py for modules of their
+# own, and an update's data and fast log pi left engine.py for update.py (+57 lines of docstrings and
+# imports, the total raised for that alone): no module outside the five is over 500 lines
 READER = dict(rwml=668, reward=190, envs=460, train=655, eval=335)  # the reader's path, in lines
 READER_TOTAL = 2292
 # lines: any module, plumbing.py, all Python but tests / lab (issue 48 aims at 5,000, not reached: 5,704
 # at 80cec84, 6,5xx after it with verl_reward.py, stats.py (train.py prints intervals) and issues 49 / 50's
 # checks (triplets' environment, whole held-out cache, cards, cost); this ceiling stops the growth until a
 # feature leaves)
-MODULE_MAX, PLUMBING_MAX, TOTAL_MAX = 752, 700, 6607
+MODULE_MAX, PLUMBING_MAX, TOTAL_MAX = 668, 463, 6664
+OVER_500 = {"rwml", "train"}  # the modules still over issue 54's 500 lines
 # Imports run down this list: a module imports only modules of the layers above its own, never one of its own
-# layer or of a later one. The bottom; the engine, the games' speed, the command line; the environment
-# interface (and ALFWorld), the reward, choose mode, plumbing; the other environments and the registry; the
-# method, the stages' bookkeeping, verl's export; the settings; the stages; evaluation.
+# layer or of a later one. The bottom; an update's data and log pi, the games' speed, the command line; the
+# engine; model cards; the environment interface (and ALFWorld), the reward, choose mode, plumbing;
+# tau2-bench; TextWorld and the registry; the method, the stages' bookkeeping, verl's export; the caches; the
+# settings; the stages; evaluation.
 LAYERS = (("support.common", "support.cost", "support.stats"),
-          ("support.engine", "support.gamepool", "support.cli"),
+          ("support.update", "support.gamepool", "support.cli"), ("support.engine",), ("support.cards",),
           ("envs", "reward", "integrations.choose", "support.plumbing", "integrations.verl_reward"),
-          ("integrations.worlds",), ("rwml", "integrations.runs", "integrations.verl_export"),
+          ("integrations.tau2",), ("integrations.worlds",),
+          ("rwml", "integrations.runs", "integrations.verl_export"), ("integrations.caches",),
           ("integrations.settings",), ("train",),
           ("eval",))
 FIVE = ("rwml", "reward", "envs", "train", "eval")  # the card's files: the root holds these and no other
@@ -85,6 +91,7 @@ def test_no_module_is_too_long_and_the_code_stays_small():
     sizes = {name: len(lines(name)) for name in modules()}
     assert not {k: n for k, n in sizes.items() if n > MODULE_MAX}, sizes
     assert sizes["support.plumbing"] <= PLUMBING_MAX, sizes["support.plumbing"]
+    assert {k for k, n in sizes.items() if n > 500} <= OVER_500, sizes
     assert sum(sizes.values()) <= TOTAL_MAX, f"{sum(sizes.values())} lines of Python outside tests/ and lab/"
 
 
@@ -147,10 +154,10 @@ def test_what_a_setting_decides_is_one_of_the_tags_that_are_read():
     import eval as ev
     import train
     from integrations import worlds
-    from support import plumbing
+    from support import cards
 
     read = {"filter", "collect", "episodes", "card", "no-trl", *(f"collect:{e}" for e in worlds.ENVIRONMENTS),
-            *(f"card:{k}" for k in plumbing.METHODS)}
+            *(f"card:{k}" for k in cards.METHODS)}
     used = {(f.name, t) for cfg in (train.Settings, ev.AgentEvalConfig) for f in dataclasses.fields(cfg)
             for t in f.metadata.get("part_of", ())}
     assert not {u for u in used if u[1] not in read}, "a part_of tag no key reads"

@@ -60,7 +60,7 @@ def test_inefficient_actions():
 
 
 def test_tau2_parser_never_raises_and_cleans_lone_surrogates():
-    from integrations.worlds import parse_tau2_action
+    from integrations.tau2 import parse_tau2_action
 
     deep = '<tool_call>{"name": "x", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"
     assert parse_tau2_action(deep) == dict(kind="tool", name="", arguments={}, well_formed=False,

@@ -19,7 +19,7 @@ import torch
 from support import engine, gamepool, plumbing
 import envs
 import train
-from integrations import worlds
+from integrations import tau2
 from support.plumbing import read_jsonl
 from reward import parse_next_state
 
@@ -64,7 +64,7 @@ def check_action(text):
 
 
 def check_tau2(text):
-    a = worlds.parse_tau2_action(text)
+    a = tau2.parse_tau2_action(text)
     assert a["kind"] in ("tool", "reply") and isinstance(a["well_formed"], bool)
     if a["kind"] == "tool":
         assert isinstance(a["name"], str) and isinstance(a["arguments"], dict)

@@ -15,7 +15,7 @@ from support import cli, engine, gamepool, plumbing
 import envs
 import eval as evaluate
 import train
-from integrations import worlds
+from integrations import tau2
 from support.plumbing import read_jsonl
 from reward import SimToRealReward
 import reports
@@ -364,9 +364,9 @@ def test_the_reward_refuses_a_target_that_is_not_text():
 
 
 def test_a_nested_reply_is_not_well_formed():
-    a = worlds.parse_tau2_action("<reply><reply>hi</reply>")
+    a = tau2.parse_tau2_action("<reply><reply>hi</reply>")
     assert a == dict(kind="reply", content="hi", well_formed=False)
-    assert worlds.parse_tau2_action("<reply>hi</reply>")["well_formed"]
+    assert tau2.parse_tau2_action("<reply>hi</reply>")["well_formed"]
 
 
 def test_a_cut_action_keeps_no_trailing_space():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import eval as evaluate
-from integrations import runs, worlds
+from integrations import caches, runs, worlds
 import train
 from envs import UserError
 from support.plumbing import read_jsonl
@@ -150,9 +150,9 @@ def heldout(tiny_model, tmp_path, monkeypatch):
         return out / "transitions.jsonl"
 
     def play(name: str) -> list[dict]:
-        return read_jsonl(runs.cached_heldout(cfg, tmp_path / name, None, collect))
+        return read_jsonl(caches.cached_heldout(cfg, tmp_path / name, None, collect))
 
-    entry = tmp_path / "cache" / "heldout" / runs.heldout_key(cfg)
+    entry = tmp_path / "cache" / "heldout" / caches.heldout_key(cfg)
     return play, plays, entry
 
 

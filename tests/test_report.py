@@ -113,7 +113,7 @@ def test_report_shows_the_runs_own_world_model_accuracy_not_a_baselines(tmp_path
 def test_the_default_runs_plot_shows_heldout_accuracy_before_and_after(tmp_path, monkeypatch):
     import matplotlib.axes
 
-    from support import plumbing
+    from support import cards
 
     (tmp_path / "metrics.jsonl").write_text("".join(
         json.dumps(dict(step=s, reward=0.1 * s % 1, format_rate=1.0)) + "\n" for s in range(1, 9)))
@@ -123,7 +123,7 @@ def test_the_default_runs_plot_shows_heldout_accuracy_before_and_after(tmp_path,
     drawn, plot = [], matplotlib.axes.Axes.plot
     monkeypatch.setattr(matplotlib.axes.Axes, "plot",
                         lambda self, *a, **k: drawn.append((a, k.get("label", ""))) or plot(self, *a, **k))
-    plumbing.plot_rewards(tmp_path / "metrics.jsonl", tmp_path / "reward_curve.png", "RWML")
+    cards.plot_rewards(tmp_path / "metrics.jsonl", tmp_path / "reward_curve.png", "RWML")
     heldout = {label.split(",")[1].split()[0]: a for a, label in drawn
                if label.startswith("held-out accuracy,")}
     assert heldout == {"explore": ([0, 8], [0.3, 0.46]), "purposeful": ([0, 8], [0.4, 0.48])}

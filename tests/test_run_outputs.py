@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from support import cli, engine, plumbing
+from support import cards, cli, engine, plumbing
 import envs
 import train
 from support.plumbing import read_jsonl
@@ -119,14 +119,14 @@ def test_card_of_stage_2_and_of_all_says_held_out_before_and_after(tmp_path):
     (folder / "adapter_config.json").write_text(json.dumps(dict(base_model_name_or_path="org/model")))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
         dict(step=0, eval_success=0.1), dict(step=1, reward=0.5), dict(step=2, eval_success=0.3)]))
-    plumbing.write_card(folder, train.Settings(init="rwml", adapter="runs/wm/adapter", num_games=5,
+    cards.write_card(folder, train.Settings(init="rwml", adapter="runs/wm/adapter", num_games=5,
                                             eval_games=10), "policy")
     card = (folder / "README.md").read_text()
     assert ("# policy RL: multi-turn GRPO on task success (stage 2, METHOD.md §6), "
             "from rwml (runs/wm/adapter)" in card and "- data: train games (alfworld): 5" in card)
     assert "held-out success (greedy, 10 games) at step 2: 0.300; by step: 0: 0.100, 2: 0.300" in card
     assert "base_model: org/model" in card and "Q4_1" not in card
-    plumbing.write_card(folder, train.Settings(reward_control="coin"), "all", data={train.TRIPLETS_KEPT: 7},
+    cards.write_card(folder, train.Settings(reward_control="coin"), "all", data={train.TRIPLETS_KEPT: 7},
                      heldout=["explore: world-model accuracy 0.100 -> 0.200 (48 triplets)"], bundled=True)
     card = (folder / "README.md").read_text()
     assert "# RWML: world-model GRPO" in card and "control COIN" in card and "stage `train.py all`" in card

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 
 from support import engine, plumbing
-from integrations import worlds
+from integrations import tau2, worlds
 from envs import UserError
 import reports
 
@@ -21,7 +21,7 @@ def play_tau2(model, tok, domain: str, tasks: list, max_turns: int, user_max_new
 
 def play_expected(domain, task, skip_last_write=False):
     """A scripted perfect agent: the task's expected tool calls, then a reply with what it must say."""
-    ep = worlds.Tau2Episode(domain, task)
+    ep = tau2.Tau2Episode(domain, task)
     ep.say("user", "Hi, I need help with my account.")
     actions = [a for a in task.evaluation_criteria.actions or [] if a.requestor == "assistant"]
     if skip_last_write:
@@ -35,14 +35,14 @@ def play_expected(domain, task, skip_last_write=False):
 
 @pytest.mark.parametrize("domain", ["retail", "airline"])
 def test_a_perfect_agent_gets_reward_one_from_the_official_grading(domain):
-    tasks = worlds.tau2_tasks(domain, "test", num_tasks=6, seed=0)
+    tasks = tau2.tau2_tasks(domain, "test", num_tasks=6, seed=0)
     assert len(tasks) == 6
     for task in tasks:
         assert play_expected(domain, task).grade()["reward"] == 1.0, task.id
 
 
 def test_missing_the_last_action_or_the_step_budget_gets_reward_zero():
-    task = next(t for t in worlds.tau2_tasks("retail", "test")
+    task = next(t for t in tau2.tau2_tasks("retail", "test")
                 if len(t.evaluation_criteria.actions or []) >= 2
                 and t.evaluation_criteria.actions[-1].name.startswith(("exchange", "return", "cancel",
                                                                        "modify")))
@@ -83,11 +83,11 @@ def scripted_pair(monkeypatch, tasks, drop_user_action=None, customer_first=()):
 
     def fake_sample(model, tokenizer, texts, **kw):
         for text in texts:
-            seen["agent" if worlds.TAU2_AGENT_SYSTEM in text else "customer"].append(text)
-        return SimpleNamespace(texts=[script.pop(0) if worlds.TAU2_AGENT_SYSTEM in t else customer(t)
+            seen["agent" if tau2.TAU2_AGENT_SYSTEM in text else "customer"].append(text)
+        return SimpleNamespace(texts=[script.pop(0) if tau2.TAU2_AGENT_SYSTEM in t else customer(t)
                                       for t in texts])
 
-    for owner in (engine, worlds):  # the agent's replies (engine.sample_chat) and the customer's
+    for owner in (engine, tau2):  # the agent's replies (engine.sample_chat) and the customer's
         monkeypatch.setattr(owner, "sample", fake_sample)
     return seen
 
@@ -105,7 +105,7 @@ def play_scripted(monkeypatch, tiny_model, tasks, **kw):
 def test_a_scripted_agent_and_customer_pair_gets_reward_one_on_telecom(monkeypatch, tiny_model):
     """Telecom is dual control: the agent's tool calls and the customer's own calls on their phone (user
     tools, requestor "user") both change the state that tau2's official grading checks."""
-    tasks = [t for t in worlds.tau2_tasks("telecom", "test") if any(a.requestor == "user"
+    tasks = [t for t in tau2.tau2_tasks("telecom", "test") if any(a.requestor == "user"
                                                                   for a in t.evaluation_criteria.actions)]
     assert len(tasks) >= 6
     summaries, turns, seen = play_scripted(monkeypatch, tiny_model, tasks)
@@ -123,7 +123,7 @@ def test_a_scripted_agent_and_customer_pair_gets_reward_one_on_telecom(monkeypat
 
 
 def test_dropping_one_required_user_action_gets_reward_zero(monkeypatch, tiny_model):
-    task = worlds.tau2_tasks("telecom", "test")[0]  # data saver on, roaming off abroad: the customer fixes it
+    task = tau2.tau2_tasks("telecom", "test")[0]  # data saver on, roaming off abroad: the customer fixes it
     assert [a.requestor for a in task.evaluation_criteria.actions] == ["user", "user"]
     for drop in (0, 1):
         summaries, _, _ = play_scripted(monkeypatch, tiny_model, [task], drop_user_action=drop)
@@ -132,7 +132,7 @@ def test_dropping_one_required_user_action_gets_reward_zero(monkeypatch, tiny_mo
 
 def test_the_task_sets_up_the_customers_phone():
     """initialization_actions with env_type "user" (here: data saver on, roaming off, abroad) are applied."""
-    ep = worlds.Tau2Episode("telecom", worlds.tau2_tasks("telecom", "test")[0])
+    ep = tau2.Tau2Episode("telecom", tau2.tau2_tasks("telecom", "test")[0])
     response, valid = ep.tool("check_data_restriction_status", {}, requestor="user")
     assert valid and response == "Data Saver mode is ON (limits data usage)."
     response, valid = ep.tool("check_network_status", {}, requestor="user")
@@ -145,12 +145,12 @@ def test_bad_customer_tool_calls_are_answered_and_the_conversation_still_grades(
     """A clumsy customer opens with an unknown tool, missing arguments, broken JSON and, over the per-turn
     limit, a fourth call: all are invalid calls of the customer (not the agent's), answered with an error
     (the last one not run at all), and the conversation still grades: the errors changed nothing, so 1."""
-    task = worlds.tau2_tasks("telecom", "test")[0]
+    task = tau2.tau2_tasks("telecom", "test")[0]
     bad = ['<tool_call>{"name": "fly_away", "arguments": {}}</tool_call>',
            '<tool_call>{"name": "check_app_status", "arguments": {}}</tool_call>',
            '<tool_call>{"name": check_status_bar}</tool_call>',
            '<tool_call>{"name": "check_status_bar", "arguments": {}}</tool_call>']
-    assert worlds.TAU2_USER_TOOL_CALLS == 3
+    assert tau2.TAU2_USER_TOOL_CALLS == 3
     summaries, turns, seen = play_scripted(monkeypatch, tiny_model, [task], customer_first=bad)
     s = summaries[0]
     assert (s["user_tool_calls"], s["user_invalid"], s["invalid"], s["tool_calls"]) == (2 + 4, 4, 0, 0)
@@ -162,7 +162,7 @@ def test_bad_customer_tool_calls_are_answered_and_the_conversation_still_grades(
 
 
 def test_invalid_tool_calls_are_answered_not_raised():
-    ep = worlds.Tau2Episode("retail", worlds.tau2_tasks("retail", "test", num_tasks=1)[0])
+    ep = tau2.Tau2Episode("retail", tau2.tau2_tasks("retail", "test", num_tasks=1)[0])
     response, valid = ep.tool("fly_away", {})
     assert not valid and response.startswith("Error")
     response, valid = ep.tool("get_order_details", {"order": "#W2378156"})  # wrong argument name
@@ -188,28 +188,28 @@ def test_invalid_tool_calls_are_answered_not_raised():
                                                                                    well_formed=False)),
 ])
 def test_parse_tau2_action(text, expect):
-    got = worlds.parse_tau2_action(text)
+    got = tau2.parse_tau2_action(text)
     assert {k: got[k] for k in expect} == expect
 
 
 def test_pass_hat_k_by_hand():
     # task A: 2 of 4 trials won; task B: 4 of 4; task C: 0 of 4
     trials = [(2, 4), (4, 4), (0, 4)]
-    assert worlds.pass_hat_k(trials, 1) == pytest.approx((0.5 + 1 + 0) / 3)
-    assert worlds.pass_hat_k(trials, 2) == pytest.approx((1 / 6 + 1 + 0) / 3)  # C(2,2)/C(4,2) = 1/6
-    assert worlds.pass_hat_k(trials, 4) == pytest.approx(1 / 3)
+    assert tau2.pass_hat_k(trials, 1) == pytest.approx((0.5 + 1 + 0) / 3)
+    assert tau2.pass_hat_k(trials, 2) == pytest.approx((1 / 6 + 1 + 0) / 3)  # C(2,2)/C(4,2) = 1/6
+    assert tau2.pass_hat_k(trials, 4) == pytest.approx(1 / 3)
     with pytest.raises(UserError, match="pass\\^5"):
-        worlds.pass_hat_k(trials, 5)
+        tau2.pass_hat_k(trials, 5)
 
 
 def test_tau2_tasks_and_bad_input():
-    assert len(worlds.tau2_tasks("retail", "test")) == 40 and len(worlds.tau2_tasks("retail", "train")) == 74
-    assert [t.id for t in worlds.tau2_tasks("airline", "test", 3, seed=1)] == \
-        [t.id for t in worlds.tau2_tasks("airline", "test", 3, seed=1)]
+    assert len(tau2.tau2_tasks("retail", "test")) == 40 and len(tau2.tau2_tasks("retail", "train")) == 74
+    assert [t.id for t in tau2.tau2_tasks("airline", "test", 3, seed=1)] == \
+        [t.id for t in tau2.tau2_tasks("airline", "test", 3, seed=1)]
     with pytest.raises(UserError, match="did you mean 'retail'"):
-        worlds.tau2_tasks("retale")
+        tau2.tau2_tasks("retale")
     with pytest.raises(UserError, match="unknown tau2 split"):
-        worlds.tau2_tasks("retail", "valid")
+        tau2.tau2_tasks("retail", "valid")
 
 
 def test_conversations_become_triplets_in_the_alfworld_format(tiny_model):
@@ -219,7 +219,7 @@ def test_conversations_become_triplets_in_the_alfworld_format(tiny_model):
     import rwml
 
     model, tok = engine.load_model(tiny_model)
-    tasks = worlds.tau2_tasks("retail", "test", num_tasks=2, seed=0)
+    tasks = tau2.tau2_tasks("retail", "test", num_tasks=2, seed=0)
     turns = []
     torch.manual_seed(0)
     summaries = play_tau2(model, tok, "retail", tasks, max_turns=2, max_new_tokens=6, user_max_new_tokens=6,
@@ -324,7 +324,7 @@ def test_the_simulated_customer_is_the_base_model_while_the_agent_trains(tiny_mo
     import torch
 
 
-    task = worlds.tau2_tasks("retail", "test", num_tasks=1)[0]
+    task = tau2.tau2_tasks("retail", "test", num_tasks=1)[0]
     openings = []
     for adapter in (False, True):
         model, tok = engine.load_model(tiny_model)

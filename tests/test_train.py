@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from support import engine, plumbing
+from support import engine, plumbing, update
 import envs
-from integrations import runs, worlds
+from integrations import caches, worlds
 import rwml
 import train
 from envs import UserError
@@ -209,7 +209,7 @@ def test_4bit_lora_gradients_survive_generate(tiny_model):
 
     def grads():
         model.zero_grad()
-        lp = engine.completion_logprobs(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
+        lp = update.completion_logprobs(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
         (-lp.sum()).backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -419,15 +419,16 @@ def test_the_warm_up_can_train_on_more_triplets_than_its_split(parrot, tmp_path,
     assert all(t["game"] != "other" for t in kept)  # GRPO never sees them
     assert "- data: more warm-up triplets: 7" in (warm / "README.md").read_text()
     plain = dataclasses.replace(cfg, warmup_transitions=None)
-    assert runs.filter_cache(plain, trips, tmp_path / "f")[1] is None  # another warm-up: not reused
-    assert runs.filter_cache(cfg, trips, tmp_path / "f")[1] is not None
+    assert caches.filter_cache(plain, trips, tmp_path / "f")[1] is None  # another warm-up: not reused
+    assert caches.filter_cache(cfg, trips, tmp_path / "f")[1] is not None
     moved = tmp_path / "elsewhere.jsonl"  # keyed by content: the same file elsewhere (another run's folder)
     moved.write_bytes(more.read_bytes())
     there = dataclasses.replace(cfg, warmup_transitions=str(moved))
-    assert runs.filter_cache(there, trips, tmp_path / "f")[1] is not None
+    assert caches.filter_cache(there, trips, tmp_path / "f")[1] is not None
     moved.write_text(more.read_text().replace('"step": 100', '"step": 99'))  # a triplet changed: made again
-    assert runs.filter_cache(there, trips, tmp_path / "f")[1] is None
-    assert runs.filter_cache(cfg, trips[:-1] + [dict(trips[-1], next_obs="other")], tmp_path / "f")[1] is None
+    assert caches.filter_cache(there, trips, tmp_path / "f")[1] is None
+    changed = trips[:-1] + [dict(trips[-1], next_obs="other")]
+    assert caches.filter_cache(cfg, changed, tmp_path / "f")[1] is None
     with pytest.raises(UserError, match="--warmup-transitions: .*nosuch.jsonl not found"):
         train.filter_triplets(dataclasses.replace(cfg, warmup_transitions=str(tmp_path / "nosuch.jsonl")),
                               trips, tmp_path / "g", lambda: engine.load_model(folder), SimToRealReward())

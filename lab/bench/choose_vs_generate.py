@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: t
 
 from support import engine  # noqa: E402
 import rwml  # noqa: E402
-from integrations.settings import ACTORS  # noqa: E402
+from train import ACTORS  # noqa: E402
 from integrations import worlds  # noqa: E402
 
 

@@ -1,0 +1,137 @@
+"""Support (skip on a first read): the caches that let a run reuse what a run of the same settings made:
+the filter's (its kept triplets and warm-up adapter, keyed by the settings that decide them) and the
+held-out explore set's ($RWML_CACHE/heldout, checked whole before use); the warm-up's more train games.
+
+Imports the bottom, plumbing and the stages' bookkeeping (runs.py), never rwml or train.py."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from support import engine
+import envs
+from support.common import ROOT, file_problem, names, read_jsonl, write_atomic, write_jsonl
+from integrations.runs import collect_job, split_games
+
+# ------------------------------------------------------------- the caches: the filter's, the held-out set's
+
+def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | None]:
+    """The filter's settings (its cache key) and, if `out` holds a whole output of them, (kept, warm-up)."""
+    kept_file, meta_file, warm = out / "kept.jsonl", out / "filter.json", out / "warmup_adapter"
+    seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
+    job = {k: getattr(cfg, k) for k in names(cfg, "filter")} | {"seed": seed, "num_triplets": len(triplets)}
+    # by content, not by name: the same triplets and warm-up files in another run's folder are the same job
+    more = [Path(f) for f in (cfg.warmup_transitions or "").split(",") if f]
+    warm_files = b"".join(f.read_bytes() for f in more if f.is_file())
+    job.update(triplets=_sha(json.dumps(triplets, sort_keys=True).encode()),
+               warmup_transitions=_sha(warm_files) if more else None)
+    stored = json.loads(meta_file.read_text())["job"] if meta_file.exists() else None
+    if kept_file.exists() and stored in (job, job | {"warmup": True}) and (  # kept is the same without it
+            not cfg.warmup or (warm / "adapter_config.json").is_file()
+            and file_problem(warm / "adapter_model.safetensors") is None):  # else made again
+        kept = read_jsonl(kept_file)
+        print(f"filter: reusing {kept_file} ({len(kept)} triplets)" + (f" and {warm}" if cfg.warmup else ""))
+        return job, (kept, warm if cfg.warmup else None)
+    return job, None
+
+
+def save_filter(out: Path, job: dict, info: dict, kept: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "kept.jsonl", kept)
+    write_atomic(out / "filter.json", json.dumps(dict(job=job, **info), indent=2))
+    print("filter: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                 for k, v in info.items() if k not in ("sft_losses", "easiness_counts")))
+
+
+HELDOUT_FILES = ("collect.json", "transitions.jsonl", "episodes.jsonl")
+
+
+def heldout_key(cfg) -> str:
+    """Everything that determines the held-out explore set: the collection's settings, the games, the
+    engine (workers, batch), the library versions and the code that plays (rwml, envs, engine, worlds)."""
+    import transformers
+
+    model = Path(cfg.model)
+    weights = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in model.iterdir()
+                     if f.is_file()) if model.is_dir() else None
+    code = [hashlib.sha256((ROOT / f"{m}.py").read_bytes()).hexdigest()
+            for m in ("rwml", "envs", "support/engine", "integrations/worlds")]
+    games = [envs.game_id(g) for g in split_games(cfg)]
+    key = dict(job=collect_job(cfg), env=cfg.env, num_envs=cfg.num_envs, games=games, weights=weights,
+               torch=torch.__version__, transformers=transformers.__version__,
+               threads=torch.get_num_threads(),
+               code=code)
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+WARMUP_STREAM = 100  # the warm-up's more train games: seed + this draws them (lab/wm_dev.sh's MORE_SEED)
+
+
+def warmup_collections(cfg, out: Path, load, collect) -> str:
+    """`all`'s more warm-up triplets (issue 53): walkthroughs of `warmup_games` other train games and the
+    collection policy's play of them (its "Nothing happens." targets; cached as the held-out set is)."""
+    more = dataclasses.replace(cfg, num_games=cfg.warmup_games, seed=cfg.seed + WARMUP_STREAM, adapter=None)
+    walk = collect(dataclasses.replace(more, walkthrough=True), out / "warmup_walk", load)
+    play = cached_heldout(dataclasses.replace(more, walkthrough=False), out / "warmup_play", load, collect,
+                          what="the warm-up's more train triplets")
+    return ",".join(str(f) for f in (cfg.warmup_transitions, walk, play) if f)
+
+
+def cached_heldout(cfg, out: Path, load, collect, what: str = "the held-out explore triplets") -> Path:
+    """The held-out explore collection, played once per `heldout_key` and copied from $RWML_CACHE/heldout
+    after that (settings and seed are the same for every run: replaying costs minutes, changes nothing). An
+    entry is copied only whole, its files as its sha256.json says; a damaged one is played again, replaced."""
+    cache = engine.MODEL_CACHE / "heldout" / heldout_key(cfg)
+    fresh = not (out / "transitions.jsonl").exists()  # a resumed collection draws other samples: not cached
+    if fresh and cache.exists():
+        files, why = heldout_entry(cache)
+        if files:
+            out.mkdir(parents=True, exist_ok=True)
+            for name, data in files.items():
+                write_atomic(out / name, data)
+            print(f"collect: reused {what} from {cache} (the same settings, games, "
+                  "model and code played them before; delete the folder to play them again)")
+        else:
+            print(f"collect: the cached set {cache} is not whole ({why}); playing it again to "
+                  "replace it")
+            with contextlib.suppress(OSError):  # aside first: no reader sees half a folder
+                os.replace(cache, aside := cache.with_name(f"{cache.name}.{os.getpid()}.damaged"))
+                shutil.rmtree(aside, ignore_errors=True)
+    path = collect(cfg, out, load)
+    if fresh and not cache.exists():
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        with contextlib.suppress(OSError):  # a read-only cache only costs the next run the collection
+            tmp.mkdir(parents=True, exist_ok=True)
+            files = {name: (out / name).read_bytes() for name in HELDOUT_FILES}
+            for name, data in files.items():
+                (tmp / name).write_bytes(data)
+            write_atomic(tmp / "sha256.json", json.dumps({n: _sha(d) for n, d in files.items()}, indent=2))
+            os.replace(tmp, cache)  # whole or not at all
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def heldout_entry(cache: Path) -> tuple[dict[str, bytes] | None, str]:
+    """A held-out cache entry's files, each as the sha256.json written with them says; or (None, why not)."""
+    try:
+        sums, files = json.loads((cache / "sha256.json").read_text()), {}
+        for name in HELDOUT_FILES:
+            if _sha(data := (cache / name).read_bytes()) != sums.get(name):
+                return None, f"{name} differs from the file written (cut or edited)"
+            files[name] = data
+        return files, ""
+    except OSError as e:
+        return None, f"{Path(e.filename or 'sha256.json').name} is missing or unreadable ({e.strerror})"
+    except (ValueError, AttributeError):  # sha256.json cut, or not an object
+        return None, "sha256.json is damaged"
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
