@@ -4,16 +4,20 @@
 # on the same data: the collections, the warm-up's more games, the filter, the warm-up and the "before"
 # scores are copied from the real run's folder and reused (their caches are keyed by content and settings,
 # so the coin run would have made the same files).
+# ARGS go to every train.py call; each run's log ends with GNU time's lines (wall time, peak memory).
 #   SEEDS="41 42" OUT=runs/fresh bash lab/fresh_seeds.sh
+#   SEEDS=51 OUT=runs/fresh5 bash lab/fresh_seeds.sh & SEEDS=52 OUT=runs/fresh5 bash lab/fresh_seeds.sh  # side by side
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/fresh}
 OUT=${OUT#"$PWD/"}
 SEEDS=${SEEDS:-41 42}
+ARGS=${ARGS:-}
+TIME="command time -v"
 mkdir -p "$OUT"
 for s in $SEEDS; do
-    [ -f "$OUT/seed$s/adapter/README.md" ] || $PY train.py --seed "$s" --out "$OUT/seed$s" > "$OUT/seed$s.log" 2>&1
+    [ -f "$OUT/seed$s/adapter/README.md" ] || $TIME $PY train.py --seed "$s" $ARGS --out "$OUT/seed$s" > "$OUT/seed$s.log" 2>&1
 done
 for s in $SEEDS; do
     c=$OUT/coin$s
@@ -22,5 +26,5 @@ for s in $SEEDS; do
         [ -d "$c/$d" ] || cp -r "$OUT/seed$s/$d" "$c/$d"
     done
     cp -n "$OUT/seed$s"/wm_eval_before_* "$c/"
-    $PY train.py --seed "$s" --reward-control coin --out "$c" > "$c.log" 2>&1
+    $TIME $PY train.py --seed "$s" $ARGS --reward-control coin --out "$c" > "$c.log" 2>&1
 done
