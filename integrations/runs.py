@@ -407,17 +407,18 @@ def triplet_key(r: dict) -> list:
     return [str(r.get("game")), r.get("rollout"), r.get("step"), r.get("action")]
 
 
-def compare(out: Path, arm: str, base: str, kind: str, key: str, rows=None) -> dict:
-    """`arm` - `base` on the held-out set `kind` (wm_eval_<arm>_<kind>.triplets.jsonl), paired by triplet;
-    `rows` keeps a subset of the base's rows (e.g. the targets the rule misses)."""
-    x, y = (read_jsonl(out / f"wm_eval_{w}_{kind}.triplets.jsonl") for w in (arm, base))
-    by_key = {json.dumps(triplet_key(r)): r for r in x}
-    if len(by_key) != len(x) or sorted(by_key) != sorted(json.dumps(triplet_key(r)) for r in y):
-        raise UserError(f"wm_eval_{arm}_{kind} and wm_eval_{base}_{kind} in {out} are not scores of the "
-                        "same triplets: score both on one transitions file")
-    pairs = [(by_key[json.dumps(triplet_key(r))], r) for r in y if rows is None or rows(r)]
-    mean = ([[sum(map(float, r[key])) / len(r[key]) for r in side] for side in zip(*pairs)] if pairs
-            else [[], []])
+def compare(out: Path, arm: str, base: str, kind: str | tuple, key: str, rows=None) -> dict:
+    """`arm` - `base` on held-out set(s) `kind` (wm_eval_<arm>_<kind>.triplets.jsonl; kinds pooled share their
+    games), paired by triplet; `rows` keeps a subset of the base's rows (e.g. the targets the rule misses)."""
+    pairs = []
+    for kind in (kind,) if isinstance(kind, str) else kind:
+        x, y = (read_jsonl(out / f"wm_eval_{w}_{kind}.triplets.jsonl") for w in (arm, base))
+        by_key = {json.dumps(triplet_key(r)): r for r in x}
+        if len(by_key) != len(x) or sorted(by_key) != sorted(json.dumps(triplet_key(r)) for r in y):
+            raise UserError(f"wm_eval_{arm}_{kind} and wm_eval_{base}_{kind} in {out} are not scores of the "
+                            "same triplets: score both on one transitions file")
+        pairs += [(by_key[json.dumps(triplet_key(r))], r) for r in y if rows is None or rows(r)]
+    mean = [[sum(map(float, r[key])) / len(r[key]) for r in side] for side in zip(*pairs)] or [[], []]
     games = [str(b["game"]) for _, b in pairs]
     ci = stats.paired_bootstrap(*mean, games) if pairs else None
     return dict(ci or {}, ci=ci, n=len(pairs), before=sum(mean[1]) / max(len(pairs), 1),

@@ -84,10 +84,9 @@ class HeldoutArgs:
                                 "collection policy's own play of this many other train games (never GRPO's;"
                                 " lab/results/wm_dev: it brought RWML to the template rule on valid_seen); "
                                 "0 = off", min=0)
-    coin_control: bool = arg(True, "also train the matched COIN arm (the same warm-up, prompts, batches, "
-                                   "sampling seed and steps; a fair coin, its own, for a reward) and score "
-                                   "it: RWML - COIN is what the reward added to self-training on its own "
-                                   "samples")
+    coin_control: bool = arg(False, "also train and score the matched COIN arm (the same warm-up, prompts, "
+                                    "batches, seed and steps; its own fair coin for a reward): line (e); one "
+                                    "arm decides nothing (a coin run passed RWML - COIN: fresh_seeds)")
 
 
 _PER_ENV = "None: the environment's ({})".format

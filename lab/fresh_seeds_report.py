@@ -5,7 +5,9 @@ Exact match, paired by triplet (runs.compare on each seed; stats.two_level_boots
     python lab/fresh_seeds_report.py RUN [RUN ...] [--out table.md]
 
 Each RUN is a `python train.py` folder (or its lab/results copy) holding wm_eval_<arm>_<kind>.triplets.jsonl
-for rwml, before (the warm-up), template (the rule) and coin (the matched COIN arm). A coin run
+for rwml, before (the warm-up), template (the rule), and coin (the matched COIN arm) where the runs were made
+with --coin-control; rows (a), the sim-to-real reward on the training prompts, and (b) both held-out kinds
+pooled are the verdict's (issue 56). A coin run
 (--reward-control coin) reads the same way: its "RWML" was trained on a coin, its matched arm on another coin.
 """
 from __future__ import annotations
@@ -25,15 +27,20 @@ from support.common import UserError, read_jsonl  # noqa: E402
 ROWS = (("template", "the template rule"), ("before", "the warm-up"), ("coin", "the matched COIN arm"))
 
 
-def pooled(runs: list[Path], arm: str, base: str, kind: str) -> dict:
-    """arm - base over the seeds (runs), each seed's triplets paired by key, games as units."""
+def pooled(runs: list[Path], arm: str, base: str, kinds: tuple, key: str = "exact") -> dict:
+    """arm - base over the seeds (runs), each seed's triplets (of every kind in `kinds`) paired by key, games
+    as units."""
     sides = []
     for run in runs:
-        x, y = (read_jsonl(run / f"wm_eval_{w}_{kind}.triplets.jsonl") for w in (arm, base))
-        by_key = {json.dumps(triplet_key(r)): r for r in x}
-        pairs = [(by_key[json.dumps(triplet_key(r))], r) for r in y]
-        a, b = ([sum(map(float, r["exact"])) / len(r["exact"]) for r in side] for side in zip(*pairs))
-        sides.append((a, b, [str(r["game"]) for _, r in pairs]))
+        a, b, games = [], [], []
+        for kind in kinds:
+            x, y = (read_jsonl(run / f"wm_eval_{w}_{kind}.triplets.jsonl") for w in (arm, base))
+            by_key = {json.dumps(triplet_key(r)): r for r in x}
+            for r in y:
+                a.append(sum(map(float, by_key[json.dumps(triplet_key(r))][key])) / len(r[key]))
+                b.append(sum(map(float, r[key])) / len(r[key]))
+                games.append(str(r["game"]))
+        sides.append((a, b, games))
     return stats.two_level_bootstrap(sides)
 
 
@@ -43,22 +50,27 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     for run in args.runs:
-        missing = [f"wm_eval_{a}_{k}" for a in ("rwml", *dict(ROWS)) for k in train.HELDOUT_KINDS
+        missing = [f"wm_eval_{a}_{k}" for a in ("rwml", "before", "template") for k in train.HELDOUT_KINDS
                    if not (run / f"wm_eval_{a}_{k}.triplets.jsonl").is_file()]
         if missing:
             raise UserError(f"{run} lacks {', '.join(missing)}: give folders of `python train.py` runs")
+    coin = all((run / f"wm_eval_coin_{k}.triplets.jsonl").is_file()  # --coin-control's arm, when scored
+               for run in args.runs for k in train.HELDOUT_KINDS)
     names = " / ".join(r.name for r in args.runs)
-    rows = [f"| kind | RWML − | exact match: each seed ({names}) | seeds pooled [95 % CI] | verdict |",
+    rows = [f"| kind | RWML − | each seed ({names}) | seeds pooled [95 % CI] | verdict |",
             "|---|---|---|---|---|"]
-    for kind in train.HELDOUT_KINDS:
-        for base, label in ROWS:
-            each = [compare(run, "rwml", base, kind, "exact") for run in args.runs]
-            ci = pooled(args.runs, "rwml", base, kind)
-            cells = "; ".join(f"{c['after']:.3f} − {c['before']:.3f} = {c['diff']:+.3f} [{c['lo']:+.3f}, "
-                              f"{c['hi']:+.3f}] ({c['up']} up, {c['down']} down)" for c in each)
-            rows.append(f"| {kind} | {label} | {cells} | {ci['diff']:+.3f} [{ci['lo']:+.3f}, "
-                        f"{ci['hi']:+.3f}] | {stats.verdict(ci, stats.half_width(ci))} |")
-    text = "\n".join(rows) + (f"\n\nSeeds pooled: {len(args.runs)} seeds, then games "
+    cases = [("(a) train prompts, sim-to-real reward", "before", ("train",), "rewards")]
+    cases += [(kind, base, (kind,), "exact") for kind in train.HELDOUT_KINDS for base, _ in ROWS
+              if coin or base != "coin"]
+    cases.append(("(b) both kinds pooled", "before", train.HELDOUT_KINDS, "exact"))
+    for label, base, kinds, key in cases:
+        each = [compare(run, "rwml", base, kinds if len(kinds) > 1 else kinds[0], key) for run in args.runs]
+        ci = pooled(args.runs, "rwml", base, kinds, key)
+        cells = "; ".join(f"{c['after']:.3f} − {c['before']:.3f} = {c['diff']:+.3f} [{c['lo']:+.3f}, "
+                          f"{c['hi']:+.3f}] ({c['up']} up, {c['down']} down)" for c in each)
+        rows.append(f"| {label} | {dict(ROWS)[base]} | {cells} | {ci['diff']:+.3f} [{ci['lo']:+.3f}, "
+                    f"{ci['hi']:+.3f}] | {stats.verdict(ci, stats.half_width(ci))} |")
+    text = "\n".join(rows) + (f"\n\nExact match but (a); seeds pooled: {len(args.runs)} seeds, then games "
                               f"({stats.N_BOOT:,} draws); each seed's CI over games.\n")
     # each run's closing verdict as today's train.py words it, from its files (run_log.txt: the run's own)
     text += "".join(f"\n{run.name}: {train.gain_lines(run, start='warm-up')[-1]}\n" for run in args.runs)

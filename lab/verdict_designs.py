@@ -1,0 +1,75 @@
+"""Issue 56: which closing verdict a coin run fails and the real run passes, each candidate read from a run's
+per-triplet files (no training). Chosen on valid_seen (seed 0's real and coin runs; recipe_dev's flipped
+sign); the seeds of valid_unseen are shown apart, as a check, never to choose.
+
+    python lab/verdict_designs.py --dev RUN [RUN ...] --test RUN [RUN ...] [--out designs.md]
+
+Each RUN is a `python train.py` folder (or its lab/results copy). The candidates, each "passes" only where
+every part holds (95 % CI over games, exact match but (a)):
+  old: (b) RWML - warm-up on each held-out kind and (e) RWML - the matched COIN arm on each (c290165-f7d2162)
+  e: (e) alone, both kinds pooled;  b: (b) alone, both kinds pooled;  a: (a) the sim-to-real reward on
+  RWML's own training prompts, warm-up -> RWML;  a+b: (a) and (b) both kinds pooled (train.py's verdict)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+import train  # noqa: E402
+from integrations.runs import compare  # noqa: E402
+from support import stats  # noqa: E402
+
+KINDS = train.HELDOUT_KINDS
+
+
+def parts(run: Path) -> dict:
+    """Each part's paired difference with its CI; None where the run did not score that arm."""
+    coin = (run / "wm_eval_coin_explore.triplets.jsonl").is_file()
+    got = {"a": compare(run, "rwml", "before", "train", "rewards"),
+           "b": compare(run, "rwml", "before", KINDS, "exact"),
+           "e": compare(run, "rwml", "coin", KINDS, "exact") if coin else None}
+    got |= {f"b {k}": compare(run, "rwml", "before", k, "exact") for k in KINDS}
+    got |= {f"e {k}": compare(run, "rwml", "coin", k, "exact") if coin else None for k in KINDS}
+    return got
+
+
+def designs(p: dict) -> dict:
+    def holds(*names):
+        if any(p[n] is None for n in names):
+            return None
+        return all(stats.verdict(p[n]) == "holds" for n in names)
+    return {"old": holds(*(f"{x} {k}" for x in "be" for k in KINDS)), "e": holds("e"), "b": holds("b"),
+            "a": holds("a"), "a+b": holds("a", "b")}
+
+
+def table(runs: list[Path]) -> str:
+    cells = lambda c: "—" if c is None else f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"  # noqa: E731
+    said = {True: "**passes**", False: "fails", None: "—"}
+    rows = ["| run | (a) | (b) pooled | (e) pooled | old | e | b | a | a+b |", "|---" * 9 + "|"]
+    for run in runs:
+        p = parts(run)
+        d = designs(p)
+        rows.append(f"| {run.parent.name}/{run.name} | {cells(p['a'])} | {cells(p['b'])} | {cells(p['e'])} | "
+                    + " | ".join(said[d[k]] for k in ("old", "e", "b", "a", "a+b")) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dev", type=Path, nargs="+", required=True, help="valid_seen runs: these choose")
+    ap.add_argument("--test", type=Path, nargs="*", default=[], help="valid_unseen: shown only")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    text = "## valid_seen (chooses)\n\n" + table(args.dev)
+    if args.test:
+        text += "\n## valid_unseen (checks)\n\n" + table(args.test)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
