@@ -413,25 +413,25 @@ def gain_lines(out: Path, start) -> list[str]:
 
 
 def world_model_verdict(a: dict, both: dict, rule: dict) -> str:
-    """The last line, one verdict over every control (issue 56). First half: the reward raised accuracy only
-    where (a) and held-out (b), both kinds pooled, hold. (a) is the control for self-training: GRPO on its own
-    samples with a coin for a reward raised held-out exact match on a seed (+0.094 pooled) but the reward on
-    its own prompts in no coin run, while every real run raised it (valid_seen chose this; one matched COIN
-    arm did not separate: a coin run passed RWML - COIN. lab/results/fresh_seeds/). Second half: a world
-    model above the content-free rule only where RWML - the rule holds on every kind. A copy of the rule
-    (difference 0), a coin and a flipped sign fail (lab/results/wm_dev/controls/)."""
+    """The last line, one verdict over every control (issue 56). First half: what one run can say, whether
+    training raised the sim-to-real reward where RWML trained (a) and held-out exact match, both kinds pooled
+    (b); not whether the reward rather than GRPO on its own samples did it: a coin for a reward passed both on
+    a fresh seed (52), and one matched COIN arm did not separate either (lab/results/fresh_seeds/). Seeds
+    paired with their coin runs do (lab/verdict_designs.py --pairs). Second half: a world model above the
+    content-free rule only where RWML - the rule holds on every kind. A copy of the rule (difference 0) and
+    a flipped sign fail it (lab/results/wm_dev/controls/)."""
     def ci(c: dict) -> str:
         return f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
     trained, held = (bool(c.get("ci")) and stats.verdict(c) == "holds" for c in (a, both))
     pa, pb = f"(a) {ci(a)}", f"(b) both kinds pooled, exact match {ci(both)}"
+    where = "the reward where RWML trained"
     line = "verdict: " + (
-        f"the reward, not self-training on its own samples, raised accuracy where RWML trained ({pa}; no "
-        f"coin-reward run raised it), and held-out accuracy rose with it ({pb}); one run cannot say how much "
-        "of the held-out rise is the reward's (a coin's GRPO moves it too); " if trained and held else
-        f"held-out accuracy rose ({pb}) but the reward was not shown to rise where RWML trained ({pa}): not "
-        "shown that the reward, rather than self-training on its own samples, raised it; " if held else
-        f"the reward rose where RWML trained ({pa}), held-out accuracy did not ({pb}); " if trained else
-        f"not shown that the reward raised accuracy ({pa}; {pb}); ")
+        f"training raised {where} ({pa}) and held-out accuracy ({pb})" if trained and held else
+        f"training raised held-out accuracy ({pb}); {where}: not shown ({pa})" if held else
+        f"training raised {where} ({pa}); held-out accuracy: not shown ({pb})" if trained else
+        f"not shown that training raised {where} ({pa}) or held-out accuracy ({pb})")
+    line += ("; not shown, and one run cannot show, that the reward rather than self-training on its own "
+             "samples did it (a coin-reward run passed both on a fresh seed; over seeds: README); ")
     each = ", ".join(f"{k} {ci(c)}" for k, c in rule.items())
     return line + ("this run shows a world model above the content-free template rule (RWML - the rule, "
                    f"exact match, holds on every held-out kind: {each})" if all(

@@ -3,6 +3,11 @@ per-triplet files (no training). Chosen on valid_seen (seed 0's real and coin ru
 sign); the seeds of valid_unseen are shown apart, as a check, never to choose.
 
     python lab/verdict_designs.py --dev RUN [RUN ...] --test RUN [RUN ...] [--out designs.md]
+    python lab/verdict_designs.py --pairs REAL COIN [REAL COIN ...] [--out pairs.md]
+
+--pairs: what no single run can say, over seeds: each seed's real run - its coin run (`--reward-control coin`,
+the same data, filter and warm-up), RWML's scores paired by triplet, on (a) and (b) both kinds pooled; then
+the seeds pooled (stats.two_level_bootstrap: seeds, then games).
 
 Each RUN is a `python train.py` folder (or its lab/results copy). The candidates, each "passes" only where
 every part holds (95 % CI over games, exact match but (a)):
@@ -19,7 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 import train  # noqa: E402
-from integrations.runs import compare  # noqa: E402
+import json  # noqa: E402
+from integrations.runs import compare, triplet_key  # noqa: E402
+from support.common import read_jsonl  # noqa: E402
 from support import stats  # noqa: E402
 
 KINDS = train.HELDOUT_KINDS
@@ -57,15 +64,46 @@ def table(runs: list[Path]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def real_minus_coin(real: Path, coin: Path, kinds: tuple, key: str) -> tuple[list, list, list]:
+    """(real's per-triplet means, the coin run's, games), RWML's files of both runs paired by triplet."""
+    a, b, games = [], [], []
+    for kind in kinds:
+        x = {json.dumps(triplet_key(r)): r for r in read_jsonl(real / f"wm_eval_rwml_{kind}.triplets.jsonl")}
+        for r in read_jsonl(coin / f"wm_eval_rwml_{kind}.triplets.jsonl"):
+            a.append(sum(map(float, x[json.dumps(triplet_key(r))][key])) / len(r[key]))
+            b.append(sum(map(float, r[key])) / len(r[key]))
+            games.append(str(r["game"]))
+    return a, b, games
+
+
+def pairs_table(runs: list[Path]) -> str:
+    pairs = list(zip(runs[::2], runs[1::2]))
+    names = " | ".join(r.name for r, _ in pairs)
+    rows = [f"| real − coin run | {names} | seeds pooled [95 % CI] | verdict |",
+            "|---" * (len(pairs) + 3) + "|"]
+    for label, kinds, key in (("(a) sim-to-real reward, training prompts", ("train",), "rewards"),
+                              ("(b) held-out exact match, both kinds", KINDS, "exact")):
+        sides = [real_minus_coin(r, c, kinds, key) for r, c in pairs]
+        each = [stats.paired_bootstrap(*s) for s in sides]
+        ci = stats.two_level_bootstrap(sides)
+        rows.append(f"| {label} | " + " | ".join(f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
+                                                 for c in each)
+                    + f" | {ci['diff']:+.3f} [{ci['lo']:+.3f}, {ci['hi']:+.3f}] | {stats.verdict(ci)} |")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dev", type=Path, nargs="+", required=True, help="valid_seen runs: these choose")
+    ap.add_argument("--dev", type=Path, nargs="*", default=[], help="valid_seen runs: these choose")
+    ap.add_argument("--pairs", type=Path, nargs="*", default=[], help="REAL COIN folders, seed by seed")
     ap.add_argument("--test", type=Path, nargs="*", default=[], help="valid_unseen: shown only")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    text = "## valid_seen (chooses)\n\n" + table(args.dev)
+    text = "## valid_seen (chooses)\n\n" + table(args.dev) if args.dev else ""
     if args.test:
         text += "\n## valid_unseen (checks)\n\n" + table(args.test)
+    if args.pairs:
+        text += "\n## real run − coin run, seed by seed and pooled\n\n" + pairs_table(args.pairs)
     print(text)
     if args.out:
         args.out.write_text(text)
