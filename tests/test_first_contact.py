@@ -266,8 +266,8 @@ def test_the_readmes_output_block_is_a_committed_run_of_the_default_on_a_seed_th
     readme = (ROOT / "README.md").read_text()
     block = [line[4:] for line in readme.split("## The method")[0].splitlines() if line.startswith("    (")
              or line.startswith("    verdict")]
-    run = ROOT / "lab" / "results" / "fresh_seeds" / "seed41"
-    assert len(block) >= 4 and "seed 41" in readme and "(lab/results/fresh_seeds/)" in readme
+    run = ROOT / "lab" / "results" / "fresh_seeds" / "seed51"
+    assert len(block) >= 4 and "seed 51" in readme and "(lab/results/fresh_seeds/)" in readme
     printed = set((run / "run_log.txt").read_text().splitlines())
     assert [line for line in block if line not in printed] == []
     config, defaults = json.loads((run / "config.json").read_text()), train.Settings()
