@@ -358,8 +358,8 @@ COIN_STREAM = 1_000_003  # the matched COIN arm's coin: seed + this, so a coin r
 def coin_control(cfg, out: Path, load, reward_fn, start, model, kept: list[dict], heldout: dict) -> None:
     """The matched COIN arm (issue 56): RWML's recipe with a fair coin for a reward, from the same warm-up, on
     the same prompts in the same batches with the same sampling seed, scored on the same held-out triplets
-    (wm_eval_coin_<kind>): GRPO on a model's own samples moves its greedy predictions without any reward;
-    RWML - COIN is what the reward added. Resumes as `all` does (out/coin_control)."""
+    (wm_eval_coin_<kind>), line (e), `--coin-control`. One arm's coin moves too far from run to run to decide
+    anything (a coin run passed RWML - COIN: lab/results/fresh_seeds). Resumes as `all` does."""
     model.unload()  # the bare base model again: the control starts from the warm-up as RWML did
     ctrl = out / "coin_control"
     ctrl.mkdir(parents=True, exist_ok=True)
