@@ -382,9 +382,11 @@ def gain_lines(out: Path, start) -> list[str]:
     generalised; (c) RWML - the content-free template rule: whether it is a world model at all; (d) beyond the
     rule, the targets whose answer the prompt holds; (e) RWML - the matched COIN arm (`--coin-control`); then
     the verdict in words (`world_model_verdict`)."""
-    name, a = "the warm-up" if start else "the base model", compare(out, "rwml", "before", "train", "rewards")
+    a, strict = (compare(out, "rwml", "before", "train", k) for k in ("rewards", "exact"))
+    name = "the warm-up" if start else "the base model"
     lines = [f"(a) the sim-to-real reward on RWML's own {a['n']} training prompts ({a['units']} games): "
-             f"{name} {a['before']:.3f} -> RWML {a['after']:.3f}, {said(a)} (95 % CI over games)"]
+             f"{name} {a['before']:.3f} -> RWML {a['after']:.3f}, {said(a)} (95 % CI over games); exact "
+             f"match {strict['before']:.3f} -> {strict['after']:.3f}, {said(strict)}"]
     rule, both = {}, compare(out, "rwml", "before", HELDOUT_KINDS, "exact")
     for kind in HELDOUT_KINDS:
         r, e = compare(out, "rwml", "before", kind, "rewards"), compare(out, "rwml", "before", kind, "exact")
@@ -413,13 +415,10 @@ def gain_lines(out: Path, start) -> list[str]:
 
 
 def world_model_verdict(a: dict, both: dict, rule: dict) -> str:
-    """The last line, one verdict over every control (issue 56). First half: what one run can say, whether
-    training raised the sim-to-real reward where RWML trained (a) and held-out exact match, both kinds pooled
-    (b); not whether the reward rather than GRPO on its own samples did it: a coin for a reward passed both on
-    a fresh seed (52), and one matched COIN arm did not separate either (lab/results/fresh_seeds/). Seeds
-    paired with their coin runs do (lab/verdict_designs.py --pairs). Second half: a world model above the
-    content-free rule only where RWML - the rule holds on every kind. A copy of the rule (difference 0) and
-    a flipped sign fail it (lab/results/wm_dev/controls/)."""
+    """The last line (issue 56). First half: did training raise (a) and held-out exact match, both kinds
+    pooled (b); never whether the reward rather than GRPO on its own samples did: a coin passed both on fresh
+    seed 52; seeds paired with coin runs say it (lab/verdict_designs.py --pairs). Second half: a world model
+    above the content-free rule where RWML - the rule holds on every kind; a rule copy and a flip fail."""
     def ci(c: dict) -> str:
         return f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
     trained, held = (bool(c.get("ci")) and stats.verdict(c) == "holds" for c in (a, both))

@@ -27,21 +27,23 @@ from support.common import UserError, read_jsonl  # noqa: E402
 ROWS = (("template", "the template rule"), ("before", "the warm-up"), ("coin", "the matched COIN arm"))
 
 
+def sides(x_run: Path, x_arm: str, y_run: Path, y_arm: str, kinds: tuple, key: str) -> tuple:
+    """(x's per-triplet means, y's, games): wm_eval_<arm>_<kind> of two folders (or one), by triplet."""
+    a, b, games = [], [], []
+    for kind in kinds:
+        x = read_jsonl(x_run / f"wm_eval_{x_arm}_{kind}.triplets.jsonl")
+        x = {json.dumps(triplet_key(r)): r for r in x}
+        for r in read_jsonl(y_run / f"wm_eval_{y_arm}_{kind}.triplets.jsonl"):
+            a.append(sum(map(float, x[json.dumps(triplet_key(r))][key])) / len(r[key]))
+            b.append(sum(map(float, r[key])) / len(r[key]))
+            games.append(str(r["game"]))
+    return a, b, games
+
+
 def pooled(runs: list[Path], arm: str, base: str, kinds: tuple, key: str = "exact") -> dict:
     """arm - base over the seeds (runs), each seed's triplets (of every kind in `kinds`) paired by key, games
     as units."""
-    sides = []
-    for run in runs:
-        a, b, games = [], [], []
-        for kind in kinds:
-            x, y = (read_jsonl(run / f"wm_eval_{w}_{kind}.triplets.jsonl") for w in (arm, base))
-            by_key = {json.dumps(triplet_key(r)): r for r in x}
-            for r in y:
-                a.append(sum(map(float, by_key[json.dumps(triplet_key(r))][key])) / len(r[key]))
-                b.append(sum(map(float, r[key])) / len(r[key]))
-                games.append(str(r["game"]))
-        sides.append((a, b, games))
-    return stats.two_level_bootstrap(sides)
+    return stats.two_level_bootstrap([sides(run, arm, run, base, kinds, key) for run in runs])
 
 
 def main(argv=None) -> None:

@@ -22,11 +22,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 import train  # noqa: E402
-import json  # noqa: E402
-from integrations.runs import compare, triplet_key  # noqa: E402
-from support.common import read_jsonl  # noqa: E402
+from fresh_seeds_report import sides  # noqa: E402
+from integrations.runs import compare  # noqa: E402
 from support import stats  # noqa: E402
 
 KINDS = train.HELDOUT_KINDS
@@ -64,28 +63,17 @@ def table(runs: list[Path]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def real_minus_coin(real: Path, coin: Path, kinds: tuple, key: str) -> tuple[list, list, list]:
-    """(real's per-triplet means, the coin run's, games), RWML's files of both runs paired by triplet."""
-    a, b, games = [], [], []
-    for kind in kinds:
-        x = {json.dumps(triplet_key(r)): r for r in read_jsonl(real / f"wm_eval_rwml_{kind}.triplets.jsonl")}
-        for r in read_jsonl(coin / f"wm_eval_rwml_{kind}.triplets.jsonl"):
-            a.append(sum(map(float, x[json.dumps(triplet_key(r))][key])) / len(r[key]))
-            b.append(sum(map(float, r[key])) / len(r[key]))
-            games.append(str(r["game"]))
-    return a, b, games
-
-
 def pairs_table(runs: list[Path]) -> str:
     pairs = list(zip(runs[::2], runs[1::2]))
     names = " | ".join(r.name for r, _ in pairs)
     rows = [f"| real − coin run | {names} | seeds pooled [95 % CI] | verdict |",
             "|---" * (len(pairs) + 3) + "|"]
     for label, kinds, key in (("(a) sim-to-real reward, training prompts", ("train",), "rewards"),
+                              ("(a) exact match, training prompts", ("train",), "exact"),
                               ("(b) held-out exact match, both kinds", KINDS, "exact")):
-        sides = [real_minus_coin(r, c, kinds, key) for r, c in pairs]
-        each = [stats.paired_bootstrap(*s) for s in sides]
-        ci = stats.two_level_bootstrap(sides)
+        seeds = [sides(r, "rwml", c, "rwml", kinds, key) for r, c in pairs]
+        each = [stats.paired_bootstrap(*s) for s in seeds]
+        ci = stats.two_level_bootstrap(seeds)
         rows.append(f"| {label} | " + " | ".join(f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
                                                  for c in each)
                     + f" | {ci['diff']:+.3f} [{ci['lo']:+.3f}, {ci['hi']:+.3f}] | {stats.verdict(ci)} |")
