@@ -6,7 +6,8 @@ game files (as `alfworld.agents.environment.AlfredTWEnv` does). What we add is
   - clean observations (no banner), the task sentence, our own step budget (the paper: 30);
   - the action parser for model text, with "invalid" and "format error" counted apart, and the admissible
     commands that choose mode picks from;
-  - the content-free baselines a world model must beat, and the expert walkthroughs as triplets;
+  - the content-free baselines a world model must beat, strict metrics, the held-out breakdown by kind
+    (`score_wm`), and the expert walkthroughs as triplets;
   - `Alfworld`: the interface's ALFWorld, whose class holds its facts (tau_d, prompts, reply cap, splits).
 The other environments and the registry of all three: integrations/worlds.py; the worker processes and
 engine caches, which only make the games faster: support/gamepool.py.
@@ -22,6 +23,7 @@ import sys
 from pathlib import Path
 
 from support import gamepool
+from reward import parse_next_state
 from support.common import UserError, utf8_clean
 
 SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")  # valid_seen = ID, valid_unseen = OOD
@@ -240,6 +242,50 @@ def baseline_prediction(name: str, triplet: dict) -> str:
     if name == "copy":
         return triplet["history"][-1]["observation"]
     raise UserError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
+
+
+def score_wm(triplets: list[dict], completions: list[str], reward_fn, k: int = 1) -> dict:
+    """Score k completions per triplet (`<next_state>` replies, in triplet order): the summaries of
+    rwml.evaluate_wm, and under `triplets` one row per triplet (its predictions, rewards, cosines, kind, and
+    whether the template rule hits it). Content-free baselines are scored here too, with the same reward."""
+    targets = [t["next_obs"] for t in triplets for _ in range(k)]
+    rewards = reward_fn(completions, targets)
+    states = [parse_next_state(p) for p in completions]
+    sims = reward_fn.similarity(states, targets)
+    rule = reward_fn([f"<next_state>{template_prediction(t['action'])}</next_state>" for t in triplets],
+                     [t["next_obs"] for t in triplets])
+    unseen = [bool(unseen_objects(t)) for t in triplets]  # lists what the prompt never showed
+    rows = [dict(reward=r, cosine=s, exact=exact_match(p, t), f1=item_f1(p, t),
+                 parsed=p is not None, kind=observation_kind(t), beyond=rule[i // k] == 0,
+                 unseen=unseen[i // k]) for i, (r, s, p, t) in enumerate(zip(rewards, sims, states, targets))]
+
+    def summary(rs):
+        n, f1 = max(len(rs), 1), [r["f1"] for r in rs if r["f1"] is not None]  # strict: item_f1
+        return dict(wm_accuracy=sum(r["reward"] for r in rs) / n,
+                    mean_cosine=sum(r["cosine"] for r in rs) / n,
+                    exact_match=sum(r["exact"] for r in rs) / n, format_rate=sum(r["parsed"] for r in rs) / n,
+                    item_f1=sum(f1) / len(f1) if f1 else None, item_n=len(f1) // k, n=len(rs) // k)
+
+    out = summary(rows)
+    out["per_kind"] = dict(change=summary([r for r in rows if r["kind"] != "nothing_happens"]),
+                           nothing_happens=summary([r for r in rows if r["kind"] == "nothing_happens"]),
+                           beyond_template=summary([r for r in rows if r["beyond"]]),
+                           # of those, the targets that list an object the prompt never names: only a guess
+                           beyond_template_unseen=summary([r for r in rows if r["beyond"] and r["unseen"]]),
+                           within_template=summary([r for r in rows if not r["beyond"]]))
+    out["per_observation_kind"] = {kind: summary([r for r in rows if r["kind"] == kind])
+                                   for kind in sorted({r["kind"] for r in rows})}
+    out["examples"] = [dict(action=t["action"], target=t["next_obs"], prediction=p)
+                       for t, p in zip(triplets[:8], completions[::k])]
+    out["triplets"] = [dict(game=t.get("game"), rollout=t.get("rollout"), step=t.get("step"),
+                            action=t["action"], target=t["next_obs"], kind=rows[i * k]["kind"],
+                            template_hit=not rows[i * k]["beyond"], unseen_objects=unseen[i],
+                            predictions=states[i * k:(i + 1) * k], rewards=rewards[i * k:(i + 1) * k],
+                            cosines=[round(c, 4) for c in sims[i * k:(i + 1) * k]],
+                            exact=[r["exact"] for r in rows[i * k:(i + 1) * k]],
+                            item_f1=[r["f1"] for r in rows[i * k:(i + 1) * k]])
+                       for i, t in enumerate(triplets)]
+    return out
 
 
 # ----------------------------------------------------------------------------- one game

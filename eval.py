@@ -30,12 +30,12 @@ from pathlib import Path
 
 import envs
 import rwml
-from train import ACTORS, make_reward, triplet_problem
+from train import ACTORS, make_reward
 from integrations.settings import (AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs, SamplingArgs,
                                    WorldModelArgs)
-from integrations import choose, tau2, worlds
+from integrations import choose, tau2, verdict, worlds
 from integrations.runs import (check_play, episode_log, finished_episodes, random_policy, recorded,
-                               triplets_env)
+                               triplet_problem, triplets_env)
 from support import engine
 from support.cli import check_fields, commands_help, parse_config, run_cli
 from support.common import UserError, again, arg, names, stored_config, write_atomic
@@ -124,7 +124,7 @@ def wm_accuracy(cfg: WMEvalConfig) -> dict:
     reward_fn = make_reward(cfg)
     info = dict(transitions=cfg.transitions, split=collection_split(cfg.transitions), config=asdict(cfg))
     if cfg.baseline:
-        return dict(rwml.baseline_wm(cfg.baseline, trips, reward_fn), **info)
+        return dict(verdict.baseline_wm(cfg.baseline, trips, reward_fn), **info)
     model, tok = engine.load_model(cfg.model, cfg.adapter)
     torch.manual_seed(cfg.seed)  # as train.py's before / after evaluation
     result = rwml.evaluate_wm(model, tok, trips, reward_fn, max_new_tokens=cfg.max_completion_length,

@@ -1,33 +1,30 @@
 """RWML -- Reinforcement World Model Learning for LLM agents (Yu et al., arXiv 2602.05842): the method, on
 ALFWorld, with the agent writing free-form replies (generate mode, the paper's).
 
-Read top to bottom: the order is the paper's, numbered as METHOD.md (next to this file) numbers it; `§N`
-points to the project's notes there (what the paper says, which default we take where it is silent). The
-README's steps use the same numbers. Settings live in integrations/settings.py (a function here reads the
-fields it names from its `cfg`); time and memory are counted in train.py.
-
-  §2 Data: the model plays the environment; every turn is a (history, action, next obs) triplet. World-model
-     prompts: (history, action) -> the reply starts at <next_state> and holds the predicted observation
-     (ours; the paper's thinks in <think> first: --wm-reasoning). The split that trains the filter's copy
+Read top to bottom, in the paper's order, numbered as METHOD.md (next to this file) numbers it; `§N` points to
+its notes (what the paper says, the default we take where it is silent), the README's steps too. Settings:
+integrations/settings.py (a function here reads the fields it names from its `cfg`).
+  §2 Data: the model plays; every turn a (history, action, next obs) triplet. World-model prompts: the reply
+     starts at <next_state> (ours; the paper's thinks in <think> first: --wm-reasoning). The filter's split
      (ours 35 %, --filter-split; the paper's 10 %).
   §3 Reward: the sim-to-real gap in a sentence-embedding space, with a ROUGE-1 gate (reward.py).
   §4 "Too easy" subsampling with a separately fine-tuned copy (ours: the copy is also RWML's warm-up, and
      only triplets whose samples are mixed are kept).
   §5 GRPO on world-model prompts: advantages, token weights, the clipped loss with KL, the step; log pi
-     defined plainly (`logprobs`), computed fast (`batch_logprobs`); the KL's reference (`reference_policy`).
-  §6 Stage 2: policy RL on task success, started from the RWML model; the paper's actor (`GENERATE`).
+     defined plainly (`logprobs`); the KL's reference (`reference_policy`).
+  §6 Stage 2: policy RL on task success, from the RWML model; the paper's actor (`GENERATE`).
   §8 Evaluation: world-model accuracy on held-out triplets.
-§7 (the baselines) is in train.py. Support, called at the edges (skip on a first read): support/engine.py
-(models, sampling, SFT, LoRA), support/update.py (an update's `Batch`, log pi fast), integrations/choose.py
-(choose mode's actor), integrations/worlds.py and tau2.py (TextWorld, tau2-bench, the registry: each
-environment's class holds its prompts, tau_d, reply cap).
+§7 (the baselines) is in train.py. Support (skip on a first read): support/engine.py (models, sampling, SFT,
+LoRA), support/update.py (an update's `Batch`, log pi fast, its diagnostics), support/play.py (the batched
+play loop), integrations/choose.py (choose mode's actor), integrations/worlds.py and tau2.py (TextWorld,
+tau2-bench: each environment's class holds its prompts, tau_d, reply cap).
 """
 from __future__ import annotations
 
 import random
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TypedDict
 
 import torch
@@ -38,8 +35,9 @@ from reward import parse_next_state
 from integrations import worlds
 from support.common import UserError
 from support.engine import add_lora, by_length, sample_chat, sft
-from support.update import (Batch, completion_logprobs, group_logprobs, micro_batches, optimizer_step, pack,
-                              to_device)
+from support.play import play as play_loop
+from support.update import (Batch, batch_logprobs, loss_stats, micro_batches, optimizer_step, pack,
+                            to_device)
 
 # ======================================================================================== §2 Data: collection
 # The base model plays ALFWorld's *training* games at temperature 1.0 (3 rollouts per game in the
@@ -73,93 +71,19 @@ class Triplet(TypedDict, total=False):
     completion_ids: list[int]
 
 
-@dataclass
-class Running:
-    """An episode in play: its index in the caller's list, its summary, current observation, past pairs."""
-    index: int
-    summary: dict
-    obs: str
-    past: list = field(default_factory=list)
-
-
-def play(model, tokenizer, env, episodes: list[dict], *, actor=None, history_len: int = 2,
-         temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 128, num_envs: int = 8,
-         on_turn=None, on_episode=None, record_tokens: bool = False, explore_prob: float = 0.0, seed: int = 0,
-         desc: str = "episodes") -> list[dict]:
-    """Play `episodes` ({"game": an ALFWorld game file, ...}) in `env` (`worlds.make`), `num_envs` at once:
-    each round, one reply for every running episode in one batch, then a step of each; a finished episode's
-    slot goes to the next waiting one. `on_turn(triplet)` and `on_episode(summary)` see results as they
-    happen. `record_tokens`: each turn adds its prompt and the exact tokens the model saw and sampled
-    (`prompt_ids`, `completion_ids`), which stage 2 trains on. `explore_prob` (ALFWorld collection): the
-    chance that a turn's reply is `env.explore`'s, not the model's (`explored`). `actor` writes the replies:
-    `GENERATE` (free-form ReAct replies, the paper's; §6), or choose mode's. Returns one summary per episode,
-    in the order given."""
-    if num_envs < 1:
-        raise UserError(f"--num-envs must be at least 1, got {num_envs}")
-    actor = actor or GENERATE
-    env.bind_model(model, tokenizer, temperature=temperature, top_p=top_p)  # tau2: the model of its customer
-    waiting, running, summaries = list(enumerate(episodes)), {}, [None] * len(episodes)
-    free_slots, rng = list(range(num_envs))[::-1], random.Random(seed)
-    explore_prob = explore_prob if env.can_explore else 0.0
-    bar = tqdm(total=len(episodes), desc=desc, unit="ep", dynamic_ncols=True)
-    while waiting or running:
-        starts = {}
-        while waiting and free_slots:
-            starts[free_slots.pop()] = waiting.pop(0)
-        for slot, s in env.reset({slot: ep for slot, (_, ep) in starts.items()}).items():
-            i, ep = starts[slot]
-            counts = dict.fromkeys(env.counters, 0)
-            summary = dict(ep, game=s["game"], task=s["task"], task_type=s["task_type"], won=False, steps=0,
-                           **counts)
-            running[slot] = Running(i, summary, s["obs"])
-        slots = sorted(running)
-        explored = {s: explore_prob > 0 and rng.random() < explore_prob for s in slots}
-        asked = [s for s in slots if not explored[s]]  # the model writes these slots' replies
-        recent = {s: running[s].past[-history_len:] if history_len else [] for s in slots}
-        replies, tokens = actor.act(model, tokenizer, env, asked, recent, temperature=temperature,
-                                    top_p=top_p, max_new_tokens=max_new_tokens, record=record_tokens, rng=rng)
-        replies.update({s: env.explore(s, rng) for s in slots if explored[s]})
-        results = env.step(replies)
-        for s in slots:
-            e, r = running[s], results[s]
-            summ = e.summary
-            if on_turn is not None:
-                history = [{"observation": o, "action": a} for o, a in recent[s]] + [{"observation": e.obs}]
-                turn: Triplet = dict(env.turn_fields, game=summ["game"], task=summ["task"],
-                            task_type=summ["task_type"], rollout=summ.get("rollout", 0), episode=e.index,
-                            step=summ["steps"], history=history, action=r["action"], next_obs=r["obs"],
-                            valid=r["valid"], format_ok=r["format_ok"], won=r["won"], done=r["done"],
-                            response="" if explored[s] else replies[s], explored=explored[s])
-                if record_tokens and s in tokens:  # the exact tokens the model saw and produced
-                    turn.update(tokens[s])
-                on_turn(turn)
-            for k, v in r["counts"].items():
-                summ[k] += int(v)
-            if "explored" in summ:
-                summ["explored"] += explored[s]
-            summ.update(steps=summ["steps"] + 1, won=r["won"])
-            e.past.append((e.obs, r["action"]))
-            e.obs = r["obs"]
-            if r["done"]:
-                summ.update(env.finish(s))
-                summaries[e.index] = summ
-                if on_episode is not None:
-                    on_episode(summ)
-                del running[s]
-                free_slots.append(s)
-                bar.update(1)
-        bar.set_postfix(won=sum(bool(x and x["won"]) for x in summaries), running=len(running))
-    bar.close()
-    return summaries
+def play(model, tokenizer, env, episodes: list[dict], *, actor=None, **kwargs) -> list[dict]:
+    """Play `episodes` ({"game": an ALFWorld game file, ...}) in `env` (`worlds.make`), `num_envs` at once,
+    each round a batch of replies (`actor`'s: `GENERATE`, the paper's ReAct replies; §6), then a step of each;
+    each turn a `Triplet` to `on_turn`, with its exact tokens when `record_tokens` (stage 2 trains on them).
+    One summary per episode, in order. The loop and its other settings: support/play.py."""
+    return play_loop(model, tokenizer, env, episodes, actor=actor or GENERATE, **kwargs)
 
 
 # ====================================================== §2 Data: world-model prompts, the filter's split
 # The same LLM that acts now predicts: given the task, the history and an action, what will the game say?
 # With --wm-reasoning (the paper's) it reasons in <think>, then writes <next_state>; by default (ours) its
-# reply starts at <next_state>. Only the <next_state> text is scored (reward.py).
-
-# The system prompt and the question come from the triplet's environment (`env`; ALFWorld when absent):
-# its class in worlds.ENVIRONMENTS holds them (`wm_system`, `wm_ask`), e.g. envs.Alfworld.
+# reply starts at <next_state>. Only the <next_state> text is scored (reward.py). The system prompt and the
+# question are the triplet's environment's (`env`, ALFWorld when absent; `wm_system`, `wm_ask` of its class).
 WM_PREFIX, WM_STOP = "<think>", "</next_state>"
 
 
@@ -277,8 +201,7 @@ def filter_copy(model, tokenizer, split: list[Triplet], cfg, *, more: list[Tripl
     return copy, losses
 
 
-def filter_keep(copy, tokenizer, train: list[Triplet], reward_fn, cfg,
-                seed: int = 0) -> tuple[list[bool], dict]:
+def filter_keep(copy, tokenizer, train: list[Triplet], reward_fn, cfg, seed: int = 0) -> tuple[list, dict]:
     """Which training triplets GRPO gets: the copy's cfg.filter_samples predictions per triplet give its
     easiness; cfg.easy_filter: the paper's subsampling (`easy_subsample`); cfg.mixed_only (ours, with the
     warm-up): only triplets whose K predictions were neither all right nor all wrong, the only ones whose
@@ -357,19 +280,6 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, weights, *, beta: float = 0.
     return (per_token * weights).sum()
 
 
-@torch.no_grad()
-def loss_stats(logp, old_logp, ref_logp, advantages, weights, *, epsilon: float = 0.2,
-               epsilon_high: float | None = None) -> dict:
-    """The mean KL and TRL's clip ratio over the live tokens: a token counts as clipped when the clipped
-    term wins, i.e. its ratio left [1 - eps, 1 + eps_high] in the direction its advantage pushes."""
-    ratio, a, live = torch.exp(logp - old_logp), advantages.unsqueeze(1), (weights > 0).float()
-    high = 1 + (epsilon if epsilon_high is None else epsilon_high)
-    clipped = ((ratio < 1 - epsilon) & (a < 0)) | ((ratio > high) & (a > 0))
-    kl = kl_k3(ref_logp, logp) if ref_logp is not None else torch.zeros_like(logp)
-    n = live.sum().clamp(min=1)
-    return dict(kl=float((kl * live).sum() / n), clip_ratio=float((clipped.float() * live).sum() / n))
-
-
 def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, cfg, *,
               reasoning: bool = True) -> dict:
     """One RWML step on a batch of world-model prompts: sample a group of predictions per prompt, score
@@ -389,12 +299,10 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, c
         P = ids.shape[1] - cmask.shape[1]
         batch = replace(batch, prompt_ids=ids[::G, :P], prompt_mask=attn[::G, :P], group_size=G)
     stats = grpo_update(model, optimizer, batch, cfg)
-    grouped, states = rewards.view(-1, G), [parse_next_state(t) for t in roll.texts]
-    lengths = cmask.sum(1).float()  # TRL's completions/* (clipped: cut at max_completion_length, no stop)
+    grouped, lengths = rewards.view(-1, G), cmask.sum(1).float()  # lengths: TRL's completions/*
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if G > 1 else 0.0,
                 frac_reward_zero_std=float((grouped.std(1) == 0).float().mean()),
                 group_rewards=grouped.mean(1).tolist(),  # per prompt: which groups carry a gradient (mixed)
-                **nothing_by_group(states, advantages, G),  # the drift diagnostics (lab/NOTEBOOK.md)
                 format_rate=sum(parse_next_state(t) is not None for t in roll.texts) / len(roll.texts),
                 completion_tokens=float(lengths.mean()), updates=stats, sample=roll.texts[0],
                 sample_target=triplets[0]["next_obs"], sample_reward=float(rewards[0]),
@@ -403,15 +311,6 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, c
                 **{"completions/min_length": float(lengths.min()),
                    "completions/max_length": float(lengths.max()),
                    "completions/clipped_ratio": float((lengths >= cfg.max_completion_length).float().mean())})
-
-
-def nothing_by_group(states: list[str | None], advantages: torch.Tensor, G: int) -> dict:
-    """The share of "Nothing happens." predictions and, per prompt, how many and the advantage they got (> 0:
-    pushed up): which groups move the share of that answer, the small model's most common drift (NOTEBOOK)."""
-    nothing = torch.tensor([s == NOTHING for s in states], dtype=torch.float).view(-1, G)
-    return dict(nothing_share=sum(s == NOTHING for s in states) / len(states),
-                group_nothing=nothing.sum(1).tolist(),
-                group_nothing_advantage=(nothing * advantages.view(-1, G)).sum(1).tolist())
 
 
 def grpo_update(model, optimizer, batch: Batch, cfg, actor=None) -> list[dict]:
@@ -435,16 +334,16 @@ def grpo_update(model, optimizer, batch: Batch, cfg, actor=None) -> list[dict]:
         parts = []
         for j, mb in enumerate(micro):
             logp = actor.logprobs(model, mb, cfg)
-            terms = dict(logp=logp, old_logp=old[j] if old else logp.detach(),
-                         ref_logp=ref[j] if ref else None, advantages=mb.advantages, weights=mb.weights,
-                         epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high)
-            loss = grpo_loss(**terms, beta=cfg.beta)
+            old_logp, ref_logp, eps = old[j] if old else logp.detach(), ref[j] if ref else None, cfg.epsilon
+            loss = grpo_loss(logp, old_logp, ref_logp, mb.advantages, mb.weights, beta=cfg.beta, epsilon=eps,
+                             epsilon_high=cfg.epsilon_high)
             if not torch.isfinite(loss):
                 parts = None  # skip this update
                 break
             loss.backward()
-            parts.append(dict(loss=loss.item(), tokens=mb.completion_mask.sum().item(),
-                              **loss_stats(**terms)))
+            kl = None if ref_logp is None else kl_k3(ref_logp, logp.detach())  # TRL's diagnostics: kl, clip
+            parts.append(dict(loss=loss.item(), tokens=mb.completion_mask.sum().item(), **loss_stats(
+                logp.detach(), old_logp, kl, mb.advantages, mb.weights, eps, cfg.epsilon_high)))
         stats.append(optimizer_step(model, optimizer, cfg.max_grad_norm, parts))
     model.eval()
     return stats
@@ -462,20 +361,6 @@ def logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, compl
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
     logits = logits[:, -C - 1:-1].float() / temperature  # the positions that predict the completion's tokens
     return logits.log_softmax(-1).gather(-1, input_ids[:, -C:, None]).squeeze(-1) * completion_mask
-
-
-def batch_logprobs(model, mb: Batch, cfg) -> torch.Tensor:
-    """`logprobs` of a micro-batch's completion tokens ([B, C]), computed faster (support/update.py): each
-    group's prompt once (`group_logprobs`), or every row whole in chunks of the vocabulary projection
-    (`completion_logprobs`); each shortcut checked once per model against the model's full logits
-    (`fast_paths`), which give way to them where they disagree."""
-    ids, cmask = mb.input_ids, mb.completion_mask
-    if mb.group_size > 1:
-        completions = ids[:, ids.shape[1] - cmask.shape[1]:]
-        return group_logprobs(model, mb.prompt_ids, mb.prompt_mask, completions, cmask,
-                              temperature=cfg.temperature, chunk_size=cfg.logits_chunk_size)
-    return completion_logprobs(model, ids, mb.attention_mask, cmask, temperature=cfg.temperature,
-                               chunk_size=cfg.logits_chunk_size)
 
 
 @contextmanager
@@ -565,9 +450,8 @@ def policy_update(model, tokenizer, optimizer, turns: list[Triplet], summaries: 
 
 
 class Generate:
-    """The paper's actor (generate mode): the model writes a free-form ReAct reply, <think> then <action>,
-    sampled for every asked slot in one batch (`act`); stage 2 trains log pi of the reply's tokens (`batch`,
-    `micro_batches`, `logprobs`). Choose mode and random play are other actors: integrations/choose.py."""
+    """The paper's actor (generate mode): a free-form ReAct reply, <think> then <action>, sampled for every
+    asked slot in one batch (`act`); stage 2 trains log pi of its tokens. Others: integrations/choose.py."""
 
     def act(self, model, tokenizer, env, slots: list[int], recent: dict, *, temperature: float, top_p: float,
             max_new_tokens: int, record: bool, **_) -> tuple[dict, dict]:
@@ -597,12 +481,10 @@ GENERATE = Generate()
 def evaluate_wm(model, tokenizer, triplets: list[Triplet], reward_fn, *, max_new_tokens: int = 96,
                 batch_size: int = 16, reasoning: bool = True, samples: int = 0,
                 temperature: float = 1.0) -> dict:
-    """World-model accuracy on held-out triplets: the share of predictions with r_WM = 1, mean cosine,
-    exact match and format rate, overall, on real changes vs "Nothing happens.", on the targets the
-    content-free template rule misses (`beyond_template`), and per observation kind
-    (`envs.observation_kind`). `samples` = 0: one greedy prediction per triplet; k > 0: k sampled at
-    `temperature` (the quantity GRPO raises, with less noise on a small held-out set). The result's
-    `triplets` holds every triplet's predictions, rewards and cosines (`score_wm`)."""
+    """World-model accuracy on held-out triplets: the share of predictions with r_WM = 1, beside mean cosine,
+    exact match, item F1 and format rate, overall and by kind (envs.score_wm: real changes, the targets the
+    content-free template rule misses, ...; every triplet's predictions, rewards and cosines). `samples` = 0:
+    one greedy prediction per triplet; k > 0: k sampled at `temperature` (the quantity GRPO raises)."""
     k, per = max(samples, 1), max(1, batch_size // max(samples, 1))
     order = by_length([wm_prompt(t, reasoning) for t in triplets])
     preds = [""] * (len(triplets) * k)
@@ -613,56 +495,6 @@ def evaluate_wm(model, tokenizer, triplets: list[Triplet], reward_fn, *, max_new
                                    temperature=temperature if samples else 0.0).texts
         for j, idx in enumerate(order[i:i + per]):
             preds[idx * k:(idx + 1) * k] = texts[j * k:(j + 1) * k]
-    out = score_wm(triplets, preds, reward_fn, k)
+    out = envs.score_wm(triplets, preds, reward_fn, k)
     out.update(samples=samples, temperature=temperature if samples else 0.0)
     return out
-
-
-def score_wm(triplets: list[Triplet], completions: list[str], reward_fn, k: int = 1) -> dict:
-    """Score k completions per triplet (`<next_state>` replies, in triplet order): the summaries of
-    `evaluate_wm`, and under `triplets` one row per triplet (its predictions, rewards, cosines, kind, and
-    whether the template rule hits it). Content-free baselines are scored here too, with the same reward."""
-    targets = [t["next_obs"] for t in triplets for _ in range(k)]
-    rewards = reward_fn(completions, targets)
-    states = [parse_next_state(p) for p in completions]
-    sims = reward_fn.similarity(states, targets)
-    rule = reward_fn([f"<next_state>{envs.template_prediction(t['action'])}</next_state>" for t in triplets],
-                     [t["next_obs"] for t in triplets])
-    unseen = [bool(envs.unseen_objects(t)) for t in triplets]  # lists what the prompt never showed
-    rows = [dict(reward=r, cosine=s, exact=envs.exact_match(p, t), f1=envs.item_f1(p, t),
-                 parsed=p is not None, kind=envs.observation_kind(t), beyond=rule[i // k] == 0,
-                 unseen=unseen[i // k]) for i, (r, s, p, t) in enumerate(zip(rewards, sims, states, targets))]
-
-    def summary(rs):
-        n, f1 = max(len(rs), 1), [r["f1"] for r in rs if r["f1"] is not None]  # strict: envs.item_f1
-        return dict(wm_accuracy=sum(r["reward"] for r in rs) / n,
-                    mean_cosine=sum(r["cosine"] for r in rs) / n,
-                    exact_match=sum(r["exact"] for r in rs) / n, format_rate=sum(r["parsed"] for r in rs) / n,
-                    item_f1=sum(f1) / len(f1) if f1 else None, item_n=len(f1) // k, n=len(rs) // k)
-
-    out = summary(rows)
-    out["per_kind"] = dict(change=summary([r for r in rows if r["kind"] != "nothing_happens"]),
-                           nothing_happens=summary([r for r in rows if r["kind"] == "nothing_happens"]),
-                           beyond_template=summary([r for r in rows if r["beyond"]]),
-                           # of those, the targets that list an object the prompt never names: only a guess
-                           beyond_template_unseen=summary([r for r in rows if r["beyond"] and r["unseen"]]),
-                           within_template=summary([r for r in rows if not r["beyond"]]))
-    out["per_observation_kind"] = {kind: summary([r for r in rows if r["kind"] == kind])
-                                   for kind in sorted({r["kind"] for r in rows})}
-    out["examples"] = [dict(action=t["action"], target=t["next_obs"], prediction=p)
-                       for t, p in zip(triplets[:8], completions[::k])]
-    out["triplets"] = [dict(game=t.get("game"), rollout=t.get("rollout"), step=t.get("step"),
-                            action=t["action"], target=t["next_obs"], kind=rows[i * k]["kind"],
-                            template_hit=not rows[i * k]["beyond"], unseen_objects=unseen[i],
-                            predictions=states[i * k:(i + 1) * k], rewards=rewards[i * k:(i + 1) * k],
-                            cosines=[round(c, 4) for c in sims[i * k:(i + 1) * k]],
-                            exact=[r["exact"] for r in rows[i * k:(i + 1) * k]],
-                            item_f1=[r["f1"] for r in rows[i * k:(i + 1) * k]])
-                       for i, t in enumerate(triplets)]
-    return out
-
-
-def baseline_wm(name: str, triplets: list[Triplet], reward_fn) -> dict:
-    """A content-free baseline (`envs.baseline_prediction`: template, nothing, copy) scored as a model is."""
-    preds = [f"<next_state>{envs.baseline_prediction(name, t)}</next_state>" for t in triplets]
-    return dict(score_wm(triplets, preds, reward_fn), samples=0, temperature=0.0, model=name)

@@ -25,22 +25,24 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-import envs
 import rwml
-from reward import SimToRealReward, coin_reward, mis_targets
+from reward import SimToRealReward
 from integrations import choose, verl_export, worlds
-from integrations.caches import cached_heldout, filter_cache, save_filter, warmup_collections
-from integrations.runs import (before_after_line, before_made_by, compare, said, check_stage, claim_out,
-                               collection_summary, collection_todo, kind_mix, log_groups, policy_eval_games,
-                               releases_locks, settle_env, split_games, stage_inputs, telling, walkthroughs,
-                               wm_row)
-from support import cost, engine, stats
+from integrations.caches import (cached_heldout, filter_cache, more_warmup, save_easiness, save_filter,
+                                 warmup_collections)
+from integrations.runs import (before_made_by, check_stage, claim_out, collection_summary, collection_todo,
+                               kind_mix, log_groups, policy_eval_games, releases_locks, settle_env,
+                               split_games, stage_inputs, telling, triplet_problem, walkthroughs, wm_row,
+                               wm_texts)
+from integrations.verdict import (all_summary, baselines_line, before_after_line, coin_control, gain_lines,
+                                  reward_control)
+from support import cost, engine
 from support.cli import parse_stage, run_cli
-from support.common import RERUN, UserError, read_jsonl, write_atomic, write_jsonl
-from support.plumbing import (check_run, close_tracker, config_json, context_problem, filter_dir,
-                              jsonl_writer, keep_rng, log_row, run_header, sample_triplets, save_checkpoint,
-                              start_run, swap_checkpoint, use_4bit, write_eval)
-from support.cards import CONTROLS, TRIPLETS_KEPT, card_run, plot_rewards, save_adapter, write_card
+from support.common import RERUN, UserError, read_jsonl, write_atomic
+from support.plumbing import (check_run, close_tracker, config_json, filter_dir, jsonl_writer, keep_rng,
+                              log_row, run_header, sample_triplets, save_checkpoint, start_run,
+                              swap_checkpoint, use_4bit, write_eval)
+from support.cards import CONTROLS, TRIPLETS_KEPT, card_run, plot_rewards, save_adapter
 from integrations.settings import STAGES, Settings, WorldModelArgs  # every setting: its flag, default
 
 # ------------------------------------------------ the stages' shared parts: how the agent plays, the triplets
@@ -57,25 +59,6 @@ def make_env(cfg, episodes: int | None = None):
     return worlds.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns,
                        at_once=None if episodes is None else min(cfg.num_envs, episodes),
                        user_model=cfg.user_model)
-
-
-def wm_texts(t: dict, reasoning: bool) -> tuple[str, str, str, str]:
-    """A triplet's world-model chat as the adapters learn it, (system prompt, prompt, reply prefix, stop):
-    for the model cards and verl's export, which take it as an argument rather than import the method."""
-    return rwml.wm_system(t), rwml.wm_prompt(t, reasoning), rwml.wm_prefix(reasoning), rwml.WM_STOP
-
-
-def triplet_problem(cfg):
-    """For read_transitions: why a triplet cannot train with `cfg` (an unknown env; a world-model prompt and
-    answer past the model's context), or None."""
-    def problem(t: dict) -> str | None:
-        if "env" in t and (not isinstance(t["env"], str) or t["env"] not in worlds.ENVIRONMENTS):
-            return f"env {json.dumps(t['env'])[:40]} is not one of {', '.join(worlds.ENVIRONMENTS)} " \
-                   "(or left out)"
-        chats = [(rwml.wm_prompt(t, r), rwml.wm_system(t), rwml.wm_prefix(r))
-                 for r in {cfg.wm_reasoning, False}]
-        return context_problem(cfg, chats, rwml.wm_answer(t))
-    return problem
 
 
 # ------------------------------------------ §2 collect: the model plays the train games; every turn a triplet
@@ -114,11 +97,7 @@ def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
             return cached
         seed = job["seed"]
         train, split = rwml.split_triplets(triplets, cfg.filter_split, seed)
-        more = [Path(f) for f in (cfg.warmup_transitions or "").split(",") if f]
-        if missing := [str(f) for f in more if not f.is_file()]:
-            raise UserError(f"--warmup-transitions: {', '.join(missing)} not found; give transitions.jsonl "
-                            "files of `train.py collect`, comma-separated")
-        more = [t for f in more for t in read_jsonl(f)]
+        more = more_warmup(cfg)  # --warmup-transitions: more games' triplets for the copy
         keep, info = [True] * len(train), dict(easy_share=None, more_warmup_triplets=len(more))
         if cfg.easy_filter or cfg.warmup:
             model, tok = load()
@@ -133,11 +112,7 @@ def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
                     keep, scored = rwml.filter_keep(copy, tok, train, reward_fn, cfg, seed)
                 scores, easy = scored.pop("scores"), scored.pop("easy")
                 info.update(scored)
-                out.mkdir(parents=True, exist_ok=True)
-                write_jsonl(out / "easiness.jsonl", [
-                    dict(game=t.get("game"), step=t.get("step"), rollout=t.get("rollout"),
-                         next_obs=t["next_obs"], easiness=s, easy=e, kept=k)
-                    for t, s, e, k in zip(train, scores, easy, keep)])
+                save_easiness(out, train, scores, easy, keep)
             copy.unload()  # back to the bare base model; its weights were never touched
         kept = [t for t, k in zip(train, keep) if k]
         info.update(num_triplets=len(triplets), num_train=len(train), num_filter_split=len(split),
@@ -150,22 +125,6 @@ def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
 
 def make_reward(cfg: WorldModelArgs) -> SimToRealReward:
     return SimToRealReward(cfg.embedder, cfg.tau_d, cfg.reward_metric, cfg.reward_binary, cfg.rouge_gate)
-
-
-def reward_control(cfg, triplets: list[dict], reward_fn, out: Path, coin_seed: int | None = None):
-    """(triplets, reward function) under a control: MIS (another triplet's target) or COIN (a fair coin,
-    seeded by `coin_seed`, else the run's seed)."""
-    if cfg.reward_control == "mis":
-        targets, unchanged = mis_targets([t["next_obs"] for t in triplets], cfg.seed)
-        out.mkdir(parents=True, exist_ok=True)
-        write_atomic(out / "mis.json",
-                     json.dumps(dict(unchanged_share=unchanged, num_triplets=len(triplets)), indent=2))
-        print(f"mis: {unchanged:.1%} of triplets keep a target equal to their own (one text is over half "
-              "of all)")
-        return [dict(t, next_obs=x) for t, x in zip(triplets, targets)], reward_fn
-    if cfg.reward_control == "coin":
-        return triplets, coin_reward(cfg.seed if coin_seed is None else coin_seed)
-    return triplets, reward_fn
 
 
 def start_adapter(cfg, model, adapter: Path | str | None = None):
@@ -296,9 +255,6 @@ def train_wm(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn, st
 
 # --------------------------------- all: the default run (python train.py), held-out accuracy before and after
 
-HELDOUT_KINDS = ("explore", "purposeful")  # this collection policy's triplets; the expert walkthroughs'
-
-
 def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
     """The default run, `python train.py`: collect on train games, collect held-out games (both kinds),
     filter (+ warm-up), RWML, held-out accuracy before / after, beside the content-free baselines."""
@@ -348,95 +304,8 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
             held[kind] = before_after_line(json.loads(before_files[kind].read_text()), after)
             print(f"{kind}: {held[kind]}")
     if cfg.coin_control:
-        coin_control(cfg, out, load, reward_fn, start, model, kept, heldout)
+        coin_control(cfg, out, load, reward_fn, start, model, kept, heldout, train_wm, evaluate_heldout)
     all_summary(cfg, out, gain_lines(out, start), held, len(kept), start, t0)  # the card, the last lines
-
-
-COIN_STREAM = 1_000_003  # the matched COIN arm's coin: seed + this, so a coin run's control is another coin
-
-
-def coin_control(cfg, out: Path, load, reward_fn, start, model, kept: list[dict], heldout: dict) -> None:
-    """The matched COIN arm (issue 56): RWML's recipe with a fair coin for a reward, from the same warm-up, on
-    the same prompts in the same batches with the same sampling seed, scored on the same held-out triplets
-    (wm_eval_coin_<kind>), line (e), `--coin-control`. One arm's coin moves too far from run to run to decide
-    anything (a coin run passed RWML - COIN: lab/results/fresh_seeds). Resumes as `all` does."""
-    model.unload()  # the bare base model again: the control starts from the warm-up as RWML did
-    ctrl = out / "coin_control"
-    ctrl.mkdir(parents=True, exist_ok=True)
-    with cost.stage("coin control grpo"):
-        arm = train_wm(dataclasses.replace(cfg, reward_control="coin", eval_steps=0,
-                                           resume=cfg.resume or swap_checkpoint(ctrl / "checkpoint")),
-                       kept, ctrl, load, reward_fn, start, coin_seed=cfg.seed + COIN_STREAM)
-    for kind in HELDOUT_KINDS:
-        with cost.stage("coin control eval"):
-            write_eval(out / f"wm_eval_coin_{kind}.json",
-                       dict(evaluate_heldout(cfg, arm, load()[1], heldout[kind]["triplets"], reward_fn),
-                            model="COIN (matched)", split=cfg.heldout_split,
-                            transitions=heldout[kind]["file"]))
-    arm.unload()
-
-
-def gain_lines(out: Path, start) -> list[str]:
-    """(a) the sim-to-real reward on RWML's own training prompts, before -> after: whether training followed
-    the reward; (b) held-out RWML - start per kind and both kinds pooled, reward and exact match: what it
-    generalised; (c) RWML - the content-free template rule: whether it is a world model at all; (d) beyond the
-    rule, the targets whose answer the prompt holds; (e) RWML - the matched COIN arm (`--coin-control`); then
-    the verdict in words (`world_model_verdict`)."""
-    a, strict = (compare(out, "rwml", "before", "train", k) for k in ("rewards", "exact"))
-    name = "the warm-up" if start else "the base model"
-    lines = [f"(a) the sim-to-real reward on RWML's own {a['n']} training prompts ({a['units']} games): "
-             f"{name} {a['before']:.3f} -> RWML {a['after']:.3f}, {said(a)} (95 % CI over games); exact "
-             f"match {strict['before']:.3f} -> {strict['after']:.3f}, {said(strict)}"]
-    rule, both = {}, compare(out, "rwml", "before", HELDOUT_KINDS, "exact")
-    for kind in HELDOUT_KINDS:
-        r, e = compare(out, "rwml", "before", kind, "rewards"), compare(out, "rwml", "before", kind, "exact")
-        lines.append(f"(b) held-out {kind}, RWML - {name} ({r['n']} triplets, {r['units']} games): reward "
-                     f"{said(r)}; exact match {said(e)}")
-    lines.append(f"(b) held-out, both kinds pooled ({both['n']} triplets), exact match: {said(both)}")
-    if not all((out / f"wm_eval_template_{k}.triplets.jsonl").is_file() for k in HELDOUT_KINDS):
-        return lines  # a run scored without the baselines (a lab re-score of (a), (b) alone)
-    for kind in HELDOUT_KINDS:
-        r, rule[kind] = (compare(out, "rwml", "template", kind, k) for k in ("rewards", "exact"))
-        lines.append(f"(c) held-out {kind}, RWML {rule[kind]['after']:.3f} - the template rule "
-                     f"{rule[kind]['before']:.3f} (exact match): {said(rule[kind])}; reward {said(r)}")
-    for kind in HELDOUT_KINDS:
-        shown = compare(out, "rwml", "before", kind, "exact",
-                        rows=lambda t: not t["template_hit"] and not t["unseen_objects"])
-        unseen = compare(out, "rwml", "before", kind, "exact",
-                         rows=lambda t: not t["template_hit"] and t["unseen_objects"])
-        lines.append(f"(d) held-out {kind}, the rule's misses whose answer the prompt holds ({shown['n']}): "
-                     f"RWML - {name}, exact match {said(shown)}; those naming objects the prompt never shows "
-                     f"({unseen['n']}): {name} {unseen['before']:.3f}, RWML {unseen['after']:.3f}")
-    for kind in HELDOUT_KINDS if (out / "wm_eval_coin_explore.triplets.jsonl").is_file() else ():
-        r, c = (compare(out, "rwml", "coin", kind, k) for k in ("rewards", "exact"))
-        lines.append(f"(e) held-out {kind}, RWML {c['after']:.3f} - the matched COIN arm {c['before']:.3f} "
-                     f"(exact match): {said(c)}; reward {said(r)}")
-    return lines + [world_model_verdict(a, both, rule)]
-
-
-def world_model_verdict(a: dict, both: dict, rule: dict) -> str:
-    """The last line (issue 56). First half: did training raise (a) and held-out exact match, both kinds
-    pooled (b); never whether the reward rather than GRPO on its own samples did: a coin passed both on fresh
-    seed 52; seeds paired with coin runs say it (lab/verdict_designs.py --pairs). Second half: a world model
-    above the content-free rule where RWML - the rule holds on every kind; a rule copy and a flip fail."""
-    def ci(c: dict) -> str:
-        return f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
-    trained, held = (bool(c.get("ci")) and stats.verdict(c) == "holds" for c in (a, both))
-    pa, pb = f"(a) {ci(a)}", f"(b) both kinds pooled, exact match {ci(both)}"
-    where = "the reward where RWML trained"
-    line = "verdict: " + (
-        f"training raised {where} ({pa}) and held-out accuracy ({pb})" if trained and held else
-        f"training raised held-out accuracy ({pb}); {where}: not shown ({pa})" if held else
-        f"training raised {where} ({pa}); held-out accuracy: not shown ({pb})" if trained else
-        f"not shown that training raised {where} ({pa}) or held-out accuracy ({pb})")
-    line += ("; not shown, and one run cannot show, that the reward rather than self-training on its own "
-             "samples did it (a coin-reward run passed both on a fresh seed; over seeds: README); ")
-    each = ", ".join(f"{k} {ci(c)}" for k, c in rule.items())
-    return line + ("this run shows a world model above the content-free template rule (RWML - the rule, "
-                   f"exact match, holds on every held-out kind: {each})" if all(
-                       stats.verdict(c) == "holds" for c in rule.values()) else
-                   "this run shows no world model above the content-free template rule (RWML - the rule, "
-                   f"exact match: {each}): what it learned, the rule's 25 lines already say")
 
 
 def evaluate_heldout(cfg: Settings, model, tok, heldout: list[dict], reward_fn) -> dict:
@@ -458,30 +327,6 @@ def heldout_triplets(cfg, out: Path, load) -> dict[str, dict]:
             raise UserError(f"the held-out {kind} triplets ({path}) are empty; use more --heldout-games")
         sets[kind] = dict(triplets=sample_triplets(trips, cfg.eval_max_triplets), file=str(path))
     return sets
-
-
-def baselines_line(cfg, out: Path, kind: str, trips: list[dict], file: str, reward_fn) -> None:
-    """The content-free baselines on a held-out set: wm_eval_<rule>_<kind>.json each, and one line."""
-    rules = {name: rwml.baseline_wm(name, trips, reward_fn) for name in envs.BASELINES}
-    for name, r in rules.items():
-        write_eval(out / f"wm_eval_{name}_{kind}.json", dict(r, split=cfg.heldout_split, transitions=file))
-    print(f"{kind} ({file}): content-free baselines: template rule {rules['template']['wm_accuracy']:.3f}, "
-          f"always \"Nothing happens.\" {rules['nothing']['wm_accuracy']:.3f}, copy the observation "
-          f"{rules['copy']['wm_accuracy']:.3f}")
-
-
-def all_summary(cfg, out: Path, lines: list[str], held: dict[str, str], kept: int, start, t0: float) -> None:
-    """`all`'s end: the adapter's card (each held-out kind's line, the template rule's beside), and the gain
-    lines, the verdict, its time and its folder."""
-    rule = {k: json.loads((out / f"wm_eval_template_{k}.json").read_text())["wm_accuracy"] for k in held}
-    write_card(out / "adapter", cfg, "all", data={TRIPLETS_KEPT: kept},
-               bundled=cfg.model == engine.BUNDLED_MODEL,
-               heldout=[f"held-out {k} ({cfg.heldout_split}, {cfg.heldout_games} games), before = "
-                        f"{'the warm-up' if start else 'the base model'}: the content-free template rule "
-                        f"{rule[k]:.3f}, {line}" for k, line in held.items()] + lines[-1:])
-    plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")  # + before / after
-    print("\n".join(lines) + f"\n{(time.time() - t0) / 60:.1f} min -> {out} (per-triplet outputs: "
-          f"{out}/wm_eval_*.triplets.jsonl)")
 
 
 # ------------------------------------------------------------------- §6 policy: stage 2, GRPO on task success

@@ -17,7 +17,7 @@ import torch
 
 from support import engine
 import envs
-from support.common import ROOT, file_problem, names, read_jsonl, write_atomic, write_jsonl
+from support.common import ROOT, UserError, file_problem, names, read_jsonl, write_atomic, write_jsonl
 from integrations.runs import collect_job, split_games
 
 # ------------------------------------------------------------- the caches: the filter's, the held-out set's
@@ -48,6 +48,23 @@ def save_filter(out: Path, job: dict, info: dict, kept: list[dict]) -> None:
     write_atomic(out / "filter.json", json.dumps(dict(job=job, **info), indent=2))
     print("filter: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                  for k, v in info.items() if k not in ("sft_losses", "easiness_counts")))
+
+
+def more_warmup(cfg) -> list[dict]:
+    """The triplets of --warmup-transitions (more train games' collections) the filter's copy also learns."""
+    more = [Path(f) for f in (cfg.warmup_transitions or "").split(",") if f]
+    if missing := [str(f) for f in more if not f.is_file()]:
+        raise UserError(f"--warmup-transitions: {', '.join(missing)} not found; give transitions.jsonl "
+                        "files of `train.py collect`, comma-separated")
+    return [t for f in more for t in read_jsonl(f)]
+
+
+def save_easiness(out: Path, train: list[dict], scores: list, easy: list, keep: list) -> None:
+    """easiness.jsonl: each training triplet's easiness, whether it counted as easy, whether GRPO gets it."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "easiness.jsonl", [
+        dict(game=t.get("game"), step=t.get("step"), rollout=t.get("rollout"), next_obs=t["next_obs"],
+             easiness=s, easy=e, kept=k) for t, s, e, k in zip(train, scores, easy, keep)])
 
 
 HELDOUT_FILES = ("collect.json", "transitions.jsonl", "episodes.jsonl")

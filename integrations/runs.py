@@ -1,10 +1,12 @@
 """Support (skip on a first read): a run's bookkeeping under train.py's stages, none of it the method: the
 --out lock; the settings a stage needs together, checked before anything slow (`check_stage`), and those it
 takes from its triplets (`settle_env`: their environment); the games it plays; a collection that continues
-where it stopped (collect.json, finished episodes); eval.py agent's random policy and log; the paired
-comparisons a run prints. The caches are caches.py.
+where it stopped (collect.json, finished episodes); eval.py agent's random policy and log; a triplet's
+world-model chat for the cards and verl (`wm_texts`) and why a triplet cannot train (`triplet_problem`). The
+caches are caches.py; what the default run concludes, verdict.py.
 
-Imports the bottom, the engine, plumbing, the environments and the reward's parser, never rwml or train.py.
+Imports the bottom, the engine, plumbing, the environments, the reward's parser and rwml's prompts, never
+train.py.
 """
 from __future__ import annotations
 
@@ -21,14 +23,15 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
-from support import stats
 import envs
+import rwml
 from integrations import worlds
 from support.common import UserError, names, read_jsonl, write_atomic, write_jsonl
-from support.plumbing import (PROMPT_TAIL, check_resume, group_table, jsonl_writer, read_transitions,
-                              run_header, sample_triplets)
+from support.plumbing import (PROMPT_TAIL, check_resume, context_problem, group_table, jsonl_writer,
+                              read_transitions, run_header, sample_triplets)
 from reward import parse_next_state
 
 # ------------------------------------------------------------- the --out lock: one run at a time in a folder
@@ -189,7 +192,7 @@ def triplets_env(path: str | None, flag: str = "--transitions") -> str | None:
 
 def stage_inputs(cfg, stage: str, problem) -> tuple[list[dict] | None, list[dict] | None]:
     """The triplets a stage trains on and, for `wm --eval-steps`, its held-out ones, read before it starts,
-    each checked (`problem(triplet)`: train.triplet_problem)."""
+    each checked (`problem(triplet)`: triplet_problem)."""
     trips = read_transitions(cfg.transitions, problem) if stage in TRIPLET_STAGES else None
     if stage != "wm" or not cfg.eval_steps:
         return trips, None
@@ -270,11 +273,21 @@ def wm_row(state: dict, res: dict, u: dict, batch: list[dict], learning_rate: fl
     return dict(step=state["step"], epoch=state["epoch"], **{
         k: res[k] for k in ("reward_mean", "reward_std", "frac_reward_zero_std", "format_rate",
                             "completion_tokens", "completions/min_length", "completions/max_length",
-                            "completions/clipped_ratio", "nothing_share")},
+                            "completions/clipped_ratio")},
         **u, learning_rate=learning_rate, seconds=round(seconds, 2),
         target_kinds=[envs.observation_kind(t["next_obs"]) for t in batch],
-        group_rewards=res["group_rewards"], group_nothing=res["group_nothing"],
-        group_nothing_advantage=[round(a, 4) for a in res["group_nothing_advantage"]])
+        group_rewards=res["group_rewards"], **nothing_by_group(  # the drift diagnostics (lab/NOTEBOOK.md)
+            [parse_next_state(c) for c in res["completions"]], torch.tensor(res["advantages"]),
+            len(res["completions"]) // len(batch)))
+
+
+def nothing_by_group(states: list[str | None], advantages: torch.Tensor, G: int) -> dict:
+    """The share of "Nothing happens." predictions and, per prompt, how many and the advantage they got (> 0:
+    pushed up): which groups move the share of that answer, the small model's most common drift (NOTEBOOK)."""
+    nothing = torch.tensor([s == rwml.NOTHING for s in states], dtype=torch.float).view(-1, G)
+    pushed = (nothing * advantages.view(-1, G)).sum(1).tolist()
+    return dict(nothing_share=sum(s == rwml.NOTHING for s in states) / len(states),
+                group_nothing=nothing.sum(1).tolist(), group_nothing_advantage=[round(a, 4) for a in pushed])
 
 
 def telling(load, cfg):
@@ -383,53 +396,24 @@ def before_made_by(cfg, start, heldout: dict) -> dict:
                                                 "rouge_gate")})
 
 
-def before_after_line(before: dict, after: dict) -> str:
-    change_b, change_a = before["per_kind"]["change"], after["per_kind"]["change"]
-    beyond_b, beyond_a = before["per_kind"]["beyond_template"], after["per_kind"]["beyond_template"]
-    return (f"world-model accuracy {before['wm_accuracy']:.3f} -> {after['wm_accuracy']:.3f} "
-            f"({before['n']} triplets); without \"Nothing happens.\" {change_b['wm_accuracy']:.3f} -> "
-            f"{change_a['wm_accuracy']:.3f} ({change_b['n']}); beyond the template rule "
-            f"{beyond_b['wm_accuracy']:.3f} -> {beyond_a['wm_accuracy']:.3f} ({beyond_b['n']}); mean cosine "
-            f"{before['mean_cosine']:.3f} -> {after['mean_cosine']:.3f}; strict: exact match "
-            f"{before['exact_match']:.3f} -> {after['exact_match']:.3f}, item F1 {_f1(before)} -> "
-            f"{_f1(after)} ({before['item_n']} listing targets)")
-
-
-def _f1(r: dict) -> str:
-    return "-" if r.get("item_f1") is None else f"{r['item_f1']:.3f}"
-
-
-# What `python train.py` prints last: differences of per-triplet means (a triplet's predictions averaged),
-# read from a run's per-triplet files (wm_eval_*.triplets.jsonl), paired by triplet, each with a 95 % CI over
-# games (stats.py), the items that changed each way and two exact tests beside it (few items change: the
-# bootstrap alone is then coarse), and the CI's half-width.
 def triplet_key(r: dict) -> list:
     return [str(r.get("game")), r.get("rollout"), r.get("step"), r.get("action")]
 
 
-def compare(out: Path, arm: str, base: str, kind: str | tuple, key: str, rows=None) -> dict:
-    """`arm` - `base` on held-out set(s) `kind` (wm_eval_<arm>_<kind>.triplets.jsonl; kinds pooled share their
-    games), paired by triplet; `rows` keeps a subset of the base's rows (e.g. the targets the rule misses)."""
-    pairs = []
-    for kind in (kind,) if isinstance(kind, str) else kind:
-        x, y = (read_jsonl(out / f"wm_eval_{w}_{kind}.triplets.jsonl") for w in (arm, base))
-        by_key = {json.dumps(triplet_key(r)): r for r in x}
-        if len(by_key) != len(x) or sorted(by_key) != sorted(json.dumps(triplet_key(r)) for r in y):
-            raise UserError(f"wm_eval_{arm}_{kind} and wm_eval_{base}_{kind} in {out} are not scores of the "
-                            "same triplets: score both on one transitions file")
-        pairs += [(by_key[json.dumps(triplet_key(r))], r) for r in y if rows is None or rows(r)]
-    mean = [[sum(map(float, r[key])) / len(r[key]) for r in side] for side in zip(*pairs)] or [[], []]
-    games = [str(b["game"]) for _, b in pairs]
-    ci = stats.paired_bootstrap(*mean, games) if pairs else None
-    return dict(ci or {}, ci=ci, n=len(pairs), before=sum(mean[1]) / max(len(pairs), 1),
-                after=sum(mean[0]) / max(len(pairs), 1), **stats.exact_tests(*mean, games))
+def wm_texts(t: dict, reasoning: bool) -> tuple[str, str, str, str]:
+    """A triplet's world-model chat as the adapters learn it, (system prompt, prompt, reply prefix, stop):
+    for the model cards and verl's export, which take it as an argument rather than import the method."""
+    return rwml.wm_system(t), rwml.wm_prompt(t, reasoning), rwml.wm_prefix(reasoning), rwml.WM_STOP
 
 
-def said(c: dict) -> str:
-    """A paired difference in words: the estimate, its 95 % CI over games, the verdict, the items that changed
-    each way, the exact tests, the CI's half-width."""
-    if not c["n"]:
-        return "no triplets"
-    return (f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] {stats.verdict(c)}; {c['up']} up, "
-            f"{c['down']} down (exact: sign-flip over games p {c['p_games']:.3f}, McNemar p "
-            f"{c['p_items']:.3f}); CI half-width {(c['hi'] - c['lo']) / 2:.3f}")
+def triplet_problem(cfg):
+    """For read_transitions: why a triplet cannot train with `cfg` (an unknown env; a world-model prompt and
+    answer past the model's context), or None."""
+    def problem(t: dict) -> str | None:
+        if "env" in t and (not isinstance(t["env"], str) or t["env"] not in worlds.ENVIRONMENTS):
+            return f"env {json.dumps(t['env'])[:40]} is not one of {', '.join(worlds.ENVIRONMENTS)} " \
+                   "(or left out)"
+        chats = [(rwml.wm_prompt(t, r), rwml.wm_system(t), rwml.wm_prefix(r))
+                 for r in {cfg.wm_reasoning, False}]
+        return context_problem(cfg, chats, rwml.wm_answer(t))
+    return problem

@@ -21,7 +21,8 @@ from eval import WMEvalConfig, with_env_defaults
 from support.plumbing import check_adapter, check_context, check_writable, read_transitions, sample_triplets
 from repo_path import repo_path, stored_config
 from reward import SimToRealReward, parse_next_state
-from train import make_reward, triplet_problem
+from train import make_reward
+from integrations.runs import triplet_problem
 
 
 @dataclass

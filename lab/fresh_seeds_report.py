@@ -19,8 +19,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
-import train  # noqa: E402
-from integrations.runs import compare, triplet_key  # noqa: E402
+from integrations.runs import triplet_key  # noqa: E402
+from integrations import verdict  # noqa: E402
+from integrations.verdict import compare  # noqa: E402
 from support import stats  # noqa: E402
 from support.common import UserError, read_jsonl  # noqa: E402
 
@@ -52,19 +53,19 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     for run in args.runs:
-        missing = [f"wm_eval_{a}_{k}" for a in ("rwml", "before", "template") for k in train.HELDOUT_KINDS
+        missing = [f"wm_eval_{a}_{k}" for a in ("rwml", "before", "template") for k in verdict.HELDOUT_KINDS
                    if not (run / f"wm_eval_{a}_{k}.triplets.jsonl").is_file()]
         if missing:
             raise UserError(f"{run} lacks {', '.join(missing)}: give folders of `python train.py` runs")
     coin = all((run / f"wm_eval_coin_{k}.triplets.jsonl").is_file()  # --coin-control's arm, when scored
-               for run in args.runs for k in train.HELDOUT_KINDS)
+               for run in args.runs for k in verdict.HELDOUT_KINDS)
     names = " / ".join(r.name for r in args.runs)
     rows = [f"| kind | RWML − | each seed ({names}) | seeds pooled [95 % CI] | verdict |",
             "|---|---|---|---|---|"]
     cases = [("(a) train prompts, sim-to-real reward", "before", ("train",), "rewards")]
-    cases += [(kind, base, (kind,), "exact") for kind in train.HELDOUT_KINDS for base, _ in ROWS
+    cases += [(kind, base, (kind,), "exact") for kind in verdict.HELDOUT_KINDS for base, _ in ROWS
               if coin or base != "coin"]
-    cases.append(("(b) both kinds pooled", "before", train.HELDOUT_KINDS, "exact"))
+    cases.append(("(b) both kinds pooled", "before", verdict.HELDOUT_KINDS, "exact"))
     for label, base, kinds, key in cases:
         each = [compare(run, "rwml", base, kinds if len(kinds) > 1 else kinds[0], key) for run in args.runs]
         ci = pooled(args.runs, "rwml", base, kinds, key)
@@ -75,7 +76,7 @@ def main(argv=None) -> None:
     text = "\n".join(rows) + (f"\n\nExact match but (a); seeds pooled: {len(args.runs)} seeds, then games "
                               f"({stats.N_BOOT:,} draws); each seed's CI over games.\n")
     # each run's closing verdict as today's train.py words it, from its files (run_log.txt: the run's own)
-    text += "".join(f"\n{run.name}: {train.gain_lines(run, start='warm-up')[-1]}\n" for run in args.runs)
+    text += "".join(f"\n{run.name}: {verdict.gain_lines(run, start='warm-up')[-1]}\n" for run in args.runs)
     print(text)
     if args.out:
         args.out.write_text(text)

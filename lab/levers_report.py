@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
-from integrations.runs import compare  # noqa: E402
+from integrations.verdict import compare  # noqa: E402
 from support import stats  # noqa: E402
 from support.common import UserError  # noqa: E402
 

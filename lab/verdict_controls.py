@@ -26,8 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 import envs  # noqa: E402
-import rwml  # noqa: E402
-import train  # noqa: E402
+from integrations import verdict  # noqa: E402
 from support.common import UserError, read_jsonl, write_jsonl  # noqa: E402
 from support.plumbing import sample_triplets  # noqa: E402
 from reward import SimToRealReward  # noqa: E402
@@ -70,16 +69,16 @@ def main(argv=None) -> None:
                         "of lab/recipe_dev.sh's results")
     reward_fn = SimToRealReward(tau_d=0.01, rouge_gate=0.9)  # ALFWorld's, as recipe_dev scored
     sets = {k: sample_triplets(read_jsonl(held / f"heldout_{k}" / "transitions.jsonl"), 96)
-            for k in train.HELDOUT_KINDS}
+            for k in verdict.HELDOUT_KINDS}
     sets["train"] = read_jsonl(args.recipe_dev / "seed0" / "filter_mixed" / "kept.jsonl")
-    rule = {k: rwml.baseline_wm("template", t, reward_fn)["triplets"] for k, t in sets.items()}
+    rule = {k: verdict.baseline_wm("template", t, reward_fn)["triplets"] for k, t in sets.items()}
 
     def made(arm: str, kind: str) -> list[dict]:  # the predictions of an arm made here, scored as a model's
         trips = sets[kind]
         preds = [t["next_obs"] if arm == "oracle" or (arm == "rule_plus_prompt" and not r["template_hit"]
                                                       and not r["unseen_objects"]) else r["predictions"][0]
                  for t, r in zip(trips, rule[kind])]
-        return rwml.score_wm(trips, [f"<next_state>{p}</next_state>" for p in preds], reward_fn)["triplets"]
+        return envs.score_wm(trips, [f"<next_state>{p}</next_state>" for p in preds], reward_fn)["triplets"]
     report = []
     for arm, stem in ARMS.items():
         run = args.out / arm
@@ -92,7 +91,7 @@ def main(argv=None) -> None:
                 shutil.copy(ev / f"coin_{kind}.triplets.jsonl", run / f"wm_eval_coin_{kind}.triplets.jsonl")
             after = read_jsonl(ev / f"{stem}_{kind}.triplets.jsonl") if stem else made(arm, kind)
             write_jsonl(run / f"wm_eval_rwml_{kind}.triplets.jsonl", after)
-        lines = train.gain_lines(run, start="warm-up")
+        lines = verdict.gain_lines(run, start="warm-up")
         (run / "lines.txt").write_text("\n".join(lines) + "\n")
         report.append(f"## {arm}" + (f" (recipe_dev `{stem}`)" if stem else " (made here, see ARMS)")
                       + "\n\n" + "\n".join(f"    {x}" for x in lines) + "\n")

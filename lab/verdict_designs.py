@@ -23,12 +23,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
-import train  # noqa: E402
+from integrations import verdict  # noqa: E402
 from fresh_seeds_report import sides  # noqa: E402
-from integrations.runs import compare  # noqa: E402
+from integrations.verdict import compare  # noqa: E402
 from support import stats  # noqa: E402
 
-KINDS = train.HELDOUT_KINDS
+KINDS = verdict.HELDOUT_KINDS
 
 
 def parts(run: Path) -> dict:

@@ -18,9 +18,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 import train  # noqa: E402
+from integrations import verdict  # noqa: E402
 from support.common import UserError, read_jsonl  # noqa: E402
 
-KINDS = train.HELDOUT_KINDS
+KINDS = verdict.HELDOUT_KINDS
 
 
 def main(argv=None) -> None:

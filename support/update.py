@@ -295,3 +295,31 @@ def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_i
     if pad_token_id is not None and pad_token_id not in eos_ids:
         mask &= completion_ids != pad_token_id
     return mask.long()
+
+
+def batch_logprobs(model, mb: Batch, cfg) -> torch.Tensor:
+    """rwml.logprobs of a micro-batch's completion tokens ([B, C]), computed faster: each
+    group's prompt once (`group_logprobs`), or every row whole in chunks of the vocabulary projection
+    (`completion_logprobs`); each shortcut checked once per model against the model's full logits
+    (`fast_paths`), which give way to them where they disagree."""
+    ids, cmask = mb.input_ids, mb.completion_mask
+    if mb.group_size > 1:
+        completions = ids[:, ids.shape[1] - cmask.shape[1]:]
+        return group_logprobs(model, mb.prompt_ids, mb.prompt_mask, completions, cmask,
+                              temperature=cfg.temperature, chunk_size=cfg.logits_chunk_size)
+    return completion_logprobs(model, ids, mb.attention_mask, cmask, temperature=cfg.temperature,
+                               chunk_size=cfg.logits_chunk_size)
+
+
+@torch.no_grad()
+def loss_stats(logp, old_logp, kl, advantages, weights, epsilon: float = 0.2,
+               epsilon_high: float | None = None) -> dict:
+    """An update's diagnostics over its live tokens, TRL's: the mean of `kl` (rwml.kl_k3 per token; None: no
+    KL term) and the clip ratio: a token counts as clipped when the clipped term wins, i.e. its ratio left
+    [1 - eps, 1 + eps_high] in the direction its advantage pushes."""
+    ratio, a, live = torch.exp(logp - old_logp), advantages.unsqueeze(1), (weights > 0).float()
+    high = 1 + (epsilon if epsilon_high is None else epsilon_high)
+    clipped = ((ratio < 1 - epsilon) & (a < 0)) | ((ratio > high) & (a > 0))
+    kl = torch.zeros_like(logp) if kl is None else kl
+    n = live.sum().clamp(min=1)
+    return dict(kl=float((kl * live).sum() / n), clip_ratio=float((clipped.float() * live).sum() / n))

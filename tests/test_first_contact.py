@@ -14,6 +14,7 @@ import pytest
 
 from support import cards, engine, plumbing
 import train
+from integrations import verdict
 from envs import UserError
 from support.plumbing import read_jsonl
 
@@ -48,7 +49,7 @@ def test_the_all_card_puts_the_template_rule_beside_before_and_after(tmp_path):
         (out / f"wm_eval_template_{kind}.json").write_text(json.dumps(dict(wm_accuracy=rule)))
     held = {"purposeful": "world-model accuracy 0.200 -> 0.300 (48 triplets)",  # built first, as `all` does
             "explore": "world-model accuracy 0.349 -> 0.370 (48 triplets)"}
-    train.all_summary(train.Settings(), out, ["(a) ...", "verdict: this run shows no world model above it"],
+    verdict.all_summary(train.Settings(), out, ["(a) ...", "verdict: this run shows no world model above it"],
                       held, 30, Path("warmup"), time.time())
     card = (out / "adapter" / "README.md").read_text()
     assert ("- held-out explore (valid_unseen, 20 games), before = the warm-up: the content-free template "

@@ -8,6 +8,7 @@ from support import engine, update
 import envs
 import rwml
 import train
+from integrations import runs
 from integrations.settings import GRPOConfig
 
 # ------------------------------------------------------------------ advantages
@@ -32,7 +33,7 @@ def test_nothing_by_group_counts_the_answer_and_the_advantage_it_got():
     states = ["Nothing happens.", "You arrive at desk 1.", None, "Nothing happens",
               "Nothing happens.", "Nothing happens.", "You open the drawer 1.", "Nothing happens."]
     adv = torch.tensor([-1.0, 1.0, -0.5, 0.5, 0.25, 0.25, -0.75, 0.25])
-    out = rwml.nothing_by_group(states, adv, 4)
+    out = runs.nothing_by_group(states, adv, 4)
     assert out["group_nothing"] == [1.0, 3.0]
     assert out["group_nothing_advantage"] == pytest.approx([-1.0, 0.75])
 
@@ -53,7 +54,7 @@ def test_loss_types_by_hand(loss_type, expect):
     w = rwml.token_weights(MASK, loss_type, max_completion_length=4)
     loss = rwml.grpo_loss(logp, logp, None, ADV, w)  # ratio 1: loss = -A per token
     assert loss.item() == pytest.approx(expect)
-    stats = rwml.loss_stats(logp, logp, None, ADV, w)
+    stats = update.loss_stats(logp, logp, None, ADV, w)
     assert stats["clip_ratio"] == 0.0 and stats["kl"] == 0.0
 
 
@@ -71,14 +72,14 @@ def test_clipping_by_hand():
     # A < 0, ratio 0.5: clipped to 0.8 -> -0.8 A
     loss = rwml.grpo_loss(down, zero, None, torch.tensor([-2.0]), w)
     assert (loss.item() == pytest.approx(1.6)
-            and rwml.loss_stats(down, zero, None, torch.tensor([-2.0]), w)["clip_ratio"] == 1.0)
+            and update.loss_stats(down, zero, None, torch.tensor([-2.0]), w)["clip_ratio"] == 1.0)
 
 
 def test_k3_kl_by_hand():
     logp, ref = torch.zeros(1, 1), torch.log(torch.tensor([[2.0]]))
     w = rwml.token_weights(torch.ones(1, 1), "grpo", 1)
     loss = rwml.grpo_loss(logp, logp, ref, torch.tensor([0.0]), w, beta=0.5)
-    stats = rwml.loss_stats(logp, logp, ref, torch.tensor([0.0]), w)
+    stats = update.loss_stats(logp, logp, rwml.kl_k3(ref, logp), torch.tensor([0.0]), w)
     k3 = 2.0 - math.log(2.0) - 1
     assert stats["kl"] == pytest.approx(k3) and loss.item() == pytest.approx(0.5 * k3)
 
@@ -223,7 +224,7 @@ def test_kl_is_zero_against_itself_and_positive_against_another_policy(tiny_mode
         logp = update.completion_logprobs(model, *args)
         with model.disable_adapter():
             bare = update.completion_logprobs(model, *args)
-    stats = rwml.loss_stats(logp, logp, bare, torch.zeros(4), batch.weights)
+    stats = update.loss_stats(logp, logp, rwml.kl_k3(bare, logp), torch.zeros(4), batch.weights)
     assert stats["kl"] > 1e-3  # the bare base model is another policy
 
 
@@ -332,10 +333,10 @@ def test_clip_ratio_counts_only_tokens_where_the_clip_acts():
     clipped."""
     w = rwml.token_weights(torch.ones(1, 1), "grpo", 1)
     up, down, zero = torch.log(torch.tensor([[1.5]])), torch.log(torch.tensor([[0.5]])), torch.zeros(1, 1)
-    assert rwml.loss_stats(up, zero, None, torch.tensor([-1.0]), w)["clip_ratio"] == 0.0
-    assert rwml.loss_stats(up, zero, None, torch.tensor([1.0]), w)["clip_ratio"] == 1.0
-    assert rwml.loss_stats(down, zero, None, torch.tensor([1.0]), w)["clip_ratio"] == 0.0
-    assert rwml.loss_stats(down, zero, None, torch.tensor([-1.0]), w)["clip_ratio"] == 1.0
+    assert update.loss_stats(up, zero, None, torch.tensor([-1.0]), w)["clip_ratio"] == 0.0
+    assert update.loss_stats(up, zero, None, torch.tensor([1.0]), w)["clip_ratio"] == 1.0
+    assert update.loss_stats(down, zero, None, torch.tensor([1.0]), w)["clip_ratio"] == 0.0
+    assert update.loss_stats(down, zero, None, torch.tensor([-1.0]), w)["clip_ratio"] == 1.0
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])

@@ -9,7 +9,7 @@ import envs
 from support.common import read_jsonl
 import eval as ev
 from integrations import runs
-import rwml
+from integrations import verdict
 import train
 from envs import UserError
 from reward import SimToRealReward
@@ -72,7 +72,7 @@ def test_unseen_objects_are_those_the_prompt_never_names():
 def test_template_rule_scores_what_it_should_on_a_fixed_set(purposeful, reward_fn):
     """On real walkthroughs, every event the action spells out is hit (take, move, heat, cool, clean, use); an
     arrival or an opening is hit only when there is nothing to list; "Nothing happens." is never predicted."""
-    r = rwml.baseline_wm("template", purposeful, reward_fn)
+    r = verdict.baseline_wm("template", purposeful, reward_fn)
     rows = r["triplets"]
     assert len(rows) == len(purposeful) == r["n"]
     for row, trip in zip(rows, purposeful):
@@ -91,8 +91,8 @@ def test_template_rule_scores_what_it_should_on_a_fixed_set(purposeful, reward_f
     assert all(row["unseen_objects"] == bool(envs.unseen_objects(t)) for row, t in zip(rows, purposeful))
     assert 0.3 < r["wm_accuracy"] < 1.0  # object lists are beyond it
     # no walkthrough step fails
-    assert rwml.baseline_wm("nothing", purposeful, reward_fn)["wm_accuracy"] == 0.0
-    copy = rwml.baseline_wm("copy", purposeful, reward_fn)
+    assert verdict.baseline_wm("nothing", purposeful, reward_fn)["wm_accuracy"] == 0.0
+    copy = verdict.baseline_wm("copy", purposeful, reward_fn)
     assert copy["triplets"][1]["predictions"] == [purposeful[1]["history"][-1]["observation"]]
 
 
@@ -137,7 +137,7 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
     held = tmp_path / "valid_unseen"  # sanity.sh's layout: training per seed, scores per held-out split
     (held / "baselines").mkdir(parents=True)
     kinds = dict(arrive=(0.5, 30), take=(1.0, 4))
-    for kind in train.HELDOUT_KINDS:
+    for kind in verdict.HELDOUT_KINDS:
         (held / "baselines" / f"template_{kind}.json").write_text(json.dumps(_wm(0.85, 0.8, 0.0, kinds)))
     for s, (w, r) in enumerate([(0.40, 0.50), (0.30, 0.25), (0.35, 0.45)]):
         d = tmp_path / f"seed{s}"
@@ -151,7 +151,7 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
                      group_nothing_advantage=[-0.5, 1.0]) for x in (0.1, 0.2, 0.3, 0.4)]
         (d / "rwml" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
         (held / d.name).mkdir()
-        for kind in train.HELDOUT_KINDS:
+        for kind in verdict.HELDOUT_KINDS:
             (held / d.name / f"eval_warmup_{kind}.json").write_text(json.dumps(_wm(w, w, w, kinds)))
             (held / d.name / f"eval_rwml_{kind}.json").write_text(json.dumps(_wm(r, r, r, kinds)))
     text = reports.sanity_report(tmp_path)
@@ -176,7 +176,7 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
     (strat / "metrics.jsonl").write_text(json.dumps(dict(
         reward=0.3, frac_reward_zero_std=0.25, nothing_share=0.2, target_kinds=["nothing_happens"],
         group_rewards=[0.5])) + "\n")
-    for kind in train.HELDOUT_KINDS:
+    for kind in verdict.HELDOUT_KINDS:
         (held / "seed0" / f"eval_rwml_strat_{kind}.json").write_text(json.dumps(_wm(0.6, 0.6, 0.6, kinds)))
     assert not (tmp_path / "curve.png").exists()
     for s in range(3):  # the runs' --eval-steps rows: the curve, per seed and mean ± sd
@@ -197,7 +197,7 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
     (kl / "metrics.jsonl").write_text(json.dumps(dict(reward=0.2, frac_reward_zero_std=0.5,
                                                       nothing_share=0.1, target_kinds=["arrive"],
                                                       group_rewards=[0.5])) + "\n")
-    for kind in train.HELDOUT_KINDS:
+    for kind in verdict.HELDOUT_KINDS:
         (held / "seed1" / f"eval_rwml_kl_{kind}.json").write_text(json.dumps(_wm(0.45, 0.45, 0.45, kinds)))
     # the easy filter's target mix: 2 of 5 collected, 1 of 3 in the RWML split
     f = tmp_path / "seed0" / "filter"
@@ -232,7 +232,7 @@ def test_the_sanity_heading_states_the_tau_d_its_runs_used(tmp_path):
         r = _wm(acc, acc, acc, kinds)
         r["config"]["tau_d"] = tau_d
         return json.dumps(r)
-    for kind in train.HELDOUT_KINDS:
+    for kind in verdict.HELDOUT_KINDS:
         (held / "baselines" / f"template_{kind}.json").write_text(score(0.1, 0.85))  # kept from an older run
     for s in range(2):
         d = tmp_path / f"seed{s}"
@@ -240,14 +240,14 @@ def test_the_sanity_heading_states_the_tau_d_its_runs_used(tmp_path):
         (d / "rwml" / "config.json").write_text(json.dumps(dict(beta=0.1, tau_d=0.01, out="x")))
         (d / "rwml" / "metrics.jsonl").write_text(json.dumps(dict(reward=0.2)) + "\n")
         (held / d.name).mkdir()
-        for kind in train.HELDOUT_KINDS:
+        for kind in verdict.HELDOUT_KINDS:
             for arm in ("warmup", "rwml"):
                 (held / d.name / f"eval_{arm}_{kind}.json").write_text(score(0.01))
     text = reports.sanity_report(tmp_path)
     assert ("reward 1 iff 1 - cos < tau_d 0.1 (template rule); 0.01 (warm-up, + RWML) (each score's config: "
             "the rows were scored at different tau_d)") in text
     assert "Trained (RWML's reward) at tau_d 0.01 (every run's config.json)." in text
-    for kind in train.HELDOUT_KINDS:  # all at one tau_d: one value
+    for kind in verdict.HELDOUT_KINDS:  # all at one tau_d: one value
         (held / "baselines" / f"template_{kind}.json").write_text(score(0.01, 0.85))
     text = reports.sanity_report(tmp_path)
     assert "reward 1 iff 1 - cos < tau_d 0.01 (every score's config);" in text and "tau_d 0.1" not in text
@@ -263,7 +263,7 @@ def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
     assert not train.Settings().coin_control  # off by default: one arm decides nothing
     train.main(argv)
     out = capsys.readouterr().out
-    for kind in train.HELDOUT_KINDS:
+    for kind in verdict.HELDOUT_KINDS:
         for label in ("before", "rwml", "template"):
             summary = json.loads((tmp_path / "run" / f"wm_eval_{label}_{kind}.json").read_text())
             assert {"wm_accuracy", "exact_match", "item_f1", "item_n"} <= summary.keys()
@@ -301,20 +301,20 @@ def test_the_gain_lines_are_the_per_triplet_files_numbers(tmp_path):
 
     write("before_train", rows([(0.0, 0.0)] * 6 + [(1.0, 1.0)] * 4))
     write("rwml_train", rows([(1.0, 1.0)] * 6 + [(1.0, 1.0)] * 4))
-    for kind in train.HELDOUT_KINDS:
+    for kind in verdict.HELDOUT_KINDS:
         write(f"before_{kind}", rows([(0.0, 1.0)] * 10))
         write(f"rwml_{kind}", rows([(1.0, 1.0)] + [(0.0, 1.0)] * 9))
-    lines = train.gain_lines(tmp_path, start="warm-up")
+    lines = verdict.gain_lines(tmp_path, start="warm-up")
     assert lines[0].startswith("(a) the sim-to-real reward on RWML's own 10 training prompts (10 games): "
                                "the warm-up 0.400 -> RWML 1.000, +0.600 [+0.300, +0.900] holds"), lines[0]
     assert "reward +0.050 [+0.000, +0.150] no difference detected" in lines[1]
     assert "exact match +0.000 [+0.000, +0.000] no difference detected" in lines[1]
-    for name in ("train", *train.HELDOUT_KINDS):  # a broken run: after worse than before
+    for name in ("train", *verdict.HELDOUT_KINDS):  # a broken run: after worse than before
         a, b = (tmp_path / f"wm_eval_{w}_{name}.triplets.jsonl" for w in ("before", "rwml"))
         a_text, b_text = a.read_text(), b.read_text()
         a.write_text(b_text)
         b.write_text(a_text)
-    assert "-0.600 [-0.900, -0.300] reversed" in train.gain_lines(tmp_path, start="warm-up")[0]
+    assert "-0.600 [-0.900, -0.300] reversed" in verdict.gain_lines(tmp_path, start="warm-up")[0]
 
 
 def write_rows(folder, name, rows):
@@ -334,15 +334,15 @@ def test_before_and_after_are_paired_by_triplet_not_by_row(tmp_path):
     after = held_rows([True] * 12 + [False] * 8, [True] * n, [False] * n)
     for name, rows in (("before_train", before), ("rwml_train", after)):
         write_rows(tmp_path, name, rows)
-    for kind in train.HELDOUT_KINDS:
+    for kind in verdict.HELDOUT_KINDS:
         write_rows(tmp_path, f"before_{kind}", before)
         write_rows(tmp_path, f"rwml_{kind}", after[::-1])  # the same triplets, the other way round
-    lines = train.gain_lines(tmp_path, start="warm-up")
+    lines = verdict.gain_lines(tmp_path, start="warm-up")
     assert "+0.600 [" in lines[0] and "12 up, 0 down" in lines[0]
     assert all("reward +0.600 [" in x and "exact match +0.600 [" in x for x in lines[1:3])
     write_rows(tmp_path, "rwml_explore", [dict(r, action="other") for r in after])
     with pytest.raises(UserError, match="not scores of the same triplets"):
-        train.gain_lines(tmp_path, start="warm-up")
+        verdict.gain_lines(tmp_path, start="warm-up")
 
 
 def test_the_verdict_fails_for_a_rule_copier_and_passes_above_the_rule(tmp_path):
@@ -354,11 +354,11 @@ def test_the_verdict_fails_for_a_rule_copier_and_passes_above_the_rule(tmp_path)
     hit = [i % 4 != 0 for i in range(n)]  # the rule hits 3 of 4
     unseen = [i % 8 == 0 for i in range(n)]  # half its misses name objects the prompt never shows
     rule = held_rows(hit, hit, unseen)
-    for kind in ("train", *train.HELDOUT_KINDS):
+    for kind in ("train", *verdict.HELDOUT_KINDS):
         write_rows(tmp_path, f"before_{kind}", held_rows([False] * n, hit, unseen))
         write_rows(tmp_path, f"template_{kind}", rule)
         write_rows(tmp_path, f"rwml_{kind}", rule)  # the rule-copier
-    lines = train.gain_lines(tmp_path, start="warm-up")
+    lines = verdict.gain_lines(tmp_path, start="warm-up")
     assert [x[:3] for x in lines] == ["(a)", "(b)", "(b)", "(b)", "(c)", "(c)", "(d)", "(d)", "ver"]
     assert "the template rule 0.750 (exact match): +0.000 [+0.000, +0.000] no difference detected" in lines[4]
     assert "the rule's misses whose answer the prompt holds (5): RWML - the warm-up, exact match +0.000" \
@@ -366,9 +366,9 @@ def test_the_verdict_fails_for_a_rule_copier_and_passes_above_the_rule(tmp_path)
     assert "those naming objects the prompt never shows (5)" in lines[6]
     assert "; this run shows no world model above the content-free template rule" in lines[-1]
     better = held_rows([h or not u for h, u in zip(hit, unseen)], hit, unseen)  # + the prompt's misses
-    for kind in train.HELDOUT_KINDS:
+    for kind in verdict.HELDOUT_KINDS:
         write_rows(tmp_path, f"rwml_{kind}", better)
-    lines = train.gain_lines(tmp_path, start="warm-up")
+    lines = verdict.gain_lines(tmp_path, start="warm-up")
     assert "the template rule 0.750 (exact match): +0.125 [" in lines[4] and "5 up, 0 down" in lines[4]
     assert "McNemar p 0.062" in lines[4]  # 5 up, 0 down: 2 x 0.5^5
     assert "; this run shows a world model above the content-free template rule" in lines[-1]
@@ -423,7 +423,7 @@ def check_gain_lines(run, out: str) -> None:
     before, after = statistics.fmean(b for _, b, _ in a), statistics.fmean(x for _, _, x in a)
     assert f"{before:.3f} -> RWML {after:.3f}" in line
     assert f"{diff(a):+.3f} [" in line
-    for kind in train.HELDOUT_KINDS:
+    for kind in verdict.HELDOUT_KINDS:
         line = next(x for x in out.splitlines() if x.startswith(f"(b) held-out {kind}"))
         for key, label in (("rewards", "reward"), ("exact", "exact match")):
             ps = pairs(kind, key)
@@ -467,13 +467,13 @@ def test_the_verdict_says_whether_the_reward_beat_self_training(tmp_path):
     `--coin-control`) are shown when the arm was scored and decide nothing."""
     n = 40
     hit, unseen = [i % 4 != 0 for i in range(n)], [False] * n
-    for kind in ("train", *train.HELDOUT_KINDS):
+    for kind in ("train", *verdict.HELDOUT_KINDS):
         write_rows(tmp_path, f"before_{kind}", held_rows([False] * n, hit, unseen))
         write_rows(tmp_path, f"template_{kind}", held_rows(hit, hit, unseen))
     write_rows(tmp_path, "rwml_train", held_rows([False] * n, hit, unseen))  # the reward did not rise
-    for kind in train.HELDOUT_KINDS:
+    for kind in verdict.HELDOUT_KINDS:
         write_rows(tmp_path, f"rwml_{kind}", held_rows(hit, hit, unseen))  # held-out accuracy rose
-    lines = train.gain_lines(tmp_path, start="warm-up")
+    lines = verdict.gain_lines(tmp_path, start="warm-up")
     assert "(b) held-out, both kinds pooled (80 triplets), exact match: +0.750 [" in lines[3]
     assert lines[-1].startswith("verdict: training raised held-out accuracy ((b) both kinds pooled, exact "
                                 "match +0.750 [")
@@ -481,22 +481,22 @@ def test_the_verdict_says_whether_the_reward_beat_self_training(tmp_path):
     cannot = "not shown, and one run cannot show, that the reward rather than self-training on its own"
     assert cannot in lines[-1]
     write_rows(tmp_path, "rwml_train", held_rows(hit, hit, unseen))  # now the reward rose where it trained
-    lines = train.gain_lines(tmp_path, start="warm-up")
+    lines = verdict.gain_lines(tmp_path, start="warm-up")
     assert lines[-1].startswith("verdict: training raised the reward where RWML trained ((a) +0.750 [")
     assert "and held-out accuracy ((b) both kinds pooled" in lines[-1] and cannot in lines[-1]
     assert not any(x.startswith("(e)") for x in lines)
-    for kind in train.HELDOUT_KINDS:  # learned where it trained, not held out
+    for kind in verdict.HELDOUT_KINDS:  # learned where it trained, not held out
         write_rows(tmp_path, f"rwml_{kind}", held_rows([False] * n, hit, unseen))
         write_rows(tmp_path, f"coin_{kind}", held_rows([False] * n, hit, unseen))
-    lines = train.gain_lines(tmp_path, start="warm-up")
+    lines = verdict.gain_lines(tmp_path, start="warm-up")
     assert lines[-1].startswith("verdict: training raised the reward where RWML trained ((a) +0.750 [")
     assert "held-out accuracy: not shown ((b) both kinds pooled, exact match +0.000 [" in lines[-1]
     assert [x[:3] for x in lines].count("(e)") == 2  # the matched COIN arm's lines, scored: shown
-    for kind in ("train", *train.HELDOUT_KINDS):  # nothing moved
+    for kind in ("train", *verdict.HELDOUT_KINDS):  # nothing moved
         write_rows(tmp_path, f"rwml_{kind}", held_rows([False] * n, hit, unseen))
-    assert train.gain_lines(tmp_path, start="warm-up")[-1].startswith(
+    assert verdict.gain_lines(tmp_path, start="warm-up")[-1].startswith(
         "verdict: not shown that training raised the reward where RWML trained ((a) +0.000 [")
     cfg = train.Settings(reward_control="coin")
-    run = train.reward_control(cfg, [], None, tmp_path)[1]
-    ctrl = train.reward_control(cfg, [], None, tmp_path, coin_seed=cfg.seed + train.COIN_STREAM)[1]
+    run = verdict.reward_control(cfg, [], None, tmp_path)[1]
+    ctrl = verdict.reward_control(cfg, [], None, tmp_path, coin_seed=cfg.seed + verdict.COIN_STREAM)[1]
     assert run(["x"] * 64) != ctrl(["x"] * 64)

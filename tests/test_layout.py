@@ -39,7 +39,8 @@ LAYERS = (("support.common", "support.cost", "support.stats"),
           ("support.update", "support.gamepool", "support.cli"), ("support.engine",), ("support.cards",),
           ("envs", "reward", "integrations.choose", "support.plumbing", "integrations.verl_reward"),
           ("integrations.tau2",), ("integrations.worlds",),
-          ("rwml", "integrations.runs", "integrations.verl_export"), ("integrations.caches",),
+          ("rwml", "integrations.verl_export"), ("integrations.runs",),
+          ("integrations.caches", "integrations.verdict"),
           ("integrations.settings",), ("train",),
           ("eval",))
 FIVE = ("rwml", "reward", "envs", "train", "eval")  # the card's files: the root holds these and no other

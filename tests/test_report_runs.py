@@ -24,8 +24,9 @@ def wm_rows(steps: int, eval_steps: int = 0, on_start: bool = False) -> list[dic
     for step in range(1, steps + 1):
         res = {"reward_mean": 0.1 * step, "reward_std": 0.2, "frac_reward_zero_std": 0.5, "format_rate": 1.0,
                "completion_tokens": 20.0, "completions/min_length": 12.0, "completions/max_length": 30.0,
-               "completions/clipped_ratio": 0.0, "nothing_share": 0.25, "group_rewards": [0.5, 0.0],
-               "group_nothing": [1.0, 0.0], "group_nothing_advantage": [0.1, 0.0]}
+               "completions/clipped_ratio": 0.0, "group_rewards": [0.5, 0.0],
+               "advantages": [0.1, -0.1, 0.0, 0.0],  # group_nothing [1, 0], advantage [0.1, 0], share 0.25
+               "completions": [f"<next_state>{x}</next_state>" for x in ("Nothing happens.", "a", "b", "c")]}
         u = dict(loss=0.01, kl=0.001, clip_ratio=0.0, grad_norm=0.3, skipped=False)
         batch = [dict(next_obs=t) for t in TARGETS]
         row = runs.wm_row(dict(step=step, epoch=0), res, u, batch, 1e-4, 2.5)

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 import reports
-import train
+from integrations import verdict
 from envs import UserError
 from test_choose import _agent_eval
 from test_heldout import _wm
@@ -37,7 +37,7 @@ def sanity_folder(root):
     held = root / "valid_unseen"
     (held / "baselines").mkdir(parents=True)
     kinds = dict(arrive=(0.5, 30), take=(1.0, 4))
-    for kind in train.HELDOUT_KINDS:
+    for kind in verdict.HELDOUT_KINDS:
         (held / "baselines" / f"template_{kind}.json").write_text(json.dumps(_wm(0.85, 0.8, 0.0, kinds)))
     for s, (w, r) in enumerate([(0.40, 0.50), (0.30, 0.25), (0.35, 0.45)]):
         d = root / f"seed{s}"
@@ -49,7 +49,7 @@ def sanity_folder(root):
         rows += [dict(step=k, eval_wm_accuracy=0.1 * k) for k in (0, 2, 4)]
         (d / "rwml" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
         (held / d.name).mkdir()
-        for kind in train.HELDOUT_KINDS:
+        for kind in verdict.HELDOUT_KINDS:
             (held / d.name / f"eval_warmup_{kind}.json").write_text(json.dumps(_wm(w, w, w, kinds)))
             (held / d.name / f"eval_rwml_{kind}.json").write_text(json.dumps(_wm(r, r, r, kinds)))
     return root

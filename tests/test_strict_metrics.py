@@ -65,14 +65,13 @@ class _Reward:  # a reward that passes everything: the strict metrics must still
 
 
 def test_score_wm_reports_the_strict_metrics_beside_the_reward():
-    import rwml
 
     triplets = [dict(game="g", action="go to countertop 1", next_obs=LIST, history=[{"observation": "x"}]),
                 dict(game="g", action="take apple 2 from countertop 1", history=[{"observation": LIST}],
                      next_obs="You pick up the apple 2 from the countertop 1.")]
     preds = [f"<next_state>{p}</next_state>" for p in
              (LIST, LIST.replace("knife 1", "knife 2"), triplets[1]["next_obs"], "x")]
-    r = rwml.score_wm(triplets, preds, _Reward(), k=2)
+    r = envs.score_wm(triplets, preds, _Reward(), k=2)
     assert r["wm_accuracy"] == 1.0 and r["exact_match"] == 0.5
     assert r["item_n"] == 1 and r["item_f1"] == pytest.approx((1 + 2 / 3) / 2)
     assert r["triplets"][0]["exact"] == [True, False] and r["triplets"][1]["item_f1"] == [None, None]
