@@ -29,6 +29,7 @@ from support.common import UserError, utf8_clean
 SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")  # valid_seen = ID, valid_unseen = OOD
 TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
               "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place")
+NOTHING = "Nothing happens."  # the game's answer to an action that does nothing (invalid, free text)
 INEFFICIENT = ("look", "examine", "inventory", "help")  # paper Sec. 5: actions that gather no progress
 DATA_HINT = ("set ALFWORLD_DATA to the folder that holds json_2.1.1/ (run `alfworld-download`, or "
              "`make data` to unpack an archive), see README")
@@ -185,7 +186,7 @@ def template_prediction(action: str) -> str:
         return f"You move the {two[1]} to the {two[3]}."
     if two and two[2] == "with" and verb in ("heat", "cool", "clean", "slice"):
         return f"You {verb} the {two[1]} using the {two[3]}."
-    return "Nothing happens."
+    return NOTHING
 
 
 def unseen_objects(triplet: dict) -> list[str]:
@@ -238,7 +239,7 @@ def baseline_prediction(name: str, triplet: dict) -> str:
     if name == "template":
         return template_prediction(triplet["action"])
     if name == "nothing":
-        return "Nothing happens."
+        return NOTHING
     if name == "copy":
         return triplet["history"][-1]["observation"]
     raise UserError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")

@@ -120,7 +120,8 @@ def wm_accuracy(cfg: WMEvalConfig) -> dict:
 
     cfg = with_env_defaults(cfg)
     # the draw is fixed (not the run's seed), as train.py's held-out set: every seed scores the same triplets
-    trips = sample_triplets(read_transitions(cfg.transitions, triplet_problem(cfg)), cfg.eval_max_triplets, 0)
+    trips = sample_triplets(read_transitions(cfg.transitions, triplet_problem(cfg, rwml.wm_texts)),
+                            cfg.eval_max_triplets, 0)
     reward_fn = make_reward(cfg)
     info = dict(transitions=cfg.transitions, split=collection_split(cfg.transitions), config=asdict(cfg))
     if cfg.baseline:

@@ -43,7 +43,6 @@ from support.update import (Batch, batch_logprobs, loss_stats, micro_batches, op
 # The base model plays ALFWorld's *training* games at temperature 1.0 (3 rollouts per game in the
 # paper). Failures and invalid actions are kept: a world model must also learn "Nothing happens.".
 # Each turn t gives (history s_<=t = last H (obs, action) pairs + current obs, action a_t, next obs s_t+1).
-NOTHING = "Nothing happens."  # the game's answer to an action that does nothing (invalid, free text)
 
 class Triplet(TypedDict, total=False):
     """One turn of play, the method's unit of data (`play`'s `on_turn`; a line of transitions.jsonl): the
@@ -64,8 +63,7 @@ class Triplet(TypedDict, total=False):
     response: str  # the model's whole reply ("" when `explored`)
     explored: bool  # the action was drawn by `env.explore`, not the model
     env: str  # absent: ALFWorld (`env.turn_fields`: textworld, tau2 and its domain; integrations/worlds.py)
-    # with record_tokens (stage 2): the prompt and the exact tokens the model saw and produced (choose mode
-    # adds candidate_ids and choice: choose.Choose.act)
+    # with record_tokens (stage 2): the prompt, the exact tokens seen and produced (choose mode adds its own)
     prompt: str
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -116,6 +114,12 @@ def wm_answer(t: Triplet) -> str:
     return f"{t['next_obs']}</next_state>"
 
 
+def wm_texts(t: Triplet, reasoning: bool) -> tuple[str, str, str, str]:
+    """(system prompt, prompt, reply prefix, stop) of a triplet's world-model chat, for what takes it as an
+    argument rather than import the method (model cards, verl's export, runs.triplet_problem)."""
+    return wm_system(t), wm_prompt(t, reasoning), wm_prefix(reasoning), WM_STOP
+
+
 def sample_predictions(model, tokenizer, triplets: list[Triplet], *, reasoning: bool, n: int = 1,
                        max_new_tokens: int = 96, temperature: float = 1.0, top_p: float = 1.0):
     """`n` world-model predictions for each triplet (all of one environment), each ending at </next_state>."""
@@ -124,8 +128,7 @@ def sample_predictions(model, tokenizer, triplets: list[Triplet], *, reasoning: 
                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
 
 
-def split_triplets(triplets: list[Triplet], frac: float = 0.1,
-                   seed: int = 0) -> tuple[list[Triplet], list[Triplet]]:
+def split_triplets(triplets: list[Triplet], frac: float = 0.1, seed: int = 0) -> tuple[list, list]:
     """The paper's 90 / 10 split (ours 65 / 35, --filter-split): (RWML training triplets, triplets that train
     the easiness filter's copy, which is also the warm-up)."""
     if len(triplets) < 2:
@@ -138,8 +141,7 @@ def split_triplets(triplets: list[Triplet], frac: float = 0.1,
 
 # ================================================================================================== §3 Reward
 # r_WM = 1 iff 1 - cos(E(pred), E(real)) < tau_d and ROUGE-1 F(pred, real) >= the gate (the authors' code),
-# E a sentence-embedding model: reward.py. Unset, tau_d, the gate and the reply's cap are the environment's
-# (its class, e.g. envs.Alfworld).
+# E a sentence-embedding model: reward.py. tau_d, the gate, the reply's cap: unset, the environment's class's.
 
 
 # ================================================================================== §4 "Too easy" subsampling
@@ -316,7 +318,7 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, c
 def grpo_update(model, optimizer, batch: Batch, cfg, actor=None) -> list[dict]:
     """`num_iterations` optimizer steps on one batch of sampled sequences, in micro-batches. A non-finite
     loss or gradient skips that update. `actor`: whose log pi the batch holds (§6): the sampled tokens
-    (`GENERATE`, the default: `batch_logprobs`), or choose mode's choices (choose.CHOOSE)."""
+    (`GENERATE`, the default: update.batch_logprobs), or choose mode's choices (choose.CHOOSE)."""
     actor = actor or GENERATE
     # cut on the batch's own device (the cut reads its lengths), then each micro-batch to the model's
     micro = [to_device(mb, model.device) for mb in actor.micro_batches(batch, cfg.micro_batch_size,
@@ -355,7 +357,7 @@ def logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, compl
     completion] (C = completion_mask's width), positions count each row's own tokens from 0; the logits at
     position j predict token j + 1, divided by the temperature the samples were drawn at; log-softmax, the
     sampled token's entry. [B, C], 0 off the completion. Training computes the same numbers faster
-    (`batch_logprobs`); tests/test_grpo.py holds each of the engine's paths to this."""
+    (update.batch_logprobs); tests/test_grpo.py holds each of the engine's paths to this."""
     C = completion_mask.shape[1]
     positions = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: each text starts at 0
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
@@ -366,9 +368,8 @@ def logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, compl
 @contextmanager
 def reference_policy(model):
     """pi_ref for the KL term, without a second copy of the weights: the frozen adapter "ref" when there is
-    one (train.start_adapter: RWML from the warm-up, whose KL reference is the warm-up adapter; stage 2 from
-    an RWML, WM-SFT or RFT adapter), else the model with its adapter disabled (a fresh LoRA: the bare base
-    model)."""
+    one (train.start_adapter: RWML from the warm-up, whose reference is the warm-up adapter; stage 2 from an
+    RWML, WM-SFT or RFT adapter), else the model with its adapter disabled (a fresh LoRA: the base model)."""
     if "ref" in getattr(model, "peft_config", {}):
         active = model.active_adapter
         model.set_adapter("ref", inference_mode=True)
@@ -443,8 +444,7 @@ def policy_update(model, tokenizer, optimizer, turns: list[Triplet], summaries: 
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if G > 1 else 0.0,
                 frac_reward_zero_std=float((rewards.view(-1, G).std(1) == 0).float().mean()),
                 invalid_action_rate=sum(s["invalid"] for s in summaries) / steps,
-                mean_steps=steps / len(summaries), num_turns=len(turns),
-                trained_turns=len(batch.advantages),
+                mean_steps=steps / len(summaries), num_turns=len(turns), trained_turns=len(batch.advantages),
                 completion_tokens=float(cmask.sum(1).float().mean()) if len(cmask) else 0.0, updates=stats,
                 sample=turns[0]["response"] if turns else "")
 

@@ -11,7 +11,8 @@ Every setting is declared once, with its default, help and bounds, in integratio
 a stage reads the groups `STAGES` names (its --help; a flag it does not read warns). Each is a flag
 (`num_games` -> `--num-games`) and a key of a `--config` JSON or YAML file (defaults < file < flags). Read
 top to bottom: the stages' shared parts, one section per stage (collect, filter, wm, all: the default run and
-its held-out sets, policy, wm-sft, rft), then `main`. Support: support/, integrations/, lab/trl_grpo.py.
+its held-out sets, policy, wm-sft, rft), then `main`. What `all` concludes (the paired differences, the
+verdict): integrations/verdict.py. Support: support/, integrations/, lab/trl_grpo.py.
 """
 from __future__ import annotations
 
@@ -32,8 +33,7 @@ from integrations.caches import (cached_heldout, filter_cache, more_warmup, save
                                  warmup_collections)
 from integrations.runs import (before_made_by, check_stage, claim_out, collection_summary, collection_todo,
                                kind_mix, log_groups, policy_eval_games, releases_locks, settle_env,
-                               split_games, stage_inputs, telling, triplet_problem, walkthroughs, wm_row,
-                               wm_texts)
+                               split_games, stage_inputs, telling, triplet_problem, walkthroughs, wm_row)
 from integrations.verdict import (all_summary, baselines_line, before_after_line, coin_control, gain_lines,
                                   reward_control)
 from support import cost, engine
@@ -454,7 +454,8 @@ def main(argv: list[str] | None = None) -> None:
     stage, cfg = parse_stage(sys.argv[1:] if argv is None else argv, STAGES, Settings, settle_env)
     out, t0 = Path(cfg.out), time.time()
     check_run(cfg, lambda cfg: check_stage(cfg, stage))  # before anything slow
-    trips, curve = stage_inputs(cfg, stage, triplet_problem(cfg))  # it trains on, (wm --eval-steps) scores
+    # what it trains on, and what it scores (wm --eval-steps)
+    trips, curve = stage_inputs(cfg, stage, triplet_problem(cfg, rwml.wm_texts))
     claim_out(cfg, out, stage)  # the --out lock, and --resume's checks
     with cost.run(out, since=t0):  # at the end: the cost line (from t0: the checks too), and out/cost.json
         run_stage(stage, cfg, out, t0, trips, curve)
@@ -471,7 +472,7 @@ def run_stage(stage: str, cfg: Settings, out: Path, t0: float, trips: list[dict]
                                             load_in_4bit=four_bit))
         return loaded[0]
 
-    with card_run(stage, cfg, wm_texts):  # what the model cards of this stage's adapters say
+    with card_run(stage, cfg, rwml.wm_texts):  # what the model cards of this stage's adapters say
         if stage == "collect":
             with cost.stage("collect"):
                 collect(cfg, out, load)
@@ -486,7 +487,7 @@ def run_stage(stage: str, cfg: Settings, out: Path, t0: float, trips: list[dict]
         elif stage == "export":  # the filter, then verl's train and held-out parquets
             needs_reward = cfg.easy_filter or cfg.mixed_only and cfg.export_warmup  # the filter scores
             verl_export.export_verl(cfg, trips, out, load, needs_reward and make_reward(cfg), filter_triplets,
-                                    rwml.split_triplets, wm_texts)
+                                    rwml.split_triplets, rwml.wm_texts)
         else:  # filter, wm
             reward_fn = make_reward(cfg)
             kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)

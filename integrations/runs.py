@@ -1,12 +1,12 @@
 """Support (skip on a first read): a run's bookkeeping under train.py's stages, none of it the method: the
 --out lock; the settings a stage needs together, checked before anything slow (`check_stage`), and those it
 takes from its triplets (`settle_env`: their environment); the games it plays; a collection that continues
-where it stopped (collect.json, finished episodes); eval.py agent's random policy and log; a triplet's
-world-model chat for the cards and verl (`wm_texts`) and why a triplet cannot train (`triplet_problem`). The
-caches are caches.py; what the default run concludes, verdict.py.
+where it stopped (collect.json, finished episodes); eval.py agent's random policy and log; why a triplet
+cannot train (`triplet_problem`); a GRPO step's row of metrics. The caches are caches.py; what the default
+run concludes, verdict.py.
 
-Imports the bottom, the engine, plumbing, the environments, the reward's parser and rwml's prompts, never
-train.py.
+Imports the bottom, the engine, plumbing, the environments and the reward's parser, never rwml or train.py:
+what it needs of the method (a triplet's world-model chat) comes in as an argument.
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ import torch
 from tqdm.auto import tqdm
 
 import envs
-import rwml
 from integrations import worlds
 from support.common import UserError, names, read_jsonl, write_atomic, write_jsonl
 from support.plumbing import (PROMPT_TAIL, check_resume, context_problem, group_table, jsonl_writer,
@@ -284,9 +283,9 @@ def wm_row(state: dict, res: dict, u: dict, batch: list[dict], learning_rate: fl
 def nothing_by_group(states: list[str | None], advantages: torch.Tensor, G: int) -> dict:
     """The share of "Nothing happens." predictions and, per prompt, how many and the advantage they got (> 0:
     pushed up): which groups move the share of that answer, the small model's most common drift (NOTEBOOK)."""
-    nothing = torch.tensor([s == rwml.NOTHING for s in states], dtype=torch.float).view(-1, G)
+    nothing = torch.tensor([s == envs.NOTHING for s in states], dtype=torch.float).view(-1, G)
     pushed = (nothing * advantages.view(-1, G)).sum(1).tolist()
-    return dict(nothing_share=sum(s == rwml.NOTHING for s in states) / len(states),
+    return dict(nothing_share=sum(s == envs.NOTHING for s in states) / len(states),
                 group_nothing=nothing.sum(1).tolist(), group_nothing_advantage=[round(a, 4) for a in pushed])
 
 
@@ -400,20 +399,13 @@ def triplet_key(r: dict) -> list:
     return [str(r.get("game")), r.get("rollout"), r.get("step"), r.get("action")]
 
 
-def wm_texts(t: dict, reasoning: bool) -> tuple[str, str, str, str]:
-    """A triplet's world-model chat as the adapters learn it, (system prompt, prompt, reply prefix, stop):
-    for the model cards and verl's export, which take it as an argument rather than import the method."""
-    return rwml.wm_system(t), rwml.wm_prompt(t, reasoning), rwml.wm_prefix(reasoning), rwml.WM_STOP
-
-
-def triplet_problem(cfg):
+def triplet_problem(cfg, wm):
     """For read_transitions: why a triplet cannot train with `cfg` (an unknown env; a world-model prompt and
-    answer past the model's context), or None."""
+    answer past the model's context), or None. `wm(triplet, reasoning)`: its chat (rwml.wm_texts)."""
     def problem(t: dict) -> str | None:
         if "env" in t and (not isinstance(t["env"], str) or t["env"] not in worlds.ENVIRONMENTS):
             return f"env {json.dumps(t['env'])[:40]} is not one of {', '.join(worlds.ENVIRONMENTS)} " \
                    "(or left out)"
-        chats = [(rwml.wm_prompt(t, r), rwml.wm_system(t), rwml.wm_prefix(r))
-                 for r in {cfg.wm_reasoning, False}]
-        return context_problem(cfg, chats, rwml.wm_answer(t))
+        chats = [wm(t, r) for r in {cfg.wm_reasoning, False}]  # (system, prompt, prefix, stop)
+        return context_problem(cfg, [(p, s, x) for s, p, x, _ in chats], t["next_obs"] + chats[0][3])
     return problem

@@ -4,7 +4,8 @@ content-free baselines' line, the paired differences (a)-(e) with their CIs (`ga
 words, and the adapter's card; the reward's controls (MIS, COIN: `reward_control`) and the matched COIN arm
 of --coin-control (one arm decides nothing).
 
-Imports the method (its content-free baselines), the statistics, the cards and runs.py, never train.py.
+Imports the environments (the baselines, the breakdown by kind), the reward's controls, the statistics, the
+cards and runs.py; never rwml or train.py (coin_control gets train.py's RWML as an argument).
 """
 from __future__ import annotations
 
@@ -22,6 +23,64 @@ from support.common import UserError, read_jsonl, write_atomic
 from support.plumbing import swap_checkpoint, write_eval
 
 HELDOUT_KINDS = ("explore", "purposeful")  # this collection policy's triplets; the expert walkthroughs'
+
+
+def reward_control(cfg, triplets: list[dict], reward_fn, out: Path, coin_seed: int | None = None):
+    """(triplets, reward function) under a control: MIS (another triplet's target) or COIN (a fair coin,
+    seeded by `coin_seed`, else the run's seed)."""
+    if cfg.reward_control == "mis":
+        targets, unchanged = mis_targets([t["next_obs"] for t in triplets], cfg.seed)
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "mis.json",
+                     json.dumps(dict(unchanged_share=unchanged, num_triplets=len(triplets)), indent=2))
+        print(f"mis: {unchanged:.1%} of triplets keep a target equal to their own (one text is over half "
+              "of all)")
+        return [dict(t, next_obs=x) for t, x in zip(triplets, targets)], reward_fn
+    if cfg.reward_control == "coin":
+        return triplets, coin_reward(cfg.seed if coin_seed is None else coin_seed)
+    return triplets, reward_fn
+
+
+COIN_STREAM = 1_000_003  # the matched COIN arm's coin: seed + this, so a coin run's control is another coin
+
+
+def coin_control(cfg, out: Path, load, reward_fn, start, model, kept: list[dict], heldout: dict, train_wm,
+                 evaluate) -> None:
+    """The matched COIN arm (issue 56): RWML's recipe with a fair coin for a reward, from the same warm-up, on
+    the same prompts in the same batches with the same sampling seed, scored on the same held-out triplets
+    (wm_eval_coin_<kind>), line (e), `--coin-control`. One arm's coin moves too far from run to run to decide
+    anything (a coin run passed RWML - COIN: lab/results/fresh_seeds). Resumes as `all` does. `train_wm`,
+    `evaluate`: train.py's RWML and its held-out scoring."""
+    model.unload()  # the bare base model again: the control starts from the warm-up as RWML did
+    ctrl = out / "coin_control"
+    ctrl.mkdir(parents=True, exist_ok=True)
+    with cost.stage("coin control grpo"):
+        arm = train_wm(dataclasses.replace(cfg, reward_control="coin", eval_steps=0,
+                                           resume=cfg.resume or swap_checkpoint(ctrl / "checkpoint")),
+                       kept, ctrl, load, reward_fn, start, coin_seed=cfg.seed + COIN_STREAM)
+    for kind in HELDOUT_KINDS:
+        with cost.stage("coin control eval"):
+            write_eval(out / f"wm_eval_coin_{kind}.json",
+                       dict(evaluate(cfg, arm, load()[1], heldout[kind]["triplets"], reward_fn),
+                            model="COIN (matched)", split=cfg.heldout_split,
+                            transitions=heldout[kind]["file"]))
+    arm.unload()
+
+
+def baseline_wm(name: str, triplets: list[dict], reward_fn) -> dict:
+    """A content-free baseline (`envs.baseline_prediction`: template, nothing, copy) scored as a model is."""
+    preds = [f"<next_state>{envs.baseline_prediction(name, t)}</next_state>" for t in triplets]
+    return dict(envs.score_wm(triplets, preds, reward_fn), samples=0, temperature=0.0, model=name)
+
+
+def baselines_line(cfg, out: Path, kind: str, trips: list[dict], file: str, reward_fn) -> None:
+    """The content-free baselines on a held-out set: wm_eval_<rule>_<kind>.json each, and one line."""
+    rules = {name: baseline_wm(name, trips, reward_fn) for name in envs.BASELINES}
+    for name, r in rules.items():
+        write_eval(out / f"wm_eval_{name}_{kind}.json", dict(r, split=cfg.heldout_split, transitions=file))
+    print(f"{kind} ({file}): content-free baselines: template rule {rules['template']['wm_accuracy']:.3f}, "
+          f"always \"Nothing happens.\" {rules['nothing']['wm_accuracy']:.3f}, copy the observation "
+          f"{rules['copy']['wm_accuracy']:.3f}")
 
 
 def before_after_line(before: dict, after: dict) -> str:
@@ -135,22 +194,6 @@ def world_model_verdict(a: dict, both: dict, rule: dict) -> str:
                    f"exact match: {each}): what it learned, the rule's 25 lines already say")
 
 
-def baseline_wm(name: str, triplets: list[dict], reward_fn) -> dict:
-    """A content-free baseline (`envs.baseline_prediction`: template, nothing, copy) scored as a model is."""
-    preds = [f"<next_state>{envs.baseline_prediction(name, t)}</next_state>" for t in triplets]
-    return dict(envs.score_wm(triplets, preds, reward_fn), samples=0, temperature=0.0, model=name)
-
-
-def baselines_line(cfg, out: Path, kind: str, trips: list[dict], file: str, reward_fn) -> None:
-    """The content-free baselines on a held-out set: wm_eval_<rule>_<kind>.json each, and one line."""
-    rules = {name: baseline_wm(name, trips, reward_fn) for name in envs.BASELINES}
-    for name, r in rules.items():
-        write_eval(out / f"wm_eval_{name}_{kind}.json", dict(r, split=cfg.heldout_split, transitions=file))
-    print(f"{kind} ({file}): content-free baselines: template rule {rules['template']['wm_accuracy']:.3f}, "
-          f"always \"Nothing happens.\" {rules['nothing']['wm_accuracy']:.3f}, copy the observation "
-          f"{rules['copy']['wm_accuracy']:.3f}")
-
-
 def all_summary(cfg, out: Path, lines: list[str], held: dict[str, str], kept: int, start, t0: float) -> None:
     """`all`'s end: the adapter's card (each held-out kind's line, the template rule's beside), and the gain
     lines, the verdict, its time and its folder."""
@@ -163,45 +206,3 @@ def all_summary(cfg, out: Path, lines: list[str], held: dict[str, str], kept: in
     plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")  # + before / after
     print("\n".join(lines) + f"\n{(time.time() - t0) / 60:.1f} min -> {out} (per-triplet outputs: "
           f"{out}/wm_eval_*.triplets.jsonl)")
-
-
-def reward_control(cfg, triplets: list[dict], reward_fn, out: Path, coin_seed: int | None = None):
-    """(triplets, reward function) under a control: MIS (another triplet's target) or COIN (a fair coin,
-    seeded by `coin_seed`, else the run's seed)."""
-    if cfg.reward_control == "mis":
-        targets, unchanged = mis_targets([t["next_obs"] for t in triplets], cfg.seed)
-        out.mkdir(parents=True, exist_ok=True)
-        write_atomic(out / "mis.json",
-                     json.dumps(dict(unchanged_share=unchanged, num_triplets=len(triplets)), indent=2))
-        print(f"mis: {unchanged:.1%} of triplets keep a target equal to their own (one text is over half "
-              "of all)")
-        return [dict(t, next_obs=x) for t, x in zip(triplets, targets)], reward_fn
-    if cfg.reward_control == "coin":
-        return triplets, coin_reward(cfg.seed if coin_seed is None else coin_seed)
-    return triplets, reward_fn
-
-
-COIN_STREAM = 1_000_003  # the matched COIN arm's coin: seed + this, so a coin run's control is another coin
-
-
-def coin_control(cfg, out: Path, load, reward_fn, start, model, kept: list[dict], heldout: dict, train_wm,
-                 evaluate) -> None:
-    """The matched COIN arm (issue 56): RWML's recipe with a fair coin for a reward, from the same warm-up, on
-    the same prompts in the same batches with the same sampling seed, scored on the same held-out triplets
-    (wm_eval_coin_<kind>), line (e), `--coin-control`. One arm's coin moves too far from run to run to decide
-    anything (a coin run passed RWML - COIN: lab/results/fresh_seeds). Resumes as `all` does. `train_wm`,
-    `evaluate`: train.py's RWML and its held-out scoring."""
-    model.unload()  # the bare base model again: the control starts from the warm-up as RWML did
-    ctrl = out / "coin_control"
-    ctrl.mkdir(parents=True, exist_ok=True)
-    with cost.stage("coin control grpo"):
-        arm = train_wm(dataclasses.replace(cfg, reward_control="coin", eval_steps=0,
-                                           resume=cfg.resume or swap_checkpoint(ctrl / "checkpoint")),
-                       kept, ctrl, load, reward_fn, start, coin_seed=cfg.seed + COIN_STREAM)
-    for kind in HELDOUT_KINDS:
-        with cost.stage("coin control eval"):
-            write_eval(out / f"wm_eval_coin_{kind}.json",
-                       dict(evaluate(cfg, arm, load()[1], heldout[kind]["triplets"], reward_fn),
-                            model="COIN (matched)", split=cfg.heldout_split,
-                            transitions=heldout[kind]["file"]))
-    arm.unload()

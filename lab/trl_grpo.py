@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     _, cfg = parse_stage(["wm", *(sys.argv[1:] if argv is None else argv)], STAGE, Settings, settle_env)
     out = Path(cfg.out)
     check_run(cfg, check, processes=True)  # accelerate launch: every process runs this, TRL shares the work
-    trips, _ = stage_inputs(cfg, "wm", runs.triplet_problem(cfg))
+    trips, _ = stage_inputs(cfg, "wm", runs.triplet_problem(cfg, rwml.wm_texts))
     claim_out(cfg, out, "trl")
     if found := next(out.glob("checkpoint*"), None):
         raise UserError(f"{out} holds a run of train.py ({found}), which TRL cannot continue; use another "
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
             loaded.append(engine.load_model(cfg.model, load_in_4bit=use_4bit(cfg)))
         return loaded[0]
 
-    with cost.run(out), card_run("wm", cfg, runs.wm_texts):
+    with cost.run(out), card_run("wm", cfg, rwml.wm_texts):
         reward_fn = train.make_reward(cfg)
         with state.main_process_first():  # the main process first; the others reuse its cache
             kept, start = train.filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
@@ -131,7 +131,7 @@ def train_wm_trl(cfg, triplets: list[dict], out: Path, load, reward_fn, start: P
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         write_atomic(out / "config.json", config_json(cfg))
-    chats = [runs.wm_texts(t, cfg.wm_reasoning) for t in triplets]  # (system, prompt, reply prefix, stop)
+    chats = [rwml.wm_texts(t, cfg.wm_reasoning) for t in triplets]  # (system, prompt, reply prefix, stop)
     prefix, stop = chats[0][2:]
     model, tok = load()
     # our prompt text: chat template, system prompt and the reply's prefix, which TRL's completions then lack

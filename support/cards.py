@@ -212,7 +212,7 @@ _EXAMPLE = dict(task="put a vase in shelf.", action="go to shelf 1", observation
 
 def query_snippet(cfg, kind: str, wm) -> list[str]:
     """A card's "Query this world model": plain transformers + peft, with the system prompt, prompt, prefix
-    and stop string the adapter trained on (`wm(triplet, reasoning)` gives them: runs.wm_texts)."""
+    and stop string the adapter trained on (`wm(triplet, reasoning)` gives them: rwml.wm_texts)."""
     env = getattr(cfg, "env", None) or "alfworld"
     reasoning = kind == "wm" and getattr(cfg, "wm_reasoning", False)  # the warm-up and WM SFT: no <think>
     slot = {k: f"@@{k}@@" for k in _EXAMPLE}

@@ -1,24 +1,9 @@
 """Support (skip on a first read): intervals and paired comparisons, for what `python train.py` prints and for
-the lab's tables (issue 37 item 1; issue 47 item 6). numpy, and scipy.stats where it has the test.
-
-- `wilson(k, n)`: the 95 % Wilson score interval of one rate (one run).
-- `paired_bootstrap(a, b, units)`: the difference of two arms' mean outcomes on the same items (triplets or
-  episodes), with a percentile bootstrap CI that resamples units (games): the items of a game move together.
-- `two_level_bootstrap(runs)`: the same over several seeds: each replicate draws seeds with replacement, then
-  games with replacement (one draw of games shared by the drawn seeds: our seeds play the same games).
-  N_BOOT (200,000) replicates by default; besides the CI it returns the replicates' sd and how many
-  replicates lie below, at or below, at or above, above 0 (what places a bound on either side of 0).
-- `half_width(ci)`: the CI's half-width, named so, where a table once printed "could detect" (a power figure
-  taken at the observed effect: post hoc, smallest where little changed; issue 53 item 5). Seed-to-seed and
-  game-to-game spread both count where the CI is two_level_bootstrap's.
-- `exact_tests(a, b, units)`: how many paired items went up and down, and two exact tests beside the
-  bootstrap, which is coarse when few items change: a sign-flip test over units (each game's summed
-  difference keeps or flips its sign: all 2^games assignments up to 2^20, else 200,000 drawn) and McNemar's
-  (an exact binomial test of the items that went up against those that went down). scipy.stats does both.
-- `verdict(ci)`: "holds" only where the CI excludes 0 by more than its Monte-Carlo error (another RNG seed
-  prints the same verdict), "no difference detected (borderline)" where a bound is 0 within that error (a
-  CI that touches 0, or one whose bound no count of replicates would settle), else "no difference
-  detected"; no data (None) says so.
+the lab's tables; numpy, and scipy.stats where it has the test. One rate: `wilson`. Two arms on the same items
+(triplets, episodes): `paired_bootstrap`, a percentile CI that resamples games (a game's items move together),
+and over seeds `two_level_bootstrap` (seeds, then games); `exact_tests` beside them (a sign-flip test over
+games, McNemar's); `half_width`; `verdict`: "holds" only where the CI excludes 0 by more than its Monte-Carlo
+error, so that another RNG seed prints the same verdict.
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 
 An update's `Batch` and its micro-batches, the optimizer step, and log pi computed fast (chunked vocabulary
 projection, shared-prompt forward), each fast path checked once per model against the model's own full
-logits (`full_logprobs`); rwml.logprobs defines log pi plainly, and the tests hold every path to it. SFT's
-packing too. Below the engine: it imports nothing of it."""
+logits (`full_logprobs`); rwml.logprobs defines log pi plainly, and the tests hold every path to it
+(`batch_logprobs`: the one a GRPO update calls). The update's diagnostics (`loss_stats`: TRL's kl, clip
+ratio). SFT's packing too. Below the engine: it imports nothing of it."""
 from __future__ import annotations
 
 import math
@@ -298,10 +299,10 @@ def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_i
 
 
 def batch_logprobs(model, mb: Batch, cfg) -> torch.Tensor:
-    """rwml.logprobs of a micro-batch's completion tokens ([B, C]), computed faster: each
-    group's prompt once (`group_logprobs`), or every row whole in chunks of the vocabulary projection
-    (`completion_logprobs`); each shortcut checked once per model against the model's full logits
-    (`fast_paths`), which give way to them where they disagree."""
+    """rwml.logprobs of a micro-batch's completion tokens ([B, C]), computed faster: each group's prompt once
+    (`group_logprobs`), or every row whole in chunks of the vocabulary projection (`completion_logprobs`);
+    each shortcut checked once per model against the model's full logits (`fast_paths`), which give way to
+    them where they disagree."""
     ids, cmask = mb.input_ids, mb.completion_mask
     if mb.group_size > 1:
         completions = ids[:, ids.shape[1] - cmask.shape[1]:]

@@ -11,6 +11,7 @@ import pytest
 import envs
 from support import plumbing
 from integrations import runs
+import rwml
 import train
 import trl_grpo
 from support.plumbing import read_jsonl
@@ -128,7 +129,8 @@ def test_a_triplet_of_an_unknown_env_is_one_line_naming_the_file_and_line(env, s
     bad.write_text("\n".join(lines) + "\n")
     message = f"{bad}, line 3: env {shown} is not one of alfworld, "
     with pytest.raises(envs.UserError) as e:
-        plumbing.read_transitions(str(bad), runs.triplet_problem(train.Settings(model=tiny_model)))
+        fits = runs.triplet_problem(train.Settings(model=tiny_model), rwml.wm_texts)
+        plumbing.read_transitions(str(bad), fits)
     assert one_line(e).startswith(message)
     with pytest.raises(envs.UserError) as e:
         train.main(["wm", "--model", tiny_model, "--transitions", str(bad), *WM_ARGS,
