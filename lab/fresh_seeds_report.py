@@ -1,6 +1,6 @@
 """Issues 53 and 56 on valid_unseen: the default run's closing comparisons on fresh seeds, each seed's value
 and the seeds pooled (a two-level bootstrap: seeds, then games; two seeds: the seed part rests on two values).
-Exact match, paired by triplet (runs.compare on each seed; stats.two_level_bootstrap over them).
+Exact match, paired by triplet (verdict.compare on each seed; stats.two_level_bootstrap over them).
 
     python lab/fresh_seeds_report.py RUN [RUN ...] [--out table.md]
 
