@@ -31,8 +31,8 @@ def play(model, tokenizer, env, episodes: list[dict], *, actor, history_len: int
     happen. `record_tokens`: each turn adds its prompt and the exact tokens the model saw and sampled
     (`prompt_ids`, `completion_ids`), which stage 2 trains on. `explore_prob` (ALFWorld collection): the
     chance that a turn's reply is `env.explore`'s, not the model's (`explored`). `actor` writes the replies:
-    `GENERATE` (free-form ReAct replies, the paper's; §6), or choose mode's. Returns one summary per episode,
-    in the order given."""
+    rwml.GENERATE (free-form ReAct replies, the paper's; §6), or choose mode's. Returns one summary per
+    episode, in the order given."""
     if num_envs < 1:
         raise UserError(f"--num-envs must be at least 1, got {num_envs}")
     env.bind_model(model, tokenizer, temperature=temperature, top_p=top_p)  # tau2: the model of its customer

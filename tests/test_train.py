@@ -298,9 +298,9 @@ def test_every_tensor_reaching_the_loss_is_on_the_models_device(tiny_model, tran
     monkeypatch.setattr(rwml, "sample_chat", lambda *a, **k: on_device)
     monkeypatch.setattr(rwml, "rollouts",
                         lambda *a, on_turn=None, **k: [on_turn(t) for t in turns] and summaries)
-    monkeypatch.setattr(rwml, "group_logprobs",
+    monkeypatch.setattr(update, "group_logprobs",
                         lambda model, p, pm, c, cm, **k: torch.zeros(cm.shape, device=model.device))
-    monkeypatch.setattr(rwml, "completion_logprobs",
+    monkeypatch.setattr(update, "completion_logprobs",
                         lambda model, i, a, cm, **k: torch.zeros(cm.shape, device=model.device))
     monkeypatch.setattr(rwml, "grpo_loss", checking_loss)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
