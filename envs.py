@@ -6,8 +6,7 @@ game files (as `alfworld.agents.environment.AlfredTWEnv` does). What we add is
   - clean observations (no banner), the task sentence, our own step budget (the paper: 30);
   - the action parser for model text, with "invalid" and "format error" counted apart, and the admissible
     commands that choose mode picks from;
-  - the content-free baselines a world model must beat, strict metrics, the held-out breakdown by kind
-    (`score_wm`), and the expert walkthroughs as triplets;
+  - content-free baselines, strict metrics, the held-out breakdown (`score_wm`); walkthroughs as triplets;
   - `Alfworld`: the interface's ALFWorld, whose class holds its facts (tau_d, prompts, reply cap, splits).
 The other environments and the registry of all three: integrations/worlds.py; the worker processes and
 engine caches, which only make the games faster: support/gamepool.py.
@@ -23,7 +22,6 @@ import sys
 from pathlib import Path
 
 from support import gamepool
-from reward import parse_next_state
 from support.common import UserError, utf8_clean
 
 SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")  # valid_seen = ID, valid_unseen = OOD
@@ -249,6 +247,8 @@ def score_wm(triplets: list[dict], completions: list[str], reward_fn, k: int = 1
     """Score k completions per triplet (`<next_state>` replies, in triplet order): the summaries of
     rwml.evaluate_wm, and under `triplets` one row per triplet (its predictions, rewards, cosines, kind, and
     whether the template rule hits it). Content-free baselines are scored here too, with the same reward."""
+    from reward import parse_next_state  # here: reward.py imports torch, and envs stays cheap to import
+
     targets = [t["next_obs"] for t in triplets for _ in range(k)]
     rewards = reward_fn(completions, targets)
     states = [parse_next_state(p) for p in completions]

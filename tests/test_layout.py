@@ -5,6 +5,8 @@ at most 200 lines."""
 import ast
 import dataclasses
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,3 +166,10 @@ def test_the_lab_holds_the_scripts_studies_and_notebook():
 def test_the_readme_is_at_most_200_lines():
     n = len((ROOT / "README.md").read_text().splitlines())
     assert n <= 200, f"README.md has {n} lines"
+
+
+def test_envs_imports_without_torch():
+    """envs.py (the games and their worker processes' module) stays cheap to import: reward.py, and torch with
+    it, comes in only when a held-out set is scored (envs.score_wm imports it there)."""
+    code = "import sys, envs; sys.exit(int('torch' in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0, "import envs imports torch"
