@@ -89,7 +89,7 @@ def pct(x: float) -> str:
 def rate(runs: list[dict], games: list[str]) -> str:
     """The mean over seeds of the per-game mean success, with its CI; each seed's value when several."""
     zero = [0.0] * len(games)
-    ci = stats.two_level_bootstrap([([r[g] for g in games], zero, games) for r in runs])
+    ci = stats.over_seeds([([r[g] for g in games], zero, games) for r in runs])
     seeds = f" ({' / '.join(pct(v) for v in ci['per_seed'])})" if len(runs) > 1 else ""
     return f"{pct(ci['diff'])} [{pct(ci['lo'])}, {pct(ci['hi'])}]{seeds}"
 
@@ -100,7 +100,7 @@ RULE = stats.RULE[0].upper() + stats.RULE[1:].replace("CI half-width", "CI half-
 def said(c: dict) -> tuple[str, str]:
     """A comparison's cells: the difference in points with its CI; the verdict with the CI's half-width."""
     return (f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]",
-            f"{stats.verdict(c).replace('holds', 'holds (CI excludes 0)')}; CI half-width "
+            f"{stats.verdict(c)}; CI half-width "
             f"{100 * c['half_width']:.1f} points")
 
 
@@ -108,7 +108,7 @@ def compare(xs: list[dict], ys: list[dict], games: list[str]) -> dict:
     """x - y paired on games; x over its seeds (y: one run, or one per seed of x)."""
     ys = ys if len(ys) == len(xs) else ys * len(xs)
     runs = [([x[g] for g in games], [y[g] for g in games], games) for x, y in zip(xs, ys)]
-    ci = stats.two_level_bootstrap(runs)
+    ci = stats.over_seeds(runs)
     ci["half_width"] = stats.half_width(ci)  # the CI over seeds, then games
     return ci
 

@@ -1,6 +1,6 @@
 """Issues 53 and 56 on valid_unseen: the default run's closing comparisons on fresh seeds, each seed's value
 and the seeds pooled (a two-level bootstrap: seeds, then games; two seeds: the seed part rests on two values).
-Exact match, paired by triplet (verdict.compare on each seed; stats.two_level_bootstrap over them).
+Exact match, paired by triplet (verdict.compare on each seed; stats.over_seeds over them).
 
     python lab/fresh_seeds_report.py RUN [RUN ...] [--out table.md]
 
@@ -44,7 +44,7 @@ def sides(x_run: Path, x_arm: str, y_run: Path, y_arm: str, kinds: tuple, key: s
 def pooled(runs: list[Path], arm: str, base: str, kinds: tuple, key: str = "exact") -> dict:
     """arm - base over the seeds (runs), each seed's triplets (of every kind in `kinds`) paired by key, games
     as units."""
-    return stats.two_level_bootstrap([sides(run, arm, run, base, kinds, key) for run in runs])
+    return stats.over_seeds([sides(run, arm, run, base, kinds, key) for run in runs])
 
 
 def main(argv=None) -> None:

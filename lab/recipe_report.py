@@ -43,7 +43,7 @@ def compare(runs: list[tuple[Path, Path]], key: str):
                           sum(after[k] for k in common) / len(common)))
     if not data:
         return None
-    ci = stats.two_level_bootstrap(data)
+    ci = stats.over_seeds(data)
     return (sum(m[0] for m in means) / len(means), sum(m[1] for m in means) / len(means), ci,
             sum(len(d[0]) for d in data) // len(data))
 

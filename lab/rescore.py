@@ -190,7 +190,7 @@ def paired(data, seeds, x, y, split, metric, kinds=None):
             runs.append(run)
     if not runs:
         return None
-    ci = stats.two_level_bootstrap(runs)
+    ci = stats.over_seeds(runs)
     return dict(ci, items=len(runs[0][0]), half_width=stats.half_width(ci))
 
 
@@ -206,7 +206,7 @@ def arm_table(data, seeds, splits=SPLITS, arms=ARMS) -> list[str]:
                     cells.append("–")
                     continue
                 runs = [([r[metric] for r in rs], [0] * len(rs), [r["game"] for r in rs]) for rs in rows]
-                ci = stats.two_level_bootstrap(runs)
+                ci = stats.over_seeds(runs)
                 cells.append(f"{ci['diff']:.3f} ({'/'.join(pct(v) for v in ci['per_seed'])}) "
                              f"[{ci['lo']:.3f}, {ci['hi']:.3f}]")
             n = sum(r["item_f1"] is not None for r in data[(ran[0], arm, split)].values())

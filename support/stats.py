@@ -1,9 +1,11 @@
 """Support (skip on a first read): intervals and paired comparisons, for what `python train.py` prints and for
 the lab's tables; numpy, and scipy.stats where it has the test. One rate: `wilson`. Two arms on the same items
-(triplets, episodes): `paired_bootstrap`, a percentile CI that resamples games (a game's items move together),
-and over seeds `two_level_bootstrap` (seeds, then games); `exact_tests` beside them (a sign-flip test over
-games, McNemar's); `half_width`; `verdict`: "holds" only where the CI excludes 0 by more than its Monte-Carlo
-error, so that another RNG seed prints the same verdict.
+(triplets, episodes) of one run: `paired_bootstrap`, a percentile CI that resamples games (a game's items move
+together) beside the exact sign-flip test over games. Over seeds (`over_seeds`): each seed's value, a
+t-interval and the exact sign-flip test over seeds (a bootstrap over seeds, then games, only from
+`MIN_BOOT_SEEDS` seeds: with fewer it is far too narrow). `verdict`: "holds" / "reversed" only where the CI
+excludes 0 and the exact test agrees (p < ALPHA); a CI alone moves on 4-5 games that an exact test cannot
+separate from chance (2 x 0.5^5 = 0.062).
 """
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ from collections import defaultdict
 import numpy as np
 
 Z = statistics.NormalDist().inv_cdf
-N_BOOT = 200_000  # replicates of every printed CI (2,000 left verdicts to the RNG seed: issue 47 item 6)
+ALPHA = 0.05  # the exact test's level, two-sided; the CIs are 95 %
+N_BOOT = 200_000  # replicates of every printed CI (2,000 left verdicts to the RNG seed)
 CHUNK = 25_000  # replicates drawn at a time (memory: a few MB per 10 units)
 RNG_SEED = 0  # the bootstrap's RNG seed where none is given (lab/rng_check.py varies it)
 MC_Z = Z(0.995)  # a bound's Monte-Carlo error: 2.576 sd of the count of replicates below it (99 %)
+MIN_BOOT_SEEDS = 5  # below this many seeds the CI over seeds is Student's t, not a bootstrap
 
 
 def wilson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
@@ -52,9 +56,46 @@ def mc_margin(n: int, level: float = 0.95) -> float:
     return MC_Z * math.sqrt(n * q * (1 - q))
 
 
+def sign_flip(d) -> float:
+    """The exact two-sided p of a sign-flip test on values d (their sum against every sign assignment; exact
+    up to 2^20, else N_BOOT random ones). A 0 has the same |sum| with either sign: leaving the zeros out
+    changes no p and keeps the enumeration to what changed."""
+    from scipy.stats import permutation_test
+
+    d = np.array([x for x in d if x != 0], dtype=float)
+    if len(d) < 2:  # nothing changed, or one value: every assignment gives the same |sum|
+        return 1.0
+    res = permutation_test((d,), np.sum, permutation_type="samples", alternative="two-sided",
+                           n_resamples=np.inf if len(d) <= 20 else N_BOOT, random_state=RNG_SEED)
+    return float(res.pvalue)
+
+
 def paired_bootstrap(a, b, units, n_boot: int = N_BOOT, seed: int | None = None, level: float = 0.95) -> dict:
-    """mean(a) - mean(b) over paired items, with a bootstrap CI over units: dict(diff, lo, hi, units, ...)."""
-    return two_level_bootstrap([(a, b, units)], n_boot, seed, level)
+    """mean(a) - mean(b) over paired items of one run: dict(diff, lo, hi: a bootstrap CI over units, p: the
+    exact sign-flip test over units, up / down: items above / below, n, units, test="games", and the
+    replicates' counts `verdict` reads)."""
+    return dict(_bootstrap([(a, b, units)], n_boot, seed, level), **exact_tests(a, b, units), n=len(a),
+                test="games")
+
+
+def over_seeds(runs, n_boot: int = N_BOOT, seed: int | None = None, level: float = 0.95) -> dict:
+    """runs: one (a, b, units) per seed, each paired. One seed: `paired_bootstrap`. Several: the mean of the
+    seeds' paired differences (per_seed), a t-interval over them (a bootstrap over seeds, then games, from
+    MIN_BOOT_SEEDS seeds), p the exact sign-flip test over seeds, test="seeds", seeds = their number."""
+    if len(runs) == 1:
+        return paired_bootstrap(*runs[0], n_boot=n_boot, seed=seed, level=level)
+    from scipy.stats import t
+
+    each = [_estimate([_by_unit(*r)], sorted(set(r[2]))) for r in runs]
+    k, mean = len(each), sum(each) / len(each)
+    if k >= MIN_BOOT_SEEDS:
+        out = _bootstrap(runs, n_boot, seed, level)
+    else:  # Student's t at k - 1 df: with 2 seeds, t(0.975, 1) = 12.7 standard errors
+        half = t.ppf((1 + level) / 2, k - 1) * statistics.stdev(each) / math.sqrt(k)
+        out = dict(lo=mean - half, hi=mean + half, units=len({u for r in runs for u in r[2]}), level=level)
+    pairs = [(x, y) for a, b, _ in runs for x, y in zip(a, b)]
+    return dict(out, diff=mean, per_seed=each, seeds=k, p=sign_flip(each), test="seeds", n=len(pairs),
+                up=sum(x > y for x, y in pairs), down=sum(x < y for x, y in pairs))
 
 
 def _estimate(seeds: list[dict], names: list[str]) -> float:
@@ -67,11 +108,10 @@ def _estimate(seeds: list[dict], names: list[str]) -> float:
     return sum(per) / len(per) if per else 0.0
 
 
-def two_level_bootstrap(runs, n_boot: int = N_BOOT, seed: int | None = None, level: float = 0.95) -> dict:
-    """runs: one (a, b, units) per seed. The mean over seeds of each seed's paired difference, with a CI from
-    resampling seeds (when there are several), then games (RNG seed `seed`, default RNG_SEED): dict(diff,
-    lo, hi, per_seed, units, sd: the replicates' sd, n_boot, level, and the replicates below / at most /
-    at least / above 0, which `verdict` reads)."""
+def _bootstrap(runs, n_boot: int, seed: int | None, level: float) -> dict:
+    """A CI from resampling seeds (when there are several), then games (RNG seed `seed`, default RNG_SEED):
+    dict(diff, lo, hi, per_seed, units, sd, n_boot, level, and the replicates below / at most / at least /
+    above 0, which `verdict` reads)."""
     seeds = [_by_unit(*r) for r in runs]
     names = sorted({u for s in seeds for u in s})
     total = np.array([[s.get(n, (0.0, 0))[0] for n in names] for s in seeds], dtype=float)  # seed x unit
@@ -106,69 +146,74 @@ def _replicates(total: np.ndarray, items: np.ndarray, n: int, rng) -> np.ndarray
 
 
 def half_width(ci: dict) -> float:
-    """The CI's half-width, (hi - lo) / 2: what a table gives beside a difference it did not detect (a CI
-    over seeds and games where several seeds are pooled); infinite for fewer than 2 units."""
+    """The CI's half-width, (hi - lo) / 2: what a table gives beside a difference it did not detect;
+    infinite for fewer than 2 units."""
     return math.inf if ci.get("units", 0) < 2 else (ci["hi"] - ci["lo"]) / 2
 
 
 def exact_tests(a, b, units) -> dict:
-    """Items up / down (a above / below b), and the two-sided p of a sign-flip test over units (the sum of the
-    units' summed differences; exact up to 2^20 assignments) and of McNemar's exact test on the items."""
-    from scipy.stats import binomtest, permutation_test
-
+    """Items up / down (a above / below b), and p: the two-sided sign-flip test over units on the units'
+    summed differences (items of a game are not independent: no test on items alone)."""
     by = _by_unit(a, b, units)
     up, down = sum(x > y for x, y in zip(a, b)), sum(x < y for x, y in zip(a, b))
-    # a unit whose sum is 0 gives the same |sum| with either sign: leaving it out changes no p, and keeps the
-    # exact enumeration to the units that changed (2^20 assignments took ~5 s; most games change nothing)
-    d = np.array([s for s, _ in by.values() if s != 0], dtype=float)
-    if len(d) < 2:  # nothing changed, or one unit: every assignment gives the same |sum|
-        p_games = 1.0
-    else:
-        res = permutation_test((d,), np.sum, permutation_type="samples", alternative="two-sided",
-                               n_resamples=np.inf if len(d) <= 20 else N_BOOT, random_state=RNG_SEED)
-        p_games = float(res.pvalue)
-    p_items = float(binomtest(up, up + down, 0.5).pvalue) if up + down else 1.0
-    return dict(up=up, down=down, p_games=p_games, p_items=p_items)
+    return dict(up=up, down=down, p=sign_flip([s for s, _ in by.values()]))
+
+
+def unchanged_bound(n: int, level: float = 0.95) -> float:
+    """The largest share of n items that may change while none of them is seen to: the upper Clopper-Pearson
+    bound of 0 in n (about 3.7 / n); a paired difference of items that all agree is known only to +- that."""
+    from scipy.stats import binomtest
+
+    return float(binomtest(0, n).proportion_ci(level, method="exact").high) if n else 1.0
 
 
 NO_DATA = "no data (nothing to compare)"
-
-
-RULE = ("verdict: \"holds\" only where the CI excludes 0 by more than its Monte-Carlo error (the count of "
-        "replicates on the far side of 0 below 2.5 % by more than 2.576 sd), \"(borderline)\" where a bound "
-        "is 0 within that error; CI half-width: (hi - lo) / 2 of the same CI; stats.py")
+RULE = ("verdict: \"holds\" (\"reversed\") only where the 95 % CI excludes 0 and the exact sign-flip test "
+        "(over games in one run, over seeds across seeds) agrees, p < 0.05; else \"no difference detected\"; "
+        "where no item changed, the change 0 changes leave open; stats.py")
 COUNTS = ("below_0", "at_most_0", "at_least_0", "above_0")
 
 
-def verdict(ci: dict | None, half: float | None = None) -> str:
-    """"holds" where the CI's lower bound is above 0 by more than its Monte-Carlo error ("reversed": the
-    upper bound below 0), "no difference detected (borderline)" where one bound is 0 within that error,
-    else "no difference detected" (with the CI's half-width, when given); NO_DATA for a comparison
-    without items (None, or no bounds).
-
-    With n replicates and q = (1 - level) / 2, the lower bound is the replicate of rank about n q: it is
-    above 0 when fewer than n q replicates are <= 0, below 0 when more than n q are < 0, and 0 itself in
-    between (replicates piled up at 0). Each count is known to m = mc_margin(n) (2.576 sd): the bound holds
-    when fewer than n q - m replicates are <= 0, and is 0 within its error when at most n q + m are < 0 and
-    at least n q - m are <= 0 (the upper bound: the same with > and >=). Both bounds at 0 (a CI [0, 0]: no
-    difference at all) is no borderline. A CI without these counts (not from two_level_bootstrap) is judged
-    on its bounds alone."""
-    if not isinstance(ci, dict) or not all(isinstance(ci.get(k), (int, float)) for k in ("lo", "hi")):
-        return NO_DATA
+def _ci_side(ci: dict) -> int:
+    """+1 where the CI's lower bound is above 0 (by more than its Monte-Carlo error, for a bootstrap: with n
+    replicates the lower bound is the replicate of rank about n q, q = (1 - level) / 2, so it is above 0 when
+    fewer than n q - m replicates are <= 0, m = mc_margin(n)), -1 where the upper is below 0, else 0."""
     if all(isinstance(ci.get(k), int) for k in ("n_boot", *COUNTS)):
         n, level = ci["n_boot"], ci.get("level", 0.95)
-        edge, m = n * (1 - level) / 2, mc_margin(n, level)
-        if ci["at_most_0"] < edge - m:
-            return "holds"
-        if ci["at_least_0"] < edge - m:
-            return "reversed"
-        lo_at_0 = ci["below_0"] <= edge + m and ci["at_most_0"] >= edge - m
-        hi_at_0 = ci["above_0"] <= edge + m and ci["at_least_0"] >= edge - m
-        borderline = lo_at_0 != hi_at_0
-    else:
-        if ci["lo"] > 0 or ci["hi"] < 0:
-            return "holds" if ci["lo"] > 0 else "reversed"
-        borderline = False
-    return ("no difference detected" + (" (borderline)" if borderline else "")
-            + (f"; CI half-width {half:.3f}" if half is not None else ""))
+        edge = n * (1 - level) / 2 - mc_margin(n, level)
+        return 1 if ci["at_most_0"] < edge else -1 if ci["at_least_0"] < edge else 0
+    return 1 if ci["lo"] > 0 else -1 if ci["hi"] < 0 else 0
 
+
+def verdict(ci: dict | None, half: float | None = None) -> str:
+    """"holds" where the CI's lower bound is above 0 and the exact test's p (ci["p"]) is below ALPHA
+    ("reversed": the upper bound below 0); where no item changed, that, with the share of items 0 changes
+    leave open; else "no difference detected" (why, when the CI alone excludes 0; the CI's half-width, when
+    given); NO_DATA for a comparison without items. A CI without an exact test never holds."""
+    if not isinstance(ci, dict) or not all(isinstance(ci.get(k), (int, float)) for k in ("lo", "hi")):
+        return NO_DATA
+    if ci.get("up") == 0 and ci.get("down") == 0 and ci.get("n"):
+        bound = unchanged_bound(ci["n"])
+        return f"no item changed (0 of {ci['n']}: a difference up to +-{bound:.3f} is not excluded)"
+    side, p = _ci_side(ci), ci.get("p")
+    if side and p is not None and p < ALPHA:
+        return "holds" if side > 0 else "reversed"
+    why = ("" if not side else " (the CI excludes 0, no exact test)" if p is None else
+           f" (the CI excludes 0, the exact test over {ci.get('test', 'games')} does not: p {p:.3f})")
+    return "no difference detected" + why + (f"; CI half-width {half:.3f}" if half is not None else "")
+
+
+def said(c: dict) -> str:
+    """A comparison in words: the estimate, its 95 % CI, the verdict, the items that changed each way, the
+    exact test; over seeds, each seed's value and their number."""
+    if not c.get("n"):
+        return "no items"
+    head = f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] {verdict(c)}"
+    if c.get("test") == "seeds":
+        how = "t-interval" if c["seeds"] < MIN_BOOT_SEEDS else "bootstrap over seeds, then games"
+        return (f"{head}; {c['seeds']} seeds ({', '.join(f'{d:+.3f}' for d in c['per_seed'])}; {how}); "
+                f"sign-flip over seeds p {c['p']:.3f}")
+    if not c["up"] and not c["down"]:
+        return f"{head}, {c['units']} games"
+    return (f"{head}; {c['up']} up, {c['down']} down over {c['units']} games (sign-flip over games p "
+            f"{c['p']:.3f})")

@@ -308,7 +308,8 @@ def test_the_gain_lines_are_the_per_triplet_files_numbers(tmp_path):
     assert lines[0].startswith("(a) the sim-to-real reward on RWML's own 10 training prompts (10 games): "
                                "the warm-up 0.400 -> RWML 1.000, +0.600 [+0.300, +0.900] holds"), lines[0]
     assert "reward +0.050 [+0.000, +0.150] no difference detected" in lines[1]
-    assert "exact match +0.000 [+0.000, +0.000] no difference detected" in lines[1]
+    assert ("exact match +0.000 [+0.000, +0.000] no item changed (0 of 10: a difference up to +-0.308 is not "
+            "excluded), 10 games") in lines[1]
     for name in ("train", *verdict.HELDOUT_KINDS):  # a broken run: after worse than before
         a, b = (tmp_path / f"wm_eval_{w}_{name}.triplets.jsonl" for w in ("before", "rwml"))
         a_text, b_text = a.read_text(), b.read_text()
@@ -360,7 +361,8 @@ def test_the_verdict_fails_for_a_rule_copier_and_passes_above_the_rule(tmp_path)
         write_rows(tmp_path, f"rwml_{kind}", rule)  # the rule-copier
     lines = verdict.gain_lines(tmp_path, start="warm-up")
     assert [x[:3] for x in lines] == ["(a)", "(b)", "(b)", "(b)", "(c)", "(c)", "(d)", "(d)", "ver"]
-    assert "the template rule 0.750 (exact match): +0.000 [+0.000, +0.000] no difference detected" in lines[4]
+    assert ("the template rule 0.750 (exact match): +0.000 [+0.000, +0.000] no item changed (0 of 40"
+            in lines[4])
     assert "the rule's misses whose answer the prompt holds (5): RWML - the warm-up, exact match +0.000" \
         in lines[6]
     assert "those naming objects the prompt never shows (5)" in lines[6]
@@ -370,7 +372,14 @@ def test_the_verdict_fails_for_a_rule_copier_and_passes_above_the_rule(tmp_path)
         write_rows(tmp_path, f"rwml_{kind}", better)
     lines = verdict.gain_lines(tmp_path, start="warm-up")
     assert "the template rule 0.750 (exact match): +0.125 [" in lines[4] and "5 up, 0 down" in lines[4]
-    assert "McNemar p 0.062" in lines[4]  # 5 up, 0 down: 2 x 0.5^5
+    # 5 games one way: the CI excludes 0, but 2 x 0.5^5 = 0.062 is no exact result, so no world model
+    assert "the exact test over games does not: p 0.062" in lines[4]
+    assert "; this run shows no world model above the content-free template rule" in lines[-1]
+    for kind in verdict.HELDOUT_KINDS:  # right on every miss: 10 games one way, p 2 x 0.5^10
+        write_rows(tmp_path, f"rwml_{kind}", held_rows([True] * n, hit, unseen))
+    lines = verdict.gain_lines(tmp_path, start="warm-up")
+    assert "+0.250 [" in lines[4] and "holds; 10 up, 0 down over 20 games (sign-flip over games p 0.002)" \
+        in lines[4]
     assert "; this run shows a world model above the content-free template rule" in lines[-1]
 
 

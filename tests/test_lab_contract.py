@@ -128,7 +128,8 @@ def test_agent_stats_makes_the_tables_folder(tmp_path):
 def test_verdict_on_no_data_says_so():
     assert stats.verdict(None) == stats.NO_DATA == "no data (nothing to compare)"
     assert stats.verdict(dict(diff=0.0, lo=None, hi=None)) == stats.NO_DATA
-    assert stats.verdict(dict(diff=0.1, lo=0.05, hi=0.2)) == "holds"
+    assert stats.verdict(dict(diff=0.1, lo=0.05, hi=0.2, p=0.01)) == "holds"
+    assert stats.verdict(dict(diff=0.1, lo=0.05, hi=0.2)).startswith("no difference detected")  # no test
 
 
 # ------------------------------------------------------------------------------------------- lab/rescore.py

@@ -1,5 +1,5 @@
-"""stats.py on cases with known answers (issue 37 item 1; issue 47 item 6: the spread
-difference from the CI's own resampling, power's t quantiles, verdicts that do not hang on the RNG seed)."""
+"""stats.py on cases with known answers: the CIs, power's t quantiles, verdicts that do not hang on the RNG
+seed, and the verdict's rule: a CI that excludes 0 holds only where the exact sign-flip test agrees."""
 import random
 import sys
 from pathlib import Path
@@ -19,13 +19,17 @@ def test_wilson_published_values():
 
 
 def test_constant_difference_has_a_zero_width_ci():
-    a, b = [1, 1, 0, 1, 1, 0] * 5, [0, 1, 0, 0, 1, 0] * 5  # + 1/3 in every game of 6 items
-    units = [g for g in range(5) for _ in range(6)]
+    a, b = [1, 1, 0, 1, 1, 0] * 6, [0, 1, 0, 0, 1, 0] * 6  # + 1/3 in every game of 6 items, 6 games
+    units = [g for g in range(6) for _ in range(6)]
     ci = stats.paired_bootstrap(a, b, units, n_boot=300)
     assert ci["diff"] == pytest.approx(1 / 3) and ci["lo"] == pytest.approx(ci["hi"]) == pytest.approx(1 / 3)
+    assert ci["p"] == pytest.approx(2 / 64)  # 6 games one way: only all-plus and all-minus are as far
     assert stats.half_width(ci) == 0.0 and stats.verdict(ci) == "holds"
-    two = stats.two_level_bootstrap([(a, b, units)] * 3, n_boot=300)
-    assert two["lo"] == pytest.approx(two["hi"]) == pytest.approx(1 / 3) and len(two["per_seed"]) == 3
+    three = stats.over_seeds([(a, b, units)] * 3, n_boot=300)  # identical seeds: a t-interval of width 0
+    assert three["lo"] == pytest.approx(three["hi"]) == pytest.approx(1 / 3) and len(three["per_seed"]) == 3
+    assert three["p"] == pytest.approx(2 / 8) and three["seeds"] == 3
+    assert stats.verdict(three) == ("no difference detected (the CI excludes 0, the exact test over seeds "
+                                    "does not: p 0.250)")
 
 
 def test_seeded_bootstrap_is_reproducible_and_paired():
@@ -80,8 +84,9 @@ def test_the_half_width_counts_the_spread_between_seeds():
     games = [f"g{i}" for i in range(20)]
     up, down = {g: 0.3 for g in games}, {g: 0.0 for g in games}
     ci = agent_stats.compare([up, down], [down, up], games)  # seed 1: +0.3, seed 2: -0.3
-    assert ci["diff"] == 0.0 and ci["lo"] == pytest.approx(-0.3) and ci["hi"] == pytest.approx(0.3)
-    assert ci["half_width"] == pytest.approx(0.3)  # the pooled figure: 0.000
+    half = 12.706 * 0.3  # t(0.975, 1) standard errors of the two seeds' mean (sd 0.424, se 0.3)
+    assert ci["diff"] == 0.0 and ci["lo"] == pytest.approx(-half, abs=1e-3)
+    assert ci["half_width"] == pytest.approx(half, abs=1e-3)  # the pooled figure: 0.000
     assert stats.verdict(ci) == "no difference detected"
 
 
@@ -105,21 +110,42 @@ def test_power_uses_student_t_with_the_seeds_degrees_of_freedom(capsys):
     assert "3 seeds per arm detect (80 % power, t at 4 df) differences >= 47 points" in out
 
 
-def test_a_ci_that_touches_0_is_borderline_and_zero_width_is_not():
-    """The verdict's rule (stats.py verdict): a bound that is 0 within its Monte-Carlo error is
-    "(borderline)"; a CI [0, 0] (no difference at all) is plain "no difference detected"; bounds without the
-    replicate counts (a CI from elsewhere) are judged as they are."""
+def test_a_ci_over_games_holds_only_where_the_sign_flip_test_agrees():
+    """The review's cases: 4 or 5 of 20 games move one way and none the other. The bootstrap CI excludes 0
+    (it said "holds"), but the exact sign-flip test over games gives p 0.125 / 0.062: no difference
+    detected, and the line says why. Six games reach p 0.031 and hold; the same games down are "reversed"."""
     units = list(range(20))
-    touch = stats.paired_bootstrap([1.0] * 2 + [0.0] * 18, [0.0] * 20, units)  # >= 0, 0 in 12 % of draws
-    assert touch["lo"] == 0.0 and touch["hi"] > 0
-    assert stats.verdict(touch) == "no difference detected (borderline)"
-    assert stats.verdict(stats.paired_bootstrap([0.0] * 20, [0.0] * 20, units)) == "no difference detected"
-    clear = stats.paired_bootstrap([1.0] * 10 + [0.0] * 10, [0.0] * 20, units)
-    assert stats.verdict(clear) == "holds"
-    flip = stats.paired_bootstrap([0.0] * 20, [1.0] * 10 + [0.0] * 10, units)
-    assert stats.verdict(flip) == "reversed"
-    assert stats.verdict(dict(lo=0.01, hi=0.2)) == "holds" and stats.verdict(dict(lo=0.0, hi=0.2)) == \
-        "no difference detected"
+    for moved, p in ((4, 0.125), (5, 0.0625), (6, 0.03125)):
+        a, b = [1.0] * moved + [0.0] * (20 - moved), [0.0] * 20
+        up, down = stats.paired_bootstrap(a, b, units), stats.paired_bootstrap(b, a, units)
+        assert up["lo"] > 0 and up["p"] == pytest.approx(p) and down["hi"] < 0
+        if p < 0.05:
+            assert (stats.verdict(up), stats.verdict(down)) == ("holds", "reversed")
+        else:
+            assert stats.verdict(up) == stats.verdict(down) == (
+                f"no difference detected (the CI excludes 0, the exact test over games does not: p {p:.3f})")
+    assert stats.verdict(dict(lo=0.01, hi=0.2)) == "no difference detected (the CI excludes 0, no exact test)"
+
+
+def test_two_seeds_give_a_t_interval_and_a_sign_flip_over_seeds():
+    """Two seeds each +0.1 / +0.05 on 20 games: pooled, a bootstrap over seeds said "holds"; over seeds the
+    t-interval at 1 df is wide and the sign-flip test over 2 seeds cannot go below p 0.5."""
+    units = [g for g in range(20) for _ in range(10)]
+    runs = [([1.0 if i % 10 < k else 0.0 for i in range(200)], [0.0] * 200, units) for k in (1, 2)]
+    ci = stats.over_seeds(runs)
+    assert ci["per_seed"] == pytest.approx([0.1, 0.2]) and ci["seeds"] == 2 and ci["p"] == 0.5
+    assert ci["lo"] == pytest.approx(0.15 - 12.706 * 0.05, abs=1e-3)
+    assert stats.verdict(ci) == "no difference detected"
+    assert "2 seeds (+0.100, +0.200; t-interval); sign-flip over seeds p 0.500" in stats.said(ci)
+    assert "bootstrap over seeds" in stats.said(stats.over_seeds(runs * 3))  # 6 seeds: the bootstrap
+
+
+def test_no_item_changed_says_so_with_the_bound_it_leaves():
+    """0 of 96 triplets changed: not "CI half-width 0.000" but the share 0 changes in 96 leave open."""
+    units = [i // 5 for i in range(96)]
+    c = stats.paired_bootstrap([1.0] * 50 + [0.0] * 46, [1.0] * 50 + [0.0] * 46, units)
+    assert stats.verdict(c) == "no item changed (0 of 96: a difference up to +-0.038 is not excluded)"
+    assert stats.unchanged_bound(96) == pytest.approx(1 - 0.025 ** (1 / 96))
 
 
 def test_the_strict_rescore_verdict_does_not_hang_on_the_bootstrap_seed(monkeypatch):
@@ -136,7 +162,7 @@ def test_the_strict_rescore_verdict_does_not_hang_on_the_bootstrap_seed(monkeypa
     for rng_seed in range(20):
         monkeypatch.setattr(stats, "RNG_SEED", rng_seed)
         found.add(stats.verdict(rescore.paired(data, seeds, "rwml", "wm_sft", "purposeful", "exact")))
-    assert found == {"no difference detected (borderline)"}
+    assert len(found) == 1 and "holds" not in found.pop()
 
 
 def test_the_agent_table_pairs_arms_on_games(tmp_path):
@@ -161,7 +187,9 @@ def test_the_agent_table_pairs_arms_on_games(tmp_path):
     lines, data = agent_stats.table(tmp_path)
     found = {(c["comparison"], c["evaluation"]): c for c in data["comparisons"]}
     rl_base = found[("policy RL − base", "sampled")]
-    assert rl_base["diff"] == 1.0 and rl_base["lo"] == 1.0 and "holds" in lines[-5]
+    assert rl_base["diff"] == 1.0 and rl_base["lo"] == 1.0  # 2 seeds: the sign-flip over seeds, p 0.5
+    assert ("no difference detected (the CI excludes 0, the exact test over seeds does not: p 0.500)"
+            in lines[-5])
     assert found[("base − random", "sampled")]["diff"] == -0.5
     assert any(line.startswith("| random (uniform admissible) | 50.0 [50.0, 50.0]") for line in lines)
     _, named = agent_stats.table(tmp_path, name="warm-up")  # another arm in the --policy folders
@@ -205,4 +233,4 @@ def test_the_sign_flip_test_leaves_out_games_that_did_not_change():
     base = stats.exact_tests(a, b, ["g1", "g2", "g3", "g4", "g5"])
     padded = stats.exact_tests(a + [1.0] * 30, b + [1.0] * 30, ["g1", "g2", "g3", "g4", "g5"]
                                + [f"z{i}" for i in range(30)])
-    assert base == padded and base["p_games"] == 12 / 32  # |sum| >= 3 in 12 of the 32 sign patterns
+    assert base == padded and base["p"] == 12 / 32  # |sum| >= 3 in 12 of the 32 sign patterns
