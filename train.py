@@ -316,9 +316,9 @@ def evaluate_heldout(cfg: Settings, model, tok, heldout: list[dict], reward_fn) 
 
 
 def heldout_triplets(cfg, out: Path, load) -> dict[str, dict]:
-    """`all`'s held-out sets, explore and purposeful, of the same games for every seed (seed 0)."""
+    """`all`'s held-out sets, explore and purposeful, of the same games for every seed (--heldout-seed)."""
     held = dataclasses.replace(cfg, split=cfg.heldout_split, num_games=cfg.heldout_games, rollouts_per_game=1,
-                               seed=0, adapter=None)
+                               seed=cfg.heldout_seed, adapter=None)
     sets, paths = {}, dict(  # the walkthroughs first: they need no model
         purposeful=collect(dataclasses.replace(held, walkthrough=True), out / "heldout_purposeful", load),
         explore=cached_heldout(dataclasses.replace(held, walkthrough=False), out / "heldout", load, collect))

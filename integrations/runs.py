@@ -130,7 +130,7 @@ def check_heldout(cfg) -> None:
     if cfg.env != "alfworld":
         raise UserError("the `all` stage runs on ALFWorld; for tau2 use the collect / wm / policy stages")
     train = {envs.game_id(g) for g in split_games(cfg)}
-    held = {envs.game_id(g) for g in envs.list_games(cfg.heldout_split, cfg.heldout_games, 0)}
+    held = {envs.game_id(g) for g in envs.list_games(cfg.heldout_split, cfg.heldout_games, cfg.heldout_seed)}
     if cfg.heldout_split == cfg.split or train & held:
         raise UserError(f"--heldout-split {cfg.heldout_split} shares {len(train & held)} games with the "
                         f"train games (--split {cfg.split}); use valid_unseen (the test split) or "

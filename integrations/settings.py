@@ -80,6 +80,8 @@ class HeldoutArgs:
     heldout_split: str = arg("valid_unseen", "the test split, never used to choose a thing", resume_free=True)
     heldout_games: int = arg(20, "held-out games; each gives explore and purposeful (walkthrough) "
                                  "triplets", min=1, resume_free=True)
+    heldout_seed: int = arg(0, "draws the held-out games from the split (0: the games every run so far "
+                               "scored; a study draws fresh ones with another seed)", min=0, resume_free=True)
     warmup_games: int = arg(32, "all: the warm-up's SFT also trains on the expert walkthroughs and the "
                                 "collection policy's own play of this many other train games (never GRPO's;"
                                 " lab/results/wm_dev: it brought RWML to the template rule on valid_seen); "

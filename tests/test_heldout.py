@@ -41,6 +41,22 @@ def test_heldout_games_are_disjoint_from_train_games():
         runs.check_heldout(train.Settings(split="valid_seen", heldout_split="valid_seen"))
 
 
+def test_the_heldout_seed_draws_the_heldout_games(tiny_model, tmp_path, monkeypatch):
+    """--heldout-seed 0 (the default) keeps the 20 games every run so far scored; another seed draws others,
+    and both the walkthrough (purposeful) and the explore set are of its games."""
+    seen = {envs.game_id(g) for g in envs.list_games("valid_unseen", 20, 0)}
+    assert train.Settings().heldout_seed == 0
+    from support import engine
+
+    monkeypatch.setattr(engine, "MODEL_CACHE", tmp_path / "cache")
+    cfg = train.Settings(model=tiny_model, heldout_games=2, heldout_seed=123, max_turns=2,
+                         eval_max_triplets=0)
+    sets = train.heldout_triplets(cfg, tmp_path, lambda: engine.load_model(tiny_model))
+    want = {envs.game_id(g) for g in envs.list_games("valid_unseen", 2, 123)}
+    for kind in ("explore", "purposeful"):
+        assert {t["game"] for t in sets[kind]["triplets"]} == want and not want & seen, kind
+
+
 def test_template_rule_writes_the_games_sentences():
     t = envs.template_prediction
     assert t("go to cabinet 3") == "You arrive at cabinet 3. The cabinet 3 is closed."
