@@ -188,7 +188,8 @@ class GRPOConfig(GRPOArgs, SamplingArgs, engine.EngineArgs):
 class RWMLArgs:
     _argument_group_name = "RWML (METHOD.md §3, §5): GRPO on world-model prompts, with a LoRA adapter"
     reward_control: str = arg("none", "controls: mis = another triplet's next observation, coin = a fair "
-                                      "coin", choices=("none", "mis", "coin"))
+                                      "coin, template = the template rule's sentence (the grammar, no state)",
+                              choices=("none", "mis", "coin", "template"))
     log_completions_steps: int = arg(4, "a step's whole groups to samples.jsonl and the log every this many",
                                      min=1, resume_free=True)
     eval_samples: int = arg(0, "held-out predictions per triplet, sampled at `temperature` (0 = one greedy)",

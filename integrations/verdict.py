@@ -26,8 +26,11 @@ HELDOUT_KINDS = ("explore", "purposeful")  # this collection policy's triplets; 
 
 
 def reward_control(cfg, triplets: list[dict], reward_fn, out: Path, coin_seed: int | None = None):
-    """(triplets, reward function) under a control: MIS (another triplet's target) or COIN (a fair coin,
-    seeded by `coin_seed`, else the run's seed)."""
+    """(triplets, reward function) under a control: MIS (another triplet's target), COIN (a fair coin,
+    seeded by `coin_seed`, else the run's seed) or TEMPLATE (the template rule's sentence for the target:
+    what a model learns from the grammar alone, with no state to track)."""
+    if cfg.reward_control == "template":
+        return [dict(t, next_obs=envs.template_prediction(t["action"])) for t in triplets], reward_fn
     if cfg.reward_control == "mis":
         targets, unchanged = mis_targets([t["next_obs"] for t in triplets], cfg.seed)
         out.mkdir(parents=True, exist_ok=True)

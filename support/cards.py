@@ -126,7 +126,8 @@ TRIPLETS_KEPT = "training triplets (the filter's output)"  # a model card's data
 
 
 CONTROLS = dict(mis="control MIS: each triplet scored against another triplet's next observation",
-                coin="control COIN: the reward is a fair coin")
+                coin="control COIN: the reward is a fair coin",
+                template="control TEMPLATE: the reward pays for the template rule's sentence, not the game's")
 
 
 def write_card(folder: Path, cfg=None, stage: str | None = None, data: dict | None = None,

@@ -525,3 +525,18 @@ def test_the_verdict_says_whether_the_reward_beat_self_training(tmp_path):
     run = verdict.reward_control(cfg, [], None, tmp_path)[1]
     ctrl = verdict.reward_control(cfg, [], None, tmp_path, coin_seed=cfg.seed + verdict.COIN_STREAM)[1]
     assert run(["x"] * 64) != ctrl(["x"] * 64)
+
+
+def test_the_template_control_pays_for_the_rules_sentence_not_the_games(purposeful, reward_fn, tmp_path):
+    """--reward-control template: GRPO's targets become the template rule's sentences, so its reward pays a
+    model that writes the grammar and knows no state; the real reward pays the game's own observation."""
+    cfg = train.Settings(reward_control="template")
+    trips, fn = verdict.reward_control(cfg, purposeful, reward_fn, tmp_path)
+    assert fn is reward_fn and len(trips) == len(purposeful)
+    listing = next(t for t in purposeful if "you see a" in t["next_obs"].lower())  # the rule cannot list it
+    rule = envs.template_prediction(listing["action"])
+    ctrl = next(t for t in trips if (t["game"], t["step"]) == (listing["game"], listing["step"]))
+    assert ctrl["next_obs"] == rule != listing["next_obs"]
+    said = [f"<next_state>{x}</next_state>" for x in (rule, listing["next_obs"])]
+    assert fn(said, [ctrl["next_obs"]] * 2) == [1.0, 0.0]  # the rule's sentence paid, the truth not
+    assert fn(said, [listing["next_obs"]] * 2) == [0.0, 1.0]

@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # support/play.py, score_wm for envs.py beside the metrics it sums). Its third, all Python but tests / lab at
 # most 5,000, is not reached: it needs features to go (lab/results/layout/feature_lines.md); TOTAL_MAX is
 # today's size and stops the growth (6,693, +43: the verdict's exact test over games and over seeds, with
-# the t-interval and the bound of "no item changed", in stats.py; +2: --heldout-seed).
+# the t-interval and the bound of "no item changed", in stats.py; +2: --heldout-seed; +5: the
+# template-reward control).
 READER = dict(rwml=500, reward=500, envs=500, train=500, eval=500)  # the reader's path, in lines
 READER_TOTAL = 2200
-MODULE_MAX, TOTAL_MAX = 500, 6738
+MODULE_MAX, TOTAL_MAX = 500, 6743
 # Imports run down this list: a module imports only modules of the layers above its own, never one of its own
 # layer or of a later one. The bottom; an update's data and log pi, the games' speed, the play loop, the
 # command line; the engine; model cards; the reward; the environment interface (and ALFWorld, the held-out
