@@ -35,7 +35,7 @@ from integrations.runs import (before_made_by, check_stage, claim_out, collectio
                                kind_mix, log_groups, policy_eval_games, releases_locks, settle_env,
                                split_games, stage_inputs, telling, triplet_problem, walkthroughs, wm_row)
 from integrations.verdict import (all_summary, baselines_line, before_after_line, coin_control, gain_lines,
-                                  reward_control)
+                                  probe_line, reward_control)
 from support import cost, engine
 from support.cli import parse_stage, run_cli
 from support.common import RERUN, UserError, read_jsonl, write_atomic
@@ -262,6 +262,8 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
         heldout = heldout_triplets(cfg, out, load)
     with cost.stage("collect"):
         trips = read_jsonl(collect(cfg, out / "collect", load))
+        if cfg.train_probes:  # and the state probes of the same train games (no model)
+            trips += read_jsonl(walkthroughs(cfg, out / "collect_state", split_games(cfg), probes=True))
     warm = cfg  # the warm-up also trains on more games' triplets; config.json keeps the command's settings
     if cfg.warmup and cfg.warmup_games:
         with cost.stage("warm-up collect"):
@@ -303,6 +305,7 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
             baselines_line(cfg, out, kind, s["triplets"], s["file"], reward_fn)
             held[kind] = before_after_line(json.loads(before_files[kind].read_text()), after)
             print(f"{kind}: {held[kind]}")
+    print(probe_line(out, start))
     if cfg.coin_control:
         coin_control(cfg, out, load, reward_fn, start, model, kept, heldout, train_wm, evaluate_heldout)
     all_summary(cfg, out, gain_lines(out, start), held, len(kept), start, t0)  # the card, the last lines
@@ -316,11 +319,13 @@ def evaluate_heldout(cfg: Settings, model, tok, heldout: list[dict], reward_fn) 
 
 
 def heldout_triplets(cfg, out: Path, load) -> dict[str, dict]:
-    """`all`'s held-out sets, explore and purposeful, of the same games for every seed (--heldout-seed)."""
+    """`all`'s held-out sets, explore, purposeful and state (the probes), of the same games for every seed
+    (--heldout-seed)."""
     held = dataclasses.replace(cfg, split=cfg.heldout_split, num_games=cfg.heldout_games, rollouts_per_game=1,
                                seed=cfg.heldout_seed, adapter=None)
-    sets, paths = {}, dict(  # the walkthroughs first: they need no model
+    sets, paths = {}, dict(  # the walkthroughs and the state probes first: they need no model
         purposeful=collect(dataclasses.replace(held, walkthrough=True), out / "heldout_purposeful", load),
+        state=walkthroughs(held, out / "heldout_state", split_games(held), probes=True),
         explore=cached_heldout(dataclasses.replace(held, walkthrough=False), out / "heldout", load, collect))
     for kind, path in paths.items():
         if not (trips := read_jsonl(path)):

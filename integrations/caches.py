@@ -18,7 +18,7 @@ import torch
 from support import engine
 import envs
 from support.common import ROOT, UserError, file_problem, names, read_jsonl, write_atomic, write_jsonl
-from integrations.runs import collect_job, split_games
+from integrations.runs import collect_job, split_games, walkthroughs
 
 # ------------------------------------------------------------- the caches: the filter's, the held-out set's
 
@@ -98,7 +98,8 @@ def warmup_collections(cfg, out: Path, load, collect) -> str:
     walk = collect(dataclasses.replace(more, walkthrough=True), out / "warmup_walk", load)
     play = cached_heldout(dataclasses.replace(more, walkthrough=False), out / "warmup_play", load, collect,
                           what="the warm-up's more train triplets")
-    return ",".join(str(f) for f in (cfg.warmup_transitions, walk, play) if f)
+    probes = cfg.train_probes and walkthroughs(more, out / "warmup_state", split_games(more), probes=True)
+    return ",".join(str(f) for f in (cfg.warmup_transitions, walk, play, probes) if f)
 
 
 def cached_heldout(cfg, out: Path, load, collect, what: str = "the held-out explore triplets") -> Path:

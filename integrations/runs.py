@@ -341,20 +341,28 @@ def episode_log(path: Path, job: dict, done: dict):
         yield jsonl_writer(f)
 
 
-def walkthroughs(cfg, out: Path, games: list) -> Path:
-    """`collect --walkthrough`: the expert plans, one triplet a step, no model (the "purposeful" set)."""
+def walkthroughs(cfg, out: Path, games: list, probes: bool = False) -> Path:
+    """`collect --walkthrough`: the expert plans, one triplet a step, no model (the "purposeful" set); with
+    `probes`, the state probes of the same games instead (envs.state_probes, seeded by cfg.seed: the "state"
+    set, and the train games' probes the warm-up and GRPO learn from)."""
     if cfg.env != "alfworld":
         raise UserError("--walkthrough needs --env alfworld (tau2 tasks have no expert walkthrough here)")
     transitions, meta = out / "transitions.jsonl", out / "collect.json"
     job = dict(walkthrough=True) | {k: getattr(cfg, k) for k in ("split", "seed", "num_games", "history_len")}
+    job |= dict(probes=True) if probes else {}
+    what = "state probes" if probes else "walkthrough triplets"
     if transitions.is_file() and collect_meta(meta) == job:  # a rerun: done
-        print(f"collect: reusing {transitions} (walkthroughs of {len(games)} {cfg.split} games)")
+        print(f"collect: reusing {transitions} ({what} of {len(games)} {cfg.split} games)")
         return transitions
-    trips = envs.walkthrough_triplets(history_len=cfg.history_len, wrong_first=False, games=games)
+    out.mkdir(parents=True, exist_ok=True)
+    trips = (envs.state_probes(games, cfg.history_len, cfg.seed) if probes else
+             envs.walkthrough_triplets(history_len=cfg.history_len, wrong_first=False, games=games))
     write_atomic(meta, json.dumps(job, indent=2))
     write_jsonl(transitions, trips)
-    print(f"collect: {len(trips)} walkthrough triplets of {len(games)} {cfg.split} games -> {transitions}; "
-          f"next observations by kind: {kind_mix(trips)}")
+    mix = (", ".join(f"{k} {v}" for k, v in collections.Counter(t["probe"] for t in trips).items())
+           if probes else kind_mix(trips))
+    print(f"collect: {len(trips)} {what} of {len(games)} {cfg.split} games -> {transitions}; by "
+          f"{'probe type' if probes else 'kind of next observation'}: {mix}")
     return transitions
 
 

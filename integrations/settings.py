@@ -86,6 +86,8 @@ class HeldoutArgs:
                                 "collection policy's own play of this many other train games (never GRPO's;"
                                 " lab/results/wm_dev: it brought RWML to the template rule on valid_seen); "
                                 "0 = off", min=0)
+    train_probes: bool = arg(True, "all: the warm-up's and GRPO's triplets also hold the state probes of "
+                                   "their train games (revisits, takes, puts: envs.state_probes)")
     coin_control: bool = arg(False, "also train and score the matched COIN arm (the same warm-up, prompts, "
                                     "batches, seed and steps; its own fair coin for a reward): line (e); one "
                                     "arm decides nothing (a coin run passed RWML - COIN: fresh_seeds)")

@@ -76,14 +76,40 @@ def baseline_wm(name: str, triplets: list[dict], reward_fn) -> dict:
     return dict(envs.score_wm(triplets, preds, reward_fn), samples=0, temperature=0.0, model=name)
 
 
+BASELINE_NAMES = dict(template="template rule", nothing="always \"Nothing happens.\"",
+                      copy="copy the observation", rule_copy="rule + copy the last listing seen",
+                      tracker="the prompt's state tracker")
+
+
 def baselines_line(cfg, out: Path, kind: str, trips: list[dict], file: str, reward_fn) -> None:
-    """The content-free baselines on a held-out set: wm_eval_<rule>_<kind>.json each, and one line."""
+    """The model-free baselines on a held-out set: wm_eval_<rule>_<kind>.json each, and one line (reward
+    accuracy / exact match)."""
     rules = {name: baseline_wm(name, trips, reward_fn) for name in envs.BASELINES}
     for name, r in rules.items():
         write_eval(out / f"wm_eval_{name}_{kind}.json", dict(r, split=cfg.heldout_split, transitions=file))
-    print(f"{kind} ({file}): content-free baselines: template rule {rules['template']['wm_accuracy']:.3f}, "
-          f"always \"Nothing happens.\" {rules['nothing']['wm_accuracy']:.3f}, copy the observation "
-          f"{rules['copy']['wm_accuracy']:.3f}")
+    print(f"{kind} ({file}): model-free baselines, reward / exact match: " + ", ".join(
+        f"{BASELINE_NAMES[n]} {r['wm_accuracy']:.3f} / {r['exact_match']:.3f}" for n, r in rules.items()))
+
+
+PROBE_ARMS = ("template", "rule_copy", "tracker")
+CHANGES = ("take_revisit", "put_revisit")  # what a take or a put changed: rule + copy cannot say it
+
+
+def probe_line(out: Path, start) -> str:
+    """The state probes by type: exact match of the start (warm-up) -> RWML, beside the rule, rule + copy and
+    the tracker (the ceiling: 1 on every kept probe)."""
+    got = {a: json.loads((out / f"wm_eval_{a}_state.json").read_text())
+           for a in ("before", "rwml", *PROBE_ARMS)}
+    types = list(got["rwml"].get("per_probe", {}))
+
+    def cell(p: str | None) -> str:
+        r = {a: (g["per_probe"][p] if p else g) for a, g in got.items()}
+        arms = ", ".join(f"{r[a]['exact_match']:.2f}" for a in PROBE_ARMS)
+        return (f"{p or 'all'} ({r['rwml']['n']}) {r['before']['exact_match']:.2f} -> "
+                f"{r['rwml']['exact_match']:.2f} | {arms}")
+    name = "the warm-up" if start else "the base model"
+    return (f"state probes, exact match by type: {name} -> RWML | the rule, rule + copy, the tracker: "
+            + "; ".join(cell(p) for p in [*types, None]))
 
 
 def before_after_line(before: dict, after: dict) -> str:
@@ -163,14 +189,25 @@ def gain_lines(out: Path, start) -> list[str]:
         lines.append(f"(d) held-out {kind}, the rule's misses whose answer the prompt holds ({shown['n']}): "
                      f"RWML - {name}, exact match {said(shown)}; those naming objects the prompt never shows "
                      f"({unseen['n']}): {name} {unseen['before']:.3f}, RWML {unseen['after']:.3f}")
+    state = {}
+    if (out / "wm_eval_rwml_state.triplets.jsonl").is_file():
+        state = dict(gain=compare(out, "rwml", "before", "state", "exact"),
+                     rule=compare(out, "rwml", "template", "state", "exact"),
+                     copy=compare(out, "rwml", "rule_copy", "state", "exact",
+                                  rows=lambda t: t.get("probe") in CHANGES))
+        lines.append(f"(f) state probes ({state['gain']['n']} triplets, {state['gain']['units']} games), "
+                     f"exact match: RWML - {name} {said(state['gain'])}; RWML {state['rule']['after']:.3f} - "
+                     f"the rule {state['rule']['before']:.3f}: {said(state['rule'])}; after a take or a put "
+                     f"({state['copy']['n']}), RWML {state['copy']['after']:.3f} - rule + copy "
+                     f"{state['copy']['before']:.3f}: {said(state['copy'])}")
     for kind in HELDOUT_KINDS if (out / "wm_eval_coin_explore.triplets.jsonl").is_file() else ():
         r, c = (compare(out, "rwml", "coin", kind, k) for k in ("rewards", "exact"))
         lines.append(f"(e) held-out {kind}, RWML {c['after']:.3f} - the matched COIN arm {c['before']:.3f} "
                      f"(exact match): {said(c)}; reward {said(r)}")
-    return lines + [world_model_verdict(a, both, rule)]
+    return lines + [world_model_verdict(a, both, rule, state)]
 
 
-def world_model_verdict(a: dict, both: dict, rule: dict) -> str:
+def world_model_verdict(a: dict, both: dict, rule: dict, state: dict | None = None) -> str:
     """The last line (issue 56). First half: did training raise (a) and held-out exact match, both kinds
     pooled (b); never whether the reward rather than GRPO on its own samples did: a coin passed both on fresh
     seed 52; seeds paired with coin runs say it (lab/verdict_designs.py --pairs). Second half: a world model
@@ -192,7 +229,20 @@ def world_model_verdict(a: dict, both: dict, rule: dict) -> str:
                    f"exact match, holds on every held-out kind: {each})" if all(
                        stats.verdict(c) == "holds" for c in rule.values()) else
                    "this run shows no world model above the content-free template rule (RWML - the rule, "
-                   f"exact match: {each}): what it learned, the rule's 25 lines already say")
+                   f"exact match: {each}): what it learned, the rule's 25 lines already say") + (
+                       state_words(state) if state else "")
+
+
+def state_words(s: dict) -> str:
+    """What the world model knows of the room beyond the rule's sentences, from the state probes."""
+    def held(c):
+        return stats.verdict(c) == "holds"
+    tracks = ("it writes the state the prompt holds beyond the rule's sentences" if held(s["rule"]) else
+              "it writes no more of the state the prompt holds than the rule's sentences")
+    changes = ("and what a take or a put changed beyond copying the last listing" if held(s["copy"]) else
+               "and not what a take or a put changed beyond copying the last listing")
+    return (f"; on the state probes (exact match RWML {s['rule']['after']:.3f}, the rule "
+            f"{s['rule']['before']:.3f}, the tracker 1.000) {tracks}, {changes}")
 
 
 def all_summary(cfg, out: Path, lines: list[str], held: dict[str, str], kept: int, start, t0: float) -> None:
