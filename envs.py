@@ -228,18 +228,130 @@ def item_f1(pred, target) -> float | None:
     return 1.0 if not want and not got else 2 * len(want & got) / (len(want) + len(got))
 
 
-BASELINES = ("template", "nothing", "copy")
+# ------------------------------------------------------------------------ the state a prompt holds
+# ALFWorld changes only by the agent's own steps, and a step that changes nothing says "Nothing
+# happens.": a listing in the prompt's window, with the takes and moves after it, is the room now.
+# Places can share a spot (drawers under a countertop): "go to" one from the other does nothing; so
+# an arrival is predicted only where the window shows the two places apart (one reached from the
+# other). Open, close, take and move act at the agent's spot; one hand: a take while carrying fails.
+_ROOM = (("seen", re.compile(r"You arrive at (.+?)\. (On) the \1, you see (.+)\.")),
+         ("seen", re.compile(r"You (?:arrive at|open the) (.+?)\. The \1 is (open)\. "
+                             r"In it, you see (.+)\.")),
+         ("shut", re.compile(r"You arrive at (.+?)\. The \1 is closed\.|You close the (.+?)\.")),
+         ("take", re.compile(r"You pick up the (.+?) from the (.+?)\.")),
+         ("move", re.compile(r"You move the (.+?) to the (.+?)\.")),
+         ("carry", re.compile(r"You are carrying: (.+)\.|You are (not) carrying anything\.")))
+
+
+def _items(text: str) -> list[str]:
+    """"a pen 1, a cup 2, and a mug 1" -> ["pen 1", "cup 2", "mug 1"]; "nothing" -> []."""
+    return [] if text == "nothing" else [re.sub(r"^(?:and )?an? ", "", i) for i in text.split(", ")]
+
+
+def _say(items: list[str]) -> str:  # the engine's lists: "a x", "a x, and a y", "a x, a y, and a z"
+    a = [f"a {i}" for i in items]
+    return ", and ".join([", ".join(a[:-1]), a[-1]]) if len(a) > 1 else (a or ["nothing"])[0]
+
+
+def _window(triplet: dict) -> tuple:
+    """What the prompt's window says of the room now: the place at the agent's spot, the pairs of
+    places known apart, each place's listing {place: (frame, items)}, which are shut {place: bool},
+    what is carried (None: unknown). An observation it cannot read (look, heat...) forgets all."""
+    at, apart, seen, shut, carry = None, set(), {}, {}, None
+    for h in triplet.get("history", []):
+        obs = str(h.get("observation", "")).strip()
+        event, m = next(((e, m) for e, rx in _ROOM if (m := rx.fullmatch(obs))), (None, None))
+        if arrive := re.match(r"You arrive at (.+?)\. ", obs):
+            apart, at = apart | ({frozenset((at, arrive[1]))} if at else set()), arrive[1]
+        if event == "seen":
+            seen[m[1]], at = (m[2], _items(m[3])), m[1]
+            shut[at] = False if m[2] == "open" else shut.get(at)
+        elif event == "shut":
+            at = m[1] or m[2]
+            shut[at] = True
+        elif event in ("take", "move"):
+            carry, at = [m[1]] if event == "take" else [], m[2]
+            if m[2] in seen:
+                frame, items = seen[m[2]]
+                items = [i for i in items if i != m[1]] + ([m[1]] if event == "move" else [])
+                seen[m[2]] = frame, items
+        elif event == "carry":
+            carry = [] if m[2] else _items(m[1])
+        elif obs != NOTHING and not arrive:
+            at, apart, seen, shut, carry = None, set(), {}, {}, None
+    return at, apart, seen, shut, carry
+
+
+def track_state(triplet: dict) -> str | None:
+    """The engine's next observation where the world-model prompt (its window, the action)
+    determines it, else None: a revisit (the listing seen, less what was taken since, plus what was
+    moved there, which the engine may list in another order), going where one is, re-opening, a take
+    while carrying, `inventory`. Never a guess: where it answers, the engine agrees (tests)."""
+    at, apart, seen, shut, carry = _window(triplet)
+    verb, _, x = normalize(str(triplet["action"])).partition(" ")
+    if verb == "go" and x.startswith("to "):
+        x = x[3:]
+        if x == at:
+            return NOTHING
+        if frozenset((at, x)) not in apart or not (shut.get(x) or x in seen):
+            return None
+        if shut.get(x):
+            return f"You arrive at {x}. The {x} is closed."
+        where = f"On the {x}" if seen[x][0] == "On" else f"The {x} is open. In it"
+        return f"You arrive at {x}. {where}, you see {_say(seen[x][1])}."
+    if verb == "open" and shut.get(x) is False:
+        return NOTHING
+    if verb == "open" and shut.get(x) and at == x and seen.get(x, ("",))[0] == "open":
+        return f"You open the {x}. The {x} is open. In it, you see {_say(seen[x][1])}."
+    if verb == "take" and carry:
+        return NOTHING
+    if verb == "inventory" and carry is not None:
+        return f"You are carrying: {_say(carry)}." if carry else "You are not carrying anything."
+    return None
+
+
+def rule_copy(triplet: dict) -> str:
+    """"Rule + copy the last listing seen": for `go to X` / `open X`, the window's last listing of X
+    (an arrival or an opening) in the action's form; else the template rule. No takes, no moves."""
+    verb, _, x = normalize(str(triplet["action"])).partition(" ")
+    x = x[3:] if verb == "go" and x.startswith("to ") else x if verb == "open" else ""
+    for h in reversed(triplet.get("history", []) if x else []):
+        said = str(h.get("observation", "")).strip()
+        m = re.fullmatch(rf"You (?:arrive at|open the) {re.escape(x)}\. "
+                         r"((?:On the|The) .*you see .*)", said)
+        if m:
+            return (f"You arrive at {x}. " if verb == "go" else f"You open the {x}. ") + m[1]
+    return template_prediction(triplet["action"])
+
+
+def probe_exact(pred, target) -> bool:
+    """`exact_match`, or the same sentence listing the same items in another order (the engine's own
+    order where an object was moved to)."""
+    def frame(text):
+        return re.sub(r"(you see|you are carrying:?)\s+[^.]*", r"\1 _", normalize(str(text)))
+    items = observation_items(pred)
+    return exact_match(pred, target) or (bool(pred) and items is not None
+                                         and items == observation_items(target)
+                                         and frame(pred) == frame(target))
+
+
+BASELINES = ("template", "nothing", "copy", "rule_copy", "tracker")
 
 
 def baseline_prediction(name: str, triplet: dict) -> str:
     """A content-free baseline's predicted next observation: `template` (`template_prediction`), `nothing`
-    (always "Nothing happens."), `copy` (the current observation)."""
+    (always "Nothing happens."), `copy` (the current observation), `rule_copy` (`rule_copy`),
+    `tracker` (`track_state`, else the template rule)."""
     if name == "template":
         return template_prediction(triplet["action"])
     if name == "nothing":
         return NOTHING
     if name == "copy":
         return triplet["history"][-1]["observation"]
+    if name == "rule_copy":
+        return rule_copy(triplet)
+    if name == "tracker":
+        return track_state(triplet) or template_prediction(triplet["action"])
     raise UserError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
 
 
@@ -255,10 +367,14 @@ def score_wm(triplets: list[dict], completions: list[str], reward_fn, k: int = 1
     sims = reward_fn.similarity(states, targets)
     rule = reward_fn([f"<next_state>{template_prediction(t['action'])}</next_state>" for t in triplets],
                      [t["next_obs"] for t in triplets])
-    unseen = [bool(unseen_objects(t)) for t in triplets]  # lists what the prompt never showed
-    rows = [dict(reward=r, cosine=s, exact=exact_match(p, t), f1=item_f1(p, t),
-                 parsed=p is not None, kind=observation_kind(t), beyond=rule[i // k] == 0,
-                 unseen=unseen[i // k]) for i, (r, s, p, t) in enumerate(zip(rewards, sims, states, targets))]
+    # the prompt holds the answer iff the state tracker reproduces it; the rest is a guess
+    unseen = [not probe_exact(track_state(t), t["next_obs"]) for t in triplets]
+    probe = [t.get("probe") for t in triplets for _ in range(k)]
+    same = [probe_exact if p == "put_revisit" else exact_match for p in probe]  # put: as a set
+    rows = [dict(reward=r, cosine=s, exact=same[i](p, t), f1=item_f1(p, t), parsed=p is not None,
+                 kind=observation_kind(t), beyond=rule[i // k] == 0, unseen=unseen[i // k],
+                 probe=probe[i])
+            for i, (r, s, p, t) in enumerate(zip(rewards, sims, states, targets))]
 
     def summary(rs):
         n, f1 = max(len(rs), 1), [r["f1"] for r in rs if r["f1"] is not None]  # strict: item_f1
@@ -271,16 +387,21 @@ def score_wm(triplets: list[dict], completions: list[str], reward_fn, k: int = 1
     out["per_kind"] = dict(change=summary([r for r in rows if r["kind"] != "nothing_happens"]),
                            nothing_happens=summary([r for r in rows if r["kind"] == "nothing_happens"]),
                            beyond_template=summary([r for r in rows if r["beyond"]]),
-                           # of those, the targets that list an object the prompt never names: only a guess
+                           # of those, the targets the prompt does not determine: only a guess
                            beyond_template_unseen=summary([r for r in rows if r["beyond"] and r["unseen"]]),
                            within_template=summary([r for r in rows if not r["beyond"]]))
     out["per_observation_kind"] = {kind: summary([r for r in rows if r["kind"] == kind])
                                    for kind in sorted({r["kind"] for r in rows})}
+    if any(probe):
+        out["per_probe"] = {p: summary([r for r in rows if r["probe"] == p])
+                            for p in PROBES if p in probe}
     out["examples"] = [dict(action=t["action"], target=t["next_obs"], prediction=p)
                        for t, p in zip(triplets[:8], completions[::k])]
     out["triplets"] = [dict(game=t.get("game"), rollout=t.get("rollout"), step=t.get("step"),
                             action=t["action"], target=t["next_obs"], kind=rows[i * k]["kind"],
-                            template_hit=not rows[i * k]["beyond"], unseen_objects=unseen[i],
+                            template_hit=not rows[i * k]["beyond"], tracker_hit=not unseen[i],
+                            unseen_objects=unseen[i],
+                            **({"probe": t["probe"]} if t.get("probe") else {}),
                             predictions=states[i * k:(i + 1) * k], rewards=rewards[i * k:(i + 1) * k],
                             cosines=[round(c, 4) for c in sims[i * k:(i + 1) * k]],
                             exact=[r["exact"] for r in rows[i * k:(i + 1) * k]],
@@ -375,6 +496,92 @@ def walkthrough_triplets(split: str = "train", num_games: int | None = 3, histor
             past.append((obs, command))
             obs = r["obs"]
     return out
+
+
+# ----------------------------------------------------------------------------- state probes
+PROBES = ("revisit", "revisit_open", "take_revisit", "inventory", "take_again", "put_revisit",
+          "reopen")
+
+
+def state_probes(games: list[str], history_len: int = 2, seed: int = 0, rounds: int = 2,
+                 cache: bool = True, dropped: dict | None = None) -> list[dict]:
+    """Held-out probes of the room's state, without a model, on the real engine. Per game, `rounds`
+    times: at a place A whose listing offers a take (opened if closed), go to B and back (`revisit`;
+    an opened container: `revisit_open`); take X, go to B and back (`take_revisit`: A less X),
+    `inventory`, take X again (`take_again`); at a place D that takes X (opened if closed), move X
+    there, go to B and back (`put_revisit`: D plus X, scored as a set), `inventory`, re-open D
+    (`reopen`); then open a closed container C, go to B and back (`revisit_open`), re-open C. A, B,
+    C, D, X: drawn with `seed` from the game's admissible commands. Each probe step is a triplet
+    (walkthrough_triplets' fields and `probe`), the steps before it its history; kept only where
+    `track_state` reproduces the engine (the ceiling); `dropped` counts the rest by type."""
+    gamepool.use_engine_cache(cache)
+    out, game = [], Game(max_turns=10**6)
+    for path in games:
+        rng = random.Random(f"{seed} {game_id(path)}")
+        for t in _probe_game(game, path, history_len, rng, rounds):
+            if probe_exact(track_state(t), t["next_obs"]):
+                out.append(t)
+            elif dropped is not None:
+                dropped[t["probe"]] = dropped.get(t["probe"], 0) + 1
+    return out
+
+
+def _probe_game(game: Game, path: str, history_len: int, rng: random.Random, rounds: int) -> list:
+    """One game's probe script (state_probes): every probe step as a triplet, reproduced or not."""
+    s, past, trips, now = game.reset(path), [], [], {}
+    now.update(obs=s["obs"], admissible=s["admissible"], rollout=0)
+
+    def step(command: str, probe: str | None = None) -> str:
+        if game.done:  # won by chance (a move that completes the task): on in a fresh episode
+            r = game.reset(path)
+            past.clear()
+            now.update(obs=r["obs"], admissible=r["admissible"], rollout=now["rollout"] + 1)
+        turn, r = game.turn, game.step(command)
+        if probe:
+            window = [{"observation": o, "action": a} for o, a in past[-history_len:]]
+            trips.append(dict(game=game_id(path), task=s["task"], task_type=s["task_type"],
+                              rollout=now["rollout"], step=turn,
+                              history=window + [{"observation": now["obs"]}], action=command,
+                              next_obs=r["obs"], valid=r["valid"], format_ok=True, won=r["won"],
+                              done=r["done"], response="", probe=probe))
+        past.append((now["obs"], command))
+        now.update(obs=r["obs"], admissible=r["admissible"])
+        return r["obs"]
+
+    def offered(start: str, end: str = "") -> list[str]:
+        return [c for c in now["admissible"] if c.startswith(start) and c.endswith(end)]
+
+    def reach(want) -> str | None:  # places in a seeded order, opened if closed, to want(place)
+        for c in rng.sample(offered("go to "), len(offered("go to ")))[:10]:
+            if step(c).endswith("is closed.") and offered(f"open {c[6:]}"):
+                step(f"open {c[6:]}")
+            if want(c[6:]):
+                return c[6:]
+        return None
+
+    def revisit(place: str, probe: str) -> None:  # to B (a place the game offers here) and back
+        step(rng.choice(offered("go to ")))
+        step(f"go to {place}", probe)
+
+    for _ in range(rounds):
+        if a := reach(lambda p: len(offered("take ", f" from {p}")) > 1):  # A less X lists some
+            revisit(a, "revisit_open" if " is open. " in now["obs"] else "revisit")
+            take = rng.choice(offered("take ", f" from {a}"))
+            x = take[5:].rpartition(" from ")[0]
+            if step(take).startswith("You pick up"):
+                revisit(a, "take_revisit")
+                step("inventory", "inventory")
+                step(take, "take_again")
+                if d := reach(lambda p: offered(f"move {x} to {p}")):
+                    step(f"move {x} to {d}")
+                    revisit(d, "put_revisit")
+                    step("inventory", "inventory")
+                    if " is open. " in past[-1][0]:
+                        step(f"open {d}", "reopen")
+        if c := reach(lambda p: now["obs"].startswith("You open")):
+            revisit(c, "revisit_open")
+            step(f"open {c}", "reopen")
+    return trips
 
 
 # ============================================================================ the agent's view: one interface
