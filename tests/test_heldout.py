@@ -290,9 +290,18 @@ def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
     assert "strict: exact match" in out and (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
     assert (tmp_path / "run" / "coin_control" / "adapter" / "adapter_config.json").is_file()
     filtered = json.loads((tmp_path / "run" / "filter" / "filter.json").read_text())
-    walk, play = (read_jsonl(tmp_path / "run" / d / "transitions.jsonl")  # the warm-up's more games
-                  for d in ("warmup_walk", "warmup_play"))
-    assert walk and play and filtered["more_warmup_triplets"] == len(walk) + len(play)
+    walk, play, probes = (read_jsonl(tmp_path / "run" / d / "transitions.jsonl")  # the warm-up's more games
+                          for d in ("warmup_walk", "warmup_play", "warmup_state"))
+    assert walk and play and probes and all(t["probe"] in envs.PROBES for t in probes)
+    assert filtered["more_warmup_triplets"] == len(walk) + len(play) + len(probes)
+    grpo_probes = read_jsonl(tmp_path / "run" / "collect_state" / "transitions.jsonl")  # GRPO's train games
+    assert grpo_probes and filtered["num_triplets"] == len(grpo_probes) + len(
+        read_jsonl(tmp_path / "run" / "collect" / "transitions.jsonl"))
+    for label in ("before", "rwml", *verdict.PROBE_ARMS):  # the state probes, scored by type
+        assert json.loads((tmp_path / "run" / f"wm_eval_{label}_state.json").read_text())["per_probe"]
+    assert "state probes, exact match by type: the warm-up -> RWML | the rule, rule + copy, the tracker: " \
+        in out
+    assert "(f) state probes (" in out and "; on the state probes (exact match RWML " in out
     said = out.splitlines()
     end = next(i for i, x in enumerate(said) if " min -> " in x)
     assert said[end - 1].startswith("verdict: ")  # the gain lines end with the verdict in words
