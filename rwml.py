@@ -95,7 +95,7 @@ def wm_system(t: Triplet) -> str:
     return worlds.env_class(t.get("env", "alfworld")).wm_system
 
 
-def wm_prompt(t: Triplet, reasoning: bool = True) -> str:
+def wm_prompt(t: Triplet, reasoning: bool = False) -> str:
     """(history s_<=t, action a_t) of a triplet -> the prompt whose answer is s_t+1."""
     question, what, example = worlds.env_class(t.get("env", "alfworld")).wm_ask
     lines = [f"The agent's task: {t['task']}"]
@@ -150,7 +150,7 @@ def split_triplets(triplets: list[Triplet], frac: float = 0.1, seed: int = 0) ->
 # r_WM; the paper keeps the easiest ~30 % with probability 0.1 (without this Qwen2.5-7B collapses, its Table
 # 4). Ours: the copy is RWML's warm-up too, and GRPO gets only the triplets whose K samples were mixed.
 
-def easiness(model, tokenizer, triplets: list[Triplet], reward_fn, *, k: int = 10, max_new_tokens: int = 96,
+def easiness(model, tokenizer, triplets: list[Triplet], reward_fn, *, k: int = 4, max_new_tokens: int = 96,
              temperature: float = 1.0, batch_size: int = 32) -> list[float]:
     """Mean reward of `k` sampled direct predictions (no reasoning) per triplet. `max_new_tokens` must
     leave room for the longest target (train.py passes max_completion_length): a prediction cut short has
@@ -238,7 +238,7 @@ def filter_keep(copy, tokenizer, train: list[Triplet], reward_fn, cfg, seed: int
 # pi_ref is the adapter's starting point (the warm-up adapter, else the bare base model): `reference_policy`.
 # One update's data, a group's rows next to each other: support/update.py's Batch; log pi plainly: `logprobs`.
 
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group"):
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "none"):
     """Group-normalised advantages (TRL's `scale_rewards`: group / batch / none; std is unbiased)."""
     grouped = rewards.view(-1, num_generations)
     adv = (grouped - grouped.mean(1, keepdim=True)).view(-1)
@@ -270,7 +270,7 @@ def kl_k3(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
 
 
-def grpo_loss(logp, old_logp, ref_logp, advantages, weights, *, beta: float = 0.0, epsilon: float = 0.2,
+def grpo_loss(logp, old_logp, ref_logp, advantages, weights, *, beta: float, epsilon: float = 0.2,
               epsilon_high: float | None = None) -> torch.Tensor:
     """The clipped surrogate plus beta * KL per token, averaged by `weights` (`token_weights`).
     Per-token tensors are [B, C]; advantages is [B]."""
@@ -283,7 +283,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, weights, *, beta: float = 0.
 
 
 def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, cfg, *,
-              reasoning: bool = True) -> dict:
+              reasoning: bool = False) -> dict:
     """One RWML step on a batch of world-model prompts: sample a group of predictions per prompt, score
     them against the real next observations, normalise within groups, `num_iterations` updates."""
     G = cfg.num_generations
@@ -479,7 +479,7 @@ GENERATE = Generate()
 # ======================================================================== §8 Evaluation: world-model accuracy
 
 def evaluate_wm(model, tokenizer, triplets: list[Triplet], reward_fn, *, max_new_tokens: int = 96,
-                batch_size: int = 16, reasoning: bool = True, samples: int = 0,
+                batch_size: int = 16, reasoning: bool = False, samples: int = 0,
                 temperature: float = 1.0) -> dict:
     """World-model accuracy on held-out triplets: the share of predictions with r_WM = 1, beside mean cosine,
     exact match, item F1 and format rate, overall and by kind (envs.score_wm: real changes, the targets the

@@ -156,7 +156,7 @@ def test_chunked_and_shared_prompt_logprobs_and_gradients_equal_the_naive_path(a
     for path, fn in paths.items():
         model.zero_grad()
         lp = fn()
-        rwml.grpo_loss(lp, lp.detach(), None, adv, w).backward()
+        rwml.grpo_loss(lp, lp.detach(), None, adv, w, beta=0.0).backward()
         got[path] = lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     lp, grads = got.pop("naive")
     assert (lp[cmask.bool()] < 0).all() and all(g.abs().sum() > 0 for n, g in grads.items() if "lora_A" in n)
@@ -318,7 +318,7 @@ def test_our_thinking_prefix_and_the_templates_thinking_markup_do_not_collide(tm
         msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "P"}]
         assert engine.chat_template(tok, msgs) == head + "<think>\n\n</think>\n\n"
     think, turn = tok.convert_tokens_to_ids(["<think>", "<|im_start|>"])
-    ids = tok(engine.chat(tok, rwml.wm_prompt(TRIPLETS[0]), envs.Alfworld.wm_system, rwml.WM_PREFIX),
+    ids = tok(engine.chat(tok, rwml.wm_prompt(TRIPLETS[0], True), envs.Alfworld.wm_system, rwml.WM_PREFIX),
               add_special_tokens=False)["input_ids"]
     reply = ids[len(ids) - ids[::-1].index(turn):]  # the assistant's turn (the prompt shows <think> too)
     assert reply[-1] == think and reply.count(think) == 1

@@ -52,7 +52,7 @@ ADV = torch.tensor([1.0, -2.0])
 def test_loss_types_by_hand(loss_type, expect):
     logp = torch.zeros(2, 3)
     w = rwml.token_weights(MASK, loss_type, max_completion_length=4)
-    loss = rwml.grpo_loss(logp, logp, None, ADV, w)  # ratio 1: loss = -A per token
+    loss = rwml.grpo_loss(logp, logp, None, ADV, w, beta=0.0)  # ratio 1: loss = -A per token
     assert loss.item() == pytest.approx(expect)
     stats = update.loss_stats(logp, logp, None, ADV, w)
     assert stats["clip_ratio"] == 0.0 and stats["kl"] == 0.0
@@ -64,13 +64,13 @@ def test_clipping_by_hand():
     up, down = torch.log(torch.tensor([[1.5]])), torch.log(torch.tensor([[0.5]]))
     zero = torch.zeros(1, 1)
     # A > 0, ratio 1.5: clipped to 1.2 -> -1.2 A ; with epsilon_high 0.28 -> -1.28 A
-    assert rwml.grpo_loss(up, zero, None, torch.tensor([2.0]), w).item() == pytest.approx(-2.4)
-    assert (rwml.grpo_loss(up, zero, None, torch.tensor([2.0]), w, epsilon_high=0.28).item()
+    assert rwml.grpo_loss(up, zero, None, torch.tensor([2.0]), w, beta=0.0).item() == pytest.approx(-2.4)
+    assert (rwml.grpo_loss(up, zero, None, torch.tensor([2.0]), w, beta=0.0, epsilon_high=0.28).item()
             == pytest.approx(-2.56))
     # A < 0, ratio 1.5: the unclipped term is the smaller one -> -1.5 A
-    assert rwml.grpo_loss(up, zero, None, torch.tensor([-2.0]), w).item() == pytest.approx(3.0)
+    assert rwml.grpo_loss(up, zero, None, torch.tensor([-2.0]), w, beta=0.0).item() == pytest.approx(3.0)
     # A < 0, ratio 0.5: clipped to 0.8 -> -0.8 A
-    loss = rwml.grpo_loss(down, zero, None, torch.tensor([-2.0]), w)
+    loss = rwml.grpo_loss(down, zero, None, torch.tensor([-2.0]), w, beta=0.0)
     assert (loss.item() == pytest.approx(1.6)
             and update.loss_stats(down, zero, None, torch.tensor([-2.0]), w)["clip_ratio"] == 1.0)
 
@@ -129,7 +129,7 @@ def test_chunked_logprobs_and_gradients_match_naive(tiny):
         model.zero_grad()
         lp = fn()
         w = rwml.token_weights(cmask, "grpo", 12)
-        loss = rwml.grpo_loss(lp, lp.detach(), None, adv, w)
+        loss = rwml.grpo_loss(lp, lp.detach(), None, adv, w, beta=0.0)
         loss.backward()
         grads.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                                     if p.requires_grad}))
@@ -164,7 +164,7 @@ def test_shared_prompt_forward_matches_naive_logprobs_and_gradients(tiny):
                lambda: naive_logprobs(model, ids, attn, cmask)):
         model.zero_grad()
         lp = fn()
-        loss = rwml.grpo_loss(lp, lp.detach(), None, adv, w)
+        loss = rwml.grpo_loss(lp, lp.detach(), None, adv, w, beta=0.0)
         loss.backward()
         grads.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                                     if p.requires_grad}))
@@ -195,7 +195,7 @@ def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients(tiny_model
         model.train()
         lp = update.group_logprobs(model, ids[::2, :P], attn[::2, :P], ids[:, P:], cmask, chunk_size=5)
         rwml.grpo_loss(lp, lp.detach(), None, torch.tensor([1.0, -1.0, 0.5, -0.5]),
-                       rwml.token_weights(cmask, "grpo", 12)).backward()
+                       rwml.token_weights(cmask, "grpo", 12), beta=0.0).backward()
         results.append((lp.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
     (lp_a, g_a), (lp_b, g_b) = results
     assert torch.allclose(lp_a, lp_b, atol=1e-5)

@@ -174,3 +174,20 @@ def test_envs_imports_without_torch():
     it, comes in only when a held-out set is scored (envs.score_wm imports it there)."""
     code = "import sys, envs; sys.exit(int('torch' in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0, "import envs imports torch"
+
+
+def test_rwml_functions_default_to_the_runs_settings():
+    """A reader of rwml.py sees the run's values: each of its functions' defaults that a setting also decides
+    is that setting's default (reasoning: wm_reasoning, scale_rewards, k: filter_samples, beta has none)."""
+    import inspect
+
+    import rwml
+    import train
+
+    run = train.Settings()
+    same = dict(reasoning=run.wm_reasoning, scale_rewards=run.scale_rewards, k=run.filter_samples)
+    for name, fn in inspect.getmembers(rwml, inspect.isfunction):
+        for p in inspect.signature(fn).parameters.values():
+            if p.name in same and p.default is not inspect.Parameter.empty:
+                assert p.default == same[p.name], (name, p.name, p.default, same[p.name])
+    assert inspect.signature(rwml.grpo_loss).parameters["beta"].default is inspect.Parameter.empty

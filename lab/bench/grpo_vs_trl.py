@@ -107,7 +107,7 @@ def run_trl(cfg: BenchConfig) -> dict:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     # the very prompts ours samples from: chat template + the "<think>" the reply starts with
-    data = Dataset.from_list([dict(prompt=engine.chat(tok, rwml.wm_prompt(t), rwml.wm_system(t),
+    data = Dataset.from_list([dict(prompt=engine.chat(tok, rwml.wm_prompt(t, True), rwml.wm_system(t),
                                                     rwml.WM_PREFIX),
                                    targets=t["next_obs"]) for t in trips])
     accumulation = cfg.prompts_per_step * cfg.num_generations // cfg.micro_batch_size

@@ -103,7 +103,7 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
                 C = a.completion
                 logits = model(input_ids=ids, attention_mask=batch.attention_mask).logits
                 logp = logits[:, -C - 1:-1].float().log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1)
-                loss = rwml.grpo_loss(logp, logp.detach(), None, batch.advantages, batch.weights)
+                loss = rwml.grpo_loss(logp, logp.detach(), None, batch.advantages, batch.weights, beta=0.0)
                 loss.backward()
                 opt.step()
                 return loss.item()
