@@ -1,5 +1,5 @@
 """Issues 53 and 56 on valid_unseen: the default run's closing comparisons on fresh seeds, each seed's value
-and the seeds pooled (a two-level bootstrap: seeds, then games; two seeds: the seed part rests on two values).
+and the seeds pooled (stats.over_seeds: a t-interval and the sign-flip test over 2-4 seeds).
 Exact match, paired by triplet (verdict.compare on each seed; stats.over_seeds over them).
 
     python lab/fresh_seeds_report.py RUN [RUN ...] [--out table.md]
@@ -70,11 +70,15 @@ def main(argv=None) -> None:
         each = [compare(run, "rwml", base, kinds if len(kinds) > 1 else kinds[0], key) for run in args.runs]
         ci = pooled(args.runs, "rwml", base, kinds, key)
         cells = "; ".join(f"{c['after']:.3f} − {c['before']:.3f} = {c['diff']:+.3f} [{c['lo']:+.3f}, "
-                          f"{c['hi']:+.3f}] ({c['up']} up, {c['down']} down)" for c in each)
+                          f"{c['hi']:+.3f}] ({c['up']} up, {c['down']} down, p {c['p']:.3f})" for c in each)
         rows.append(f"| {label} | {dict(ROWS)[base]} | {cells} | {ci['diff']:+.3f} [{ci['lo']:+.3f}, "
-                    f"{ci['hi']:+.3f}] | {stats.verdict(ci, stats.half_width(ci))} |")
-    text = "\n".join(rows) + (f"\n\nExact match but (a); seeds pooled: {len(args.runs)} seeds, then games "
-                              f"({stats.N_BOOT:,} draws); each seed's CI over games.\n")
+                    f"{ci['hi']:+.3f}] | {stats.verdict(ci, stats.half_width(ci))}; sign-flip over "
+                    f"{ci['seeds']} seeds p {ci['p']:.3f} |")
+    text = "\n".join(rows) + (f"\n\nExact match but (a); seeds pooled: the mean of {len(args.runs)} seeds' "
+                              "differences, a t-interval over them (a bootstrap over seeds, then games, from "
+                              f"{stats.MIN_BOOT_SEEDS} seeds) and the sign-flip test over seeds; each seed's "
+                              f"CI over games ({stats.N_BOOT:,} draws), its sign-flip test over games (p). "
+                              f"{stats.RULE}.\n")
     # each run's closing verdict as today's train.py words it, from its files (run_log.txt: the run's own)
     text += "".join(f"\n{run.name}: {verdict.gain_lines(run, start='warm-up')[-1]}\n" for run in args.runs)
     print(text)

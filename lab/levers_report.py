@@ -29,7 +29,7 @@ def short(c: dict) -> str:
     ci = f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
     v = stats.verdict(c)
     return (f"**{ci}**" if v == "holds" else f"{ci} {'reversed' if v.startswith('reversed') else 'n.d.'}") \
-        + f" ({c['up']} up, {c['down']} down)"
+        + f" ({c['up']} up, {c['down']} down, p {c['p']:.3f})"
 
 
 def minutes(run: Path, stage: str) -> str:
@@ -65,8 +65,9 @@ def main() -> None:
         "| RWML − default's RWML | warm-up SFT (min) | warm-up collect (min) |",
         "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
         "Exact match on the held-out triplets, paired by triplet, 95 % CI over games "
-        "(stats.paired_bootstrap); **bold**: holds; n.d.: no difference detected; other triplets: the arm's "
-        "held-out set is not the default's (no pairing). Minutes from each run's cost.json (never alone)."])
+        "(stats.paired_bootstrap) and the sign-flip test over games (p); **bold**: holds (both agree); "
+        "n.d.: no difference detected; other triplets: the arm's held-out set is not the default's (no "
+        "pairing). Minutes from each run's cost.json (never alone)."])
     print(text)
     if a.out:
         a.out.write_text(text + "\n")

@@ -54,7 +54,7 @@ def cell(c) -> str:
     b, a, ci, _ = c
     seeds = "" if len(ci["per_seed"]) == 1 else " (" + " / ".join(f"{x:+.3f}" for x in ci["per_seed"]) + ")"
     return (f"{b:.3f} -> {a:.3f}, {ci['diff']:+.3f} [{ci['lo']:+.3f}, {ci['hi']:+.3f}]{seeds} "
-            f"{stats.verdict(ci, stats.half_width(ci))}")
+            f"{stats.verdict(ci, stats.half_width(ci))}; sign-flip p {ci['p']:.3f}")
 
 
 def table(out: Path, recipes: list[str] | None = None) -> list[str]:

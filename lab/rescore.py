@@ -2,7 +2,7 @@
 
 1. The test-split table's per-triplet archive (stage1_test_table/): per arm and seed the reward accuracy (as
    recorded), exact match and item-set F1 (envs.exact_match, envs.item_f1), and RWML - warm-up / WM SFT / COIN
-   under each metric with a two-level bootstrap CI (3 seeds, then games; stats.py).
+   under each metric with a CI over seeds (stats.over_seeds: Student's t for 2-4 seeds).
 2. How often a REWARDED prediction is wrong under the strict metrics: the GRPO training groups of the default
    run at tau_d 0.1 (strict_rescore/train_samples.jsonl: every 4th step's whole groups), the held-out ones.
 
@@ -35,7 +35,9 @@ ARMS, BASELINES, SPLITS = ("warmup", "rwml", "wm_sft", "coin"), ("base", "templa
     ("explore", "purposeful")
 METRICS = dict(reward="reward accuracy", exact="exact match", item_f1="item F1")
 COMPARE = (("rwml", "warmup"), ("rwml", "wm_sft"), ("rwml", "coin"))
-MARK = {"holds": "✓", "reversed": "✗", "no difference detected (borderline)": "(borderline)"}  # kind table
+MARK = {"holds": "✓", "reversed": "✗"}  # kind table; "(CI only)": the CI excludes 0, the exact test does not
+CI_OVER_SEEDS = ("CI over seeds: Student's t for 2-4 seeds, a bootstrap over seeds, then games, from 5 "
+                 f"(stats.over_seeds, {stats.N_BOOT:,} draws)")
 WIDTH = 90  # plumbing.group_table cuts the log's targets and predictions to 90 characters
 
 
@@ -172,8 +174,8 @@ def ci_text(ci):
 
 
 def paired(data, seeds, x, y, split, metric, kinds=None):
-    """The two-level bootstrap of arm x - arm y on their common triplets (those the metric scores), with the
-    CI's half-width; None without such triplets."""
+    """The CI over seeds (stats.over_seeds) of arm x - arm y on their common triplets (those the metric
+    scores), with the CI's half-width; None without such triplets."""
     runs = []
     for seed in seeds:
         run = ([], [], [])
@@ -250,7 +252,8 @@ def kind_table(data, seeds) -> list[str]:
         for metric in METRICS:
             c = paired(data, seeds, "rwml", "warmup", None, metric, kinds=(kind,))
             v = stats.verdict(c)
-            cells.append("–" if c is None else f"{ci_text(c)} {MARK.get(v, '')}".rstrip())
+            mark = MARK.get(v, "(CI only)" if "CI excludes 0" in v else "")
+            cells.append("–" if c is None else f"{ci_text(c)} {mark}".rstrip())
             items = max(items, c["items"] if c else 0)
         lines.append(f"| {kind} | {items} | " + " | ".join(cells) + " |")
     return lines
@@ -462,8 +465,9 @@ def evals_report(folder: Path) -> list[str]:
                         f"({', '.join(seeds)}); score the missing ones (lab/tw_wm.sh reruns what is missing)")
     return [f"# World-model accuracy on `{repo_path(folder)}` ({', '.join(seeds)})", "",
             "Rates: the mean over seeds, each seed's value in brackets, 4 predictions per triplet; "
-            f"CI: two-level bootstrap (seeds, then games), {stats.N_BOOT:,} draws; the baselines are one run "
-            "each.", "", *arm_table(data, seeds, (split,), arms), "", "## Paired on the same triplets", "",
+            f"{CI_OVER_SEEDS}; the baselines are one run each.", "",
+            *arm_table(data, seeds, (split,), arms), "",
+            "## Paired on the same triplets", "",
             stats.RULE + ".", "", *comp, ""]
 
 
@@ -540,14 +544,14 @@ def main(argv=None):
     seeds = sorted({s for s, _, _ in data if s.startswith("seed")})
     comp, found = comparison_table(data, seeds)
     md = [f"# Strict re-score of `{repo_path(args.archive)}` (valid_unseen, {', '.join(seeds)})", "",
-          "Rates: the mean over seeds, each seed's value in brackets; CI: two-level bootstrap (seeds, then "
-          f"games), {stats.N_BOOT:,} draws. Item F1: over the triplets whose target lists items (item n per "
+          "Rates: the mean over seeds, each seed's value in brackets; "
+          f"{CI_OVER_SEEDS}. Item F1: over the triplets whose target lists items (item n per "
           "seed). "
           "The recorded reward accuracy and exact match were re-derived from the predictions and match.", "",
           *arm_table(data, seeds), "", "## RWML against each control, paired on the same triplets", "",
           stats.RULE + ".", "", *comp, "",
           "## RWML − warm-up per observation kind (explore and purposeful pooled; ✓: the verdict holds, "
-          "(borderline): a bound is 0 within its Monte-Carlo error)", "",
+          "(CI only): the CI excludes 0, the exact sign-flip test over seeds does not)", "",
           *kind_table(data, seeds), "",
           "## Rewarded held-out predictions that the strict metrics call wrong", "",
           *heldout_rewarded(data, seeds), "",

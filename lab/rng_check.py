@@ -5,8 +5,8 @@
 Recomputes every table of lab/results/ that prints a verdict from its committed per-item files (the commands
 of tests/test_stats.py's committed-tables test, and strict_rescore's comparisons and per-kind table) once per
 bootstrap RNG seed 0 .. SEEDS-1 (stats.py's RNG_SEED), and compares the tables with every number blanked:
-what is left is the verdicts ("holds", "(borderline)", the per-kind marks). Prints, per table, the rows whose
-verdict changed with the seed; none is the claim the study READMEs make.
+what is left is the verdicts ("holds", "no difference detected ...", the per-kind marks). Prints, per table,
+the rows whose verdict changed with the seed; none is the claim the study READMEs make.
 """
 from __future__ import annotations
 

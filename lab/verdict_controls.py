@@ -9,6 +9,11 @@ here on the same triplets.
 
     python lab/verdict_controls.py [--recipe-dev lab/results/recipe_dev] [--out lab/results/wm_dev/controls]
     python lab/verdict_controls.py --ceiling [--out lab/results/wm_dev/ceiling.md]
+    python lab/verdict_controls.py --from-files [--out lab/results/wm_dev/controls]
+
+--from-files: verdicts.md and verdicts.json again from the per-triplet files a first run left in each
+<out>/<arm>/ (no model, no reward: today's statistics on the same predictions); each arm's lines.txt, what the
+first run printed, stays as it is.
 
 --ceiling: how much room the held-out sets leave above the rule. The purposeful triplets (walkthroughs) of
 the 20 valid_seen games, built at history lengths H 1, 2, 4, 8: how many of the rule's exact-match misses
@@ -59,10 +64,15 @@ def main(argv=None) -> None:
     ap.add_argument("--recipe-dev", type=Path, default=ROOT / "lab/results/recipe_dev")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--ceiling", action="store_true", help="the room above the rule by history length")
+    ap.add_argument("--from-files", action="store_true",
+                    help="only verdicts.md / .json again, from the per-triplet files already in --out")
     args = ap.parse_args(argv)
     if args.ceiling:
         return ceiling(args.out or ROOT / "lab/results/wm_dev/ceiling.md")
     args.out = args.out or ROOT / "lab/results/wm_dev/controls"
+    if args.from_files:
+        return write_verdicts(args.out, {arm: verdict.gain_lines(args.out / arm, start="warm-up")
+                                         for arm in ARMS})
     ev, held = args.recipe_dev / "seed0" / "eval", args.recipe_dev / "valid_seen"
     if not ev.is_dir() or not held.is_dir():
         raise UserError(f"{args.recipe_dev} holds no seed0/eval or valid_seen: give --recipe-dev the folder "
@@ -79,7 +89,7 @@ def main(argv=None) -> None:
                                                       and not r["unseen_objects"]) else r["predictions"][0]
                  for t, r in zip(trips, rule[kind])]
         return envs.score_wm(trips, [f"<next_state>{p}</next_state>" for p in preds], reward_fn)["triplets"]
-    report = []
+    found = {}
     for arm, stem in ARMS.items():
         run = args.out / arm
         run.mkdir(parents=True, exist_ok=True)
@@ -91,14 +101,22 @@ def main(argv=None) -> None:
                 shutil.copy(ev / f"coin_{kind}.triplets.jsonl", run / f"wm_eval_coin_{kind}.triplets.jsonl")
             after = read_jsonl(ev / f"{stem}_{kind}.triplets.jsonl") if stem else made(arm, kind)
             write_jsonl(run / f"wm_eval_rwml_{kind}.triplets.jsonl", after)
-        lines = verdict.gain_lines(run, start="warm-up")
-        (run / "lines.txt").write_text("\n".join(lines) + "\n")
+        found[arm] = verdict.gain_lines(run, start="warm-up")
+        (run / "lines.txt").write_text("\n".join(found[arm]) + "\n")
+    write_verdicts(args.out, found)
+
+
+def write_verdicts(out: Path, found: dict) -> None:
+    """verdicts.md (each arm's lines) and verdicts.json (each arm's closing verdict); arm -> its lines."""
+    report = []
+    for arm, lines in found.items():
+        stem = ARMS[arm]
         report.append(f"## {arm}" + (f" (recipe_dev `{stem}`)" if stem else " (made here, see ARMS)")
                       + "\n\n" + "\n".join(f"    {x}" for x in lines) + "\n")
         print(f"{arm}: {lines[-1]}")
-    (args.out / "verdicts.md").write_text("\n".join(report))
-    (args.out / "verdicts.json").write_text(json.dumps(
-        {arm: (args.out / arm / "lines.txt").read_text().splitlines()[-1] for arm in ARMS}, indent=2) + "\n")
+    (out / "verdicts.md").write_text("\n".join(report))
+    (out / "verdicts.json").write_text(json.dumps({arm: lines[-1] for arm, lines in found.items()},
+                                                  indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ sign); the seeds of valid_unseen are shown apart, as a check, never to choose.
 
 --pairs: what no single run can say, over seeds: each seed's real run - its coin run (`--reward-control coin`,
 the same data, filter and warm-up), RWML's scores paired by triplet, on (a) and (b) both kinds pooled; then
-the seeds pooled (stats.over_seeds: seeds, then games).
+the seeds pooled (stats.over_seeds: a t-interval over 2-4 seeds, a bootstrap over seeds, then games, from 5;
+the sign-flip test over seeds); each seed's cell: its CI over games and sign-flip p over games.
 
 Each RUN is a `python train.py` folder (or its lab/results copy). The candidates, each "passes" only where
 every part holds (95 % CI over games, exact match but (a)):
@@ -74,9 +75,10 @@ def pairs_table(runs: list[Path]) -> str:
         seeds = [sides(r, "rwml", c, "rwml", kinds, key) for r, c in pairs]
         each = [stats.paired_bootstrap(*s) for s in seeds]
         ci = stats.over_seeds(seeds)
-        rows.append(f"| {label} | " + " | ".join(f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
-                                                 for c in each)
-                    + f" | {ci['diff']:+.3f} [{ci['lo']:+.3f}, {ci['hi']:+.3f}] | {stats.verdict(ci)} |")
+        rows.append(f"| {label} | " + " | ".join(f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] "
+                                                 f"(p {c['p']:.3f})" for c in each)
+                    + f" | {ci['diff']:+.3f} [{ci['lo']:+.3f}, {ci['hi']:+.3f}] | {stats.verdict(ci)}; "
+                      f"sign-flip over {ci['seeds']} seeds p {ci['p']:.3f} |")
     return "\n".join(rows) + "\n"
 
 

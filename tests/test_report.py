@@ -179,7 +179,7 @@ def test_the_tw_wm_tables_pair_arms_on_triplets_with_every_seed_shown(tmp_path):
     """`lab/rescore.py --evals`: lab/tw_wm.sh's layout (seedN/<arm>.triplets.jsonl, one-run baselines beside)
     -> each arm's mean reward with its seeds, the baselines, and paired differences: RWML = the run's after,
     warm-up and WM SFT = its before in both seeds, so RWML − warm-up is the run's own paired gain in each
-    seed and WM SFT − warm-up exactly 0, not detected."""
+    seed and WM SFT − warm-up exactly 0: no item changed."""
     import shutil
 
     import rescore
@@ -199,7 +199,7 @@ def test_the_tw_wm_tables_pair_arms_on_triplets_with_every_seed_shown(tmp_path):
     assert f"{before:.3f} ({before:.3f}/{before:.3f})" in warm
     assert any(line.startswith("| dev | template (one run) | 0.729") for line in md.splitlines())
     same = next(line for line in md.splitlines() if "| wm_sft − warmup | reward accuracy |" in line)
-    assert "+0.000 [+0.000, +0.000]" in same and "no difference detected" in same
+    assert "+0.000 [+0.000, +0.000]" in same and "no item changed" in same
     gain = next(line for line in md.splitlines() if "| rwml − warmup | reward accuracy |" in line)
     assert "+0.021/+0.021" in gain
 
