@@ -80,19 +80,21 @@ def paired_bootstrap(a, b, units, n_boot: int = N_BOOT, seed: int | None = None,
 
 def over_seeds(runs, n_boot: int = N_BOOT, seed: int | None = None, level: float = 0.95) -> dict:
     """runs: one (a, b, units) per seed, each paired. One seed: `paired_bootstrap`. Several: the mean of the
-    seeds' paired differences (per_seed), a t-interval over them (a bootstrap over seeds, then games, from
-    MIN_BOOT_SEEDS seeds), p the exact sign-flip test over seeds, test="seeds", seeds = their number."""
+    seeds' paired differences (per_seed), a t-interval over them widened to the bootstrap's (over seeds, then
+    games; the bootstrap alone from MIN_BOOT_SEEDS seeds), p the exact sign-flip test over seeds,
+    test="seeds", seeds = their number."""
     if len(runs) == 1:
         return paired_bootstrap(*runs[0], n_boot=n_boot, seed=seed, level=level)
     from scipy.stats import t
 
     each = [_estimate([_by_unit(*r)], sorted(set(r[2]))) for r in runs]
     k, mean = len(each), sum(each) / len(each)
-    if k >= MIN_BOOT_SEEDS:
-        out = _bootstrap(runs, n_boot, seed, level)
-    else:  # Student's t at k - 1 df: with 2 seeds, t(0.975, 1) = 12.7 standard errors
+    out = _bootstrap(runs, n_boot, seed, level)
+    if k < MIN_BOOT_SEEDS:  # Student's t at k - 1 df (2 seeds: 12.7 standard errors), never narrower than
+        # the bootstrap: seeds that agree give a t-interval of width 0, which games' noise still widens
         half = t.ppf((1 + level) / 2, k - 1) * statistics.stdev(each) / math.sqrt(k)
-        out = dict(lo=mean - half, hi=mean + half, units=len({u for r in runs for u in r[2]}), level=level)
+        out = dict(lo=min(mean - half, out["lo"]), hi=max(mean + half, out["hi"]), units=out["units"],
+                   level=level)
     pairs = [(x, y) for a, b, _ in runs for x, y in zip(a, b)]
     return dict(out, diff=mean, per_seed=each, seeds=k, p=sign_flip(each), test="seeds", n=len(pairs),
                 up=sum(x > y for x, y in pairs), down=sum(x < y for x, y in pairs))
@@ -210,7 +212,8 @@ def said(c: dict) -> str:
         return "no items"
     head = f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] {verdict(c)}"
     if c.get("test") == "seeds":
-        how = "t-interval" if c["seeds"] < MIN_BOOT_SEEDS else "bootstrap over seeds, then games"
+        how = ("t-interval, at least the bootstrap's" if c["seeds"] < MIN_BOOT_SEEDS else
+               "bootstrap over seeds, then games")
         return (f"{head}; {c['seeds']} seeds ({', '.join(f'{d:+.3f}' for d in c['per_seed'])}; {how}); "
                 f"sign-flip over seeds p {c['p']:.3f}")
     if not c["up"] and not c["down"]:

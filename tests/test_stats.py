@@ -25,7 +25,7 @@ def test_constant_difference_has_a_zero_width_ci():
     assert ci["diff"] == pytest.approx(1 / 3) and ci["lo"] == pytest.approx(ci["hi"]) == pytest.approx(1 / 3)
     assert ci["p"] == pytest.approx(2 / 64)  # 6 games one way: only all-plus and all-minus are as far
     assert stats.half_width(ci) == 0.0 and stats.verdict(ci) == "holds"
-    three = stats.over_seeds([(a, b, units)] * 3, n_boot=300)  # identical seeds: a t-interval of width 0
+    three = stats.over_seeds([(a, b, units)] * 3, n_boot=300)  # identical seeds: as wide as the bootstrap
     assert three["lo"] == pytest.approx(three["hi"]) == pytest.approx(1 / 3) and len(three["per_seed"]) == 3
     assert three["p"] == pytest.approx(2 / 8) and three["seeds"] == 3
     assert stats.verdict(three) == ("no difference detected (the CI excludes 0, the exact test over seeds "
@@ -136,7 +136,12 @@ def test_two_seeds_give_a_t_interval_and_a_sign_flip_over_seeds():
     assert ci["per_seed"] == pytest.approx([0.1, 0.2]) and ci["seeds"] == 2 and ci["p"] == 0.5
     assert ci["lo"] == pytest.approx(0.15 - 12.706 * 0.05, abs=1e-3)
     assert stats.verdict(ci) == "no difference detected"
-    assert "2 seeds (+0.100, +0.200; t-interval); sign-flip over seeds p 0.500" in stats.said(ci)
+    assert "2 seeds (+0.100, +0.200; t-interval, at least the bootstrap's); sign-flip over seeds p 0.500" \
+        in stats.said(ci)
+    a, b = [1.0 if i % 10 < 5 else 0.0 for i in range(200)], [1.0 if i % 20 < 10 else 0.0 for i in range(200)]
+    noisy = [(a, b, units)] * 2  # two identical seeds of noisy games: the t-interval alone would be [0, 0]
+    wide = stats.over_seeds(noisy)
+    assert wide["diff"] == pytest.approx(0.0, abs=1e-9) and wide["lo"] < -0.05 and wide["hi"] > 0.05
     assert "bootstrap over seeds" in stats.said(stats.over_seeds(runs * 3))  # 6 seeds: the bootstrap
 
 
