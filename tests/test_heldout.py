@@ -382,14 +382,14 @@ def test_a_cached_before_is_reused_only_when_what_made_it_is_the_same(tmp_path):
     (warm / "adapter_model.safetensors").write_bytes(b"one")
     held = dict(triplets=[dict(game="g", rollout=0, step=0, action="open drawer 1")])
     cfg = train.Settings()
-    made = train.before_made_by(cfg, warm, held)
-    assert made == train.before_made_by(cfg, warm, dict(held))
+    made = runs.before_made_by(cfg, warm, held)
+    assert made == runs.before_made_by(cfg, warm, dict(held))
     (warm / "adapter_model.safetensors").write_bytes(b"two")
-    assert train.before_made_by(cfg, warm, held) != made
+    assert runs.before_made_by(cfg, warm, held) != made
     (warm / "adapter_model.safetensors").write_bytes(b"one")
     for other in (dict(cfg=train.Settings(tau_d=0.2)), dict(cfg=train.Settings(eval_samples=4)),
                   dict(held=dict(triplets=[dict(held["triplets"][0], step=1)]))):
-        assert train.before_made_by(other.get("cfg", cfg), warm, other.get("held", held)) != made, other
+        assert runs.before_made_by(other.get("cfg", cfg), warm, other.get("held", held)) != made, other
 
 
 def check_gain_lines(run, out: str) -> None:
