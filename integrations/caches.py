@@ -163,14 +163,13 @@ def scores_before(cfg, out: Path, sets: dict, start, load, score) -> dict[str, P
     are whole. `score(model, tokenizer, triplets)`: train.py's held-out scoring."""
     files = {kind: out / f"wm_eval_before_{kind}.json" for kind in sets}  # train: RWML's own prompts
     made = {kind: before_made_by(cfg, start, s) for kind, s in sets.items()}
-    if damaged := [str(f) for f in files.values() if f.exists() and file_problem(f)]:
-        print(f"eval: {', '.join(damaged)} damaged (cut or edited); scoring \"before\" again")
-    elif all(f.exists() and (old := json.loads(f.read_text())).get("made_by") == made[kind]
-             and len(read_jsonl(f.with_suffix(".triplets.jsonl"))) == old.get("n")
-             for kind, f in files.items()):
+    why = [p for kind, f in files.items() if (p := _before_problem(f, made[kind]))]
+    if not why:
         print(f"eval: reusing the \"before\" scores {out}/wm_eval_before_*.json (made by this run's model, "
               "triplets, settings and code)")
         return files
+    if said := [p for p in why if not p.endswith(" is missing")]:
+        print(f"eval: scoring \"before\" again ({said[0]})")
     model, tok = load()
     if start:
         from peft import PeftModel
@@ -184,6 +183,17 @@ def scores_before(cfg, out: Path, sets: dict, start, load, score) -> dict[str, P
     if start:
         model.unload()  # the bare base model again, for train_wm
     return files
+
+
+def _before_problem(f: Path, made: dict) -> str | None:
+    """Why a "before" score cannot be reused (missing, damaged, made by other inputs, its rows cut)."""
+    if problem := file_problem(f):
+        return f"{f} {problem}"
+    if not isinstance(old := json.loads(f.read_text()), dict) or old.get("made_by") != made:
+        return f"{f} was made by another model, triplets, settings or code"
+    if len(read_jsonl(rows := f.with_suffix(".triplets.jsonl"))) != old.get("n"):
+        return f"{rows} is not its {old.get('n')} rows (cut or edited)"
+    return None
 
 
 def _sha(data: bytes) -> str:
