@@ -149,16 +149,14 @@ WARMUP_STREAM = 100  # the warm-up's more train games: seed + this draws them (l
 def warmup_games(cfg) -> list:
     """The warm-up's `warmup_games` more train games, drawn with seed + WARMUP_STREAM, never one of GRPO's:
     one drawn twice is replaced by a game of the rest (drawn with that seed; a draw with none stays)."""
-    every = envs.list_games(cfg.split)
-    train = set(split_games(cfg))
+    every, train = envs.list_games(cfg.split), set(split_games(cfg))
     if cfg.warmup_games > len(every) - len(train):
         raise UserError(f"--warmup-games {cfg.warmup_games}: the {cfg.split} split holds {len(every)} games, "
                         f"{len(train)} of them GRPO's (--num-games); use at most {len(every) - len(train)}")
     drawn = envs.list_games(cfg.split, cfg.warmup_games, cfg.seed + WARMUP_STREAM)
     rest = [g for g in every if g not in train and g not in drawn]
-    clash = [g for g in drawn if g in train]
     return sorted([g for g in drawn if g not in train]
-                  + random.Random(cfg.seed + WARMUP_STREAM).sample(rest, len(clash)))
+                  + random.Random(cfg.seed + WARMUP_STREAM).sample(rest, len(train & set(drawn))))
 
 
 # ------------------------------------------------- the games, a stage's triplets, a collection that continues

@@ -145,7 +145,8 @@ def test_what_a_setting_decides_is_one_of_the_tags_that_are_read():
     from integrations import worlds
     from support import cards
 
-    read = {"filter", "collect", "episodes", "card", "no-trl", *(f"collect:{e}" for e in worlds.ENVIRONMENTS),
+    read = {"filter", "collect", "episodes", "card", "no-trl", "score",
+            *(f"collect:{e}" for e in worlds.ENVIRONMENTS),
             *(f"card:{k}" for k in cards.METHODS)}
     used = {(f.name, t) for cfg in (train.Settings, ev.AgentEvalConfig) for f in dataclasses.fields(cfg)
             for t in f.metadata.get("part_of", ())}
