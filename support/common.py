@@ -10,6 +10,7 @@ import ast
 import contextlib
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import os
@@ -85,13 +86,18 @@ def code_sha(entry: str = "train.py", root: Path = ROOT) -> str:
         if (path := todo.pop()) in seen:
             continue
         seen[path] = data = path.read_bytes()
-        for node in ast.walk(ast.parse(data)):
-            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [
-                node.module, *(f"{node.module}.{a.name}" for a in node.names)] \
-                if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
-            todo += [p for m in mods for p in (root / f"{m.replace('.', '/')}.py",) if p.is_file()]
+        todo += [p for m in _imports(data) if (p := root / f"{m.replace('.', '/')}.py").is_file()]
     return hashlib.sha256(b"".join(p.relative_to(root).as_posix().encode() + b"\0" + d + b"\0"
                                    for p, d in sorted(seen.items()))).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=256)
+def _imports(source: bytes) -> tuple[str, ...]:
+    """The modules (and `from` names, which may be modules) a source imports, anywhere in it."""
+    return tuple(m for node in ast.walk(ast.parse(source)) for m in (
+        [a.name for a in node.names] if isinstance(node, ast.Import) else [
+            node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level else []))
 
 
 # ----------------------------------------------------------------------------- files that survive interrupts

@@ -16,6 +16,10 @@ from support import common, engine, plumbing
 from support.common import ROOT, UserError, names, read_jsonl
 import reports
 
+TRIP = dict(task="put a mug in the fridge", history=[dict(observation="You are in the kitchen.")],
+            action="open fridge 1", next_obs="You open the fridge 1.")
+
+
 # the modules the agent's play, the filter and the scoring run through (the hand list of 68ef7d6 had four)
 PLAY_PATH = ("train.py", "rwml.py", "envs.py", "reward.py", "support/play.py", "support/update.py",
              "support/gamepool.py", "support/engine.py", "support/common.py", "support/plumbing.py",
@@ -30,18 +34,23 @@ def test_the_code_key_covers_every_module_on_the_play_path(tmp_path, monkeypatch
         shutil.copy(f, tmp_path / f.name)
     for d in ("support", "integrations"):
         shutil.copytree(ROOT / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(caches, "code_sha", lambda: common.code_sha(root=tmp_path))
+    for module in (caches, runs):
+        monkeypatch.setattr(module, "code_sha", lambda: common.code_sha(root=tmp_path))
     cfg = train.Settings(split="valid_unseen", num_games=1)
-    first = caches.heldout_key(cfg)
-    assert caches.heldout_key(cfg) == first and common.code_sha(root=tmp_path) == common.code_sha()
+
+    def keys():  # the held-out (and warm-up play) set's, the filter's, the "before" scores'
+        return (caches.heldout_key(cfg), caches.filter_cache(cfg, [TRIP], tmp_path / "filter")[0],
+                runs.before_made_by(cfg, None, dict(triplets=[TRIP])))
+    first = keys()
+    assert keys() == first and common.code_sha(root=tmp_path) == common.code_sha()
     for name in PLAY_PATH:
         text = (tmp_path / name).read_text()
         (tmp_path / name).write_text(text + "\n# edited\n")
-        assert caches.heldout_key(cfg) != first, name
+        assert all(a != b for a, b in zip(keys(), first)), name
         (tmp_path / name).write_text(text)
-    assert caches.heldout_key(cfg) == first
+    assert keys() == first
     (tmp_path / "lab_note.py").write_text("x = 1\n")  # a file train.py never imports is no part of it
-    assert caches.heldout_key(cfg) == first
+    assert keys() == first
 
 
 CHANGED = dict(embedder="other/embedder", tau_d=0.33, rouge_gate=0.5, reward_metric="rouge",
@@ -96,10 +105,6 @@ def test_a_cut_config_json_stops_a_resume(tmp_path):
     (tmp_path / "config.json").unlink()
     with pytest.raises(UserError, match="is missing"):
         plumbing.check_settings(train.Settings(learning_rate=0.5), tmp_path)
-
-
-TRIP = dict(task="put a mug in the fridge", history=[dict(observation="You are in the kitchen.")],
-            action="open fridge 1", next_obs="You open the fridge 1.")
 
 
 def filtered(tmp_path, cfg, kept):
@@ -195,11 +200,12 @@ def test_a_malformed_per_triplet_row_is_one_line(bad, tmp_path):
     rows = [dict(game=f"g{i}", rollout=0, step=0, action="a", rewards=[1.0], exact=[1.0], template_hit=True,
                  unseen_objects=False) for i in range(3)]
     write_rows(tmp_path, "before_explore", rows)
-    broken = dict(rows[1], **bad)
-    write_rows(tmp_path, "rwml_explore", [rows[0], {k: v for k, v in broken.items() if v is not None}, rows[2]])
+    broken = {k: v for k, v in dict(rows[1], **bad).items() if v is not None}
+    write_rows(tmp_path, "rwml_explore", [rows[0], broken, rows[2]])
     with pytest.raises(UserError, match=rf"{tmp_path}/wm_eval_rwml_explore.triplets.jsonl, row 2: not a "
                                         r"score .* rerun the `python train.py` that wrote them"):
-        verdict.compare(tmp_path, "rwml", "before", "explore", "rewards", rows=lambda t: not t["template_hit"])
+        verdict.compare(tmp_path, "rwml", "before", "explore", "rewards",
+                        rows=lambda t: not t["template_hit"])
 
 
 def test_the_mismatch_error_names_the_files_and_python_train_py(tmp_path):
