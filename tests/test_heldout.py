@@ -286,6 +286,7 @@ def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
     said = again.splitlines()
     end = next(i for i, x in enumerate(said) if " min -> " in x)
     assert "resumed from" in again and said[end - 1].startswith("verdict: ")
+    assert f'eval: reusing the "before" scores {tmp_path / "run"}/wm_eval_before_*.json' in again  # said
 
 
 def test_the_gain_lines_are_the_per_triplet_files_numbers(tmp_path):
