@@ -1,6 +1,6 @@
-"""Support (skip on a first read): the caches that let a run reuse what a run of the same settings made:
-the filter's (its kept triplets and warm-up adapter, keyed by the settings that decide them) and the
-held-out explore set's ($RWML_CACHE/heldout, checked whole before use); the warm-up's more train games.
+"""Support (skip on a first read): the caches that let a run reuse what the same settings and code made (each
+key: the settings that decide it and `code_sha`), each checked whole before use: the filter's, the held-out
+explore set's ($RWML_CACHE/heldout), the warm-up's more train games', `all`'s "before" scores.
 
 Imports the bottom, plumbing and the stages' bookkeeping (runs.py), never rwml or train.py."""
 from __future__ import annotations
