@@ -476,11 +476,10 @@ class Game:
 def walkthrough_triplets(split: str = "train", num_games: int | None = 3, history_len: int = 2, seed: int = 0,
                          wrong_first: bool = True, games: list[str] | None = None,
                          cache: bool = True) -> list[dict]:
-    """Real triplets without a model: the expert walkthroughs of real games on the real engine, in the
-    format `train.py collect` writes. `wrong_first`: a wrong command first, so that "Nothing happens." is
-    there too (tests, benchmarks); without it, the "purposeful" held-out triplets: what an agent pursuing
-    its task sees (object lists, take / move / heat / cool / clean), unlike the exploration policy's.
-    `cache`: the engine caches (gamepool.use_engine_cache; the same triplets, 2.5x faster)."""
+    """Real triplets without a model: the expert walkthroughs of real games on the real engine, as `train.py
+    collect` writes them. `wrong_first`: a wrong command first, so that "Nothing happens." is there too
+    (tests, benchmarks); without it, the "purposeful" held-out triplets: what an agent pursuing its task sees
+    (object lists, take / move / heat / cool / clean). `cache`: gamepool.use_engine_cache (2.5x faster)."""
     gamepool.use_engine_cache(cache)
     out, game = [], Game(max_turns=100)
     for path in games if games is not None else list_games(split, num_games, seed):
@@ -488,9 +487,9 @@ def walkthrough_triplets(split: str = "train", num_games: int | None = 3, histor
         past, obs = [], s["obs"]
         plan = json.loads(Path(path).read_text())["walkthrough"]
         for i, command in enumerate((["fly away"] if wrong_first else []) + plan):
-            r = game.step(command)
+            r, recent = game.step(command), past[-history_len:] if history_len else []  # [-0:]: all
             out.append(dict(game=game_id(path), task=s["task"], task_type=s["task_type"], rollout=0, step=i,
-                            history=[{"observation": o, "action": a} for o, a in past[-history_len:]]
+                            history=[{"observation": o, "action": a} for o, a in recent]
                             + [{"observation": obs}], action=command, next_obs=r["obs"], valid=r["valid"],
                             format_ok=True, won=r["won"], done=r["done"], response=""))
             past.append((obs, command))

@@ -29,10 +29,10 @@ from tqdm.auto import tqdm
 import rwml
 from reward import SimToRealReward
 from integrations import choose, verl_export, worlds
-from integrations.caches import (cached_heldout, filter_cache, more_warmup, save_easiness, save_filter,
+from integrations.caches import (cached_heldout, filter_cache, save_easiness, save_filter, scores_before,
                                  warmup_collections)
-from integrations.runs import (before_made_by, check_stage, claim_out, collection_summary, collection_todo,
-                               kind_mix, log_groups, policy_eval_games, releases_locks, settle_env,
+from integrations.runs import (check_stage, claim_out, collection_summary, collection_todo, kind_mix,
+                               log_groups, more_warmup, policy_eval_games, releases_locks, settle_env,
                                split_games, stage_inputs, telling, triplet_problem, walkthroughs, wm_row)
 from integrations.verdict import (all_summary, baselines_line, before_after_line, coin_control, gain_lines,
                                   probe_line, reward_control)
@@ -63,10 +63,10 @@ def make_env(cfg, episodes: int | None = None):
 
 # ------------------------------------------ §2 collect: the model plays the train games; every turn a triplet
 
-def collect(cfg: Settings, out: Path, load) -> Path:
+def collect(cfg: Settings, out: Path, load, games: list | None = None) -> Path:
     """The model plays `num_games` games of `split`, `rollouts_per_game` times each; a triplet per turn, to
     `transitions.jsonl` as it happens (a rerun continues: `collection_todo`). `load()`: (model, tokenizer)."""
-    games = split_games(cfg)  # bad data or split fails before the model loads
+    games = games or split_games(cfg)  # bad data or split fails before the model loads
     out.mkdir(parents=True, exist_ok=True)
     if cfg.walkthrough:
         return walkthroughs(cfg, out, games)
@@ -270,23 +270,8 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
             warm = dataclasses.replace(cfg, warmup_transitions=warmup_collections(cfg, out, load, collect))
     kept, start = filter_triplets(warm, trips, filter_dir(cfg, out), load, reward_fn)
     sets = dict(heldout, train=dict(triplets=kept, file=str(filter_dir(cfg, out) / "kept.jsonl")))
-    before_files = {kind: out / f"wm_eval_before_{kind}.json" for kind in sets}  # train: RWML's own prompts
-    made = {kind: before_made_by(cfg, start, s) for kind, s in sets.items()}  # a cached "before" must match
-    if not all(f.exists() and json.loads(f.read_text()).get("made_by") == made[kind]
-               for kind, f in before_files.items()):  # the model RWML starts from: warm-up or base
-        model, tok = load()
-        if start:
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(model, str(start))
-        with cost.stage("eval before"):
-            for kind, f in before_files.items():
-                write_eval(f, dict(evaluate_heldout(cfg, model, tok, sets[kind]["triplets"], reward_fn),
-                                   model="warm-up" if start else "base", transitions=sets[kind]["file"],
-                                   split=cfg.split if kind == "train" else cfg.heldout_split,
-                                   made_by=made[kind]))
-        if start:
-            model.unload()  # the bare base model again, for train_wm
+    before_files = scores_before(cfg, out, sets, start, load,  # the model RWML starts from: warm-up or base
+                                 lambda model, tok, t: evaluate_heldout(cfg, model, tok, t, reward_fn))
     resume = cfg.resume or swap_checkpoint(out / "checkpoint")  # `all` continues where it stopped
     with cost.stage("grpo"):
         model = train_wm(dataclasses.replace(cfg, resume=resume), kept, out, load, reward_fn, start,

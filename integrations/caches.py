@@ -1,6 +1,6 @@
-"""Support (skip on a first read): the caches that let a run reuse what a run of the same settings made:
-the filter's (its kept triplets and warm-up adapter, keyed by the settings that decide them) and the
-held-out explore set's ($RWML_CACHE/heldout, checked whole before use); the warm-up's more train games.
+"""Support (skip on a first read): the caches that let a run reuse what the same settings and code made (each
+key: the settings that decide it and `code_sha`), each checked whole before use: the filter's, the held-out
+explore set's ($RWML_CACHE/heldout), the warm-up's more train games', `all`'s "before" scores.
 
 Imports the bottom, plumbing and the stages' bookkeeping (runs.py), never rwml or train.py."""
 from __future__ import annotations
@@ -15,15 +15,18 @@ from pathlib import Path
 
 import torch
 
-from support import engine
+from support import cost, engine
 import envs
-from support.common import ROOT, UserError, file_problem, names, read_jsonl, write_atomic, write_jsonl
-from integrations.runs import collect_job, split_games, walkthroughs
+from support.common import code_sha, file_problem, names, read_jsonl, write_atomic, write_jsonl
+from support.plumbing import write_eval
+from integrations.runs import (WARMUP_STREAM, before_made_by, collect_job, collect_meta, split_games,
+                               walkthroughs, warmup_games)
 
 # ------------------------------------------------------------- the caches: the filter's, the held-out set's
 
 def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | None]:
-    """The filter's settings (its cache key) and, if `out` holds a whole output of them, (kept, warm-up)."""
+    """The filter's settings and code (its cache key) and, if `out` holds a whole output of them, (kept,
+    warm-up); a damaged filter.json or a kept.jsonl short of its count is said and filtered again."""
     kept_file, meta_file, warm = out / "kept.jsonl", out / "filter.json", out / "warmup_adapter"
     seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
     job = {k: getattr(cfg, k) for k in names(cfg, "filter")} | {"seed": seed, "num_triplets": len(triplets)}
@@ -31,14 +34,23 @@ def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | No
     more = [Path(f) for f in (cfg.warmup_transitions or "").split(",") if f]
     warm_files = b"".join(f.read_bytes() for f in more if f.is_file())
     job.update(triplets=_sha(json.dumps(triplets, sort_keys=True).encode()),
-               warmup_transitions=_sha(warm_files) if more else None)
-    stored = json.loads(meta_file.read_text())["job"] if meta_file.exists() else None
-    if kept_file.exists() and stored in (job, job | {"warmup": True}) and (  # kept is the same without it
+               warmup_transitions=_sha(warm_files) if more else None, code=code_sha())
+    try:
+        meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+        stored = meta.get("job")
+    except (ValueError, AttributeError) as e:  # cut by a kill or a full disk, or not an object
+        print(f"filter: {meta_file} is damaged ({str(e)[:60]}); filtering again")
+        meta, stored = {}, None
+    # a warm-up job's kept set is the same without the warm-up unless mixed_only (the warm-up's) chose it
+    if kept_file.exists() and (stored == job or stored == job | {"warmup": True} and not cfg.mixed_only) and (
             not cfg.warmup or (warm / "adapter_config.json").is_file()
             and file_problem(warm / "adapter_model.safetensors") is None):  # else made again
-        kept = read_jsonl(kept_file)
-        print(f"filter: reusing {kept_file} ({len(kept)} triplets)" + (f" and {warm}" if cfg.warmup else ""))
-        return job, (kept, warm if cfg.warmup else None)
+        if len(kept := read_jsonl(kept_file)) == meta.get("num_kept"):
+            print(f"filter: reusing {kept_file} ({len(kept)} triplets)"
+                  + (f" and {warm}" if cfg.warmup else ""))
+            return job, (kept, warm if cfg.warmup else None)
+        print(f"filter: {kept_file} holds {len(kept)} of the {meta.get('num_kept')} triplets {meta_file} "
+              "records (cut or edited); filtering again")
     return job, None
 
 
@@ -48,15 +60,6 @@ def save_filter(out: Path, job: dict, info: dict, kept: list[dict]) -> None:
     write_atomic(out / "filter.json", json.dumps(dict(job=job, **info), indent=2))
     print("filter: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                  for k, v in info.items() if k not in ("sft_losses", "easiness_counts")))
-
-
-def more_warmup(cfg) -> list[dict]:
-    """The triplets of --warmup-transitions (more train games' collections) the filter's copy also learns."""
-    more = [Path(f) for f in (cfg.warmup_transitions or "").split(",") if f]
-    if missing := [str(f) for f in more if not f.is_file()]:
-        raise UserError(f"--warmup-transitions: {', '.join(missing)} not found; give transitions.jsonl "
-                        "files of `train.py collect`, comma-separated")
-    return [t for f in more for t in read_jsonl(f)]
 
 
 def save_easiness(out: Path, train: list[dict], scores: list, easy: list, keep: list) -> None:
@@ -70,43 +73,47 @@ def save_easiness(out: Path, train: list[dict], scores: list, easy: list, keep: 
 HELDOUT_FILES = ("collect.json", "transitions.jsonl", "episodes.jsonl")
 
 
-def heldout_key(cfg) -> str:
+def heldout_key(cfg, games: list | None = None) -> str:
     """Everything that determines the held-out explore set: the collection's settings, the games, the
-    engine (workers, batch), the library versions and the code that plays (rwml, envs, engine, worlds)."""
+    engine (workers, batch), the library versions and the code (`code_sha`: every module train.py imports)."""
     import transformers
 
     model = Path(cfg.model)
     weights = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in model.iterdir()
                      if f.is_file()) if model.is_dir() else None
-    code = [hashlib.sha256((ROOT / f"{m}.py").read_bytes()).hexdigest()
-            for m in ("rwml", "envs", "support/engine", "integrations/worlds")]
-    games = [envs.game_id(g) for g in split_games(cfg)]
+    games = [envs.game_id(g) for g in (split_games(cfg) if games is None else games)]
     key = dict(job=collect_job(cfg), env=cfg.env, num_envs=cfg.num_envs, games=games, weights=weights,
                torch=torch.__version__, transformers=transformers.__version__,
-               threads=torch.get_num_threads(),
-               code=code)
+               threads=torch.get_num_threads(), code=code_sha())
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-WARMUP_STREAM = 100  # the warm-up's more train games: seed + this draws them (lab/wm_dev.sh's MORE_SEED)
-
-
 def warmup_collections(cfg, out: Path, load, collect) -> str:
-    """`all`'s more warm-up triplets (issue 53): walkthroughs of `warmup_games` other train games and the
-    collection policy's play of them (its "Nothing happens." targets; cached as the held-out set is)."""
+    """`all`'s more warm-up triplets: walkthroughs of `warmup_games` other train games (never GRPO's) and
+    the collection policy's play of them (its "Nothing happens." targets; cached as the held-out set is)."""
     more = dataclasses.replace(cfg, num_games=cfg.warmup_games, seed=cfg.seed + WARMUP_STREAM, adapter=None)
-    walk = collect(dataclasses.replace(more, walkthrough=True), out / "warmup_walk", load)
+    games = warmup_games(cfg)
+    walk = collect(dataclasses.replace(more, walkthrough=True), out / "warmup_walk", load, games)
     play = cached_heldout(dataclasses.replace(more, walkthrough=False), out / "warmup_play", load, collect,
-                          what="the warm-up's more train triplets")
-    probes = cfg.train_probes and walkthroughs(more, out / "warmup_state", split_games(more), probes=True)
+                          what="the warm-up's more train triplets", games=games)
+    probes = cfg.train_probes and walkthroughs(more, out / "warmup_state", games, probes=True)
     return ",".join(str(f) for f in (cfg.warmup_transitions, walk, play, probes) if f)
 
 
-def cached_heldout(cfg, out: Path, load, collect, what: str = "the held-out explore triplets") -> Path:
+def cached_heldout(cfg, out: Path, load, collect, what: str = "the held-out explore triplets",
+                   games: list | None = None) -> Path:
     """The held-out explore collection, played once per `heldout_key` and copied from $RWML_CACHE/heldout
     after that (settings and seed are the same for every run: replaying costs minutes, changes nothing). An
-    entry is copied only whole, its files as its sha256.json says; a damaged one is played again, replaced."""
-    cache = engine.MODEL_CACHE / "heldout" / heldout_key(cfg)
+    entry is copied only whole, its files as its sha256.json says; a damaged one is played again, replaced.
+    `out` holding a set of other settings (--heldout-games, free on resume) is said and replaced."""
+    cache = engine.MODEL_CACHE / "heldout" / heldout_key(cfg, games)
+    for old in [*cache.parent.glob("*.tmp"), *cache.parent.glob("*.damaged")]:  # a killed run's leftovers
+        if not Path(f"/proc/{old.name.split('.')[-2]}").exists():
+            shutil.rmtree(old, ignore_errors=True)
+    if (out / "transitions.jsonl").exists() and collect_meta(out / "collect.json") != collect_job(cfg):
+        print(f"collect: {out} holds {what} of other settings; collecting these in their place")
+        for name in HELDOUT_FILES:
+            (out / name).unlink(missing_ok=True)
     fresh = not (out / "transitions.jsonl").exists()  # a resumed collection draws other samples: not cached
     if fresh and cache.exists():
         files, why = heldout_entry(cache)
@@ -122,7 +129,7 @@ def cached_heldout(cfg, out: Path, load, collect, what: str = "the held-out expl
             with contextlib.suppress(OSError):  # aside first: no reader sees half a folder
                 os.replace(cache, aside := cache.with_name(f"{cache.name}.{os.getpid()}.damaged"))
                 shutil.rmtree(aside, ignore_errors=True)
-    path = collect(cfg, out, load)
+    path = collect(cfg, out, load, games)
     if fresh and not cache.exists():
         tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
         with contextlib.suppress(OSError):  # a read-only cache only costs the next run the collection
@@ -149,6 +156,45 @@ def heldout_entry(cache: Path) -> tuple[dict[str, bytes] | None, str]:
         return None, f"{Path(e.filename or 'sha256.json').name} is missing or unreadable ({e.strerror})"
     except (ValueError, AttributeError):  # sha256.json cut, or not an object
         return None, "sha256.json is damaged"
+
+
+def scores_before(cfg, out: Path, sets: dict, start, load, score) -> dict[str, Path]:
+    """`all`'s "before" scores, wm_eval_before_<kind>.json: the model RWML starts from (the warm-up or the
+    base) on each set; reused, and said, only when what made them (`before_made_by`) is this run's and they
+    are whole. `score(model, tokenizer, triplets)`: train.py's held-out scoring."""
+    files = {kind: out / f"wm_eval_before_{kind}.json" for kind in sets}  # train: RWML's own prompts
+    made = {kind: before_made_by(cfg, start, s) for kind, s in sets.items()}
+    why = [p for kind, f in files.items() if (p := _before_problem(f, made[kind]))]
+    if not why:
+        print(f"eval: reusing the \"before\" scores {out}/wm_eval_before_*.json (made by this run's model, "
+              "triplets, settings and code)")
+        return files
+    if said := [p for p in why if not p.endswith(" is missing")]:
+        print(f"eval: scoring \"before\" again ({said[0]})")
+    model, tok = load()
+    if start:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(start))
+    with cost.stage("eval before"):
+        for kind, f in files.items():
+            write_eval(f, dict(score(model, tok, sets[kind]["triplets"]), made_by=made[kind],
+                               model="warm-up" if start else "base", transitions=sets[kind]["file"],
+                               split=cfg.split if kind == "train" else cfg.heldout_split))
+    if start:
+        model.unload()  # the bare base model again, for train_wm
+    return files
+
+
+def _before_problem(f: Path, made: dict) -> str | None:
+    """Why a "before" score cannot be reused (missing, damaged, made by other inputs, its rows cut)."""
+    if problem := file_problem(f):
+        return f"{f} {problem}"
+    if not isinstance(old := json.loads(f.read_text()), dict) or old.get("made_by") != made:
+        return f"{f} was made by another model, triplets, settings or code"
+    if len(read_jsonl(rows := f.with_suffix(".triplets.jsonl"))) != old.get("n"):
+        return f"{rows} is not its {old.get('n')} rows (cut or edited)"
+    return None
 
 
 def _sha(data: bytes) -> str:

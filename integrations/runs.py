@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ from tqdm.auto import tqdm
 
 import envs
 from integrations import worlds
-from support.common import UserError, names, read_jsonl, write_atomic, write_jsonl
+from support.common import UserError, code_sha, names, read_jsonl, write_atomic, write_jsonl
 from support.plumbing import (PROMPT_TAIL, check_resume, context_problem, group_table, jsonl_writer,
                               read_transitions, run_header, sample_triplets)
 from reward import parse_next_state
@@ -99,6 +100,9 @@ def check_stage(cfg, stage: str) -> None:
         if n - max(1, round(cfg.filter_split * n)) < cfg.prompts_per_step:
             bad("filter_split", f"leaves fewer than --prompts-per-step {cfg.prompts_per_step} of the at most "
                 f"{n} collected triplets for GRPO; lower it or collect more (--num-games, --max-turns)")
+    if stage == "all" and cfg.coin_control and cfg.reward_control == "coin":
+        bad("coin_control", "trains a matched COIN arm beside RWML, and --reward-control coin makes RWML a "
+            "coin too: leave one of them out")
     if stage == "export" and importlib.util.find_spec("pyarrow") is None:
         raise UserError("train.py export --format verl writes parquet, which needs pyarrow: "
                         "pip install pyarrow")
@@ -135,6 +139,24 @@ def check_heldout(cfg) -> None:
         raise UserError(f"--heldout-split {cfg.heldout_split} shares {len(train & held)} games with the "
                         f"train games (--split {cfg.split}); use valid_unseen (the test split) or "
                         "valid_seen (the dev split)")
+    if cfg.warmup and cfg.warmup_games:
+        warmup_games(cfg)  # before any collection: more than the split holds besides GRPO's games
+
+
+WARMUP_STREAM = 100  # the warm-up's more train games: seed + this draws them (lab/wm_dev.sh's MORE_SEED)
+
+
+def warmup_games(cfg) -> list:
+    """The warm-up's `warmup_games` more train games, drawn with seed + WARMUP_STREAM, never one of GRPO's:
+    one drawn twice is replaced by a game of the rest (drawn with that seed; a draw with none stays)."""
+    every, train = envs.list_games(cfg.split), set(split_games(cfg))
+    if cfg.warmup_games > len(every) - len(train):
+        raise UserError(f"--warmup-games {cfg.warmup_games}: the {cfg.split} split holds {len(every)} games, "
+                        f"{len(train)} of them GRPO's (--num-games); use at most {len(every) - len(train)}")
+    drawn = envs.list_games(cfg.split, cfg.warmup_games, cfg.seed + WARMUP_STREAM)
+    rest = [g for g in every if g not in train and g not in drawn]
+    return sorted([g for g in drawn if g not in train]
+                  + random.Random(cfg.seed + WARMUP_STREAM).sample(rest, len(train & set(drawn))))
 
 
 # ------------------------------------------------- the games, a stage's triplets, a collection that continues
@@ -151,6 +173,9 @@ TRIPLET_STAGES = ("wm-sft", "filter", "wm", "export")  # the stages that take a 
 def settle_env(stage: str, cfg, given: set):
     """A stage that takes triplets takes their environment and, unless given, its world-model defaults
     (`worlds.ENV_DEFAULTS`: tau_d, the cap); a given --env that disagrees with them is refused."""
+    if stage == "all" and "warmup_games" in given and cfg.warmup_games and not cfg.warmup:
+        raise UserError(f"--warmup-games {cfg.warmup_games} collects more games for the warm-up, and "
+                        "--no-warmup has none: leave one of them out")
     if stage not in TRIPLET_STAGES or not (env := triplets_env(cfg.transitions)):
         return cfg  # no triplet reads: read_transitions says why
     if "env" in given and cfg.env != env:
@@ -193,6 +218,8 @@ def stage_inputs(cfg, stage: str, problem) -> tuple[list[dict] | None, list[dict
     """The triplets a stage trains on and, for `wm --eval-steps`, its held-out ones, read before it starts,
     each checked (`problem(triplet)`: triplet_problem)."""
     trips = read_transitions(cfg.transitions, problem) if stage in TRIPLET_STAGES else None
+    if stage in (*TRIPLET_STAGES, "all"):
+        more_warmup(cfg, problem)  # before the model loads
     if stage != "wm" or not cfg.eval_steps:
         return trips, None
     if not cfg.eval_transitions:
@@ -201,6 +228,20 @@ def stage_inputs(cfg, stage: str, problem) -> tuple[list[dict] | None, list[dict
                         "--split valid_seen)")
     return trips, sample_triplets(read_transitions(cfg.eval_transitions, problem),
                                   cfg.eval_max_triplets)
+
+
+def more_warmup(cfg, problem=None) -> list[dict]:
+    """The triplets of --warmup-transitions (more train games' collections) the filter's copy also learns,
+    each file checked whole (read_transitions) and of the run's environment."""
+    more = [f for f in (cfg.warmup_transitions or "").split(",") if f]
+    if missing := [f for f in more if not Path(f).is_file()]:
+        raise UserError(f"--warmup-transitions: {', '.join(missing)} not found; give transitions.jsonl "
+                        "files of `train.py collect`, comma-separated")
+    for f in more:
+        if (env := triplets_env(f, "--warmup-transitions")) not in (None, cfg.env):
+            raise UserError(f"--warmup-transitions {f} holds {env} triplets, and this run is {cfg.env}'s: "
+                            f"give {cfg.env} triplets")
+    return [t for f in more for t in read_transitions(f, problem)]
 
 
 def collect_job(cfg) -> dict:
@@ -221,6 +262,11 @@ def collection_todo(cfg, out: Path, games: list) -> tuple[list[dict], int]:
     write_atomic(meta, json.dumps(job, indent=2))
     transitions, episodes_file = out / "transitions.jsonl", out / "episodes.jsonl"
     done_eps, turns = read_jsonl(episodes_file), read_jsonl(transitions)
+    count = collections.Counter((t["game"], t["rollout"]) for t in turns)
+    if short := [e for e in done_eps if e.get("steps") not in (None, count[e["game"], e["rollout"]])]:
+        print(f"collect: {transitions} misses turns of {len(short)} finished episodes (lines cut or edited); "
+              "playing them again")
+        done_eps = [e for e in done_eps if e not in short]
     finished = {(e["game"], e["rollout"]) for e in done_eps}
     kept = [t for t in turns if (t["game"], t["rollout"]) in finished]
     if len(kept) < len(turns):  # the per-episode rule (README, "No run loses work")
@@ -349,15 +395,19 @@ def walkthroughs(cfg, out: Path, games: list, probes: bool = False) -> Path:
         raise UserError("--walkthrough needs --env alfworld (tau2 tasks have no expert walkthrough here)")
     transitions, meta = out / "transitions.jsonl", out / "collect.json"
     job = dict(walkthrough=True) | {k: getattr(cfg, k) for k in ("split", "seed", "num_games", "history_len")}
-    job |= dict(probes=True) if probes else {}
+    job |= dict(games=[envs.game_id(g) for g in games], code=code_sha()) | ({"probes": 1} if probes else {})
     what = "state probes" if probes else "walkthrough triplets"
-    if transitions.is_file() and collect_meta(meta) == job:  # a rerun: done
-        print(f"collect: reusing {transitions} ({what} of {len(games)} {cfg.split} games)")
-        return transitions
+    old = (collect_meta(meta) or {}) if transitions.is_file() else {}
+    if {k: v for k, v in old.items() if k != "num_triplets"} == job:  # a rerun: done, if whole
+        if len(read_jsonl(transitions)) == old.get("num_triplets"):
+            print(f"collect: reusing {transitions} ({what} of {len(games)} {cfg.split} games)")
+            return transitions
+        print(f"collect: {transitions} is not the {old.get('num_triplets')} triplets {meta} records (cut or "
+              f"edited); writing the {what} again")
     out.mkdir(parents=True, exist_ok=True)
     trips = (envs.state_probes(games, cfg.history_len, cfg.seed) if probes else
              envs.walkthrough_triplets(history_len=cfg.history_len, wrong_first=False, games=games))
-    write_atomic(meta, json.dumps(job, indent=2))
+    write_atomic(meta, json.dumps(job | dict(num_triplets=len(trips)), indent=2))
     write_jsonl(transitions, trips)
     mix = (", ".join(f"{k} {v}" for k, v in collections.Counter(t["probe"] for t in trips).items())
            if probes else kind_mix(trips))
@@ -394,13 +444,12 @@ def policy_eval_games(cfg) -> list:
 
 def before_made_by(cfg, start, heldout: dict) -> dict:
     """What made a "before" evaluation: a rerun reuses one only when all of this is the same (the model it
-    starts from, down to the warm-up's bytes; the triplets; how they are predicted and scored)."""
+    starts from, down to the warm-up's bytes; the triplets; how they are predicted and scored: the settings
+    tagged "score" and the code)."""
     warm = Path(start) / "adapter_model.safetensors" if start else None
     sha = hashlib.sha256(warm.read_bytes()).hexdigest() if warm and warm.is_file() else None
-    return dict(model=cfg.model, start=sha, triplets=[triplet_key(t) for t in heldout["triplets"]],
-                **{k: getattr(cfg, k) for k in ("seed", "eval_samples", "temperature",
-                                                "max_completion_length", "wm_reasoning", "embedder", "tau_d",
-                                                "rouge_gate")})
+    return dict(start=sha, triplets=[triplet_key(t) for t in heldout["triplets"]], code=code_sha(),
+                **{k: getattr(cfg, k) for k in names(cfg, "score")})  # the settings that decide a score
 
 
 def triplet_key(r: dict) -> list:

@@ -22,13 +22,14 @@ _SHARE = dict(check=lambda v: 0 <= v <= 1, why="must be between 0 and 1")
 @dataclass
 class ModelArgs:
     _argument_group_name = "every stage: the model, the environment, the seed, the run's folder"
-    model: str = arg(engine.BUNDLED_MODEL, "any HF causal-LM id or local folder", part_of="filter collect")
+    model: str = arg(engine.BUNDLED_MODEL, "any HF causal-LM id or local folder",
+                     part_of="filter collect score")
     load_in_4bit: bool | None = arg(None, "NF4 base weights (QLoRA); None = on with CUDA and >= 1B "
-                                          "parameters")
+                                          "parameters", part_of="score")
     env: str = arg("alfworld", "or textworld (generated games) or tau2 (tool use; games = tasks); its "
                    "class (worlds.ENVIRONMENTS) holds its defaults", choices=tuple(worlds.ENVIRONMENTS),
                    part_of="episodes")
-    seed: int = arg(0, "seeds every random draw of a run", **_SEED, part_of="collect card")
+    seed: int = arg(0, "seeds every random draw of a run", **_SEED, part_of="collect card score")
     out: str = arg("runs/rwml", "the run's folder", resume_free=True)
 
 
@@ -60,7 +61,7 @@ class SamplingArgs:
     _argument_group_name = "sampling: the agent's replies, the GRPO groups"
     temperature: float = arg(1.0, "sampling temperature of collection and GRPO groups (training divides by "
                                   "it)", check=lambda v: v >= 0, why="must be 0 or more",
-                             part_of="collect card:wm card:policy")
+                             part_of="collect card:wm card:policy score")
     top_p: float = arg(1.0, "nucleus sampling of the replies and the groups", check=lambda v: 0 < v <= 1,
                        why="must be in (0, 1]", part_of="collect")
 
@@ -99,23 +100,25 @@ _PER_ENV = "None: the environment's ({})".format
 @dataclass
 class WorldModelArgs:
     _argument_group_name = "the world model's answer and its reward (METHOD.md §3)"
-    embedder: str = arg(BUNDLED_EMBEDDER, "any sentence-transformers model id or folder", part_of="filter")
+    embedder: str = arg(BUNDLED_EMBEDDER, "any sentence-transformers model id or folder",
+                        part_of="filter score")
     tau_d: float | None = arg(None, "r = 1 iff 1 - cos(E(prediction), E(real)) < tau_d; " + _PER_ENV(
         ", ".join(f"{k} {c.tau_d}" for k, c in worlds.ENVIRONMENTS.items())) + "; lab/results/reward_audit",
-        check=lambda v: 0 < v <= 2, why="must be in (0, 2] (a cosine distance)", part_of="filter card:wm")
+        check=lambda v: 0 < v <= 2, why="must be in (0, 2] (a cosine distance)",
+        part_of="filter card:wm score")
     rouge_gate: float | None = arg(None, "> 0: r = 1 also needs ROUGE-1 F >= this (the gate of the authors' "
                                          "code); " + _PER_ENV(", ".join(f"{k} {c.rouge_gate}" for k, c in
                                                                         worlds.ENVIRONMENTS.items())),
                                    check=lambda v: 0 <= v <= 1, why="must be between 0 and 1 (0 = off)",
-                                   part_of="filter")
+                                   part_of="filter score")
     reward_metric: str = arg("embedding", 'or "rouge" (ablation)', choices=("embedding", "rouge"),
-                             part_of="filter card:wm")
-    reward_binary: bool = arg(True, "False = the continuous-cosine ablation", part_of="filter")
+                             part_of="filter card:wm score")
+    reward_binary: bool = arg(True, "False = the continuous-cosine ablation", part_of="filter score")
     wm_reasoning: bool = arg(False, "<think> then <next_state> (paper: True); off: reply from <next_state> "
-                                    "on")
+                                    "on", part_of="score")
     max_completion_length: int | None = arg(None, "tokens per world-model prediction; " + _PER_ENV(", ".join(
         f"{k} {c.max_completion_length}" for k, c in worlds.ENVIRONMENTS.items())), min=1,
-                                            part_of="filter card:wm")
+                                            part_of="filter card:wm score")
 
 
 @dataclass
@@ -195,7 +198,7 @@ class RWMLArgs:
     log_completions_steps: int = arg(4, "a step's whole groups to samples.jsonl and the log every this many",
                                      min=1, resume_free=True)
     eval_samples: int = arg(0, "held-out predictions per triplet, sampled at `temperature` (0 = one greedy)",
-                            min=0, resume_free=True)
+                            min=0, resume_free=True, part_of="score")
     eval_max_triplets: int = arg(96, "held-out triplets of each kind scored before and after (0 = all)",
                                  min=0, resume_free=True)
     eval_transitions: str | None = arg(None, "wm: held-out triplets for the curve (eval_max_triplets of "

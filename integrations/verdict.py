@@ -137,17 +137,34 @@ def compare(out: Path, arm: str, base: str, kind: str | tuple, key: str, rows=No
     games), paired by triplet; `rows` keeps a subset of the base's rows (e.g. the targets the rule misses)."""
     pairs = []
     for kind in (kind,) if isinstance(kind, str) else kind:
-        x, y = (read_jsonl(out / f"wm_eval_{w}_{kind}.triplets.jsonl") for w in (arm, base))
+        x, y = (scored_rows(out / f"wm_eval_{w}_{kind}.triplets.jsonl", key, rows) for w in (arm, base))
         by_key = {json.dumps(triplet_key(r)): r for r in x}
         if len(by_key) != len(x) or sorted(by_key) != sorted(json.dumps(triplet_key(r)) for r in y):
-            raise UserError(f"wm_eval_{arm}_{kind} and wm_eval_{base}_{kind} in {out} are not scores of the "
-                            "same triplets: score both on one transitions file")
+            raise UserError(f"{out}/wm_eval_{arm}_{kind}.triplets.jsonl and wm_eval_{base}_{kind}.triplets"
+                            f".jsonl are not scores of the same triplets (one cut or edited); {AGAIN}")
         pairs += [(by_key[json.dumps(triplet_key(r))], r) for r in y if rows is None or rows(r)]
     mean = [[sum(map(float, r[key])) / len(r[key]) for r in side] for side in zip(*pairs)] or [[], []]
     games = [str(b["game"]) for _, b in pairs]
     ci = stats.paired_bootstrap(*mean, games) if pairs else None
     return dict(ci or {}, ci=ci, n=len(pairs), before=sum(mean[1]) / max(len(pairs), 1),
                 after=sum(mean[0]) / max(len(pairs), 1))
+
+
+AGAIN = ("delete the wm_eval_* files named and rerun the `python train.py` that wrote them, with the same "
+         "settings: it scores them again")
+
+
+def scored_rows(path: Path, key: str, rows=None) -> list[dict]:
+    """A per-triplet file's rows, each with its game and a non-empty list of numbers `key` (and what the
+    subset `rows` reads), or a line naming the file: a row cut or edited by hand is no score."""
+    need = ("template_hit", "unseen_objects") if rows else ()
+    for n, r in enumerate(found := read_jsonl(path), 1):
+        v = r.get(key) if isinstance(r, dict) else None
+        if not (isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)) or any(
+                k not in r for k in ("game", *need)):
+            raise UserError(f"{path}, row {n}: not a score (a non-empty list of numbers {key!r}, a game"
+                            + "".join(f", {k}" for k in need) + f"); {AGAIN}")
+    return found
 
 
 def said(c: dict) -> str:

@@ -95,11 +95,13 @@ def read_run(folder: Path) -> dict:
 
 
 def own_wm(folder: Path, wms: dict[str, dict]) -> dict | None:
-    """The run's own world-model accuracy, by file name, never a baseline's: {kind: (before, after)}.
-    `python train.py` writes wm_eval_{before,rwml,<baseline>}_{explore,purposeful}.json; eval.py wm, one."""
+    """The run's own world-model accuracy, by file name, never a baseline's or the matched COIN arm's
+    (--coin-control): {kind: (before, after)}. `python train.py` writes
+    wm_eval_{before,rwml,coin,<baseline>}_{explore,purposeful}.json; eval.py wm, one."""
     if not wms:
         return None
-    ours = {stem: d for stem, d in wms.items() if not any(f"_{b}_" in f"{stem}_" for b in envs.BASELINES)}
+    ours = {stem: d for stem, d in wms.items()
+            if not any(f"_{b}_" in f"{stem}_" for b in (*envs.BASELINES, "coin"))}
     pairs = {}
     for stem, d in ours.items():
         if stem.startswith("wm_eval_before_"):

@@ -6,9 +6,12 @@ Imports no module of this project: everything else may import it.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import difflib
+import functools
+import hashlib
 import json
 import os
 import zipfile
@@ -54,7 +57,7 @@ def arg(default, help: str, *, choices: tuple | None = None, min: float | None =
     value (evaluations, speed, the step budget). `part_of`, what else it decides (`names`): "filter" the
     filter's cache key; "collect" (every env's), "collect:<env>" a collection's collect.json; these and
     "episodes" eval.py's logged episodes' key; "card" (every stage's), "card:<stage>" a model card's settings;
-    "no-trl" TRL's trainer has none."""
+    "score" a world-model score's (`all`'s "before" key); "no-trl" TRL's trainer has none."""
     meta = dict(help=help, choices=choices, min=min, check=check, why=why, resume_free=resume_free,
                 part_of=tuple(part_of.split()))
     meta = {k: v for k, v in meta.items() if v is not None and v is not False}  # min=0 stays
@@ -72,6 +75,29 @@ def again(cls, name: str, default=dataclasses.MISSING, help: str | None = None):
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     meta = dict(f.metadata, **({"help": help} if help else {}))
     return dataclasses.field(default=f.default if default is dataclasses.MISSING else default, metadata=meta)
+
+
+def code_sha(entry: str = "train.py", root: Path = ROOT) -> str:
+    """A cache key's code: the sha256 of `entry` and of every module of the repository it imports, however
+    deep, function-level imports too (envs imports reward inside score_wm). Read from the sources, not from
+    sys.modules: what a process has imported so far depends on what it ran first, and a key must not."""
+    seen, todo = {}, [root / entry]
+    while todo:
+        if (path := todo.pop()) in seen:
+            continue
+        seen[path] = data = path.read_bytes()
+        todo += [p for m in _imports(data) if (p := root / f"{m.replace('.', '/')}.py").is_file()]
+    return hashlib.sha256(b"".join(p.relative_to(root).as_posix().encode() + b"\0" + d + b"\0"
+                                   for p, d in sorted(seen.items()))).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=256)
+def _imports(source: bytes) -> tuple[str, ...]:
+    """The modules (and `from` names, which may be modules) a source imports, anywhere in it."""
+    return tuple(m for node in ast.walk(ast.parse(source)) for m in (
+        [a.name for a in node.names] if isinstance(node, ast.Import) else [
+            node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level else []))
 
 
 # ----------------------------------------------------------------------------- files that survive interrupts

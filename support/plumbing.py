@@ -345,10 +345,12 @@ def run_paths(cfg) -> dict:  # the run's paths, kept in its checkpoints for --re
 
 def check_settings(cfg, out: Path, paths: dict | None = None) -> None:
     """The settings that change training (not `resume_free`) are out/config.json's, its paths `paths`'."""
-    try:
+    try:  # start_run writes it before the first checkpoint: without it no setting could be checked
         old = stored_config(json.loads((out / "config.json").read_text(encoding="utf-8-sig")))
-    except (OSError, ValueError, AttributeError):
-        return  # nothing to compare with
+    except (OSError, ValueError, AttributeError) as e:
+        raise UserError(f"cannot resume: {out / 'config.json'}, the settings {out / 'checkpoint'} was "
+                        f"trained with, is {'missing' if isinstance(e, FileNotFoundError) else 'damaged'}; "
+                        f"restore it, or delete {out / 'checkpoint'} to start the run over") from None
     new = json.loads(config_json(cfg))  # paths as recorded: relative to the repository, or <path>
     if paths:  # as this machine names them (the checkpoint's): config.json's `<path>` cannot tell two apart
         old |= {k: p for k, p in paths.items() if k in old}

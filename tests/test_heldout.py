@@ -311,6 +311,7 @@ def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
     said = again.splitlines()
     end = next(i for i, x in enumerate(said) if " min -> " in x)
     assert "resumed from" in again and said[end - 1].startswith("verdict: ")
+    assert f'eval: reusing the "before" scores {tmp_path / "run"}/wm_eval_before_*.json' in again  # said
 
 
 def test_the_gain_lines_are_the_per_triplet_files_numbers(tmp_path):
@@ -416,14 +417,14 @@ def test_a_cached_before_is_reused_only_when_what_made_it_is_the_same(tmp_path):
     (warm / "adapter_model.safetensors").write_bytes(b"one")
     held = dict(triplets=[dict(game="g", rollout=0, step=0, action="open drawer 1")])
     cfg = train.Settings()
-    made = train.before_made_by(cfg, warm, held)
-    assert made == train.before_made_by(cfg, warm, dict(held))
+    made = runs.before_made_by(cfg, warm, held)
+    assert made == runs.before_made_by(cfg, warm, dict(held))
     (warm / "adapter_model.safetensors").write_bytes(b"two")
-    assert train.before_made_by(cfg, warm, held) != made
+    assert runs.before_made_by(cfg, warm, held) != made
     (warm / "adapter_model.safetensors").write_bytes(b"one")
     for other in (dict(cfg=train.Settings(tau_d=0.2)), dict(cfg=train.Settings(eval_samples=4)),
                   dict(held=dict(triplets=[dict(held["triplets"][0], step=1)]))):
-        assert train.before_made_by(other.get("cfg", cfg), warm, other.get("held", held)) != made, other
+        assert runs.before_made_by(other.get("cfg", cfg), warm, other.get("held", held)) != made, other
 
 
 def check_gain_lines(run, out: str) -> None:

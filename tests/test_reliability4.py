@@ -138,7 +138,7 @@ def heldout(tiny_model, tmp_path, monkeypatch):
     cfg = train.Settings(model=tiny_model, split="valid_unseen", num_games=1, seed=0)
     plays = []
 
-    def collect(cfg, out, load):
+    def collect(cfg, out, load, games=None):
         if (out / "transitions.jsonl").exists():
             return out / "transitions.jsonl"
         plays.append(out)

@@ -165,14 +165,15 @@ def test_compute_score_takes_tau_d_and_the_embedder_from_reward_kwargs():
 def test_export_writes_train_and_heldout_parquets_without_warmup(tiny_model, transitions, tmp_path, capsys):
     """`train.py export`: train.parquet (the kept triplets) and test.parquet (the filter split, no prompt of
     train.parquet), no warm-up adapter unless --export-warmup, and the verl side's installs and files in one
-    line. A warm-up filter's output serves a later export (the kept triplets do not depend on it)."""
+    line. A warm-up filter's output serves a later export where the kept triplets do not depend on it
+    (--no-mixed-only: the mixed-only rule is the warm-up's)."""
     pq = pytest.importorskip("pyarrow.parquet")
     import rwml
     import train
 
     warm = tmp_path / "warm"
     train.main(["export", "--model", tiny_model, "--transitions", transitions, "--export-warmup",
-                "--out", str(warm)])
+                "--no-mixed-only", "--out", str(warm)])
     assert (warm / "filter" / "warmup_adapter" / "adapter_config.json").is_file()
     out = tmp_path / "verl"
     capsys.readouterr()
@@ -194,7 +195,7 @@ def test_export_writes_train_and_heldout_parquets_without_warmup(tiny_model, tra
                for r in test_rows)
     assert {r["reward_model"]["ground_truth"] for r in test_rows} <= {t["next_obs"] for t in held}
     train.main(["export", "--model", tiny_model, "--transitions", transitions, "--out", str(tmp_path / "b"),
-                "--filter-dir", str(warm / "filter")])
+                "--filter-dir", str(warm / "filter"), "--no-mixed-only"])
     assert "filter: reusing" in capsys.readouterr().out
 
 
