@@ -157,13 +157,13 @@ def gain_lines(out: Path, start) -> list[str]:
     def held(t):  # rows written before the tracker: its complement was unseen_objects
         return t.get("tracker_hit", not t["unseen_objects"])
     for kind in HELDOUT_KINDS:
-        shown = compare(out, "rwml", "before", kind, "exact", rows=lambda t: not t["template_hit"] and held(t))
-        unseen = compare(out, "rwml", "before", kind, "exact",
-                         rows=lambda t: not t["template_hit"] and not held(t))
-        lines.append(f"(d) held-out {kind}, the rule's misses whose answer the prompt holds (the state tracker "
-                     f"reproduces it) ({shown['n']}): RWML - {name}, exact match {said(shown)}; the others, "
-                     f"which the prompt does not determine ({unseen['n']}): {name} {unseen['before']:.3f}, "
-                     f"RWML {unseen['after']:.3f}")
+        shown, unseen = (compare(out, "rwml", "before", kind, "exact",
+                                 rows=lambda t, h=h: not t["template_hit"] and held(t) == h)
+                         for h in (True, False))
+        lines.append(f"(d) held-out {kind}, the rule's misses whose answer the prompt holds (the "
+                     f"state tracker reproduces it) ({shown['n']}): RWML - {name}, exact match "
+                     f"{said(shown)}; the others, which the prompt does not determine "
+                     f"({unseen['n']}): {name} {unseen['before']:.3f}, RWML {unseen['after']:.3f}")
     for kind in HELDOUT_KINDS if (out / "wm_eval_coin_explore.triplets.jsonl").is_file() else ():
         r, c = (compare(out, "rwml", "coin", kind, k) for k in ("rewards", "exact"))
         lines.append(f"(e) held-out {kind}, RWML {c['after']:.3f} - the matched COIN arm {c['before']:.3f} "

@@ -85,12 +85,12 @@ def test_template_rule_scores_what_it_should_on_a_fixed_set(purposeful, reward_f
             assert not exact
     assert r["per_kind"]["beyond_template"]["wm_accuracy"] == 0.0  # by definition
     assert r["per_kind"]["within_template"]["wm_accuracy"] == 1.0
-    # what the rule misses is, almost always, what the prompt does not determine (the state tracker cannot
-    # reproduce it): content to guess
+    # what the rule misses is, almost always, what the prompt does not determine (the state
+    # tracker cannot reproduce it): content to guess
     unseen, beyond = r["per_kind"]["beyond_template_unseen"]["n"], r["per_kind"]["beyond_template"]["n"]
     assert 0 < unseen <= beyond and unseen >= 0.7 * beyond
-    assert all(row["unseen_objects"] == (not row["tracker_hit"])
-               == (not envs.probe_exact(envs.track_state(t), t["next_obs"])) for row, t in zip(rows, purposeful))
+    held = [envs.probe_exact(envs.track_state(t), t["next_obs"]) for t in purposeful]
+    assert [(r["tracker_hit"], not r["unseen_objects"]) for r in rows] == [(h, h) for h in held]
     assert 0.3 < r["wm_accuracy"] < 1.0  # object lists are beyond it
     # no walkthrough step fails
     assert verdict.baseline_wm("nothing", purposeful, reward_fn)["wm_accuracy"] == 0.0
@@ -364,8 +364,8 @@ def test_the_verdict_fails_for_a_rule_copier_and_passes_above_the_rule(tmp_path)
     lines = verdict.gain_lines(tmp_path, start="warm-up")
     assert [x[:3] for x in lines] == ["(a)", "(b)", "(b)", "(b)", "(c)", "(c)", "(d)", "(d)", "ver"]
     assert "the template rule 0.750 (exact match): +0.000 [+0.000, +0.000] no difference detected" in lines[4]
-    assert "the rule's misses whose answer the prompt holds (the state tracker reproduces it) (5): RWML - " \
-        "the warm-up, exact match +0.000" in lines[6]
+    assert ("the rule's misses whose answer the prompt holds (the state tracker reproduces it) "
+            "(5): RWML - the warm-up, exact match +0.000") in lines[6]
     assert "the others, which the prompt does not determine (5)" in lines[6]
     assert "; this run shows no world model above the content-free template rule" in lines[-1]
     better = held_rows([h or not u for h, u in zip(hit, unseen)], hit, unseen)  # + the prompt's misses

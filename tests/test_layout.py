@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 READER = dict(rwml=500, reward=500, envs=705, train=500, eval=500)  # the reader's path, in lines
 READER_TOTAL = 2405
 MODULE_MAX, TOTAL_MAX = 500, 6900
-# envs +205 (and verdict +2): the state tracker and the state probes are core, the default run scores them
+# envs +205, verdict +2: the state tracker and probes are core (the default run scores them)
 # Imports run down this list: a module imports only modules of the layers above its own, never one of its own
 # layer or of a later one. The bottom; an update's data and log pi, the games' speed, the play loop, the
 # command line; the engine; model cards; the reward; the environment interface (and ALFWorld, the held-out
