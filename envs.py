@@ -503,7 +503,7 @@ PROBES = ("revisit", "revisit_open", "take_revisit", "inventory", "take_again", 
 
 
 def state_probes(games: list[str], history_len: int = 2, seed: int = 0, rounds: int = 2,
-                 cache: bool = True, dropped: dict | None = None) -> list[dict]:
+                 cache: bool = True, dropped: list | None = None) -> list[dict]:
     """Held-out probes of the room's state, without a model, on the real engine. Per game, `rounds`
     times: at a place A whose listing offers a take (opened if closed), go to B and back (`revisit`;
     an opened container: `revisit_open`); take X, go to B and back (`take_revisit`: A less X),
@@ -512,16 +512,14 @@ def state_probes(games: list[str], history_len: int = 2, seed: int = 0, rounds: 
     (`reopen`); then open a closed container C, go to B and back (`revisit_open`), re-open C. A, B,
     C, D, X: drawn with `seed` from the game's admissible commands. Each probe step is a triplet
     (walkthrough_triplets' fields and `probe`), the steps before it its history; kept only where
-    `track_state` reproduces the engine (the ceiling); `dropped` counts the rest by type."""
+    `track_state` reproduces the engine (the ceiling); the rest go to `dropped`."""
     gamepool.use_engine_cache(cache)
     out, game = [], Game(max_turns=10**6)
+    dropped = [] if dropped is None else dropped
     for path in games:
         rng = random.Random(f"{seed} {game_id(path)}")
         for t in _probe_game(game, path, history_len, rng, rounds):
-            if probe_exact(track_state(t), t["next_obs"]):
-                out.append(t)
-            elif dropped is not None:
-                dropped[t["probe"]] = dropped.get(t["probe"], 0) + 1
+            (out if probe_exact(track_state(t), t["next_obs"]) else dropped).append(t)
     return out
 
 

