@@ -549,7 +549,7 @@ def _probe_game(game: Game, path: str, history_len: int, rng: random.Random, rou
         return [c for c in now["admissible"] if c.startswith(start) and c.endswith(end)]
 
     def reach(want) -> str | None:  # places in a seeded order, opened if closed, to want(place)
-        for c in rng.sample(offered("go to "), len(offered("go to ")))[:10]:
+        for c in rng.sample(offered("go to "), len(offered("go to "))):
             if step(c).endswith("is closed.") and offered(f"open {c[6:]}"):
                 step(f"open {c[6:]}")
             if want(c[6:]):
@@ -575,7 +575,7 @@ def _probe_game(game: Game, path: str, history_len: int, rng: random.Random, rou
                     step("inventory", "inventory")
                     if " is open. " in past[-1][0]:
                         step(f"open {d}", "reopen")
-        if c := reach(lambda p: now["obs"].startswith("You open")):
+        if c := reach(lambda p: " is open. " in now["obs"]):  # opened now or before
             revisit(c, "revisit_open")
             step(f"open {c}", "reopen")
     return trips
