@@ -164,7 +164,7 @@ def test_a_cut_walkthrough_set_is_written_again(tmp_path, capsys):
     assert runs.walkthroughs(cfg, tmp_path, games) == path and "reusing" in capsys.readouterr().out
     path.write_text("".join(x[:15] if i == 1 else x for i, x in enumerate(whole.splitlines(True))))
     runs.walkthroughs(cfg, tmp_path, games)
-    assert "(cut or edited); writing the walkthroughs again" in capsys.readouterr().out
+    assert "(cut or edited); writing the walkthrough triplets again" in capsys.readouterr().out
     assert path.read_text() == whole
 
 
