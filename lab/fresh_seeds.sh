@@ -5,6 +5,8 @@
 # scores are copied from the real run's folder and reused (their caches are keyed by content and settings,
 # so the coin run would have made the same files).
 # ARGS go to every train.py call; each run's log ends with GNU time's lines (wall time, peak memory).
+# CONTROLS: the reward controls run on each seed's data (default coin; "coin template" adds the GRPO run
+# whose reward pays for the template rule's sentence), each in OUT/<control><seed>.
 #   SEEDS="41 42" OUT=runs/fresh bash lab/fresh_seeds.sh
 #   SEEDS=51 OUT=runs/fresh5 bash lab/fresh_seeds.sh & SEEDS=52 OUT=runs/fresh5 bash lab/fresh_seeds.sh  # side by side
 set -euo pipefail
@@ -19,12 +21,16 @@ mkdir -p "$OUT"
 for s in $SEEDS; do
     [ -f "$OUT/seed$s/adapter/README.md" ] || $TIME $PY train.py --seed "$s" $ARGS --out "$OUT/seed$s" > "$OUT/seed$s.log" 2>&1
 done
-for s in $SEEDS; do
-    c=$OUT/coin$s
-    mkdir -p "$c"
-    for d in collect heldout heldout_purposeful warmup_walk warmup_play filter; do
-        [ -d "$c/$d" ] || cp -r "$OUT/seed$s/$d" "$c/$d"
+for ctrl in ${CONTROLS:-coin}; do
+    for s in $SEEDS; do
+        c=$OUT/$ctrl$s
+        mkdir -p "$c"
+        for d in collect collect_state heldout heldout_purposeful heldout_state warmup_walk warmup_play \
+                 warmup_state filter; do
+            [ -d "$c/$d" ] || [ ! -d "$OUT/seed$s/$d" ] || cp -r "$OUT/seed$s/$d" "$c/$d"
+        done
+        cp -n "$OUT/seed$s"/wm_eval_before_* "$c/"
+        [ -f "$c/adapter/README.md" ] || $TIME $PY train.py --seed "$s" $ARGS --reward-control "$ctrl" \
+            --out "$c" > "$c.log" 2>&1
     done
-    cp -n "$OUT/seed$s"/wm_eval_before_* "$c/"
-    $TIME $PY train.py --seed "$s" $ARGS --reward-control coin --out "$c" > "$c.log" 2>&1
 done

@@ -31,11 +31,14 @@ def main(argv=None) -> None:
     p.add_argument("--split", default="valid_unseen")
     p.add_argument("--games", type=int, default=20)
     p.add_argument("--from", dest="start", type=int, default=1)
+    p.add_argument("--seen", default=",".join(map(str, SEEN_SEEDS)),
+                   help="held-out seeds whose games are seen (comma-separated; a study adds its own)")
     a = p.parse_args(argv)
-    seen = {envs.game_id(g) for s in SEEN_SEEDS for g in envs.list_games(a.split, a.games, s)}
+    seen_seeds = [int(x) for x in a.seen.split(",") if x]
+    seen = {envs.game_id(g) for s in seen_seeds for g in envs.list_games(a.split, a.games, s)}
     seed, drawn = fresh_seed(a.split, a.games, a.start, seen)
     total = len(envs.list_games(a.split))
-    used = ", ".join(map(str, SEEN_SEEDS))
+    used = ", ".join(map(str, seen_seeds))
     print(f"# {a.split}: {len(seen)} seen games (--heldout-seed {used}) of {total}\n")
     print("\n".join(f"- {g}" for g in sorted(seen)))
     print(f"\n# the first fresh held-out seed from {a.start}: --heldout-seed {seed} ({a.games} games, "

@@ -1,0 +1,66 @@
+"""The over-seeds study: each seed's default run against its controls, GRPO with a coin for
+a reward (coin<seed>) and GRPO whose reward pays for the template rule's sentence (template<seed>), both on
+the seed's own data, filter, warm-up and "before" scores (lab/over_seeds.sh).
+
+    python lab/over_seeds_report.py OUT/seed61 OUT/seed62 ... [--out over_seeds.md]
+
+RWML's per-triplet scores of the real run minus the control's, paired by triplet: (a) the sim-to-real reward
+on RWML's own training prompts, (b) held-out exact match, explore and purposeful pooled, (f) held-out state
+probes, exact match. Each seed's cell: its CI over games and sign-flip p over games. Over seeds
+(stats.over_seeds): each seed's value, the CI, the exact sign-flip test over seeds; "holds" only where the CI
+excludes 0 and p < 0.05, which needs at least 6 seeds (with k seeds the smallest p is 2 / 2^k).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
+from fresh_seeds_report import sides  # noqa: E402
+from support import stats  # noqa: E402
+from support.common import UserError  # noqa: E402
+
+CONTROLS = (("coin", "GRPO with a coin for a reward"), ("template", "GRPO rewarded for the rule's sentence"))
+LINES = (("(a) the reward on RWML's training prompts", ("train",), "rewards"),
+         ("(b) held-out exact match, explore + purposeful", ("explore", "purposeful"), "exact"),
+         ("(f) held-out state probes, exact match", ("state",), "exact"))
+
+
+def table(runs: list[Path]) -> list[str]:
+    rows = [f"| line | real − | {' | '.join(r.name for r in runs)} | over {len(runs)} seeds | verdict |",
+            "|---" * (len(runs) + 4) + "|"]
+    words = []
+    for ctrl, name in CONTROLS:
+        arms = [r.with_name(f"{ctrl}{r.name.removeprefix('seed')}") for r in runs]
+        if missing := [str(a) for a in arms if not (a / "wm_eval_rwml_train.triplets.jsonl").is_file()]:
+            raise UserError(f"{', '.join(missing)}: no finished {ctrl} run; run lab/over_seeds.sh")
+        for label, kinds, key in LINES:
+            each = [sides(r, "rwml", a, "rwml", kinds, key) for r, a in zip(runs, arms)]
+            cells = [stats.paired_bootstrap(*e) for e in each]
+            ci = stats.over_seeds(each)
+            v = stats.verdict(ci)
+            rows.append(f"| {label} | {name} | " + " | ".join(
+                f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] p {c['p']:.3f}" for c in cells)
+                + f" | {ci['diff']:+.3f} [{ci['lo']:+.3f}, {ci['hi']:+.3f}] p {ci['p']:.3f} | {v} |")
+            words.append(f"{label}, the real reward − {name}: {stats.said(ci)}")
+    return rows + ["", "Verdict over seeds, in words:", ""] + [f"- {w}" for w in words]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", type=Path, nargs="+", help="the seeds' real runs, OUT/seed<N>")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    text = "\n".join(table(args.runs)) + f"\n\n{stats.RULE}.\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        sys.exit(f"error: {e}")
