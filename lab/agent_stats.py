@@ -6,9 +6,9 @@ seedN/policy/{greedy,sampled}.json (eval.py agent results, every episode inside;
 --file F`: several arms of one evaluation each, as lab/agent_sanity.sh writes them). Every arm
 plays the same games; a game's success is the mean over its episodes. Rates: one run's with a 95 % CI
 from a bootstrap over games (a game's episodes move together), several seeds' over seeds (Student's t for
-2-4 seeds, a bootstrap over seeds, then games, from 5). Differences are paired on games (stats.py); "holds"
-only where the CI excludes 0 and the exact sign-flip test (over games; over seeds for several) agrees
-(stats.verdict; 200,000 draws: a table takes 5-15 s).
+2-4 seeds, never narrower than the bootstrap's; a bootstrap over seeds, then games, from 5). Differences are
+paired on games (stats.py); "holds" only where the CI excludes 0 and the exact sign-flip test (over games;
+over seeds for several) agrees (stats.verdict; 200,000 draws: a table takes 5-15 s).
 """
 from __future__ import annotations
 
@@ -95,7 +95,8 @@ def rate(runs: list[dict], games: list[str]) -> str:
     return f"{pct(ci['diff'])} [{pct(ci['lo'])}, {pct(ci['hi'])}]{seeds}"
 
 
-OVER = "over seeds: Student's t for 2-4 seeds, a bootstrap over seeds, then games, from 5"
+OVER = ("over seeds: Student's t for 2-4 seeds, never narrower than the bootstrap's; a bootstrap over seeds, "
+        "then games, from 5")
 RULE = stats.RULE[0].upper() + stats.RULE[1:].replace("CI half-width", "CI half-width (points)") + "."
 
 
@@ -188,8 +189,8 @@ def arms_table(root: Path, arms: dict[str, str], file: str = "eval_agent.json", 
     runs = {name: load(glob, f"--arm {name}={glob}") for name, glob in arms.items()}
     same_games(files, games, first)
     lines = [f"TextWorld {split} games: {len(games)}; {file}. Success in %, 95 % CI (bootstrap over games; "
-             "{stats.N_BOOT:,} draws; several seeds: each value in brackets, {OVER}); differences in points, "
-             f"paired on games. {RULE}", "",
+             f"{stats.N_BOOT:,} draws; several seeds: each value in brackets, {OVER}); differences in "
+             f"points, paired on games. {RULE}", "",
              "| arm | success | − base [95 % CI] | − random [95 % CI] | verdict (− base; − random) |",
              "|---|---|---|---|---|", f"| random (uniform admissible) | {rate(rnd, games)} | | | |",
              f"| base model | {rate(bas, games)} | | | |"]

@@ -1,5 +1,6 @@
 """Issues 53 and 56 on valid_unseen: the default run's closing comparisons on fresh seeds, each seed's value
-and the seeds pooled (stats.over_seeds: a t-interval and the sign-flip test over 2-4 seeds).
+and the seeds pooled (stats.over_seeds: a t-interval, at least the bootstrap's, and the sign-flip test over
+2-4 seeds).
 Exact match, paired by triplet (verdict.compare on each seed; stats.over_seeds over them).
 
     python lab/fresh_seeds_report.py RUN [RUN ...] [--out table.md]
@@ -75,7 +76,8 @@ def main(argv=None) -> None:
                     f"{ci['hi']:+.3f}] | {stats.verdict(ci, stats.half_width(ci))}; sign-flip over "
                     f"{ci['seeds']} seeds p {ci['p']:.3f} |")
     text = "\n".join(rows) + (f"\n\nExact match but (a); seeds pooled: the mean of {len(args.runs)} seeds' "
-                              "differences, a t-interval over them (a bootstrap over seeds, then games, from "
+                              "differences, a t-interval over them, never narrower than the bootstrap over "
+                              "seeds, then games (that bootstrap alone from "
                               f"{stats.MIN_BOOT_SEEDS} seeds) and the sign-flip test over seeds; each seed's "
                               f"CI over games ({stats.N_BOOT:,} draws), its sign-flip test over games (p). "
                               f"{stats.RULE}.\n")

@@ -2,7 +2,8 @@
 
 1. The test-split table's per-triplet archive (stage1_test_table/): per arm and seed the reward accuracy (as
    recorded), exact match and item-set F1 (envs.exact_match, envs.item_f1), and RWML - warm-up / WM SFT / COIN
-   under each metric with a CI over seeds (stats.over_seeds: Student's t for 2-4 seeds).
+   under each metric with a CI over seeds (stats.over_seeds: Student's t for 2-4 seeds, at least the
+   bootstrap's).
 2. How often a REWARDED prediction is wrong under the strict metrics: the GRPO training groups of the default
    run at tau_d 0.1 (strict_rescore/train_samples.jsonl: every 4th step's whole groups), the held-out ones.
 
@@ -36,7 +37,8 @@ ARMS, BASELINES, SPLITS = ("warmup", "rwml", "wm_sft", "coin"), ("base", "templa
 METRICS = dict(reward="reward accuracy", exact="exact match", item_f1="item F1")
 COMPARE = (("rwml", "warmup"), ("rwml", "wm_sft"), ("rwml", "coin"))
 MARK = {"holds": "✓", "reversed": "✗"}  # kind table; "(CI only)": the CI excludes 0, the exact test does not
-CI_OVER_SEEDS = ("CI over seeds: Student's t for 2-4 seeds, a bootstrap over seeds, then games, from 5 "
+CI_OVER_SEEDS = ("CI over seeds: Student's t for 2-4 seeds, never narrower than the bootstrap's; a bootstrap "
+                 "over seeds, then games, from 5 "
                  f"(stats.over_seeds, {stats.N_BOOT:,} draws)")
 WIDTH = 90  # plumbing.group_table cuts the log's targets and predictions to 90 characters
 

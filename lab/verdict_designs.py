@@ -7,8 +7,9 @@ sign); the seeds of valid_unseen are shown apart, as a check, never to choose.
 
 --pairs: what no single run can say, over seeds: each seed's real run - its coin run (`--reward-control coin`,
 the same data, filter and warm-up), RWML's scores paired by triplet, on (a) and (b) both kinds pooled; then
-the seeds pooled (stats.over_seeds: a t-interval over 2-4 seeds, a bootstrap over seeds, then games, from 5;
-the sign-flip test over seeds); each seed's cell: its CI over games and sign-flip p over games.
+the seeds pooled (stats.over_seeds: a t-interval over 2-4 seeds, at least the bootstrap's; a bootstrap over
+seeds, then games, from 5; the sign-flip test over seeds); each seed's cell: its CI over games and sign-flip p
+over games.
 
 Each RUN is a `python train.py` folder (or its lab/results copy). The candidates, each "passes" only where
 every part holds (95 % CI over games, exact match but (a)):
