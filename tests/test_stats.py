@@ -239,3 +239,47 @@ def test_the_sign_flip_test_leaves_out_games_that_did_not_change():
     padded = stats.exact_tests(a + [1.0] * 30, b + [1.0] * 30, ["g1", "g2", "g3", "g4", "g5"]
                                + [f"z{i}" for i in range(30)])
     assert base == padded and base["p"] == 12 / 32  # |sum| >= 3 in 12 of the 32 sign patterns
+
+
+def test_the_over_seeds_report_holds_only_over_enough_seeds(tmp_path):
+    """lab/over_seeds_report.py on folders of known scores: the real reward right where both controls are
+    wrong on every seed holds over 6 seeds (p 2 / 64) and not over 4 (p 0.125, the smallest 4 seeds allow);
+    a control against itself (a coin run read as the real run) never holds."""
+    import json
+
+    import over_seeds_report
+
+    def write(folder, right):  # 20 games, one triplet each, per line's kinds
+        folder.mkdir(parents=True)
+        for kind in ("train", "explore", "purposeful", "state"):
+            rows = [dict(game=f"g{g}", rollout=0, step=0, action="look", rewards=[float(right)],
+                         exact=[right]) for g in range(20)]
+            (folder / f"wm_eval_rwml_{kind}.triplets.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in rows))
+
+    for s in range(6):
+        write(tmp_path / "real" / f"seed{s}", True)
+        write(tmp_path / "same" / f"seed{s}", False)  # a coin run read as the real one: coin vs coin
+        for ctrl in ("coin", "template"):
+            write(tmp_path / "real" / f"{ctrl}{s}", False)
+            write(tmp_path / "same" / f"{ctrl}{s}", False)
+    six = "\n".join(over_seeds_report.table([tmp_path / "real" / f"seed{s}" for s in range(6)]))
+    assert six.count("| holds |") == 6 and "6 seeds (+1.000" in six
+    four = "\n".join(over_seeds_report.table([tmp_path / "real" / f"seed{s}" for s in range(4)]))
+    assert "| holds |" not in four and "sign-flip over seeds p 0.125" in four
+    same = "\n".join(over_seeds_report.table([tmp_path / "same" / f"seed{s}" for s in range(6)]))
+    assert "| holds |" not in same and "no item changed" in same
+
+
+def test_the_counted_sign_flip_is_scipys_exact_one():
+    """sign_flip counts the sums of integer differences (and of k samples' means, scaled); it gives the p of
+    scipy's exact permutation test, which enumerates every assignment."""
+    from scipy.stats import permutation_test
+
+    rng = random.Random(5)
+    for n in (2, 5, 9, 12):
+        for scale in (1, 4):
+            d = [rng.choice([-3, -2, -1, 1, 2, 3]) / scale for _ in range(n)]
+            want = permutation_test((d,), sum, permutation_type="samples", n_resamples=float("inf")).pvalue
+            assert stats.sign_flip(d) == pytest.approx(want, abs=1e-12), (d, want)
+    assert stats.sign_flip([1.0] * 20) == pytest.approx(2 / 2 ** 20)  # 20 games one way, at once
