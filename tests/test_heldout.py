@@ -500,7 +500,7 @@ def test_the_heldout_explore_set_is_played_once_then_reused(tiny_model, tmp_path
 def test_the_verdict_says_whether_the_reward_beat_self_training(tmp_path):
     """Issue 56: the verdict's first half says what one run can: whether training raised (a), the sim-to-real
     reward on RWML's own training prompts, and held-out exact match, both kinds pooled, each with its CI, and
-    in every case that one run cannot show the reward rather than self-training on its own samples did it (a
+    in every case that one run cannot show the reward did it rather than GRPO with any reward (a
     coin run passed both on seed 52: lab/results/fresh_seeds). The (e) lines (the matched COIN arm,
     `--coin-control`) are shown when the arm was scored and decide nothing."""
     n = 40
@@ -516,7 +516,7 @@ def test_the_verdict_says_whether_the_reward_beat_self_training(tmp_path):
     assert lines[-1].startswith("verdict: training raised held-out accuracy ((b) both kinds pooled, exact "
                                 "match +0.750 [")
     assert "the reward where RWML trained: not shown ((a) +0.000 [" in lines[-1]
-    cannot = "not shown, and one run cannot show, that the reward rather than self-training on its own"
+    cannot = "not shown, and one run cannot show, that the reward did it rather than GRPO with any reward"
     assert cannot in lines[-1]
     write_rows(tmp_path, "rwml_train", held_rows(hit, hit, unseen))  # now the reward rose where it trained
     lines = verdict.gain_lines(tmp_path, start="warm-up")
