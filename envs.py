@@ -190,7 +190,7 @@ def template_prediction(action: str) -> str:
 def unseen_objects(triplet: dict) -> list[str]:
     """The objects the target lists ("..., you see a mug 1, and a knife 2.") that the world-model prompt
     (task, history, current observation, action) never names: what no model can read from its input, only
-    guess. A beyond-template target is nearly always such a list (lab/results/strict_rescore/)."""
+    guess. A beyond-template target is nearly always such a list."""
     listed = re.findall(r"\ban? ([a-z]+ \d+)", str(triplet["next_obs"]).lower().partition("you see ")[2])
     seen = " ".join([str(triplet.get("task", "")), str(triplet.get("action", ""))]
                     + [f"{h.get('observation', '')} {h.get('action', '')}"
@@ -198,7 +198,7 @@ def unseen_objects(triplet: dict) -> list[str]:
     return [o for o in listed if not re.search(rf"\b{re.escape(o)}\b", seen)]
 
 
-# Strict metrics beside the reward (which passes "soapbar 1" for "soapbottle 2": lab/results/reward_audit/).
+# Strict metrics beside the reward (which passes "soapbar 1" for "soapbottle 2").
 def exact_match(pred, target) -> bool:
     """The prediction equals the target after `normalize` (case, spacing); no prediction never does."""
     return bool(pred) and normalize(pred) == normalize(target)
@@ -620,7 +620,7 @@ class Alfworld:
               "<think>Going somewhere lists what is there.</think><next_state>You arrive at shelf 1. On the "
               "shelf 1, you see a vase 2.</next_state>")
     # The reward where its flags are unset (departures table), chosen by the reward audit on valid_seen games
-    # (lab/results/reward_audit): the form and tau_d by its rule (the largest tau_d rewarding >= 90 % of
+    # (lab/reward_audit.py): the form and tau_d by its rule (the largest tau_d rewarding >= 90 % of
     # fact-keeping rewrites of real observations and refusing >= 90 % of one-fact edits; of the forms, the one
     # refusing more: here the authors' ROUGE-1 gate, by one pair of 1,516); the cap = the dev observations'
     # 95th-percentile length + 10 %, to 16s.

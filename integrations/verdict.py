@@ -49,7 +49,7 @@ COIN_STREAM = 1_000_003  # the matched COIN arm's coin: seed + this, so a coin r
 
 def coin_control(cfg, out: Path, load, reward_fn, start, model, kept: list[dict], heldout: dict, train_wm,
                  evaluate) -> None:
-    """The matched COIN arm (issue 56): RWML's recipe with a fair coin for a reward, from the same warm-up, on
+    """The matched COIN arm: RWML's recipe with a fair coin for a reward, from the same warm-up, on
     the same prompts in the same batches with the same sampling seed, scored on the same held-out triplets
     (wm_eval_coin_<kind>), line (e), `--coin-control`. One arm's coin moves too far from run to run to decide
     anything (a coin run passed RWML - COIN: lab/results/fresh_seeds). Resumes as `all` does. `train_wm`,
@@ -229,7 +229,7 @@ def gain_lines(out: Path, start) -> list[str]:
 
 
 def world_model_verdict(a: dict, both: dict, rule: dict, state: dict | None = None) -> str:
-    """The last line (issue 56). First half: did training raise (a) and held-out exact match, both kinds
+    """The last line. First half: did training raise (a) and held-out exact match, both kinds
     pooled (b); never whether the reward rather than GRPO on its own samples did: a coin passed both on fresh
     seed 52; seeds paired with coin runs say it (lab/verdict_designs.py --pairs). Second half: a world model
     above the content-free rule where RWML - the rule holds on every kind; a rule copy and a flip fail."""
