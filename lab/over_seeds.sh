@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/over_seeds}
+OUT=${OUT#"$PWD/"}
 : "${SEEDS:?name the seeds, as PLAN.md does}" "${HELDOUT_SEED:?name the held-out seed, as PLAN.md does}"
 SEEDS="$SEEDS" OUT="$OUT" CONTROLS="coin template" ARGS="--heldout-seed $HELDOUT_SEED ${ARGS:-}" PY=$PY \
     bash lab/fresh_seeds.sh

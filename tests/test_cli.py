@@ -200,7 +200,7 @@ def test_help_prints_choices_and_groups_flags_as_the_config_is_grouped(capsys):
     with pytest.raises(SystemExit):
         cli.parse_stage(["wm", "--help"], train.STAGES, train.Settings)
     out = capsys.readouterr().out
-    assert "--loss-type {grpo,dapo,dr_grpo}" in out and "--reward-control {none,mis,coin}" in out
+    assert "--loss-type {grpo,dapo,dr_grpo}" in out and "--reward-control {none,mis,coin,template}" in out
     assert "--loss-type STR" not in out and "--num_generations" not in out  # the dashed spelling alone
     sections = [line[:-1] for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")]
     titles = {g._argument_group_name for g in train.STAGES["wm"][1]}
