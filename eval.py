@@ -30,7 +30,7 @@ from pathlib import Path
 
 import envs
 import rwml
-from train import ACTORS, make_reward
+from reward import make_reward
 from integrations.settings import (AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs, SamplingArgs,
                                    WorldModelArgs)
 from integrations import choose, tau2, verdict, worlds
@@ -212,7 +212,8 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
                     temperature=0.0 if mode == "choose" and not cfg.sampled else cfg.temperature,
                     max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, on_episode=on_episode,
                     desc=f"eval {cfg.domain if is_tau2 else ','.join(splits)}",
-                    actor=choose.RANDOM if mode == "random" else ACTORS[mode], seed=cfg.seed + len(done))
+                    actor=dict(generate=rwml.GENERATE, choose=choose.CHOOSE, random=choose.RANDOM)[mode],
+                    seed=cfg.seed + len(done))
         done.update(((e["split"], e["seed"], e["game"]), e) for e in played)
     episodes = [done[key(ep)] for ep in every]
     if is_tau2:

@@ -90,7 +90,7 @@ class SimToRealReward:
     embedded in batches. `metric`: "embedding" (default) or "rouge"; `binary=False` gives the similarity
     itself (clipped at 0); `rouge_gate` > 0: a binary reward also needs ROUGE-1 F >= rouge_gate. Alone,
     `SimToRealReward()` is ALFWorld's reward as a run uses it (envs.Alfworld's tau_d and gate: the reward
-    audit's); other environments' come from their classes (train.make_reward)."""
+    audit's); other environments' come from their classes (`make_reward`)."""
 
     def __init__(self, embedder: str = BUNDLED_EMBEDDER, tau_d: float = 0.01, metric: str = "embedding",
                  binary: bool = True, rouge_gate: float = 0.9, batch_size: int = 64):
@@ -142,6 +142,12 @@ class SimToRealReward:
             return [max(s, 0.0) if p else 0.0 for s, p in zip(sims, preds)]
         return [1.0 if p and 1.0 - s < self.tau_d and (not self.rouge_gate or rouge1(p, t) >= self.rouge_gate)
                 else 0.0 for s, p, t in zip(sims, preds, targets)]
+
+
+def make_reward(cfg) -> SimToRealReward:
+    """The run's reward from its settings (`cfg`: the world model's, integrations/settings.py): the
+    embedder, tau_d, metric, binary and the ROUGE-1 gate it names."""
+    return SimToRealReward(cfg.embedder, cfg.tau_d, cfg.reward_metric, cfg.reward_binary, cfg.rouge_gate)
 
 
 # ----------------------------------------------------------------------------- controls (METHOD.md §7)

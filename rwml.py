@@ -15,16 +15,16 @@ integrations/settings.py (a function here reads the fields it names from its `cf
   §6 Stage 2: policy RL on task success, from the RWML model; the paper's actor (`GENERATE`).
   §8 Evaluation: world-model accuracy on held-out triplets.
 §7 (the baselines) is in train.py. Support (skip on a first read): support/engine.py (models, sampling, SFT,
-LoRA), support/update.py (an update's `Batch`, log pi fast, its diagnostics), support/play.py (the batched
-play loop), integrations/choose.py (choose mode's actor), integrations/worlds.py and tau2.py (TextWorld,
-tau2-bench: each environment's class holds its prompts, tau_d, reply cap).
+LoRA, log pi computed fast), integrations/choose.py (choose mode's actor), integrations/worlds.py and tau2.py
+(TextWorld, tau2-bench: each environment's class holds its prompts, tau_d, reply cap).
 """
 from __future__ import annotations
 
+import math
 import random
 import sys
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TypedDict
 
 import torch
@@ -34,10 +34,8 @@ import envs
 from reward import parse_next_state
 from integrations import worlds
 from support.common import UserError
-from support.engine import add_lora, by_length, sample_chat, sft
-from support.play import play as play_loop
-from support.update import (Batch, batch_logprobs, loss_stats, micro_batches, optimizer_step, pack,
-                            to_device)
+from support.engine import (add_lora, by_length, completion_logprobs, group_logprobs, pack, sample_chat,
+                            sft)
 
 # ======================================================================================== §2 Data: collection
 # The base model plays ALFWorld's *training* games at temperature 1.0 (3 rollouts per game in the
@@ -69,12 +67,85 @@ class Triplet(TypedDict, total=False):
     completion_ids: list[int]
 
 
-def play(model, tokenizer, env, episodes: list[dict], *, actor=None, **kwargs) -> list[dict]:
-    """Play `episodes` ({"game": an ALFWorld game file, ...}) in `env` (`worlds.make`), `num_envs` at once,
-    each round a batch of replies (`actor`'s: `GENERATE`, the paper's ReAct replies; §6), then a step of each;
-    each turn a `Triplet` to `on_turn`, with its exact tokens when `record_tokens` (stage 2 trains on them).
-    One summary per episode, in order. The loop and its other settings: support/play.py."""
-    return play_loop(model, tokenizer, env, episodes, actor=actor or GENERATE, **kwargs)
+@dataclass
+class Running:
+    """An episode in play: its index in the caller's list, its summary, current observation, past pairs."""
+    index: int
+    summary: dict
+    obs: str
+    past: list = field(default_factory=list)
+
+
+def play(model, tokenizer, env, episodes: list[dict], *, actor=None, history_len: int = 2,
+         temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 128, num_envs: int = 8,
+         on_turn=None, on_episode=None, record_tokens: bool = False, explore_prob: float = 0.0, seed: int = 0,
+         desc: str = "episodes") -> list[dict]:
+    """Play `episodes` ({"game": an ALFWorld game file, ...}) in `env` (`worlds.make`), `num_envs` at once:
+    each round, one reply for every running episode in one batch, then a step of each; a finished episode's
+    slot goes to the next waiting one. `on_turn(triplet)` and `on_episode(summary)` see results as they
+    happen. `record_tokens`: each turn adds its prompt and the exact tokens the model saw and sampled
+    (`prompt_ids`, `completion_ids`), which stage 2 trains on. `explore_prob` (ALFWorld collection): the
+    chance that a turn's reply is `env.explore`'s, not the model's (`explored`). `actor` writes the replies:
+    `GENERATE` (the default: free-form ReAct replies, the paper's; §6), or choose mode's. Returns one
+    summary per episode, in the order given. The loop knows no environment and no actor: it calls the
+    methods they have (worlds.py's interface, `Generate.act`)."""
+    actor = actor or GENERATE
+    if num_envs < 1:
+        raise UserError(f"--num-envs must be at least 1, got {num_envs}")
+    env.bind_model(model, tokenizer, temperature=temperature, top_p=top_p)  # tau2: the model of its customer
+    waiting, running, summaries = list(enumerate(episodes)), {}, [None] * len(episodes)
+    free_slots, rng = list(range(num_envs))[::-1], random.Random(seed)
+    explore_prob = explore_prob if env.can_explore else 0.0
+    bar = tqdm(total=len(episodes), desc=desc, unit="ep", dynamic_ncols=True)
+    while waiting or running:
+        starts = {}
+        while waiting and free_slots:
+            starts[free_slots.pop()] = waiting.pop(0)
+        for slot, s in env.reset({slot: ep for slot, (_, ep) in starts.items()}).items():
+            i, ep = starts[slot]
+            counts = dict.fromkeys(env.counters, 0)
+            summary = dict(ep, game=s["game"], task=s["task"], task_type=s["task_type"], won=False, steps=0,
+                           **counts)
+            running[slot] = Running(i, summary, s["obs"])
+        slots = sorted(running)
+        explored = {s: explore_prob > 0 and rng.random() < explore_prob for s in slots}
+        asked = [s for s in slots if not explored[s]]  # the model writes these slots' replies
+        recent = {s: running[s].past[-history_len:] if history_len else [] for s in slots}
+        replies, tokens = actor.act(model, tokenizer, env, asked, recent, temperature=temperature,
+                                    top_p=top_p, max_new_tokens=max_new_tokens, record=record_tokens, rng=rng)
+        replies.update({s: env.explore(s, rng) for s in slots if explored[s]})
+        results = env.step(replies)
+        for s in slots:
+            e, r = running[s], results[s]
+            summ = e.summary
+            if on_turn is not None:
+                history = [{"observation": o, "action": a} for o, a in recent[s]] + [{"observation": e.obs}]
+                turn = dict(env.turn_fields, game=summ["game"], task=summ["task"],
+                            task_type=summ["task_type"], rollout=summ.get("rollout", 0), episode=e.index,
+                            step=summ["steps"], history=history, action=r["action"], next_obs=r["obs"],
+                            valid=r["valid"], format_ok=r["format_ok"], won=r["won"], done=r["done"],
+                            response="" if explored[s] else replies[s], explored=explored[s])
+                if record_tokens and s in tokens:  # the exact tokens the model saw and produced
+                    turn.update(tokens[s])
+                on_turn(turn)
+            for k, v in r["counts"].items():
+                summ[k] += int(v)
+            if "explored" in summ:
+                summ["explored"] += explored[s]
+            summ.update(steps=summ["steps"] + 1, won=r["won"])
+            e.past.append((e.obs, r["action"]))
+            e.obs = r["obs"]
+            if r["done"]:
+                summ.update(env.finish(s))
+                summaries[e.index] = summ
+                if on_episode is not None:
+                    on_episode(summ)
+                del running[s]
+                free_slots.append(s)
+                bar.update(1)
+        bar.set_postfix(won=sum(bool(x and x["won"]) for x in summaries), running=len(running))
+    bar.close()
+    return summaries
 
 
 # ====================================================== §2 Data: world-model prompts, the filter's split
@@ -236,7 +307,23 @@ def filter_keep(copy, tokenizer, train: list[Triplet], reward_fn, cfg, seed: int
 # With num_iterations 1 (the default) pi_old is pi_theta at the update itself: rho is 1, the clip never binds,
 # and the loss's gradient is plain REINFORCE with a group baseline; the clip matters from num_iterations 2.
 # pi_ref is the adapter's starting point (the warm-up adapter, else the bare base model): `reference_policy`.
-# One update's data, a group's rows next to each other: support/update.py's Batch; log pi plainly: `logprobs`.
+# One update's data, a group's rows next to each other: `Batch`; log pi plainly: `logprobs`, computed fast:
+# `batch_logprobs` (the engine's shortcuts, each held to `logprobs` by tests/test_grpo.py).
+
+@dataclass
+class Batch:
+    """One GRPO update's data (`grpo_update`): per row a sampled completion, its advantage, its tokens'
+    loss weights (`token_weights`). Tensors are [B, ...]; a group's rows are next to each other. (Choose
+    mode's rows are a turn's choice each: choose.ChoiceBatch.)"""
+    input_ids: torch.Tensor  # [B, P + C]: the left-padded prompt, then the completion
+    attention_mask: torch.Tensor  # [B, P + C]
+    completion_mask: torch.Tensor  # [B, C]: 1 on the sampled tokens
+    advantages: torch.Tensor  # [B]
+    weights: torch.Tensor  # [B, C]
+    prompt_ids: torch.Tensor | None = None  # [B / G, P]: each group's prompt once (its forward is shared)
+    prompt_mask: torch.Tensor | None = None
+    group_size: int = 1  # G when prompt_ids is set
+
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "none"):
     """Group-normalised advantages (TRL's `scale_rewards`: group / batch / none; std is unbiased)."""
@@ -287,12 +374,15 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, c
     """One RWML step on a batch of world-model prompts: sample a group of predictions per prompt, score
     them against the real next observations, normalise within groups, `num_iterations` updates."""
     G = cfg.num_generations
+    # 1. a group of G predictions o_1..o_G per prompt, sampled from pi_theta (pi_old of the update)
     model.eval()  # sampling
     roll = sample_predictions(model, tokenizer, triplets, reasoning=reasoning, n=G,
                               max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                               top_p=cfg.top_p)
+    # 2. r_i = r_WM(o_i, s_t+1), each against its triplet's real next observation (§3)
     targets = [t["next_obs"] for t in triplets for _ in range(G)]
     rewards = torch.tensor(reward_fn(roll.texts, targets), dtype=torch.float)
+    # 3. A_i = r_i - mean(r_group) (/ std(r_group) with scale_rewards group), token weights w_it
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     advantages = group_advantages(rewards, G, cfg.scale_rewards)
     batch = Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask, advantages=advantages,
@@ -300,6 +390,7 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, c
     if cfg.shared_prompt_forward:  # a group's completions share its prompt's forward, as in sampling
         P = ids.shape[1] - cmask.shape[1]
         batch = replace(batch, prompt_ids=ids[::G, :P], prompt_mask=attn[::G, :P], group_size=G)
+    # 4. num_iterations optimizer steps on the clipped loss with KL (`grpo_update`)
     stats = grpo_update(model, optimizer, batch, cfg)
     grouped, lengths = rewards.view(-1, G), cmask.sum(1).float()  # lengths: TRL's completions/*
     return dict(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if G > 1 else 0.0,
@@ -318,7 +409,7 @@ def grpo_step(model, tokenizer, optimizer, triplets: list[Triplet], reward_fn, c
 def grpo_update(model, optimizer, batch: Batch, cfg, actor=None) -> list[dict]:
     """`num_iterations` optimizer steps on one batch of sampled sequences, in micro-batches. A non-finite
     loss or gradient skips that update. `actor`: whose log pi the batch holds (§6): the sampled tokens
-    (`GENERATE`, the default: update.batch_logprobs), or choose mode's choices (choose.CHOOSE)."""
+    (`GENERATE`, the default: `batch_logprobs`), or choose mode's choices (choose.CHOOSE)."""
     actor = actor or GENERATE
     # cut on the batch's own device (the cut reads its lengths), then each micro-batch to the model's
     micro = [to_device(mb, model.device) for mb in actor.micro_batches(batch, cfg.micro_batch_size,
@@ -351,13 +442,102 @@ def grpo_update(model, optimizer, batch: Batch, cfg, actor=None) -> list[dict]:
     return stats
 
 
+def micro_batches(batch: Batch, size: int, max_tokens: int = 0) -> list[Batch]:
+    """Consecutive slices of whole groups: at most `size` rows and, with `max_tokens`, at most that many
+    padded tokens in the forward (shared prompt: groups x (prompt + G completions), else rows x (prompt +
+    completion)), after each slice drops its all-padding columns; a group that needs more goes alone."""
+    G, B = batch.group_size, len(batch.input_ids)
+    C = batch.completion_mask.shape[1]
+    P = batch.input_ids.shape[1] - C
+    plen, clen = batch.attention_mask[:, :P].sum(1).tolist(), batch.completion_mask.sum(1).tolist()
+    rows_cap = G * max(1, size // G)
+    bounds, start, wp, wc = [], 0, 0, 0
+    for g in range(0, B, G):
+        p, c = max(wp, *plen[g:g + G]), max(wc, *clen[g:g + G])
+        rows = g + G - start
+        tokens = rows // G * (p + G * c) if G > 1 else rows * (p + c)
+        if g > start and (rows > rows_cap or 0 < max_tokens < tokens):
+            bounds.append((start, g))
+            start, p, c = g, max(plen[g:g + G]), max(clen[g:g + G])
+        wp, wc = p, c
+    bounds.append((start, B))
+    return [_trimmed(batch, i, j, G, P) for i, j in bounds]
+
+
+def _trimmed(batch: Batch, i: int, j: int, G: int, P: int) -> Batch:
+    """Rows i:j of `batch` without their all-padding prompt and completion columns."""
+    attn, cmask = batch.attention_mask[i:j], batch.completion_mask[i:j]
+    lead = P - int(attn[:, :P].sum(1).max())  # prompt columns that are all padding
+    keep_c = max(int(cmask.sum(1).max()), 1)
+    mb = replace(batch, input_ids=batch.input_ids[i:j, lead:P + keep_c],
+                 attention_mask=attn[:, lead:P + keep_c], completion_mask=cmask[:, :keep_c],
+                 weights=batch.weights[i:j, :keep_c], advantages=batch.advantages[i:j])
+    if G > 1:
+        mb = replace(mb, prompt_ids=batch.prompt_ids[i // G:j // G, lead:],
+                     prompt_mask=batch.prompt_mask[i // G:j // G, lead:])
+    return mb
+
+
+def to_device(batch: Batch, device) -> Batch:
+    """The one place a batch meets the model's device (rewards, advantages, weights: built on the CPU)."""
+    return replace(batch, **{f.name: v.to(device) for f in fields(batch)
+                             if torch.is_tensor(v := getattr(batch, f.name))})
+
+
+def optimizer_step(model, optimizer, max_grad_norm: float, parts: list[dict] | None) -> dict:
+    """Clip and step after the micro-batches' backward (`parts`: their statistics; None when a loss was not
+    finite); the update's statistics, token-weighted."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = float("nan") if parts is None else float(torch.nn.utils.clip_grad_norm_(params,
+                                                                                         max_grad_norm))
+    ok = math.isfinite(grad_norm)
+    if ok:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    parts = parts or []
+    tokens = max(sum(p["tokens"] for p in parts), 1)
+    return dict(loss=sum(p["loss"] for p in parts) if ok else float("nan"),
+                kl=sum(p["kl"] * p["tokens"] for p in parts) / tokens,
+                clip_ratio=sum(p["clip_ratio"] * p["tokens"] for p in parts) / tokens, grad_norm=grad_norm,
+                skipped=not ok)
+
+
+@torch.no_grad()
+def loss_stats(logp, old_logp, kl, advantages, weights, epsilon: float = 0.2,
+               epsilon_high: float | None = None) -> dict:
+    """An update's diagnostics over its live tokens, TRL's: the mean of `kl` (`kl_k3` per token; None: no
+    KL term) and the clip ratio: a token counts as clipped when the clipped term wins, i.e. its ratio left
+    [1 - eps, 1 + eps_high] in the direction its advantage pushes."""
+    ratio, a, live = torch.exp(logp - old_logp), advantages.unsqueeze(1), (weights > 0).float()
+    high = 1 + (epsilon if epsilon_high is None else epsilon_high)
+    clipped = ((ratio < 1 - epsilon) & (a < 0)) | ((ratio > high) & (a > 0))
+    kl = torch.zeros_like(logp) if kl is None else kl
+    n = live.sum().clamp(min=1)
+    return dict(kl=float((kl * live).sum() / n), clip_ratio=float((clipped.float() * live).sum() / n))
+
+
+def batch_logprobs(model, mb: Batch, cfg) -> torch.Tensor:
+    """`logprobs` of a micro-batch's completion tokens ([B, C]), computed faster: each group's prompt once
+    (`group_logprobs`), or every row whole in chunks of the vocabulary projection (`completion_logprobs`);
+    each shortcut checked once per model against the model's full logits (`fast_paths`), which give way to
+    them where they disagree."""
+    ids, cmask = mb.input_ids, mb.completion_mask
+    if mb.group_size > 1:
+        completions = ids[:, ids.shape[1] - cmask.shape[1]:]
+        return group_logprobs(model, mb.prompt_ids, mb.prompt_mask, completions, cmask,
+                              temperature=cfg.temperature, chunk_size=cfg.logits_chunk_size)
+    return completion_logprobs(model, ids, mb.attention_mask, cmask, temperature=cfg.temperature,
+                               chunk_size=cfg.logits_chunk_size)
+
+
+
 def logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
              *, temperature: float = 1.0) -> torch.Tensor:
     """log pi_theta(o_t | q, o_<t) of every completion token, defined plainly: rows are [left-padded prompt |
     completion] (C = completion_mask's width), positions count each row's own tokens from 0; the logits at
     position j predict token j + 1, divided by the temperature the samples were drawn at; log-softmax, the
     sampled token's entry. [B, C], 0 off the completion. Training computes the same numbers faster
-    (update.batch_logprobs); tests/test_grpo.py holds each of the engine's paths to this."""
+    (`batch_logprobs`); tests/test_grpo.py holds each of the engine's paths to this."""
     C = completion_mask.shape[1]
     positions = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: each text starts at 0
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits

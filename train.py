@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 import rwml
-from reward import SimToRealReward
+from reward import make_reward
 from integrations import choose, verl_export, worlds
 from integrations.caches import (cached_heldout, filter_cache, save_easiness, save_filter, scores_before,
                                  warmup_collections)
@@ -43,7 +43,7 @@ from support.plumbing import (check_run, close_tracker, config_json, filter_dir,
                               log_row, run_header, sample_triplets, save_checkpoint, start_run,
                               swap_checkpoint, use_4bit, write_eval)
 from support.cards import CONTROLS, TRIPLETS_KEPT, card_run, plot_rewards, save_adapter
-from integrations.settings import STAGES, Settings, WorldModelArgs  # every setting: its flag, default
+from integrations.settings import STAGES, Settings  # every setting: its flag, default
 
 # ------------------------------------------------ the stages' shared parts: how the agent plays, the triplets
 ACTORS = dict(generate=rwml.GENERATE, choose=choose.CHOOSE)  # --action-mode: who writes the agent's replies
@@ -122,10 +122,6 @@ def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
 
 
 # ------------------------------------- §3, §5 wm: RWML, GRPO on world-model prompts with the embedding reward
-
-def make_reward(cfg: WorldModelArgs) -> SimToRealReward:
-    return SimToRealReward(cfg.embedder, cfg.tau_d, cfg.reward_metric, cfg.reward_binary, cfg.rouge_gate)
-
 
 def start_adapter(cfg, model, adapter: Path | str | None = None):
     """The KL reference's construction: a fresh LoRA, whose reference is the base model (the adapter off), or

@@ -10,8 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from support.common import UserError
-from support.engine import chat
-from support.update import group_logprobs
+from support.engine import chat, group_logprobs
 
 # ================================================= §6 Stage 2, choose mode: a policy over admissible commands
 # Small LMs act without invalid actions when the policy is the LM's likelihood of each admissible command,

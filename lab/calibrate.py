@@ -20,8 +20,7 @@ from support.common import arg, write_atomic
 from eval import WMEvalConfig, with_env_defaults
 from support.plumbing import check_adapter, check_context, check_writable, read_transitions, sample_triplets
 from repo_path import repo_path, stored_config
-from reward import SimToRealReward, parse_next_state
-from train import make_reward
+from reward import SimToRealReward, make_reward, parse_next_state
 from integrations.runs import triplet_problem
 
 

@@ -21,10 +21,10 @@ FEATURES = {  # feature -> {module: names (None: the whole module)}
     "choose mode": {"integrations/choose.py": None},
     "verl (export, reward file)": {"integrations/verl_export.py": None, "integrations/verl_reward.py": None},
     "the game pool (ALFWorld's speed)": {"support/gamepool.py": None},
-    "the fast log-prob paths": {"support/update.py": (
+    "the fast log-prob paths": {"support/engine.py": (
         "_chunk_logps", "_decoder_logprobs", "_head_logprobs", "group_logprobs", "_shared_prompt_logprobs",
-        "FastPaths", "_FAST_PATHS", "fast_paths", "_probe_fast_paths", "_check", "micro_batches",
-        "_trimmed", "batch_logprobs")},
+        "FastPaths", "_FAST_PATHS", "fast_paths", "_probe_fast_paths", "_check"), "rwml.py": (
+        "micro_batches", "_trimmed", "batch_logprobs")},
     "model cards": {"support/cards.py": ("card_run", "card_folder", "METHODS", "write_card", "WM_KINDS",
                                          "shown_arg", "base_license", "_EXAMPLE", "query_snippet")},
     "cost line": {"support/cost.py": None},

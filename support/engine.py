@@ -1,7 +1,9 @@
 """Support (skip on a first read): the speed engine.
 
 Models (the bundled SmolLM2, any HF id or folder, 4-bit where it pays), chat templates, sampling (a group
-shares its prompt's forward), SFT, LoRA. Log pi computed fast and an update's data: update.py.
+shares its prompt's forward), SFT, LoRA, and log pi of completions computed fast (chunked vocabulary
+projection, shared-prompt forward), each shortcut checked once per model against the model's own full
+logits (`fast_paths`); rwml.logprobs defines log pi plainly, and the tests hold every path to it.
 """
 from __future__ import annotations
 
@@ -12,17 +14,17 @@ import os
 import random
 import re
 import warnings
+import weakref
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 from support import cost
 from support.common import UserError, arg, file_problem
-from support.update import (bare_model, completion_logprobs, completion_mask_from, fast_paths, pack,
-                               position_ids_from, token_micro_batches)
 
 
 def quiet_libraries() -> None:
@@ -430,6 +432,214 @@ def fix_4bit_cpu_gradients(model) -> None:
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear4bit) and hasattr(m, "support_avx512bf16_for_cpu"):
             m.support_avx512bf16_for_cpu = False
+
+
+# ------------------------------------------------- log pi of completions, fast; SFT's packing
+
+def pack(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int):
+    """Token lists -> (input_ids, attention_mask, completion_mask): [left-padded prompt | completion] rows."""
+    P, C = max(map(len, prompts)), max(max(map(len, completions)), 1)
+    ids = torch.full((len(prompts), P + C), pad_token_id)
+    attn = torch.zeros_like(ids)
+    cmask = torch.zeros(len(prompts), C, dtype=torch.long)
+    for j, (p, c) in enumerate(zip(prompts, completions)):
+        ids[j, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+        ids[j, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
+        attn[j, P - len(p):P + len(c)] = 1
+        cmask[j, :len(c)] = 1
+    return ids, attn, cmask
+
+
+def token_micro_batches(rows: list[tuple[list[int], list[int]]], max_tokens: int) -> list[list[tuple]]:
+    """(prompt ids, completion ids) rows -> micro-batches of similar lengths whose padded size (`pack`) stays
+    within `max_tokens` (a longer row goes alone): activation memory follows padded tokens, not rows."""
+    out, cur, P, C = [], [], 0, 0
+    for r in sorted(rows, key=lambda r: (len(r[0]), len(r[1]))):
+        p, c = max(P, len(r[0])), max(C, len(r[1]))
+        if cur and (len(cur) + 1) * (p + c) > max_tokens:
+            out.append(cur)
+            cur, p, c = [], len(r[0]), len(r[1])
+        cur.append(r)
+        P, C = p, c
+    return out + [cur] if cur else out
+
+
+def bare_model(model):
+    """The transformers model under a peft wrapper (the model itself when there is none)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions of left-padded rows: each row's text starts at 0 (padding sits at 0 too, masked)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def full_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
+                  *, temperature: float = 1.0) -> torch.Tensor:
+    """rwml.logprobs (the definition; the engine imports nothing from the five, tests/test_grpo.py holds the
+    two equal): a model's path where its shortcuts disagree, and what `fast_paths` checks them against."""
+    C = completion_mask.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids_from(attention_mask), logits_to_keep=C + 1).logits[:, :-1]
+    return (logits.float() / temperature).log_softmax(-1).gather(-1, input_ids[:, -C:, None]).squeeze(-1) \
+        * completion_mask
+
+
+# Two shortcuts (our own chunked projection, a prompt's key/value cache shared by its group), checked once
+# per model against its own full logits (`fast_paths`); one that disagrees gives way to the plain path.
+def _chunk_logps(hidden, weight, bias, targets, temperature, softcap):
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    if softcap:  # Gemma 2's final-logit soft-capping, in the head's dtype as its own forward does it
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.float() / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        completion_mask: torch.Tensor, *, temperature: float = 1.0,
+                        chunk_size: int = 512) -> torch.Tensor:
+    """log pi(token) of the completion tokens ([B, C]; 0 where completion_mask is 0) of [left-padded prompt
+    | completion] rows: the projection runs on `chunk_size` tokens at a time, recomputed in backward, so
+    vocabulary-sized logits never exist for the whole batch. Where `fast_paths` says no: `full_logprobs`."""
+    if not fast_paths(model).head:
+        return full_logprobs(model, input_ids, attention_mask, completion_mask, temperature=temperature)
+    return _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size)
+
+
+def _decoder_logprobs(model, input_ids, attention_mask, completion_mask, temperature, chunk_size):
+    base = bare_model(model)
+    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                position_ids=position_ids_from(attention_mask)).last_hidden_state
+    C = completion_mask.shape[1]
+    return _head_logprobs(base, hidden[:, -C - 1:-1], input_ids[:, -C:], completion_mask, temperature,
+                          chunk_size)
+
+
+def _head_logprobs(base, hidden, targets, completion_mask, temperature, chunk_size):
+    """hidden [B, C, H]: the states that predict targets [B, C]; log-probs where completion_mask is 1."""
+    keep = completion_mask.bool()
+    h, targets = hidden[keep], targets[keep]
+    head = base.get_output_embeddings()
+    softcap = getattr(base.config.get_text_config(), "final_logit_softcapping", None)
+    parts = []
+    for i in range(0, h.shape[0], chunk_size):
+        args = (h[i:i + chunk_size], head.weight, head.bias, targets[i:i + chunk_size], temperature, softcap)
+        grad = torch.is_grad_enabled()  # then the chunk's logits are recomputed in backward, not kept
+        parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False) if grad else _chunk_logps(*args))
+    out = torch.zeros(completion_mask.shape, dtype=torch.float32, device=hidden.device)
+    out[keep] = torch.cat(parts) if parts else out.new_zeros(0)
+    return out
+
+
+def group_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                   completion_mask: torch.Tensor, *, temperature: float = 1.0,
+                   chunk_size: int = 512) -> torch.Tensor:
+    """`completion_logprobs` for groups: the n completions of a prompt share one forward of it, whose
+    key/value cache (and autograd graph) is repeated n times: (P + nC) / n(P + C) of the decoder work. Where
+    a shortcut is off (`fast_paths`) or gradient checkpointing drops the cache: whole rows."""
+    fast = fast_paths(model)
+    checkpointing = (model.training and torch.is_grad_enabled()
+                     and bare_model(model).is_activation_checkpointing)
+    if not (fast.head and fast.shared_prompt) or checkpointing:
+        n = completion_ids.shape[0] // prompt_ids.shape[0]
+        ids = torch.cat([prompt_ids.repeat_interleave(n, 0), completion_ids], 1)
+        mask = torch.cat([prompt_mask.repeat_interleave(n, 0), completion_mask], 1)
+        return completion_logprobs(model, ids, mask, completion_mask, temperature=temperature,
+                                   chunk_size=chunk_size)
+    return _shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                   temperature, chunk_size)
+
+
+def _shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                            chunk_size):
+    base = bare_model(model)
+    decoder, n = base.get_decoder(), completion_ids.shape[0] // prompt_ids.shape[0]
+    position_ids = position_ids_from(prompt_mask)
+    out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True)
+    out.cache.batch_repeat_interleave(n)
+    mask = torch.cat([prompt_mask.repeat_interleave(n, 0), completion_mask], 1)
+    start = prompt_mask.sum(-1, keepdim=True).repeat_interleave(n, 0)  # positions continue the prompt's
+    C = completion_ids.shape[1]
+    hidden = decoder(input_ids=completion_ids, attention_mask=mask, cache=out.cache, use_cache=True,
+                     position_ids=start + torch.arange(C, device=start.device)).last_hidden_state
+    # the prompt's last state predicts the first completion token; completion states predict the rest
+    states = torch.cat([out.last_hidden_state[:, -1:].repeat_interleave(n, 0), hidden[:, :-1]], 1)
+    return _head_logprobs(base, states, completion_ids, completion_mask, temperature, chunk_size)
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    head: bool  # log-probs from the decoder's states through our own chunked projection (`_head_logprobs`)
+    shared_prompt: bool  # a group's completions on their prompt's repeated key/value cache (training, sample)
+
+
+_FAST_PATHS = weakref.WeakKeyDictionary()  # base model -> FastPaths
+_SAID: set[str] = set()
+
+
+def fast_paths(model) -> FastPaths:
+    """Which shortcuts this model's log-probs and samples may take, checked once per model on a few tokens
+    against its own full logits; one that disagrees gives way to the plain path, said once in the log."""
+    base = bare_model(model)
+    if base not in _FAST_PATHS:
+        _FAST_PATHS[base] = _probe_fast_paths(model, base)
+    return _FAST_PATHS[base]
+
+
+@torch.no_grad()
+def _probe_fast_paths(model, base) -> FastPaths:
+    vocab = base.get_output_embeddings().weight.shape[0]
+    ids = (torch.arange(1, 13, device=base.device) * 7919 % vocab).repeat(2, 1)  # 12 arbitrary tokens, twice
+    attn, cmask, P = torch.ones_like(ids), torch.ones_like(ids[:, 8:]), 8
+    attn[1, :3] = 0  # the second row left-padded
+    # half precision rounds a cached forward apart: a looser bound (a missing soft-cap moves whole nats)
+    tol = 1e-3 if base.get_output_embeddings().weight.dtype == torch.float32 else 0.1
+    training = model.training
+    model.eval()  # no dropout: both paths must compute the same function
+    try:
+        want = full_logprobs(model, ids, attn, cmask)
+        ours, head = _check(_decoder_logprobs, (model, ids, attn, cmask, 1.0, 512), want, tol)
+        group = (model, ids[:, :P], attn[:, :P], ids[:, P:].repeat_interleave(2, 0),
+                 cmask.repeat_interleave(2, 0), 1.0, 512)  # each prompt's completion twice
+        # the cache against the same projection without it: sampling's shared prefill needs only the cache
+        ref = (want if ours is None else ours).repeat_interleave(2, 0)
+        _, shared = _check(_shared_prompt_logprobs, group, ref, tol)
+    finally:
+        model.train(training)
+    name = type(base).__name__
+    for key, why, what in ((" head", head, "log-probs from its own full logits (slower, more memory): our "
+                                           "chunked projection"),
+                           (" cache", shared, "no shared prompt cache (sampling prefills every copy, a "
+                                              "group's completions run on whole rows): its repeat")):
+        if why and name + key not in _SAID:
+            _SAID.add(name + key)
+            print(f"rwml: {name}: {what} gives other numbers ({why})", flush=True)
+    return FastPaths(head=not head, shared_prompt=not shared)
+
+
+def _check(fn, args, want, tol) -> tuple[torch.Tensor | None, str | None]:
+    """(fn(*args), None) when that gives `want` to within `tol`, else (its output or None, why not)."""
+    try:
+        got = fn(*args)
+    except Exception as e:  # noqa: BLE001 -- a shortcut that fails in any way: the plain path
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    err = (got - want).abs().max().item()
+    return got, None if err <= tol else f"log-probs differ by up to {err:.3g}"
+
+
+def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_id=None,
+                         ends: torch.Tensor | None = None) -> torch.Tensor:
+    """1 on the sampled tokens: up to and including the first end-of-turn token or stop-string end (`ends`,
+    [B, C] bool); 0 after. Not `ids != pad`: SmolLM2's pad *is* its eos, and generate pads stopped rows."""
+    eos_ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    is_end = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+    if ends is not None:
+        is_end = is_end | ends.to(is_end.device)
+    mask = ~((is_end.cumsum(1) - is_end.long()) > 0)  # not strictly after the first end
+    if pad_token_id is not None and pad_token_id not in eos_ids:
+        mask &= completion_ids != pad_token_id
+    return mask.long()
+
 
 
 @dataclass

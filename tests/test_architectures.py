@@ -10,7 +10,7 @@ import pytest
 import torch
 from bench.random_models import build
 
-from support import engine, update
+from support import engine
 import envs
 import rwml
 import train
@@ -149,8 +149,8 @@ def test_chunked_and_shared_prompt_logprobs_and_gradients_equal_the_naive_path(a
     P = ids.shape[1] - cmask.shape[1]
     adv, w = torch.linspace(-1, 1, ids.shape[0]), rwml.token_weights(cmask, "grpo", 10)
     paths = dict(naive=lambda: naive_logprobs(model, ids, attn, cmask),
-                 chunked=lambda: update.completion_logprobs(model, ids, attn, cmask, chunk_size=5),
-                 shared=lambda: update.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask,
+                 chunked=lambda: engine.completion_logprobs(model, ids, attn, cmask, chunk_size=5),
+                 shared=lambda: engine.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask,
                                                     chunk_size=7))
     got = {}
     for path, fn in paths.items():
@@ -214,11 +214,11 @@ def test_stage1_and_stage2_steps_then_the_saved_adapter_reloads(arch, tmp_path):
                               temperature=0.0)
     args = roll.input_ids, roll.attention_mask, roll.completion_mask
     with torch.no_grad():
-        want = update.completion_logprobs(model, *args)
+        want = engine.completion_logprobs(model, *args)
     saved = train.save_adapter(model, tmp_path)
     reloaded = PeftModel.from_pretrained(engine.load_model(folder, device="cpu")[0], str(saved))
     with torch.no_grad():
-        assert torch.allclose(update.completion_logprobs(reloaded, *args), want, atol=1e-6)
+        assert torch.allclose(engine.completion_logprobs(reloaded, *args), want, atol=1e-6)
         assert torch.allclose(naive_logprobs(reloaded, *args), want, atol=1e-5)
 
 
@@ -227,7 +227,7 @@ def test_every_architecture_takes_both_fast_paths(arch, capsys):
     no architecture here needs the plain path (the checks above then tested the fast paths themselves)."""
     name, folder = arch
     model, _ = load(folder)
-    assert update.fast_paths(model) == update.FastPaths(head=True, shared_prompt=True)
+    assert engine.fast_paths(model) == engine.FastPaths(head=True, shared_prompt=True)
     assert "rwml:" not in capsys.readouterr().out
 
 
@@ -244,23 +244,23 @@ def test_a_projection_that_misses_the_architectures_logits_falls_back_to_the_pla
         logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
         return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
-    monkeypatch.setattr(update, "_chunk_logps", uncapped)
-    monkeypatch.setattr(update, "_SAID", set())
+    monkeypatch.setattr(engine, "_chunk_logps", uncapped)
+    monkeypatch.setattr(engine, "_SAID", set())
     model, tok = load(gemma2)
     torch.manual_seed(1)
     roll = engine.sample_chat(model, tok, PROMPTS, system=envs.Alfworld.wm_system, prefix=rwml.WM_PREFIX, n=3,
                             max_new_tokens=8)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     P = ids.shape[1] - cmask.shape[1]
-    assert update.fast_paths(model) == update.FastPaths(head=False, shared_prompt=True)
+    assert engine.fast_paths(model) == engine.FastPaths(head=False, shared_prompt=True)
     with torch.no_grad():
-        bug = (update._decoder_logprobs(model, ids, attn, cmask, 1.0, 512)
+        bug = (engine._decoder_logprobs(model, ids, attn, cmask, 1.0, 512)
                - naive_logprobs(model, ids, attn, cmask))
     assert bug.abs().max() > 0.1
     got = []
     for fn in (lambda: naive_logprobs(model, ids, attn, cmask),
-               lambda: update.completion_logprobs(model, ids, attn, cmask),
-               lambda: update.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask)):
+               lambda: engine.completion_logprobs(model, ids, attn, cmask),
+               lambda: engine.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask)):
         model.zero_grad()
         lp = fn()
         lp.sum().backward()
@@ -270,7 +270,7 @@ def test_a_projection_that_misses_the_architectures_logits_falls_back_to_the_pla
         assert torch.allclose(lp, want, atol=1e-5)
         assert all(torch.allclose(grads[n], want_grads[n], atol=1e-6, rtol=1e-4) for n in grads)
     # another copy of the model: checked, not said again
-    assert update.fast_paths(load(gemma2)[0]).head is False
+    assert engine.fast_paths(load(gemma2)[0]).head is False
     out = capsys.readouterr().out
     assert out.count("rwml: Gemma2ForCausalLM: log-probs from its own full logits") == 1, out
 
@@ -284,15 +284,15 @@ def test_a_cache_that_does_not_repeat_falls_back_to_whole_rows(gemma2, monkeypat
         raise NotImplementedError("no repeat here")
 
     monkeypatch.setattr(DynamicCache, "batch_repeat_interleave", unsupported)
-    monkeypatch.setattr(update, "_SAID", set())
+    monkeypatch.setattr(engine, "_SAID", set())
     model, tok = load(gemma2)
-    assert update.fast_paths(model) == update.FastPaths(head=True, shared_prompt=False)
+    assert engine.fast_paths(model) == engine.FastPaths(head=True, shared_prompt=False)
     assert "no shared prompt cache" in capsys.readouterr().out
     texts = [engine.chat(tok, p, envs.Alfworld.wm_system, rwml.WM_PREFIX) for p in PROMPTS[:2]]
     roll = engine.sample(model, tok, texts, n=3, max_new_tokens=8, temperature=0.0)
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     P = ids.shape[1] - cmask.shape[1]
-    lp = update.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask)
+    lp = engine.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask)
     assert torch.allclose(lp, naive_logprobs(model, ids, attn, cmask), atol=1e-5)
 
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from support import engine, update
+from support import engine
 import envs
 import rwml
 import train
@@ -54,7 +54,7 @@ def test_loss_types_by_hand(loss_type, expect):
     w = rwml.token_weights(MASK, loss_type, max_completion_length=4)
     loss = rwml.grpo_loss(logp, logp, None, ADV, w, beta=0.0)  # ratio 1: loss = -A per token
     assert loss.item() == pytest.approx(expect)
-    stats = update.loss_stats(logp, logp, None, ADV, w)
+    stats = rwml.loss_stats(logp, logp, None, ADV, w)
     assert stats["clip_ratio"] == 0.0 and stats["kl"] == 0.0
 
 
@@ -72,21 +72,21 @@ def test_clipping_by_hand():
     # A < 0, ratio 0.5: clipped to 0.8 -> -0.8 A
     loss = rwml.grpo_loss(down, zero, None, torch.tensor([-2.0]), w, beta=0.0)
     assert (loss.item() == pytest.approx(1.6)
-            and update.loss_stats(down, zero, None, torch.tensor([-2.0]), w)["clip_ratio"] == 1.0)
+            and rwml.loss_stats(down, zero, None, torch.tensor([-2.0]), w)["clip_ratio"] == 1.0)
 
 
 def test_k3_kl_by_hand():
     logp, ref = torch.zeros(1, 1), torch.log(torch.tensor([[2.0]]))
     w = rwml.token_weights(torch.ones(1, 1), "grpo", 1)
     loss = rwml.grpo_loss(logp, logp, ref, torch.tensor([0.0]), w, beta=0.5)
-    stats = update.loss_stats(logp, logp, rwml.kl_k3(ref, logp), torch.tensor([0.0]), w)
+    stats = rwml.loss_stats(logp, logp, rwml.kl_k3(ref, logp), torch.tensor([0.0]), w)
     k3 = 2.0 - math.log(2.0) - 1
     assert stats["kl"] == pytest.approx(k3) and loss.item() == pytest.approx(0.5 * k3)
 
 
 def test_completion_mask_from_first_eos():
     ids = torch.tensor([[5, 6, 9, 9, 9], [5, 6, 7, 8, 4], [9, 1, 9, 2, 3]])
-    assert update.completion_mask_from(ids, 9).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert engine.completion_mask_from(ids, 9).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
 
 
 # ------------------------------------------------------------------ log-probs on a real (tiny) model
@@ -123,7 +123,7 @@ def test_chunked_logprobs_and_gradients_match_naive(tiny):
     ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     grads = []
-    for fn in (lambda: update.completion_logprobs(model, ids, attn, cmask, chunk_size=5),
+    for fn in (lambda: engine.completion_logprobs(model, ids, attn, cmask, chunk_size=5),
                lambda: naive_logprobs(model, ids, attn, cmask),
                lambda: rwml.logprobs(model, ids, attn, cmask)):  # the plain definition, rwml.logprobs
         model.zero_grad()
@@ -159,7 +159,7 @@ def test_shared_prompt_forward_matches_naive_logprobs_and_gradients(tiny):
     adv = torch.linspace(-1, 1, ids.shape[0])
     w = rwml.token_weights(cmask, "grpo", 10)
     grads = []
-    for fn in (lambda: update.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask,
+    for fn in (lambda: engine.group_logprobs(model, ids[::3, :P], attn[::3, :P], ids[:, P:], cmask,
                                            chunk_size=7),
                lambda: naive_logprobs(model, ids, attn, cmask)):
         model.zero_grad()
@@ -193,7 +193,7 @@ def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients(tiny_model
         ids, attn, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask
         P = ids.shape[1] - cmask.shape[1]
         model.train()
-        lp = update.group_logprobs(model, ids[::2, :P], attn[::2, :P], ids[:, P:], cmask, chunk_size=5)
+        lp = engine.group_logprobs(model, ids[::2, :P], attn[::2, :P], ids[:, P:], cmask, chunk_size=5)
         rwml.grpo_loss(lp, lp.detach(), None, torch.tensor([1.0, -1.0, 0.5, -0.5]),
                        rwml.token_weights(cmask, "grpo", 12), beta=0.0).backward()
         results.append((lp.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
@@ -213,18 +213,18 @@ def test_kl_is_zero_against_itself_and_positive_against_another_policy(tiny_mode
     base, tok = engine.load_model(tiny_model)
     model = train.start_adapter(train.Settings(), base, tmp_path / "start")
     roll = rollout(model, tok)
-    batch = update.Batch(input_ids=roll.input_ids, attention_mask=roll.attention_mask,
-                         completion_mask=roll.completion_mask, advantages=torch.zeros(4),
-                         weights=rwml.token_weights(roll.completion_mask, "grpo", 12))
+    batch = rwml.Batch(input_ids=roll.input_ids, attention_mask=roll.attention_mask,
+                       completion_mask=roll.completion_mask, advantages=torch.zeros(4),
+                       weights=rwml.token_weights(roll.completion_mask, "grpo", 12))
     cfg = train.Settings(beta=0.1, micro_batch_size=4)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     assert rwml.grpo_update(model, opt, batch, cfg)[0]["kl"] == 0.0  # reference = the frozen start adapter
     args = roll.input_ids, roll.attention_mask, roll.completion_mask
     with torch.no_grad():
-        logp = update.completion_logprobs(model, *args)
+        logp = engine.completion_logprobs(model, *args)
         with model.disable_adapter():
-            bare = update.completion_logprobs(model, *args)
-    stats = update.loss_stats(logp, logp, rwml.kl_k3(bare, logp), torch.zeros(4), batch.weights)
+            bare = engine.completion_logprobs(model, *args)
+    stats = rwml.loss_stats(logp, logp, rwml.kl_k3(bare, logp), torch.zeros(4), batch.weights)
     assert stats["kl"] > 1e-3  # the bare base model is another policy
 
 
@@ -333,10 +333,10 @@ def test_clip_ratio_counts_only_tokens_where_the_clip_acts():
     clipped."""
     w = rwml.token_weights(torch.ones(1, 1), "grpo", 1)
     up, down, zero = torch.log(torch.tensor([[1.5]])), torch.log(torch.tensor([[0.5]])), torch.zeros(1, 1)
-    assert update.loss_stats(up, zero, None, torch.tensor([-1.0]), w)["clip_ratio"] == 0.0
-    assert update.loss_stats(up, zero, None, torch.tensor([1.0]), w)["clip_ratio"] == 1.0
-    assert update.loss_stats(down, zero, None, torch.tensor([1.0]), w)["clip_ratio"] == 0.0
-    assert update.loss_stats(down, zero, None, torch.tensor([-1.0]), w)["clip_ratio"] == 1.0
+    assert rwml.loss_stats(up, zero, None, torch.tensor([-1.0]), w)["clip_ratio"] == 0.0
+    assert rwml.loss_stats(up, zero, None, torch.tensor([1.0]), w)["clip_ratio"] == 1.0
+    assert rwml.loss_stats(down, zero, None, torch.tensor([1.0]), w)["clip_ratio"] == 0.0
+    assert rwml.loss_stats(down, zero, None, torch.tensor([-1.0]), w)["clip_ratio"] == 1.0
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
@@ -350,11 +350,11 @@ def test_micro_batches_accumulate_to_the_big_batch_update(lora_model, loss_type)
                    for p in ("go to desk 1", "open the drawer 2 please", "look")]
         completions = [tok(c)["input_ids"]
                        for c in ("You arrive", "Nothing happens.", "You", "You open it", "ok", "x")]
-        ids, attn, cmask = update.pack([p for p in prompts for _ in range(2)], completions, tok.pad_token_id)
+        ids, attn, cmask = engine.pack([p for p in prompts for _ in range(2)], completions, tok.pad_token_id)
         assert len(set(cmask.sum(1).tolist())) > 1  # completions of different lengths: the weights matter
-        batch = update.Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask,
-                             advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
-                             weights=rwml.token_weights(cmask, loss_type, 16))
+        batch = rwml.Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask,
+                           advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
+                           weights=rwml.token_weights(cmask, loss_type, 16))
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
         cfg = GRPOConfig(micro_batch_size=micro, beta=0.0, max_grad_norm=1e9, loss_type=loss_type)
@@ -411,11 +411,11 @@ def test_sampler_log_probs_equal_the_trained_log_probs(penalised_model, temperat
                              output_scores=True, return_dict_in_generate=True)
     P = batch["input_ids"].shape[1]
     completion = out.sequences[:, P:]
-    cmask = update.completion_mask_from(completion, engine.stop_token_ids(model, tok), tok.pad_token_id)
+    cmask = engine.completion_mask_from(completion, engine.stop_token_ids(model, tok), tok.pad_token_id)
     sampler = torch.stack(out.scores, 1).float().log_softmax(-1).gather(-1, completion[..., None]).squeeze(-1)
     attn = torch.cat([batch["attention_mask"], cmask], 1)
     with torch.no_grad():
-        trained = update.completion_logprobs(model, out.sequences, attn, cmask, temperature=temperature)
+        trained = engine.completion_logprobs(model, out.sequences, attn, cmask, temperature=temperature)
     assert torch.allclose(sampler[cmask.bool()], trained[cmask.bool()], atol=1e-4)
 
 

@@ -1,7 +1,7 @@
-"""The layout a reader relies on: the method in the five files of the card within their line budgets, support
-modules that say so in their first line, the lab beside them and never imported, imports that run one way
-over every module (a declared order of layers), every setting declared once with its help, and a README of
-at most 200 lines."""
+"""The layout a reader relies on: the method in the five files of the card, the core within its line budget,
+support modules that say so in their first line, the lab beside them and never imported, imports that run one
+way over every module (a declared order of layers), every setting declared once with its help, and a README
+of at most 200 lines."""
 import ast
 import dataclasses
 import re
@@ -10,25 +10,20 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Issue 54 item 2's ceilings: no module over 500 lines, the five at most 2,200 (reached at this commit:
-# what the default run concludes left train.py for integrations/verdict.py, rwml.play's batched loop left for
-# support/play.py, score_wm for envs.py beside the metrics it sums). Its third, all Python but tests / lab at
-# most 5,000, is not reached: it needs features to go (lab/results/layout/feature_lines.md); TOTAL_MAX is
-# today's size and stops the growth: 6,693, +43 the verdict's exact tests (stats.py), +2 --heldout-seed, +5
-# the template-reward control, +128 the caches' keys from the code train.py imports (common.code_sha) and the
-# settings tagged "score" with cut or foreign inputs said, made again or refused; envs +207 and verdict +60:
-# the state tracker, the probes and their lines are core (the default run scores them); +15 the sign-flip
-# test counted (milliseconds, not seconds).
-READER = dict(rwml=500, reward=500, envs=704, train=500, eval=500)  # the reader's path, in lines
-READER_TOTAL = 2211
-MODULE_MAX, TOTAL_MAX = 500, 7162
+# No per-file cap: a module is as long as its concern (the method's play loop, its update's data and step sit
+# in rwml.py beside the steps they serve, log pi computed fast in the engine). The core, the five and the
+# engine, at most 3,500 lines. All Python but tests / lab: the aim of 5,500 is not reached; TOTAL_MAX stops
+# the growth: 7,162 before the play loop and the update moved into rwml.py and the engine, 7,134 after, +3
+# the reward built from its settings in reward.py (eval.py no longer imports train.py for it).
+CORE = ("rwml", "reward", "envs", "train", "eval", "support.engine")
+CORE_MAX, TOTAL_MAX = 3500, 7137
 # Imports run down this list: a module imports only modules of the layers above its own, never one of its own
-# layer or of a later one. The bottom; an update's data and log pi, the games' speed, the play loop, the
-# command line; the engine; model cards; the reward; the environment interface (and ALFWorld, the held-out
-# breakdown), choose mode, plumbing; tau2-bench; TextWorld and the registry; the method, verl's export; the
-# stages' bookkeeping; the caches, what the default run concludes; the settings; the stages; evaluation.
+# layer or of a later one. The bottom; the games' speed, the command line; the engine (and log pi computed
+# fast); model cards; the reward; the environment interface (and ALFWorld, the held-out breakdown), choose
+# mode, plumbing; tau2-bench; TextWorld and the registry; the method, verl's export; the stages'
+# bookkeeping; the caches, what the default run concludes; the settings; the stages; evaluation.
 LAYERS = (("support.common", "support.cost", "support.stats"),
-          ("support.update", "support.gamepool", "support.play", "support.cli"), ("support.engine",),
+          ("support.gamepool", "support.cli"), ("support.engine",),
           ("support.cards",), ("reward",),
           ("envs", "integrations.choose", "support.plumbing", "integrations.verl_reward"),
           ("integrations.tau2",), ("integrations.worlds",),
@@ -66,6 +61,25 @@ def imports(file: Path) -> set[str]:
     return found
 
 
+def imported_by(name: str) -> set[str]:
+    """The repo's modules that `name` imports, and theirs, at any depth (function-level imports too): every
+    module any of its commands can load."""
+    every, found, todo = modules(), set(), [name]
+    while todo:
+        for m in imports(path(todo.pop())) & every - found:
+            found.add(m)
+            todo.append(m)
+    return found
+
+
+def test_evaluation_imports_no_training_code():
+    """eval.py (`eval.py wm` as every other command) scores a model without the trainer: neither train.py
+    nor TRL is among the modules it can load, at any depth, nor among those `import eval` loads."""
+    assert "train" not in imported_by("eval"), "eval.py reaches train.py"
+    code = "import sys, eval; sys.exit(int(bool({'train', 'trl', 'trl_grpo'} & set(sys.modules))))"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0, "import eval imports train"
+
+
 def test_the_root_holds_the_five_files_of_the_card_and_machinery_lives_in_packages():
     assert sorted(p.stem for p in ROOT.glob("*.py")) == sorted(FIVE)
     for name in modules() - set(FIVE):
@@ -74,17 +88,51 @@ def test_the_root_holds_the_five_files_of_the_card_and_machinery_lives_in_packag
             assert not found & (set(FIVE) | {m for m in modules() if m.startswith("integrations.")}), name
 
 
-def test_the_readers_files_stay_within_their_budgets():
-    sizes = {name: len(lines(name)) for name in READER}
-    over = {name: n for name, n in sizes.items() if n > READER[name]}
-    assert not over, f"over budget (lines): {over}, budgets {READER}"
-    assert sum(sizes.values()) <= READER_TOTAL, f"the reader's path is {sum(sizes.values())} lines"
+def test_the_core_stays_within_its_budget():
+    sizes = {name: len(lines(name)) for name in CORE}
+    assert sum(sizes.values()) <= CORE_MAX, f"the core (the five and the engine) is {sizes} lines"
 
 
-def test_no_module_is_too_long_and_the_code_stays_small():
+def test_the_code_stays_small():
     sizes = {name: len(lines(name)) for name in modules()}
-    assert not {k: n for k, n in sizes.items() if n > max(MODULE_MAX, READER.get(k, 0))}, sizes
     assert sum(sizes.values()) <= TOTAL_MAX, f"{sum(sizes.values())} lines of Python outside tests/ and lab/"
+
+
+def test_one_grpo_step_walks_few_modules(tiny_model):
+    """One RWML step (sample a group per prompt, the real reward, advantages, two updates with the KL term)
+    calls functions of five of the repo's modules: rwml.py, reward.py, the engine, common's text cleaning
+    (the embedder's input) and integrations/worlds.py (the triplet's environment class: its prompts)."""
+    import torch
+
+    import envs
+    import rwml
+    import train
+    from reward import SimToRealReward
+    from support import engine
+
+    model, tok = engine.load_model(tiny_model)
+    model = engine.add_lora(model, r=4, alpha=8)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    cfg = train.Settings(num_generations=2, max_completion_length=6, micro_batch_size=2, beta=0.1,
+                         num_iterations=2)
+    trips, reward_fn = envs.walkthrough_triplets()[:2], SimToRealReward()
+    root, skip = f"{ROOT}/", tuple(f"{ROOT}/{d}/" for d in ("tests", "lab", ".venv"))
+    walked = set()
+
+    def profile(frame, event, arg):  # every Python call: the module of the function called
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(root) and not name.startswith(skip):
+            walked.add(name[len(root):-len(".py")].replace("/", "."))
+
+    torch.manual_seed(0)
+    sys.setprofile(profile)
+    try:
+        res = rwml.grpo_step(model, tok, opt, trips, reward_fn, cfg, reasoning=False)
+    finally:
+        sys.setprofile(None)
+    assert len(res["updates"]) == 2 and walked <= modules(), walked
+    want = {"rwml", "reward", "support.engine", "support.common", "integrations.worlds"}
+    assert walked <= want, f"one GRPO step walks {sorted(walked)}"
 
 
 def test_rwml_py_holds_the_method_in_the_papers_order():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from support import engine, update
+from support import engine
 import rwml
 import train
 from integrations.settings import GRPOConfig
@@ -15,13 +15,13 @@ from integrations.settings import GRPOConfig
 
 def test_token_micro_batches_cover_every_row_once_within_the_budget():
     rows = [([1] * p, [2] * c) for p, c in [(30, 5), (10, 2), (50, 9), (100, 1), (20, 20), (12, 3)]]
-    parts = update.token_micro_batches(rows, 64)
+    parts = engine.token_micro_batches(rows, 64)
     assert sorted(map(id, (r for part in parts for r in part))) == sorted(map(id, rows))
     for part in parts:  # padded as `pack` pads: rows x (longest prompt + longest completion)
         size = len(part) * (max(len(p) for p, _ in part) + max(len(c) for _, c in part))
         assert size <= 64 or len(part) == 1
     assert [len(p) for p in parts] == [2, 1, 1, 1, 1]  # (10, 2) + (12, 3) share one; (100, 1) goes alone
-    assert len(update.token_micro_batches(rows, 10 ** 9)) == 1
+    assert len(engine.token_micro_batches(rows, 10 ** 9)) == 1
 
 
 def _sft_pairs(transitions, n=8):
@@ -59,15 +59,15 @@ def test_grpo_token_budget_makes_the_same_update(lora_model, shared):
                    for p in ("go to desk 1", "open the drawer 2 please", "look")]
         completions = [tok(c)["input_ids"]
                        for c in ("You arrive", "Nothing happens.", "You", "You open it", "ok", "x")]
-        ids, attn, cmask = update.pack([p for p in prompts for _ in range(2)], completions, tok.pad_token_id)
-        batch = update.Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask,
-                             advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
-                             weights=rwml.token_weights(cmask, "grpo", 16))
+        ids, attn, cmask = engine.pack([p for p in prompts for _ in range(2)], completions, tok.pad_token_id)
+        batch = rwml.Batch(input_ids=ids, attention_mask=attn, completion_mask=cmask,
+                           advantages=torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0]),
+                           weights=rwml.token_weights(cmask, "grpo", 16))
         if shared:
             P = ids.shape[1] - cmask.shape[1]
             batch = dataclasses.replace(batch, prompt_ids=ids[::2, :P], prompt_mask=attn[::2, :P],
                                         group_size=2)
-        counts.append(len(update.micro_batches(batch, 6, budget)))
+        counts.append(len(rwml.micro_batches(batch, 6, budget)))
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
         cfg = GRPOConfig(micro_batch_size=6, micro_batch_tokens=budget, beta=0.1, max_grad_norm=1e9)

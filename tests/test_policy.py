@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from support import engine, plumbing, update
+from support import engine, plumbing
 import envs
 import rwml
 import train
@@ -106,12 +106,12 @@ def test_policy_update_raises_the_won_episodes_replies_and_lowers_the_lost_ones(
     lost, s_lost = scripted_episode(tok, game, ["fly away"] * len(walk), 1, len(walk))
     assert s_won["won"] and not s_lost["won"]
     turns = won + lost
-    ids, attn, cmask = update.pack([t["prompt_ids"] for t in turns], [t["completion_ids"] for t in turns],
+    ids, attn, cmask = engine.pack([t["prompt_ids"] for t in turns], [t["completion_ids"] for t in turns],
                                  tok.pad_token_id)
 
     def episode_logps():
         with torch.no_grad():
-            lp = update.completion_logprobs(model, ids, attn, cmask).sum(1)
+            lp = engine.completion_logprobs(model, ids, attn, cmask).sum(1)
         return float(lp[:len(won)].mean()), float(lp[len(won):].mean())
 
     before = episode_logps()
@@ -150,24 +150,24 @@ def test_kl_reference_is_the_frozen_init_adapter(tiny_model, tmp_path):
                             prefix=rwml.WM_PREFIX, stop=rwml.WM_STOP, n=2, max_new_tokens=6)
     args = roll.input_ids, roll.attention_mask, roll.completion_mask
     with torch.no_grad():
-        policy = update.completion_logprobs(model, *args)
+        policy = engine.completion_logprobs(model, *args)
         with rwml.reference_policy(model):
-            ref = update.completion_logprobs(model, *args)
+            ref = engine.completion_logprobs(model, *args)
         with model.disable_adapter():
-            bare = update.completion_logprobs(model, *args)
+            bare = engine.completion_logprobs(model, *args)
     assert torch.allclose(policy, ref)  # the reference is the starting adapter ...
     assert not torch.allclose(policy, bare, atol=1e-3)  # ... not the bare base model
     opt = torch.optim.AdamW(trainable, lr=5e-2)
-    batch = update.Batch(input_ids=args[0], attention_mask=args[1], completion_mask=args[2],
-                         advantages=torch.tensor([1.0, -1.0, 1.0, -1.0]),
-                         weights=rwml.token_weights(roll.completion_mask, "grpo", 6))
+    batch = rwml.Batch(input_ids=args[0], attention_mask=args[1], completion_mask=args[2],
+                       advantages=torch.tensor([1.0, -1.0, 1.0, -1.0]),
+                       weights=rwml.token_weights(roll.completion_mask, "grpo", 6))
     first = rwml.grpo_update(model, opt, batch, cfg)
     assert first[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # starts at its reference
     second = rwml.grpo_update(model, opt, batch, cfg)
     assert second[0]["kl"] > 0  # the policy moved away from it ...
     with torch.no_grad(), rwml.reference_policy(model):
         # ... and the reference did not move
-        assert torch.allclose(update.completion_logprobs(model, *args), ref)
+        assert torch.allclose(engine.completion_logprobs(model, *args), ref)
     assert all(".default." in n for n, p in model.named_parameters() if p.requires_grad)
     train.save_checkpoint(tmp_path / "ckpt", model, opt, dict(step=2))
     assert not (tmp_path / "ckpt" / "ref").exists()  # only the trained adapter is saved

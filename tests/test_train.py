@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from support import engine, plumbing, update
+from support import engine, plumbing
 import envs
 from integrations import caches, worlds
 import rwml
@@ -209,7 +209,7 @@ def test_4bit_lora_gradients_survive_generate(tiny_model):
 
     def grads():
         model.zero_grad()
-        lp = update.completion_logprobs(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
+        lp = engine.completion_logprobs(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
         (-lp.sum()).backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -298,9 +298,9 @@ def test_every_tensor_reaching_the_loss_is_on_the_models_device(tiny_model, tran
     monkeypatch.setattr(rwml, "sample_chat", lambda *a, **k: on_device)
     monkeypatch.setattr(rwml, "rollouts",
                         lambda *a, on_turn=None, **k: [on_turn(t) for t in turns] and summaries)
-    monkeypatch.setattr(update, "group_logprobs",
+    monkeypatch.setattr(rwml, "group_logprobs",
                         lambda model, p, pm, c, cm, **k: torch.zeros(cm.shape, device=model.device))
-    monkeypatch.setattr(update, "completion_logprobs",
+    monkeypatch.setattr(rwml, "completion_logprobs",
                         lambda model, i, a, cm, **k: torch.zeros(cm.shape, device=model.device))
     monkeypatch.setattr(rwml, "grpo_loss", checking_loss)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)

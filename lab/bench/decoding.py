@@ -77,7 +77,7 @@ def one(shape: str, variant: str, adapter: str | None = None) -> dict:
 
 def plain_generate(model, tok, trips, n, static=False):
     """model.generate as a user writes it: the chat texts, repeated n times, one call."""
-    from support import engine, update
+    from support import engine
     import rwml
 
     texts = [engine.chat(tok, rwml.wm_prompt(t, False), rwml.wm_system(trips[0]), rwml.wm_prefix(False))
@@ -92,7 +92,7 @@ def plain_generate(model, tok, trips, n, static=False):
                              generation_config=gen, tokenizer=tok)
     P = batch["input_ids"].shape[1]
     ends = engine.stop_string_ends(tok, rwml.WM_STOP, out, P)
-    mask = update.completion_mask_from(out[:, P:], engine.stop_token_ids(model, tok), tok.pad_token_id, ends)
+    mask = engine.completion_mask_from(out[:, P:], engine.stop_token_ids(model, tok), tok.pad_token_id, ends)
     return type("Roll", (), dict(completion_mask=mask))
 
 

@@ -24,7 +24,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 import torch  # noqa: E402
 from bench.random_models import build  # noqa: E402
 
-from support import engine, update  # noqa: E402
+from support import engine  # noqa: E402
 import envs  # noqa: E402
 import rwml  # noqa: E402
 import train  # noqa: E402
@@ -66,7 +66,7 @@ def check_shape(shape: str, device: str, four_bit: bool, work: Path, log) -> lis
     torch.manual_seed(0)
     model = train.start_adapter(cfg, model)
     check("LoRA on all linear layers", any(p.requires_grad for p in model.parameters()))
-    fast = update.fast_paths(model)  # bf16 / 4-bit may round the fast paths away from the model's own logits
+    fast = engine.fast_paths(model)  # bf16 / 4-bit may round the fast paths away from the model's own logits
     check("fast paths (chunked projection, shared prompt cache)", fast.head and fast.shared_prompt, str(fast))
 
     texts = [engine.chat(tok, rwml.wm_prompt(t, False), envs.Alfworld.wm_system, rwml.wm_prefix(False))

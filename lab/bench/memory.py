@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: the project's modules
 
-from support import engine, update  # noqa: E402
+from support import engine  # noqa: E402
 
 
 def one_step(job: str, arm: str, model_name: str, a) -> dict:
@@ -35,7 +35,7 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
     model, tok = engine.load_model(model_name)
     torch.manual_seed(0)
     model = engine.add_lora(model, 16, 32, 0.0, "all-linear")
-    update.fast_paths(model)  # the once-per-model check, outside the measured update
+    engine.fast_paths(model)  # the once-per-model check, outside the measured update
     params = [p for p in model.parameters() if p.requires_grad]
     if job == "sft":
         trips = envs.walkthrough_triplets(num_games=6, history_len=1)  # the 8 longest world-model prompts
@@ -56,7 +56,7 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
             def step():
                 opt = torch.optim.AdamW(params, lr=a.lr)
                 model.train()
-                ids, attn, cmask = update.pack(*zip(*rows), tok.pad_token_id)
+                ids, attn, cmask = engine.pack(*zip(*rows), tok.pad_token_id)
                 C = cmask.shape[1]
                 logits = model(input_ids=ids, attention_mask=attn,
                                position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
@@ -87,9 +87,9 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
     else:
         ids = torch.randint(100, len(tok) - 100, (a.sequences, a.length))
         cmask = torch.ones(a.sequences, a.completion, dtype=torch.long)
-        batch = update.Batch(input_ids=ids, attention_mask=torch.ones_like(ids), completion_mask=cmask,
-                             advantages=torch.linspace(-1, 2, a.sequences),  # not symmetric: loss is not 0
-                             weights=rwml.token_weights(cmask, "grpo", a.completion))
+        batch = rwml.Batch(input_ids=ids, attention_mask=torch.ones_like(ids), completion_mask=cmask,
+                           advantages=torch.linspace(-1, 2, a.sequences),  # not symmetric: loss is not 0
+                           weights=rwml.token_weights(cmask, "grpo", a.completion))
         tokens = ids.numel()
         cfg = GRPOConfig(micro_batch_size=a.micro_batch_size, micro_batch_tokens=a.micro_batch_tokens,
                                beta=0.0)
