@@ -1,7 +1,8 @@
-"""The dev table of the state-probe levers: per arm (a `python train.py --heldout-split valid_seen` folder or its
-lab copy), the held-out sets' exact match, the warm-up's and RWML's, beside the content-free rule and "rule + copy
-the last listing seen"; the state probes by type; the run's minutes; then each arm's RWML against the first arm's,
-paired by triplet (CI over games, the exact sign-flip test over games, stats.verdict). Markdown on stdout.
+"""The dev table of the state-probe levers: per arm (a `python train.py --heldout-split valid_seen`
+folder or its lab copy), the held-out sets' exact match, the warm-up's and RWML's, beside the
+content-free rule and "rule + copy the last listing seen"; the state probes by type; the run's
+minutes; then each arm's RWML against the first arm's, paired by triplet (CI over games, the exact
+sign-flip test over games, stats.verdict). Markdown on stdout.
 
     python lab/state_levers.py NAME=RUN [NAME=RUN ...] > levers.md
 """
@@ -42,8 +43,8 @@ def paired(a: dict, b: dict, keep=lambda r: True) -> dict:
 
 def main() -> None:
     arms = [(n, Path(p)) for n, p in (a.split("=", 1) for a in sys.argv[1:])]
-    print("| arm | held-out set (n) | warm-up exact | RWML exact | RWML reward | rule | rule + copy | run (min) |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("| arm | held-out set (n) | warm-up exact | RWML exact | RWML reward | rule | rule + copy "
+          "| run (min) |\n|---|---|---|---|---|---|---|---|")
     for name, run in arms:
         for kind in KINDS:
             s = {a: summary(run, a, kind) for a in ("before", "rwml", "template", "rule_copy")}
@@ -52,7 +53,8 @@ def main() -> None:
                   f"| {s['template']['exact_match']:.3f} | {s['rule_copy']['exact_match']:.3f} "
                   f"| {minutes(run):.1f} |")
     types = list(summary(arms[0][1], "rwml", "state")["per_probe"])
-    print("\nState probes, exact match by type: the warm-up -> RWML (rule + copy; the tracker is 1.00 on each)\n")
+    print("\nState probes, exact match by type: the warm-up -> RWML (rule + copy; the tracker is 1.00 "
+          "on each)\n")
     print("| arm | " + " | ".join(f"{t} (n)" for t in types) + " |\n|---|" + "---|" * len(types))
     for name, run in arms:
         b, r, c = (summary(run, a, "state")["per_probe"] for a in ("before", "rwml", "rule_copy"))
@@ -64,10 +66,12 @@ def main() -> None:
     print("| arm | set | difference |\n|---|---|---|")
     for name, run in arms[1:]:
         for kind in KINDS:
-            print(f"| {name} | {kind} | {stats.said(paired(rows(run, 'rwml', kind), rows(base, 'rwml', kind)))} |")
-        after = paired(rows(run, "rwml", "state"), rows(base, "rwml", "state"), lambda r: r["probe"] in TAKE_PUT)
+            c = paired(rows(run, "rwml", kind), rows(base, "rwml", kind))
+            print(f"| {name} | {kind} | {stats.said(c)} |")
+        after = paired(rows(run, "rwml", "state"), rows(base, "rwml", "state"),
+                       lambda r: r["probe"] in TAKE_PUT)
         print(f"| {name} | state, after a take or a put | {stats.said(after)} |")
-    print(f"\nWithin each arm, RWML - its warm-up on the state probes (exact match):\n")
+    print("\nWithin each arm, RWML - its warm-up on the state probes (exact match):\n")
     for name, run in arms:
         r, b = rows(run, "rwml", "state"), rows(run, "before", "state")
         print(f"- {name}: {stats.said(paired(r, b))}")
