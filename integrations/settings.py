@@ -51,7 +51,7 @@ class PlayArgs:
                                     "sanity run", min=1, part_of="collect:alfworld collect:textworld")
     max_turns: int = arg(10, "environment steps per episode (paper: 30; `eval.py agent` uses 30)", min=1,
                          part_of="collect card:rft card:policy")
-    history_len: int = arg(1, "H: past (observation, action) pairs the agent sees (paper: 2)", min=0,
+    history_len: int = arg(2, "H: past (observation, action) pairs the agent sees (paper: 2)", min=0,
                            part_of="collect")
     max_new_tokens: int = arg(64, "a reply: <think>...</think><action>...</action>", min=1, part_of="collect")
 
