@@ -261,16 +261,18 @@ def easy_subsample(scores: list[float], easy_share: float = 0.3, keep_prob: floa
     return keep, easy, tau_easy
 
 
-def filter_copy(model, tokenizer, split: list[Triplet], cfg, *, more: list[Triplet] = (), seed: int = 0):
+def filter_copy(model, tokenizer, split: list[Triplet], cfg, *, more: list[Triplet] = (), seed: int = 0,
+                resume_file=None):
     """The separate copy, a LoRA adapter of its own, fine-tuned (SFT, direct predictions) on the filter's
     split and `more` triplets never GRPO's (ours: other train games'; 1 epoch, else 3). Returns (the copy: the
-    caller keeps it as the warm-up, then unloads it; each epoch's loss)."""
+    caller keeps it as the warm-up, then unloads it; each epoch's loss). `resume_file`: `sft`'s."""
     torch.manual_seed(seed)
     copy = add_lora(model, cfg.lora_r, cfg.lora_alpha, 0.0, cfg.lora_target_modules)
     rows = list(split) + list(more)
     losses = sft(copy, tokenizer, [wm_prompt(t, reasoning=False) for t in rows], [wm_answer(t) for t in rows],
                  system=wm_system(rows[0]), prefix=wm_prefix(False),
-                 epochs=cfg.sft_epochs or (1 if more else 3), lr=cfg.sft_learning_rate, seed=seed)
+                 epochs=cfg.sft_epochs or (1 if more else 3), lr=cfg.sft_learning_rate, seed=seed,
+                 resume_file=resume_file)
     return copy, losses
 
 

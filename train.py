@@ -101,10 +101,11 @@ def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
         keep, info = [True] * len(train), dict(easy_share=None, more_warmup_triplets=len(more))
         if cfg.easy_filter or cfg.warmup:
             model, tok = load()
-            with cost.stage("filter sft"):
-                copy, info["sft_losses"] = rwml.filter_copy(model, tok, split, cfg, more=more, seed=seed)
-            if cfg.warmup:
+            with cost.stage("filter sft"):  # an interrupted SFT continues from its last minutes
                 out.mkdir(parents=True, exist_ok=True)
+                copy, info["sft_losses"] = rwml.filter_copy(model, tok, split, cfg, more=more, seed=seed,
+                                                            resume_file=out / "sft_resume.pt")
+            if cfg.warmup:
                 save_adapter(copy, out, "warmup_adapter", cfg=cfg, stage="filter", data={
                     "filter-split triplets (SFT)": len(split), "more warm-up triplets": len(more)})
             if cfg.easy_filter or (cfg.mixed_only and cfg.warmup):

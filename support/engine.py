@@ -7,12 +7,15 @@ logits (`fast_paths`); rwml.logprobs defines log pi plainly, and the tests hold 
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import inspect
 import logging
 import os
 import random
 import re
+import sys
+import time
 import warnings
 import weakref
 from contextlib import contextmanager, suppress
@@ -380,10 +383,14 @@ SFT_MAX_TOKENS = 512  # padded tokens per SFT forward/backward: ~2.6 MB each on 
 
 def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str | None = None,
         prefix: str = "", epochs: int = 3, lr: float = 2e-4, batch_size: int = 8, seed: int = 0,
-        shuffle: bool = True, max_tokens: int = SFT_MAX_TOKENS) -> list[float]:
+        shuffle: bool = True, max_tokens: int = SFT_MAX_TOKENS, resume_file: Path | None = None,
+        every_s: float = 120.0) -> list[float]:
     """Supervised fine-tuning of the trainable weights on prompt -> answer (the reply starts with `prefix`);
     loss on the answer and its end-of-turn token. One step per batch of `batch_size` pairs (mean over its
-    answer tokens), run in micro-batches of at most `max_tokens` padded tokens. Returns each epoch's loss."""
+    answer tokens), run in micro-batches of at most `max_tokens` padded tokens. Returns each epoch's loss.
+    `resume_file`: a file the run writes whole every `every_s` seconds (the trainable weights, the optimizer,
+    the shuffle's state, the next batch); a rerun on the same data continues from it, to the same weights as
+    an uninterrupted run, and it is deleted at the end."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
     eos = tokenizer.eos_token
@@ -395,18 +402,45 @@ def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str
     pairs = [(c, ids(c), ids(a + eos)) for c, a in ((chat(tokenizer, p, system, prefix), a)
                                                      for p, a in zip(prompts, answers))]
     rng, losses = random.Random(seed), []
+    shapes = [tuple(p.shape) for p in params]  # the data, the settings and the adapter a checkpoint is of
+    key = hashlib.sha256(repr((pairs, epochs, lr, batch_size, seed, shuffle, max_tokens, shapes)).encode())
+    key = key.hexdigest()
+    first, done, saved = 0, 0, time.monotonic()  # the epoch and the batch to start at; the last save's time
+    if resume_file is not None and resume_file.is_file():
+        ck = torch.load(resume_file, weights_only=False)
+        if ck["key"] == key:  # another run's data or settings: start afresh
+            for p, w in zip(params, ck["params"]):
+                p.data.copy_(w)
+            opt.load_state_dict(ck["opt"])
+            rng.setstate(ck["rng"])
+            first, done, losses, pairs = ck["epoch"], ck["batch"], ck["losses"], ck["pairs"]
+            print(f"sft: continues from {resume_file} (epoch {first + 1}, batch {done})", file=sys.stderr)
+
+    def save(epoch, batch, total, order, batches):
+        tmp = resume_file.with_name(resume_file.name + ".tmp")
+        torch.save(dict(key=key, params=[p.detach().clone() for p in params], opt=opt.state_dict(),
+                        rng=rng.getstate(), epoch=epoch, batch=batch, losses=losses, pairs=order,
+                        total=total, batches=batches), tmp)
+        os.replace(tmp, resume_file)
+
     model.train()
-    for _ in tqdm(range(epochs), desc="sft", unit="epoch", dynamic_ncols=True):
-        batches = [pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)]
-        if shuffle:  # batches of similar lengths (transformers' group_by_length), in random order
-            rng.shuffle(pairs)
-            window = batch_size * 8
-            grouped = [p for i in range(0, len(pairs), window)
-                       for p in sorted(pairs[i:i + window], key=lambda x: len(x[0]))]
-            batches = [grouped[i:i + batch_size] for i in range(0, len(grouped), batch_size)]
-            rng.shuffle(batches)
-        total = 0.0
-        for chunk in batches:
+    for epoch in tqdm(range(first, epochs), desc="sft", unit="epoch", dynamic_ncols=True):
+        if done:  # resumed inside this epoch: its shuffled batches and the loss so far, as they were saved
+            batches, total, start = ck["batches"], ck["total"], done
+            done = 0
+        else:
+            batches, total, start = None, 0.0, 0
+        if batches is None:
+            batches = [pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)]
+            if shuffle:  # batches of similar lengths (transformers' group_by_length), in random order
+                rng.shuffle(pairs)
+                window = batch_size * 8
+                grouped = [p for i in range(0, len(pairs), window)
+                           for p in sorted(pairs[i:i + window], key=lambda x: len(x[0]))]
+                batches = [grouped[i:i + batch_size] for i in range(0, len(grouped), batch_size)]
+                rng.shuffle(batches)
+        for b in range(start, len(batches)):
+            chunk = batches[b]
             n = sum(len(a) for _, _, a in chunk)  # the batch's answer tokens: every micro-batch divides by it
             batch_loss = 0.0
             for part in token_micro_batches([(p, a) for _, p, a in chunk], max_tokens):
@@ -419,8 +453,13 @@ def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str
             opt.step()
             opt.zero_grad(set_to_none=True)
             total += batch_loss * len(chunk)
+            if resume_file is not None and time.monotonic() - saved > every_s and b + 1 < len(batches):
+                save(epoch, b + 1, total, pairs, batches)
+                saved = time.monotonic()
         losses.append(total / max(len(pairs), 1))
     model.eval()
+    if resume_file is not None:
+        resume_file.unlink(missing_ok=True)
     return losses
 
 

@@ -412,3 +412,47 @@ in_parallel "broken false" "shell sleep 4 && touch {late}_shell" \\
     assert r.returncode == 1 and "broken failed, see" in r.stdout and time.time() - t0 < 3.5, r
     time.sleep(5)
     assert not list(tmp_path.glob("survived*"))
+
+
+def test_sft_interrupted_mid_epoch_continues_to_the_uninterrupted_weights(lora_model, tmp_path, monkeypatch):
+    """The warm-up's SFT writes a resume file as it goes: killed inside an epoch, the rerun starts at the
+    saved batch (not at the first) and ends on the very weights of a run never interrupted; the file is gone
+    at the end. A resume that started afresh, or one that lost the shuffle's state, gives other weights."""
+    import torch
+
+    from support import engine
+    prompts = [f"You see a mug {i}. " * (1 + i % 3) for i in range(24)]
+    answers = [f"You pick up the mug {i}." for i in range(24)]
+
+    def weights(model):
+        return [p.detach().clone() for p in model.parameters() if p.requires_grad]
+
+    model, tok = lora_model(seed=1)
+    clean = engine.sft(model, tok, prompts, answers, epochs=3, batch_size=4, seed=3)
+    want = weights(model)
+
+    resume = tmp_path / "sft_resume.pt"
+    model, tok = lora_model(seed=1)
+    steps, real_step = [], torch.optim.AdamW.step
+
+    def dies_at_step_9(self, *a, **kw):  # epoch 2's third batch, saved inside it; epoch 3 shuffles after
+        steps.append(1)
+        if len(steps) == 9:
+            raise KeyboardInterrupt
+        return real_step(self, *a, **kw)
+    monkeypatch.setattr(torch.optim.AdamW, "step", dies_at_step_9)
+    with pytest.raises(KeyboardInterrupt):
+        engine.sft(model, tok, prompts, answers, epochs=3, batch_size=4, seed=3, resume_file=resume,
+                   every_s=0)
+    assert resume.is_file()
+    monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
+
+    model, tok = lora_model(seed=1)  # a fresh process: the base and a new adapter, as a rerun loads them
+    counted = []
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **kw: (counted.append(1),
+                                                                           real_step(self, *a, **kw))[1])
+    again = engine.sft(model, tok, prompts, answers, epochs=3, batch_size=4, seed=3, resume_file=resume)
+    assert len(counted) == 18 - 8, "the rerun did not start at the saved batch"
+    assert again == pytest.approx(clean)
+    assert all(torch.equal(a, b) for a, b in zip(weights(model), want)), "not the uninterrupted weights"
+    assert not resume.exists()
