@@ -8,21 +8,26 @@ game files (as `alfworld.agents.environment.AlfredTWEnv` does). What we add is
     commands that choose mode picks from;
   - content-free baselines, strict metrics, the held-out breakdown (`score_wm`); walkthroughs as triplets;
   - `Alfworld`: the interface's ALFWorld, whose class holds its facts (tau_d, prompts, reply cap, splits).
-The other environments and the registry of all three: integrations/worlds.py; the worker processes and
-engine caches, which only make the games faster: support/gamepool.py.
+  - the game pool: worker processes and engine caches, which only make the games faster;
+  - the registry of every environment (`ENVIRONMENTS`): the others, worlds/, loaded by name.
 """
 from __future__ import annotations
 
+import copy
 import functools
+import importlib
 import json
+import multiprocessing as mp
 import os
 import random
 import re
+import signal
 import sys
+import time
+from contextlib import suppress
 from pathlib import Path
 
-from support import gamepool
-from support.common import UserError, utf8_clean
+from harness.common import RERUN, UserError, did_you_mean, utf8_clean
 
 SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")  # valid_seen = ID, valid_unseen = OOD
 TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
@@ -479,8 +484,8 @@ def walkthrough_triplets(split: str = "train", num_games: int | None = 3, histor
     """Real triplets without a model: the expert walkthroughs of real games on the real engine, as `train.py
     collect` writes them. `wrong_first`: a wrong command first, so that "Nothing happens." is there too
     (tests, benchmarks); without it, the "purposeful" held-out triplets: what an agent pursuing its task sees
-    (object lists, take / move / heat / cool / clean). `cache`: gamepool.use_engine_cache (2.5x faster)."""
-    gamepool.use_engine_cache(cache)
+    (object lists, take / move / heat / cool / clean). `cache`: use_engine_cache (2.5x faster)."""
+    use_engine_cache(cache)
     out, game = [], Game(max_turns=100)
     for path in games if games is not None else list_games(split, num_games, seed):
         s = game.reset(path)
@@ -513,7 +518,7 @@ def state_probes(games: list[str], history_len: int = 2, seed: int = 0, rounds: 
     C, D, X: drawn with `seed` from the game's admissible commands. Each probe step is a triplet
     (walkthrough_triplets' fields and `probe`), the steps before it its history; kept only where
     `track_state` reproduces the engine (the ceiling); the rest go to `dropped`."""
-    gamepool.use_engine_cache(cache)
+    use_engine_cache(cache)
     out, game = [], Game(max_turns=10**6)
     dropped = [] if dropped is None else dropped
     for path in games:
@@ -581,6 +586,180 @@ def _probe_game(game: Game, path: str, history_len: int, rng: random.Random, rou
     return trips
 
 
+# ==================================== the game pool: the games' speed (same outputs), in worker processes
+
+_ORIGINALS: dict = {}
+
+
+def use_engine_cache(enabled: bool = True) -> None:
+    """Cache TextWorld's two measured hot spots (same outputs; tests/test_envs.py): every step re-parses the
+    same grammar strings with tatsu, and every load and reset translates the same PDDL problem to SAS."""
+    import fast_downward
+    import textworld.envs.pddl.textgen as textgen
+    import textworld.logic
+
+    if not _ORIGINALS:
+        _ORIGINALS.update(parse=textgen._parse_and_convert,
+                          query=textworld.logic.Rule.__dict__["parse_conjunctive_query"],
+                          pddl2sas=fast_downward.pddl2sas)
+    if not enabled:
+        textgen._parse_and_convert = _ORIGINALS["parse"]
+        textworld.logic.Rule.parse_conjunctive_query = _ORIGINALS["query"]
+        fast_downward.pddl2sas = _ORIGINALS["pddl2sas"]
+        return
+
+    # deep copies of the memoised parses: the engine mutates parsed symbols while deriving
+    parse = functools.lru_cache(maxsize=None)(lambda text, rule: _ORIGINALS["parse"](text, rule_name=rule))
+    textgen._parse_and_convert = lambda text, rule_name, **kw: copy.deepcopy(parse(text, rule_name))
+    # a parsed query is only read (matched against the state), so one shared copy is safe
+    query = functools.lru_cache(maxsize=None)(_ORIGINALS["query"].__func__)
+    textworld.logic.Rule.parse_conjunctive_query = classmethod(query)
+    sas = {}  # the translated task is only read by PddlState; the dict keeps it across resets
+
+    def pddl2sas(domain, problem, verbose=False, optimize=False):
+        key = (domain, problem, optimize)
+        if key not in sas:
+            sas[key] = _ORIGINALS["pddl2sas"](domain, problem, verbose=verbose, optimize=optimize)
+        return sas[key]
+
+    fast_downward.pddl2sas = pddl2sas
+
+
+def _serve(conn, max_turns: int, parent_pid: int, parent_ends: list, game_cls) -> None:
+    """Worker loop: owns the games of its slots; answers lists of (slot, op, arg) in order. Exits with its
+    parent, however the parent exits; leaves Ctrl-C to the parent, which says it in one line."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C signals the whole process group
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so may SIGTERM (kill -TERM -PGID); the parent says it
+    if sys.platform.startswith("linux"):  # SIGKILL when the forking thread ends (kill -9, out of memory)
+        with suppress(OSError, AttributeError):  # elsewhere: the parent check below, within a second
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    for end in parent_ends:  # forked copies of the parent's pipe ends: they would keep the pipes open
+        end.close()          # after the parent dies, and this worker would wait for a message forever
+    use_engine_cache()
+    games = {}
+    while True:
+        while not conn.poll(1.0):
+            if os.getppid() != parent_pid:  # the parent is gone (and no signal came)
+                return
+        try:
+            jobs = conn.recv()
+        except EOFError:  # the parent closed its end
+            return
+        if jobs is None:
+            return
+        out = []
+        for slot, op, arg in jobs:
+            try:
+                game = games.setdefault(slot, game_cls(max_turns))
+                out.append(game.reset(arg) if op == "reset" else game.step(arg))
+            except Exception as e:  # sent back, raised in the parent with the worker's message
+                out.append(e)
+        conn.send(out)
+
+
+class EnvPool:
+    """Games (`game_cls(max_turns)`: Game, textworld.TwGame) in `num_workers` processes (0 = in this
+    process); slot s lives in worker s % num_workers. Calls take {slot: argument} for any subset of slots,
+    the workers in parallel; a worker that dies or sends no answer for `timeout` seconds ends the call with
+    a UserError."""
+
+    def __init__(self, num_workers: int = 2, max_turns: int = 30, timeout: float = 300.0, *, game_cls):
+        if num_workers < 0:
+            raise UserError(f"--num-workers must be 0 or more, got {num_workers}")
+        self.num_workers, self.max_turns, self.timeout = num_workers, max_turns, timeout
+        self.game_cls, self.local, self.conns, self.procs = game_cls, {}, [], []
+        self.loading: dict[int, list[str]] = {}  # worker -> the game files its current call loads
+        if not num_workers:
+            use_engine_cache()
+        # fork: workers need no model, and spawn would re-import the caller's torch-heavy script
+        ctx = mp.get_context("fork")
+        for _ in range(num_workers):
+            parent, child = ctx.Pipe()
+            ends = self.conns + [parent]  # the parent's ends so far, which the fork copies
+            p = ctx.Process(target=_serve, args=(child, max_turns, os.getpid(), ends, game_cls), daemon=True)
+            p.start()
+            child.close()  # only the worker holds its end: when the worker dies, reading here gives EOF
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def _call(self, op: str, args: dict[int, str]) -> dict[int, dict]:
+        """Send each worker its slots' jobs, read every answer, then raise any error (no dirty pipe)."""
+        if not self.num_workers:
+            return {s: self._local(s, op, a) for s, a in args.items()}
+        jobs = [[] for _ in self.conns]
+        for slot, arg in args.items():
+            jobs[slot % self.num_workers].append((slot, op, arg))
+        self.loading = {i: [str(a) for _, o, a in job if o == "reset"] for i, job in enumerate(jobs)}
+        for i, job in enumerate(jobs):
+            if job:
+                try:
+                    self.conns[i].send(job)
+                except OSError:  # BrokenPipeError: the worker is gone
+                    raise UserError(self._dead(i)) from None
+        out = {}
+        for i, job in enumerate(jobs):
+            if job:
+                out.update((slot, result) for (slot, _, _), result in zip(job, self._answer(i)))
+        for result in out.values():
+            if isinstance(result, Exception):
+                raise result
+        return out
+
+    def _answer(self, i: int) -> list:
+        """Worker i's answer, waited for while the worker is alive, at most `timeout` seconds."""
+        conn, proc = self.conns[i], self.procs[i]
+        deadline = time.monotonic() + self.timeout
+        try:
+            while not conn.poll(min(1.0, self.timeout)):
+                if not proc.is_alive():
+                    raise EOFError
+                if time.monotonic() > deadline:
+                    raise UserError(f"game worker {i} (pid {proc.pid}) sent no answer in {self.timeout:g} s "
+                                    f"(a hung game engine?); {RERUN}")
+            return conn.recv()
+        except (EOFError, OSError):
+            raise UserError(self._dead(i)) from None
+
+    def _dead(self, i: int) -> str:
+        proc = self.procs[i]
+        proc.join(timeout=1)
+        code = proc.exitcode
+        how = "" if code is None else f" (signal {-code})" if code < 0 else f" (exit status {code})"
+        if games := self.loading.get(i):  # a damaged game file kills its engine: the same at every rerun
+            return (f"game worker {i} (pid {proc.pid}) died{how} loading {', '.join(games)}; {RERUN}; if it "
+                    "dies the same way again, that game's files are damaged (a TextWorld game: delete its "
+                    "folder, it is generated again)")
+        return f"game worker {i} (pid {proc.pid}) died{how}, e.g. killed or out of memory; {RERUN}"
+
+    def _local(self, slot, op, arg):
+        game = self.local.setdefault(slot, self.game_cls(self.max_turns))
+        return game.reset(arg) if op == "reset" else game.step(arg)
+
+    def reset(self, games: dict[int, str]) -> dict[int, dict]:
+        return self._call("reset", games)
+
+    def step(self, commands: dict[int, str]) -> dict[int, dict]:
+        return self._call("step", commands)
+
+    def close(self) -> None:
+        for conn in self.conns:
+            with suppress(OSError):  # the worker is gone
+                conn.send(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        self.conns, self.procs = [], []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 # ============================================================================ the agent's view: one interface
 # `rwml.play` drives every environment through the same calls, for many episodes at once (slots):
 #   env.bind_model(model, tokenizer, ...)  -> once per `play`: the model it plays (tau2: for its customer)
@@ -598,18 +777,18 @@ AGENT_PREFIX = "<think>"  # the start of every agent reply, written for the mode
 
 
 def game_name(game) -> str:
-    """A stable name of what `worlds.games` gives: `<task folder>/<trial folder>`, or the tau2 task id."""
+    """A stable name of what `games` gives: `<task folder>/<trial folder>`, or the tau2 task id."""
     return game_id(game) if isinstance(game, str) else game.id
 
 
 class Alfworld:
-    """ALFWorld for the agent: games in worker processes (gamepool.EnvPool), the ReAct prompt, the parser."""
+    """ALFWorld for the agent: games in worker processes (EnvPool), the ReAct prompt, the parser."""
 
     system = "You are an expert agent in a text-based household simulator (ALFWorld)."
     stop, can_explore = "</action>", True
     counters = ("invalid", "format_errors", "inefficient", "explored")  # invalid: a bad command or format
     turn_fields: dict = {}
-    game_cls = Game  # one game of a slot (worlds.TextWorld: TwGame)
+    game_cls = Game  # one game of a slot (worlds.textworld.TextWorld: TwGame)
     can_choose, example_action = True, "go to countertop 1"  # `--action-mode choose`: picks from `admissible`
     splits = dict(train="train", dev="valid_seen", test="valid_unseen")  # dev chooses settings, test reports
     eval_split = "valid_seen"  # `eval.py agent`'s default: the paper's in-distribution games
@@ -627,7 +806,7 @@ class Alfworld:
     tau_d, rouge_gate, max_completion_length = 0.01, 0.9, 80
 
     def __init__(self, *, num_workers: int = 2, max_turns: int = 30, **_):
-        self.pool = gamepool.EnvPool(num_workers, max_turns, game_cls=self.game_cls)
+        self.pool = EnvPool(num_workers, max_turns, game_cls=self.game_cls)
         self.max_turns, self.state = max_turns, {}
 
     @staticmethod
@@ -702,3 +881,40 @@ class Alfworld:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# ============================================================================ the registry
+def load(spec: str):
+    """What a registry's entry "module:name" names (`ENVIRONMENTS`, rwml.ACTORS), imported at first use."""
+    return getattr(importlib.import_module(spec.split(":")[0]), spec.split(":")[1])
+
+
+# `--env` and a triplet's `env` -> its class, "module:Class", loaded at first use (`load`)
+ENVIRONMENTS = dict(alfworld="envs:Alfworld", textworld="worlds.textworld:TextWorld",
+                    tau2="worlds.tau2:Tau2")
+# the settings an environment's class gives where unset
+ENV_DEFAULTS = ("tau_d", "rouge_gate", "max_completion_length")
+
+
+def env_class(name: str):
+    """An environment's class, where its facts live (tau_d, max_completion_length, prompts, splits)."""
+    if name not in ENVIRONMENTS:
+        raise UserError(f"unknown --env {name!r}; choose one of {', '.join(ENVIRONMENTS)}"
+                        + did_you_mean(name, ENVIRONMENTS))
+    return load(ENVIRONMENTS[name])
+
+
+def make(name: str = "alfworld", *, num_workers: int = 2, max_turns: int = 30, at_once: int | None = None,
+         **settings):
+    """The environment the agent plays: ALFWorld or TextWorld games in `num_workers` processes, or a tau2
+    `domain` (with its `user_model`). `at_once`: the most episodes that run together; more workers than that
+    would only idle."""
+    workers = num_workers if at_once is None else min(num_workers, max(at_once, 1))
+    return env_class(name)(num_workers=workers, max_turns=max_turns, **settings)
+
+
+def games(name: str, split: str, num: int | None, seed: int = 0, domain: str = "retail",
+          sizes: tuple[int, int, int] = (2, 4, 2)) -> list:
+    """What the agent plays: ALFWorld game files, TextWorld games generated at `sizes` (world size, objects,
+    quest length), or tau2 tasks (each a seeded subset of a split)."""
+    return env_class(name).games(split, num, seed, domain=domain, sizes=sizes)

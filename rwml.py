@@ -3,7 +3,7 @@ ALFWorld, with the agent writing free-form replies (generate mode, the paper's).
 
 Read top to bottom, in the paper's order, numbered as METHOD.md (next to this file) numbers it; `§N` points to
 its notes (what the paper says, the default we take where it is silent), the README's steps too. Settings:
-integrations/settings.py (a function here reads the fields it names from its `cfg`).
+stages/settings.py (a function here reads the fields it names from its `cfg`).
   §2 Data: the model plays; every turn a (history, action, next obs) triplet. World-model prompts: the reply
      starts at <next_state> (ours; the paper's thinks in <think> first: --wm-reasoning). The filter's split
      (ours 35 %, --filter-split; the paper's 10 %).
@@ -14,9 +14,9 @@ integrations/settings.py (a function here reads the fields it names from its `cf
      defined plainly (`logprobs`); the KL's reference (`reference_policy`).
   §6 Stage 2: policy RL on task success, from the RWML model; the paper's actor (`GENERATE`).
   §8 Evaluation: world-model accuracy on held-out triplets.
-§7 (the baselines) is in train.py. Support (skip on a first read): support/engine.py (models, sampling, SFT,
-LoRA, log pi computed fast), integrations/choose.py (choose mode's actor), integrations/worlds.py and tau2.py
-(TextWorld, tau2-bench: each environment's class holds its prompts, tau_d, reply cap).
+§7 (the baselines) is in train.py. Skip on a first read: engine/ (models, sampling, SFT, LoRA, log pi
+computed fast), choose/ (choose mode's actor), worlds/ (TextWorld, tau2-bench: each environment's class
+holds its prompts, tau_d, reply cap).
 """
 from __future__ import annotations
 
@@ -32,10 +32,8 @@ from tqdm.auto import tqdm
 
 import envs
 from reward import parse_next_state
-from integrations import worlds
-from support.common import UserError
-from support.engine import (add_lora, by_length, completion_logprobs, group_logprobs, pack, sample_chat,
-                            sft)
+from engine import add_lora, by_length, completion_logprobs, group_logprobs, pack, sample_chat, sft
+from harness.common import UserError
 
 # ======================================================================================== §2 Data: collection
 # The base model plays ALFWorld's *training* games at temperature 1.0 (3 rollouts per game in the
@@ -60,7 +58,7 @@ class Triplet(TypedDict, total=False):
     done: bool
     response: str  # the model's whole reply ("" when `explored`)
     explored: bool  # the action was drawn by `env.explore`, not the model
-    env: str  # absent: ALFWorld (`env.turn_fields`: textworld, tau2 and its domain; integrations/worlds.py)
+    env: str  # absent: ALFWorld (`env.turn_fields`: textworld, tau2 and its domain; envs.ENVIRONMENTS)
     # with record_tokens (stage 2): the prompt, the exact tokens seen and produced (choose mode adds its own)
     prompt: str
     prompt_ids: list[int]
@@ -80,7 +78,7 @@ def play(model, tokenizer, env, episodes: list[dict], *, actor=None, history_len
          temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 128, num_envs: int = 8,
          on_turn=None, on_episode=None, record_tokens: bool = False, explore_prob: float = 0.0, seed: int = 0,
          desc: str = "episodes") -> list[dict]:
-    """Play `episodes` ({"game": an ALFWorld game file, ...}) in `env` (`worlds.make`), `num_envs` at once:
+    """Play `episodes` ({"game": an ALFWorld game file, ...}) in `env` (`envs.make`), `num_envs` at once:
     each round, one reply for every running episode in one batch, then a step of each; a finished episode's
     slot goes to the next waiting one. `on_turn(triplet)` and `on_episode(summary)` see results as they
     happen. `record_tokens`: each turn adds its prompt and the exact tokens the model saw and sampled
@@ -88,7 +86,7 @@ def play(model, tokenizer, env, episodes: list[dict], *, actor=None, history_len
     chance that a turn's reply is `env.explore`'s, not the model's (`explored`). `actor` writes the replies:
     `GENERATE` (the default: free-form ReAct replies, the paper's; §6), or choose mode's. Returns one
     summary per episode, in the order given. The loop knows no environment and no actor: it calls the
-    methods they have (worlds.py's interface, `Generate.act`)."""
+    methods they have (envs.py's interface, `Generate.act`)."""
     actor = actor or GENERATE
     if num_envs < 1:
         raise UserError(f"--num-envs must be at least 1, got {num_envs}")
@@ -163,12 +161,12 @@ def wm_prefix(reasoning: bool) -> str:
 
 
 def wm_system(t: Triplet) -> str:
-    return worlds.env_class(t.get("env", "alfworld")).wm_system
+    return envs.env_class(t.get("env", "alfworld")).wm_system
 
 
 def wm_prompt(t: Triplet, reasoning: bool = False) -> str:
     """(history s_<=t, action a_t) of a triplet -> the prompt whose answer is s_t+1."""
-    question, what, example = worlds.env_class(t.get("env", "alfworld")).wm_ask
+    question, what, example = envs.env_class(t.get("env", "alfworld")).wm_ask
     lines = [f"The agent's task: {t['task']}"]
     lines += [f"[Observation] {h['observation']}\n[Action] {h['action']}" for h in t["history"][:-1]]
     lines += [f"[Current observation] {t['history'][-1]['observation']}", f"[Action] {t['action']}"]
@@ -591,7 +589,7 @@ def policy_batch(turns: list[Triplet], advantages: torch.Tensor, pad_token_id: i
 
 
 def rollouts(model, tokenizer, env, games: list, n: int, **play_kwargs) -> list[dict]:
-    """`n` episodes of each game in `env` (`worlds.make`), with the exact tokens recorded (stage 2 trains on
+    """`n` episodes of each game in `env` (`envs.make`), with the exact tokens recorded (stage 2 trains on
     them). play_kwargs: those of `play`."""
     model.eval()
     episodes = [dict(game=g, group=i, rollout=k) for i, g in enumerate(games) for k in range(n)]
@@ -633,7 +631,7 @@ def policy_update(model, tokenizer, optimizer, turns: list[Triplet], summaries: 
 
 class Generate:
     """The paper's actor (generate mode): a free-form ReAct reply, <think> then <action>, sampled for every
-    asked slot in one batch (`act`); stage 2 trains log pi of its tokens. Others: integrations/choose.py."""
+    asked slot in one batch (`act`); stage 2 trains log pi of its tokens. Others: choose/."""
 
     def act(self, model, tokenizer, env, slots: list[int], recent: dict, *, temperature: float, top_p: float,
             max_new_tokens: int, record: bool, **_) -> tuple[dict, dict]:
@@ -656,6 +654,8 @@ class Generate:
 
 
 GENERATE = Generate()
+# --action-mode -> who writes the agent's replies, "module:name" loaded at first use (envs.load)
+ACTORS = dict(generate="rwml:GENERATE", choose="choose:CHOOSE", random="choose:RANDOM")
 
 
 # ======================================================================== §8 Evaluation: world-model accuracy

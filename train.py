@@ -7,12 +7,12 @@
     python train.py wm-sft --transitions runs/collect/transitions.jsonl --out runs/wm_sft
     python train.py policy --init rwml --adapter runs/wm/adapter --num-games 8 --out runs/policy
 
-Every setting is declared once, with its default, help and bounds, in integrations/settings.py (`Settings`);
+Every setting is declared once, with its default, help and bounds, in stages/settings.py (`Settings`);
 a stage reads the groups `STAGES` names (its --help; a flag it does not read warns). Each is a flag
 (`num_games` -> `--num-games`) and a key of a `--config` JSON or YAML file (defaults < file < flags). Read
 top to bottom: the stages' shared parts, one section per stage (collect, filter, wm, all: the default run and
 its held-out sets, policy, wm-sft, rft), then `main`. What `all` concludes (the paired differences, the
-verdict): integrations/verdict.py. Support: support/, integrations/, lab/trl_grpo.py.
+verdict): readout/verdict.py. The run's machinery: harness/; the rest: README, "Files and tests".
 """
 from __future__ import annotations
 
@@ -26,37 +26,38 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+import engine
+import envs
 import rwml
 from reward import make_reward
-from integrations import choose, verl_export, worlds
-from integrations.caches import (cached_heldout, filter_cache, save_easiness, save_filter, scores_before,
-                                 warmup_collections)
-from integrations.runs import (check_stage, claim_out, collection_summary, collection_todo, kind_mix,
-                               log_groups, more_warmup, policy_eval_games, releases_locks, settle_env,
-                               split_games, stage_inputs, telling, triplet_problem, walkthroughs, wm_row)
-from integrations.verdict import (all_summary, baselines_line, before_after_line, coin_control, gain_lines,
-                                  probe_line, reward_control)
-from support import cost, engine
-from support.cli import parse_stage, run_cli
-from support.common import RERUN, UserError, read_jsonl, write_atomic
-from support.plumbing import (check_run, close_tracker, config_json, filter_dir, jsonl_writer, keep_rng,
+from caches import (cached_heldout, filter_cache, save_easiness, save_filter, scores_before,
+                    warmup_collections)
+from stages.runs import (check_stage, claim_out, collection_summary, collection_todo, kind_mix,
+                          log_groups, more_warmup, policy_eval_games, releases_locks, settle_env,
+                          split_games, stage_inputs, telling, triplet_problem, walkthroughs, wm_row)
+from harness.cli import parse_stage, run_cli
+from harness.common import RERUN, UserError, read_jsonl, write_atomic
+from stages.plumbing import (check_run, close_tracker, config_json, filter_dir, jsonl_writer, keep_rng,
                               log_row, run_header, sample_triplets, save_checkpoint, start_run,
                               swap_checkpoint, use_4bit, write_eval)
-from support.cards import CONTROLS, TRIPLETS_KEPT, card_run, plot_rewards, save_adapter
-from integrations.settings import STAGES, Settings  # every setting: its flag, default
+from stages.settings import STAGES, Settings  # every setting: its flag, default
+from harness import cost
+from stages.cards import CONTROLS, TRIPLETS_KEPT, card_run, plot_rewards, save_adapter
+from readout.verdict import (all_summary, baselines_line, before_after_line, coin_control, gain_lines,
+                             probe_line, reward_control)
 
 # ------------------------------------------------ the stages' shared parts: how the agent plays, the triplets
-ACTORS = dict(generate=rwml.GENERATE, choose=choose.CHOOSE)  # --action-mode: who writes the agent's replies
 
 def play_kwargs(cfg) -> dict:
     """How the agent plays (`rwml.play`'s settings) in collection-like stages."""
     return dict(history_len=cfg.history_len, temperature=cfg.temperature, top_p=cfg.top_p,
-                max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs, actor=ACTORS[cfg.action_mode])
+                max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs,
+                actor=envs.load(rwml.ACTORS[cfg.action_mode]))
 
 
 def make_env(cfg, episodes: int | None = None):
     """The environment (tau2: with its customer's model, --user-model); at most one game worker per game."""
-    return worlds.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns,
+    return envs.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns,
                        at_once=None if episodes is None else min(cfg.num_envs, episodes),
                        user_model=cfg.user_model)
 
@@ -335,7 +336,7 @@ def train_policy(cfg: Settings, out: Path, load):
             t0 = time.time()
             with cost.stage("policy grpo"):
                 res = rwml.policy_step(model, tok, optimizer, env, step_games, policy_grpo,
-                                       ACTORS[cfg.action_mode], history_len=cfg.history_len,
+                                       envs.load(rwml.ACTORS[cfg.action_mode]), history_len=cfg.history_len,
                                        num_envs=cfg.num_envs)
             state["step"] += 1
             u = res["updates"][-1]
@@ -407,7 +408,7 @@ def train_rft(cfg: Settings, out: Path, load):
         raise UserError(f"RFT: none of the {len(summaries)} episodes succeeded, so there is nothing to "
                         "fine-tune on; play more games (--num-games, --rollouts-per-game, --max-turns) "
                         "or use a stronger --model")
-    system = worlds.env_class(cfg.env).system  # the agent's system prompt, as the turns were played
+    system = envs.env_class(cfg.env).system  # the agent's system prompt, as the turns were played
     model, _, adapter = sft_adapter(cfg, model, tok, [t["prompt"] for t in keep],
                                     [t["response"] for t in keep], system, out, episodes=len(summaries),
                                     successes=len(won), turns=len(keep),
@@ -473,8 +474,9 @@ def run_stage(stage: str, cfg: Settings, out: Path, t0: float, trips: list[dict]
             train_all(cfg, out, load, make_reward(cfg), t0)
         elif stage == "export":  # the filter, then verl's train and held-out parquets
             needs_reward = cfg.easy_filter or cfg.mixed_only and cfg.export_warmup  # the filter scores
-            verl_export.export_verl(cfg, trips, out, load, needs_reward and make_reward(cfg), filter_triplets,
-                                    rwml.split_triplets, rwml.wm_texts)
+            reward_fn = needs_reward and make_reward(cfg)  # verl's bridge, loaded by name:
+            envs.load("verl_bridge.export:export_verl")(cfg, trips, out, load, reward_fn, filter_triplets,
+                                                        rwml.split_triplets, rwml.wm_texts)
         else:  # filter, wm
             reward_fn = make_reward(cfg)
             kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
-from support import stats  # noqa: E402
-from support.common import UserError  # noqa: E402
+from readout import stats  # noqa: E402
+from harness.common import UserError  # noqa: E402
 
 REWRITE = ("write it again with `eval.py agent --out FILE` (lab/stage2_test.sh's layout), or give another "
            "folder")
@@ -235,7 +235,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     arms = parse_arms(args.arm) if args.arm else None
     if args.out:  # before any file is read: a table that cannot be written is known at once
-        from support.plumbing import check_writable
+        from stages.plumbing import check_writable
 
         if args.out.is_dir() or args.out.suffix == ".json":
             md = args.out / "agent_stats.md" if args.out.is_dir() else args.out.with_suffix(".md")
@@ -255,6 +255,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from support.cli import run_cli  # bad input: one line ("error: ..."), exit status 1
+    from harness.cli import run_cli  # bad input: one line ("error: ..."), exit status 1
 
     run_cli(main)

@@ -13,15 +13,15 @@ from dataclasses import asdict, dataclass
 
 from tqdm.auto import tqdm
 
-from support import engine
+import engine
 import rwml
-from support.cli import check_fields, parse_config, run_cli
-from support.common import arg, write_atomic
+from harness.cli import check_fields, parse_config, run_cli
+from harness.common import arg, write_atomic
 from eval import WMEvalConfig, with_env_defaults
-from support.plumbing import check_adapter, check_context, check_writable, read_transitions, sample_triplets
+from stages.plumbing import check_adapter, check_context, check_writable, read_transitions, sample_triplets
 from repo_path import repo_path, stored_config
 from reward import SimToRealReward, make_reward, parse_next_state
-from integrations.runs import triplet_problem
+from stages.runs import triplet_problem
 
 
 @dataclass

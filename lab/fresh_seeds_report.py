@@ -20,11 +20,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
-from integrations.runs import triplet_key  # noqa: E402
-from integrations import verdict  # noqa: E402
-from integrations.verdict import compare  # noqa: E402
-from support import stats  # noqa: E402
-from support.common import UserError, read_jsonl  # noqa: E402
+from stages.runs import triplet_key  # noqa: E402
+from readout import verdict  # noqa: E402
+from readout.verdict import compare  # noqa: E402
+from readout import stats  # noqa: E402
+from harness.common import UserError, read_jsonl  # noqa: E402
 
 ROWS = (("template", "the template rule"), ("before", "the warm-up"), ("coin", "the matched COIN arm"))
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
-from integrations.verdict import compare  # noqa: E402
-from support import stats  # noqa: E402
-from support.common import UserError  # noqa: E402
+from readout.verdict import compare  # noqa: E402
+from readout import stats  # noqa: E402
+from harness.common import UserError  # noqa: E402
 
 KINDS = ("explore", "purposeful")
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
-from support import stats  # noqa: E402
-from support.common import UserError, write_atomic  # noqa: E402
+from readout import stats  # noqa: E402
+from harness.common import UserError, write_atomic  # noqa: E402
 
 CELLS = (("train", "rewards"), ("explore", "rewards"), ("explore", "exact"), ("purposeful", "rewards"),
          ("purposeful", "exact"))
@@ -89,6 +89,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from support.cli import run_cli
+    from harness.cli import run_cli
 
     run_cli(main)

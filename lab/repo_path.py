@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from support import common  # the lab's scripts put the repository first on sys.path
-from support.common import OUTSIDE, is_local_path  # noqa: F401 -- the lab's scripts import it from here
+from harness import common  # the lab's scripts put the repository first on sys.path
+from harness.common import OUTSIDE, is_local_path  # noqa: F401 -- the lab's scripts import it from here
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,11 +17,11 @@ import statistics
 from dataclasses import dataclass
 
 import envs
-from support.cli import commands_help, parse_config, resume_free, run_cli
-from support.common import UserError, arg, read_jsonl, write_atomic
-from support.plumbing import check_writable
+from harness.cli import commands_help, parse_config, resume_free, run_cli
+from harness.common import UserError, arg, read_jsonl, write_atomic
+from stages.plumbing import check_writable
 from train import Settings
-from integrations.verdict import HELDOUT_KINDS
+from readout.verdict import HELDOUT_KINDS
 from repo_path import repo_path
 
 ID_SPLIT, OOD_SPLIT = "valid_seen", "valid_unseen"  # the paper's in-distribution, out-of-distribution games

@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 import envs  # noqa: E402
-from support import stats  # noqa: E402
-from support.common import UserError  # noqa: E402
+from readout import stats  # noqa: E402
+from harness.common import UserError  # noqa: E402
 from repo_path import repo_path  # noqa: E402
 
 ARMS, BASELINES, SPLITS = ("warmup", "rwml", "wm_sft", "coin"), ("base", "template", "nothing", "copy"), \
@@ -512,7 +512,7 @@ def main(argv=None):
     p.add_argument("--evals", type=Path,
                    help="only the tables of a lab/tw_wm.sh evaluation folder (eval_SPLIT)")
     args = p.parse_args(argv)
-    from support.plumbing import check_writable  # (torch) after the flags: --help stays quick
+    from stages.plumbing import check_writable  # (torch) after the flags: --help stays quick
 
     modes = [f for f, v in (("--gains", args.gains), ("--run", args.run), ("--evals", args.evals)) if v]
     if len(modes) > 1:
@@ -572,6 +572,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from support.cli import run_cli  # bad input: one line ("error: ..."), exit status 1
+    from harness.cli import run_cli  # bad input: one line ("error: ..."), exit status 1
 
     run_cli(main)

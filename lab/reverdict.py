@@ -1,7 +1,7 @@
 """Which printed verdicts no longer hold: every "<diff> [lo, hi] holds|reversed ... sign-flip over games p X"
 statement in lab/results (run logs, tables, READMEs), README.md and lab/NOTEBOOK.md whose exact sign-flip test
 over games gives p >= 0.05. Such a statement was printed under the old rule (the CI alone); under today's
-(support/stats.py: the CI excludes 0 and the sign-flip test agrees, p < 0.05) it reads "no difference
+(readout/stats.py: the CI excludes 0 and the sign-flip test agrees, p < 0.05) it reads "no difference
 detected". Run logs are printouts of past runs and are not rewritten: this list is what they say that no
 longer holds.
 
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     lines = ["`python lab/reverdict.py --out lab/results/reverdict.md`", "",
              f"{len(rows)} of {total} distinct holds / reversed statements printed with a sign-flip test "
              f"over games have p >= {ALPHA}: under today's rule (the 95 % CI excludes 0 and the sign-flip "
-             "test agrees, support/stats.py) each is \"no difference detected\". A statement is its "
+             "test agrees, readout/stats.py) each is \"no difference detected\". A statement is its "
              "difference, CI, verdict, items moved and p; each is listed once, with the first place's "
              "context and every place it is printed (run logs are printouts of past runs and stay as they "
              "are).", "",

@@ -32,9 +32,9 @@ import statistics
 from dataclasses import dataclass
 
 import envs
-from support.cli import commands_help, parse_config, run_cli
-from support.common import UserError, arg, write_atomic
-from support.plumbing import check_writable
+from harness.cli import commands_help, parse_config, run_cli
+from harness.common import UserError, arg, write_atomic
+from stages.plumbing import check_writable
 from repo_path import is_local_path, repo_path
 from reward import rouge1
 
@@ -113,15 +113,15 @@ def alfworld_observations(num_games: int, seed: int, walk_steps: int,
 
 
 def textworld_observations(num_games: int, seed: int, walk_steps: int, split: str = "test") -> list[dict]:
-    """Per generated TextWorld game of `split` (as the project plays them, worlds.TwGame): its next
+    """Per generated TextWorld game of `split` (as the project plays them, textworld.TwGame): its next
     observations (walkthrough, then a seeded walk), its rooms and things (the game's own names), and the
     engine's answer to a command on something absent (the wrong event)."""
     import textworld
 
-    from integrations import worlds
+    from worlds.textworld import TwGame, textworld_games
 
-    game, out = worlds.TwGame(max_turns=100), []
-    for path in worlds.textworld_games(split, num_games, seed):
+    game, out = TwGame(max_turns=100), []
+    for path in textworld_games(split, num_games, seed):
         gid = envs.game_id(path)
         info = textworld.Game.load(str(Path(path).with_suffix(".json")))
         names = [(e.name, e.type) for e in info.infos.values() if e.name]
@@ -496,7 +496,7 @@ def token_lengths(pairs: list[dict], cap: int) -> list[str]:
     the dev half chooses (CAP_RULE)."""
     from transformers import AutoTokenizer
 
-    from support import engine
+    import engine
 
     tok = AutoTokenizer.from_pretrained(engine._bundled_smollm2())
     lines = [f"token length of <next_state>{{obs}}</next_state> (the bundled SmolLM2 tokenizer), cap {cap}; "

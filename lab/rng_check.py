@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
-from support import stats  # noqa: E402
+from readout import stats  # noqa: E402
 
 RES = ROOT / "lab" / "results"
 NUMBER = re.compile(r"[+\-−]?\d+(?:\.\d+)?")

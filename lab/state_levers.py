@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from support import stats  # noqa: E402 -- after the repository is on the path
+from readout import stats  # noqa: E402 -- after the repository is on the path
 
 KINDS = ("explore", "purposeful", "state")
 TAKE_PUT = ("take_revisit", "put_revisit")

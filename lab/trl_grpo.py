@@ -28,15 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's mo
 
 import rwml  # noqa: E402
 import train  # noqa: E402
-from integrations import runs, verdict  # noqa: E402
-from integrations.runs import check_stage, claim_out, releases_locks, settle_env, stage_inputs  # noqa: E402
+from stages import runs  # noqa: E402
+from readout import verdict
+from stages.runs import check_stage, claim_out, releases_locks, settle_env, stage_inputs  # noqa: E402
 from reward import parse_next_state  # noqa: E402
-from support import cost, engine  # noqa: E402
-from support.cli import parse_stage, run_cli  # noqa: E402
-from support.common import RERUN, UserError, arg, write_atomic, write_jsonl  # noqa: E402
-from support.plumbing import (PROMPT_TAIL, check_run, check_settings, config_json, filter_dir, group_table,
+import engine  # noqa: E402
+from harness import cost
+from harness.cli import parse_stage, run_cli  # noqa: E402
+from harness.common import RERUN, UserError, arg, write_atomic, write_jsonl  # noqa: E402
+from stages.plumbing import (PROMPT_TAIL, check_run, check_settings, config_json, filter_dir, group_table,
                               process_state, run_header, use_4bit)
-from support.cards import TRIPLETS_KEPT, card_folder, card_run, plot_rewards, save_adapter
+from stages.cards import TRIPLETS_KEPT, card_folder, card_run, plot_rewards, save_adapter
 
 CARD = "trained in TRL's GRPOTrainer (lab/trl_grpo.py)"
 

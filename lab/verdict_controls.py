@@ -31,9 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 import envs  # noqa: E402
-from integrations import verdict  # noqa: E402
-from support.common import UserError, read_jsonl, write_jsonl  # noqa: E402
-from support.plumbing import sample_triplets  # noqa: E402
+from readout import verdict  # noqa: E402
+from harness.common import UserError, read_jsonl, write_jsonl  # noqa: E402
+from stages.plumbing import sample_triplets  # noqa: E402
 from reward import SimToRealReward  # noqa: E402
 
 # arm -> recipe_dev's eval stem, or how its predictions are made here: the rule's sentence; the real next

@@ -25,10 +25,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
-from integrations import verdict  # noqa: E402
+from readout import verdict  # noqa: E402
 from fresh_seeds_report import sides  # noqa: E402
-from integrations.verdict import compare  # noqa: E402
-from support import stats  # noqa: E402
+from readout.verdict import compare  # noqa: E402
+from readout import stats  # noqa: E402
 
 KINDS = verdict.HELDOUT_KINDS
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
-from integrations import verdict  # noqa: E402
-from support.common import UserError, read_jsonl  # noqa: E402
+from readout import verdict  # noqa: E402
+from harness.common import UserError, read_jsonl  # noqa: E402
 
 KINDS = verdict.HELDOUT_KINDS
 

@@ -38,7 +38,7 @@ def lora_model(tiny_model):
     an adapter that is not the identity, so that it changes log-probs from the first step."""
     import torch
 
-    from support import engine
+    import engine
 
     def make(seed: int = 0, std: float = 0.05):
         model, tok = engine.load_model(tiny_model)

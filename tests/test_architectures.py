@@ -10,11 +10,11 @@ import pytest
 import torch
 from bench.random_models import build
 
-from support import engine
+import engine
 import envs
 import rwml
 import train
-from integrations.settings import GRPOConfig
+from stages.settings import GRPOConfig
 
 ARCHS = {"llama": "tiny-llama3", "tied": "tiny-smollm2", "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3",
          "gemma2": "tiny-gemma2", "gemma3": "tiny-gemma3"}

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from support import engine, gamepool, plumbing
+import engine
 import envs
+from stages import plumbing
 import train
-from integrations import worlds
+from worlds import textworld
 from envs import UserError
 
 REAL_MODEL = engine.MODEL_CACHE / "SmolLM2-135M-Instruct"
@@ -23,7 +24,7 @@ def one_game(tmp_path_factory):
     old = os.environ.get("RWML_CACHE")
     os.environ["RWML_CACHE"] = str(cache)
     try:
-        (path,) = worlds.textworld_games("train", 1, seed=0)
+        (path,) = textworld.textworld_games("train", 1, seed=0)
     finally:
         os.environ.pop("RWML_CACHE") if old is None else os.environ.__setitem__("RWML_CACHE", old)
     path = Path(path)
@@ -44,24 +45,24 @@ def test_a_damaged_textworld_game_is_generated_again(one_game, damage, monkeypat
     cache, path, files = one_game
     monkeypatch.setenv("RWML_CACHE", str(cache))
     damage(path.parent)
-    assert worlds.textworld_games("train", 1, seed=0) == [str(path)]
+    assert textworld.textworld_games("train", 1, seed=0) == [str(path)]
     assert (path.parent / "game.z8").read_bytes() == files["game.z8"]  # the same game, whole again
     assert json.loads((path.parent / "game.json").read_text()) == json.loads(files["game.json"])
     assert str(path.parent) in capsys.readouterr().err  # said which game it made again
-    assert worlds.tw_game_problem(path) is None
+    assert textworld.tw_game_problem(path) is None
 
 
 def test_a_game_damaged_again_after_generating_names_its_folder(one_game, monkeypatch):
     cache, path, _ = one_game
     monkeypatch.setenv("RWML_CACHE", str(cache))
     cut(path.parent / "game.z8")
-    monkeypatch.setattr(worlds, "make_textworld_game", lambda p, *a: p.parent.mkdir(exist_ok=True))
+    monkeypatch.setattr(textworld, "make_textworld_game", lambda p, *a: p.parent.mkdir(exist_ok=True))
     with pytest.raises(UserError, match=f"{path.parent}.*delete that folder"):
-        worlds.textworld_games("train", 1, seed=0)
+        textworld.textworld_games("train", 1, seed=0)
     shutil.rmtree(path.parent)
     monkeypatch.undo()
     monkeypatch.setenv("RWML_CACHE", str(cache))
-    worlds.textworld_games("train", 1, seed=0)  # the next tests find it whole
+    textworld.textworld_games("train", 1, seed=0)  # the next tests find it whole
 
 
 @pytest.fixture
@@ -70,24 +71,24 @@ def no_generation(monkeypatch, tmp_path):
 
     def slow(*_, **__):
         pytest.fail("the generator started before the sizes were checked")
-    monkeypatch.setattr(worlds, "make_textworld_game", slow)
+    monkeypatch.setattr(textworld, "make_textworld_game", slow)
 
 
 @pytest.mark.parametrize("name", ["world_size", "nb_objects", "quest_length"])
 def test_textworld_sizes_have_upper_bounds(name, no_generation):
     with pytest.raises(UserError, match=f"--{name.replace('_', '-')} 100000: must be between 1 and [0-9]+ "):
-        worlds.textworld_games("train", 1, **{name: 100000})
+        textworld.textworld_games("train", 1, **{name: 100000})
 
 
 def test_more_textworld_games_than_a_split_holds_is_one_line(no_generation):
-    with pytest.raises(UserError, match=f"between 1 and {worlds.TW_POOL}, got 100001"):
-        worlds.textworld_games("train", worlds.TW_POOL + 1)
+    with pytest.raises(UserError, match=f"between 1 and {textworld.TW_POOL}, got 100001"):
+        textworld.textworld_games("train", textworld.TW_POOL + 1)
 
 
 def test_a_read_only_textworld_cache_is_refused_before_generating(no_generation, monkeypatch, tmp_path):
     monkeypatch.setattr(os, "access", lambda *_: False)
     with pytest.raises(UserError, match="cannot write TextWorld games to .*writable folder"):
-        worlds.textworld_games("train", 1)
+        textworld.textworld_games("train", 1)
 
 
 @pytest.mark.parametrize("name,how", [("model.safetensors", "cut"), ("config.json", "cut"),
@@ -142,6 +143,6 @@ class DiesLoading(envs.Game):
 
 def test_a_worker_that_dies_loading_a_game_names_the_game(tmp_path):
     game = tmp_path / "seed-1" / "game.z8"
-    with gamepool.EnvPool(1, game_cls=DiesLoading) as pool:
+    with envs.EnvPool(1, game_cls=DiesLoading) as pool:
         with pytest.raises(UserError, match=f"died \\(exit status 1\\) loading {game};.*delete its folder"):
             pool.reset({0: str(game)})

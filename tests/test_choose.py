@@ -5,13 +5,15 @@ import json
 import pytest
 import torch
 
-from integrations import choose, worlds
-from support import engine, plumbing
+import choose
+from worlds import textworld
+import engine
+from stages import plumbing
 import envs
 import eval as evaluate
 import rwml
 import train
-from integrations.settings import GRPOConfig
+from stages.settings import GRPOConfig
 from envs import UserError
 import reports
 
@@ -69,7 +71,7 @@ def choose_turns(tiny_model, env_name="alfworld", games=None, episodes_per_game=
     games = games or envs.list_games("train", 2, seed=0)
     turns = []
     torch.manual_seed(0)
-    with worlds.make(env_name, num_workers=0, max_turns=max_turns) as env:
+    with envs.make(env_name, num_workers=0, max_turns=max_turns) as env:
         summaries = rwml.play(model, tok, env,
                               [dict(game=g) for g in games for _ in range(episodes_per_game)],
                               num_envs=3, on_turn=turns.append, record_tokens=True, actor=choose.CHOOSE,
@@ -182,12 +184,13 @@ def walkthrough(path):
 
 
 def test_textworld_games_are_generated_by_split_and_seed_and_won_by_their_walkthrough():
-    test = worlds.textworld_games("test", 3, seed=0)
-    assert test == worlds.textworld_games("test", 3, seed=0)  # the same draw: cached files
-    dev, train_games = worlds.textworld_games("dev", 3, seed=0), worlds.textworld_games("train", 3, seed=0)
+    test = textworld.textworld_games("test", 3, seed=0)
+    assert test == textworld.textworld_games("test", 3, seed=0)  # the same draw: cached files
+    dev = textworld.textworld_games("dev", 3, seed=0)
+    train_games = textworld.textworld_games("train", 3, seed=0)
     assert not set(test) & set(dev) and not set(test) & set(train_games)  # disjoint game seeds
-    assert worlds.textworld_games("test", 3, seed=1) != test
-    with worlds.make("textworld", num_workers=1, max_turns=20) as env:
+    assert textworld.textworld_games("test", 3, seed=1) != test
+    with envs.make("textworld", num_workers=1, max_turns=20) as env:
         start = env.reset({0: dict(game=test[0])})[0]
         assert start["game"] == envs.game_id(test[0]) and start["task_type"] == "textworld"
         assert start["obs"].startswith("-= ") and "$$" not in start["obs"]  # the room, not the banner
@@ -240,7 +243,7 @@ def test_policy_stage_in_choose_mode_on_textworld_with_its_learning_curve(tiny_m
     assert all(r["invalid_action_rate"] == 0 and r["trained_turns"] == r["num_turns"] for r in rows[1:])
     assert all(0 <= r["eval_success"] <= 1 and r["eval_invalid"] == 0 for r in rows)
     episodes = train.read_jsonl(tmp_path / "policy" / "eval_episodes.jsonl")
-    dev = {envs.game_name(g) for g in worlds.textworld_games("dev", 2, seed=0)}
+    dev = {envs.game_name(g) for g in textworld.textworld_games("dev", 2, seed=0)}
     assert [e["step"] for e in episodes] == [0, 0, 1, 1, 2, 2] and {e["game"] for e in episodes} == dev
     assert rows[2]["eval_success"] == sum(e["won"] for e in episodes[4:]) / 2
     assert (tmp_path / "policy" / "adapter" / "adapter_config.json").is_file()

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from support import cli, plumbing
-from integrations import runs
+from harness import cli
+from stages import plumbing
+from stages import runs
 import train
-from integrations.settings import ModelArgs, RunArgs
+from stages.settings import ModelArgs, RunArgs
 from envs import UserError
 
 ROOT = Path(__file__).resolve().parent.parent

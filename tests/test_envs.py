@@ -5,9 +5,8 @@ from pathlib import Path
 import pytest
 
 import envs
-from support import gamepool
 from envs import Game, UserError, list_games
-from support.gamepool import EnvPool
+from envs import EnvPool
 
 
 def walkthrough(game):
@@ -69,7 +68,7 @@ def test_step_budget_and_invalid_actions():
 
 
 def trace(cache, games):
-    gamepool.use_engine_cache(cache)
+    envs.use_engine_cache(cache)
     try:
         game, out = Game(max_turns=100), []
         for path in games:
@@ -78,7 +77,7 @@ def trace(cache, games):
             out.append(game.reset(path))  # a repeated reset hits the cached translation
         return out
     finally:
-        gamepool.use_engine_cache(False)
+        envs.use_engine_cache(False)
 
 
 def test_cached_engine_matches_stock_engine():

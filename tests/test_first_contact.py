@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from support import cards, engine, plumbing
+import engine
+from stages import plumbing
+from stages import cards
 import train
-from integrations import verdict
+from readout import verdict
 from envs import UserError
-from support.plumbing import read_jsonl
+from stages.plumbing import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 WM_ARGS = ["--no-easy-filter", "--no-warmup", "--prompts-per-step", "2", "--num-generations", "2",
@@ -275,7 +277,7 @@ def readme_block() -> list[str]:
 def test_the_readmes_output_block_is_what_todays_code_reads_from_a_committed_run():
     """README's output lines, shortened at "...", are today's closing lines (verdict.gain_lines) read from the
     per-triplet files of the committed run it names, a run on a seed no study chose with."""
-    from integrations import verdict
+    from readout import verdict
 
     run = ROOT / "lab" / "results" / "fresh_seeds" / "seed51"
     block, lines = readme_block(), verdict.gain_lines(run, start="warm-up")

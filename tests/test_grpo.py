@@ -4,12 +4,12 @@ import math
 import pytest
 import torch
 
-from support import engine
+import engine
 import envs
 import rwml
 import train
-from integrations import runs
-from integrations.settings import GRPOConfig
+from stages import runs
+from stages.settings import GRPOConfig
 
 # ------------------------------------------------------------------ advantages
 

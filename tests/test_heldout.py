@@ -6,10 +6,10 @@ import re
 import pytest
 
 import envs
-from support.common import read_jsonl
+from harness.common import read_jsonl
 import eval as ev
-from integrations import runs
-from integrations import verdict
+from stages import runs
+from readout import verdict
 import train
 from envs import UserError
 from reward import SimToRealReward
@@ -46,7 +46,7 @@ def test_the_heldout_seed_draws_the_heldout_games(tiny_model, tmp_path, monkeypa
     and both the walkthrough (purposeful) and the explore set are of its games."""
     seen = {envs.game_id(g) for g in envs.list_games("valid_unseen", 20, 0)}
     assert train.Settings().heldout_seed == 0
-    from support import engine
+    import engine
 
     monkeypatch.setattr(engine, "MODEL_CACHE", tmp_path / "cache")
     cfg = train.Settings(model=tiny_model, heldout_games=2, heldout_seed=123, max_turns=2,
@@ -476,7 +476,7 @@ def test_the_heldout_explore_set_is_played_once_then_reused(tiny_model, tmp_path
     from $RWML_CACHE/heldout by the next; a setting that changes it (the step budget) plays it again."""
     import dataclasses
 
-    from support import engine
+    import engine
 
     monkeypatch.setattr(engine, "MODEL_CACHE", tmp_path / "cache")
     loads = []

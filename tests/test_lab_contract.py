@@ -13,8 +13,8 @@ import pytest
 
 import agent_stats
 import rescore
-from support import stats
-from support.cli import run_cli
+from readout import stats
+from harness.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 GAMES = [f"g{i}" for i in range(6)]

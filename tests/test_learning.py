@@ -5,9 +5,9 @@ import pytest
 import torch
 from bench.random_models import build
 
-from support import engine
+import engine
 import rwml
-from integrations.settings import GRPOConfig
+from stages.settings import GRPOConfig
 
 
 def starts_with_a_letter(completions, targets=None, **kw):

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from support import engine
+import engine
 import rwml
 import train
-from integrations.settings import GRPOConfig
+from stages.settings import GRPOConfig
 
 
 def test_token_micro_batches_cover_every_row_once_within_the_budget():
@@ -88,7 +88,7 @@ def test_each_stage_has_its_own_peak_and_the_run_the_highest():
     import resource
     import time
 
-    from support import cost
+    from harness import cost
 
     with cost.run(None) as run:
         with cost.stage("outer"):

@@ -60,7 +60,7 @@ def test_inefficient_actions():
 
 
 def test_tau2_parser_never_raises_and_cleans_lone_surrogates():
-    from integrations.tau2 import parse_tau2_action
+    from worlds.tau2 import parse_tau2_action
 
     deep = '<tool_call>{"name": "x", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>"
     assert parse_tau2_action(deep) == dict(kind="tool", name="", arguments={}, well_formed=False,
@@ -79,8 +79,8 @@ def test_a_lone_surrogate_in_a_transitions_file_passes_the_context_check(tiny_mo
     which raised UnicodeEncodeError where the triplet had trained and scored before (issue 39, item 1)."""
     import json
 
-    from support import plumbing
-    from integrations import runs
+    from stages import plumbing
+    from stages import runs
     import rwml
     import train
 

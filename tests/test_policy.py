@@ -4,14 +4,14 @@ import json
 import pytest
 import torch
 
-from support import engine, plumbing
+import engine
+from stages import plumbing
 import envs
 import rwml
 import train
-from integrations.settings import GRPOConfig
-from integrations import worlds
+from stages.settings import GRPOConfig
 from envs import UserError
-from support.plumbing import read_jsonl
+from stages.plumbing import read_jsonl
 from reward import coin_reward, mis_targets
 
 
@@ -20,7 +20,7 @@ def record_turns(tiny_model, num_games=2, episodes_per_game=2, max_turns=3):
     games = envs.list_games("train", num_games, seed=0)
     turns = []
     torch.manual_seed(0)
-    with worlds.make("alfworld", num_workers=0, max_turns=max_turns) as env:
+    with envs.make("alfworld", num_workers=0, max_turns=max_turns) as env:
         summaries = rwml.play(model, tok, env,
                               [dict(game=g) for g in games for _ in range(episodes_per_game)],
                               max_new_tokens=6, num_envs=3, on_turn=turns.append,
@@ -65,7 +65,7 @@ def test_policy_step_with_all_equal_groups_trains_nothing(tiny_model):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     cfg = GRPOConfig(num_generations=2, max_completion_length=6, beta=0.0)
-    with worlds.make("alfworld", num_workers=0, max_turns=2) as env:
+    with envs.make("alfworld", num_workers=0, max_turns=2) as env:
         res = rwml.policy_step(model, tok, opt, env, envs.list_games("train", 2, seed=0), cfg, num_envs=4)
     assert res["reward_mean"] == 0 and res["frac_reward_zero_std"] == 1
     assert res["num_turns"] == 8 and res["trained_turns"] == 0 and res["updates"][0]["loss"] == 0

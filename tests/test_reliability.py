@@ -16,11 +16,12 @@ import psutil
 import pytest
 import torch
 
-from support import engine, gamepool, plumbing
+import engine
 import envs
+from stages import plumbing
 import train
-from integrations import tau2
-from support.plumbing import read_jsonl
+from worlds import tau2
+from stages.plumbing import read_jsonl
 from reward import parse_next_state
 
 # ----------------------------------------------------------------------------- the parsers, fuzzed
@@ -97,10 +98,10 @@ POOL_SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})
 import envs, train
-from support import gamepool
+import envs
 
 def main():
-    with gamepool.EnvPool(2, game_cls=envs.Game) as pool:
+    with envs.EnvPool(2, game_cls=envs.Game) as pool:
         pool.reset({{0: envs.list_games("valid_seen", 1)[0]}})
         print(*[p.pid for p in pool.procs], flush=True)
         time.sleep(600)
@@ -183,7 +184,7 @@ def time_limit(seconds: int):
                                        (signal.SIGSTOP, "no answer in 2 s")])
 def test_a_dead_or_hung_worker_is_named_in_one_line(sig, what):
     game = envs.list_games("valid_seen", 1)[0]
-    with gamepool.EnvPool(num_workers=2, game_cls=envs.Game) as pool:
+    with envs.EnvPool(num_workers=2, game_cls=envs.Game) as pool:
         pool.reset({0: game, 1: game})  # loading a game takes seconds; a step, milliseconds
         pool.timeout = 2
         victim = pool.procs[1]
@@ -200,7 +201,7 @@ def test_a_dead_or_hung_worker_is_named_in_one_line(sig, what):
 
 
 def test_game_reset_keeps_sys_argv(monkeypatch):
-    gamepool.use_engine_cache(False)  # the stock engine translates the PDDL at every reset
+    envs.use_engine_cache(False)  # the stock engine translates the PDDL at every reset
     monkeypatch.setattr(sys, "argv", ["my_tool.py", "--flag"])
     game = envs.Game()
     for path in envs.list_games("valid_seen", 2, seed=5):  # textworld.start, then env.load
@@ -349,7 +350,7 @@ def nothing_slow(monkeypatch):
     import eval as evaluate
 
     for owner, name in ((engine, "load_model"), (train, "make_reward"), (train, "filter_triplets"),
-                        (gamepool, "EnvPool"), (evaluate, "make_reward")):
+                        (envs, "EnvPool"), (evaluate, "make_reward")):
         monkeypatch.setattr(owner, name, slow)
 
 

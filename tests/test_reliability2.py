@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from support import cli, engine, gamepool, plumbing
+import engine
 import envs
+from harness import cli
+from stages import plumbing
 import eval as evaluate
 import train
-from integrations import tau2
-from support.plumbing import read_jsonl
+from worlds import tau2
+from stages.plumbing import read_jsonl
 from reward import SimToRealReward
 import reports
 
@@ -30,7 +32,7 @@ def nothing_slow(monkeypatch):
         pytest.fail("slow work started before the input was checked")
 
     for owner, name in ((engine, "load_model"), (train, "make_reward"), (train, "filter_triplets"),
-                        (gamepool, "EnvPool"), (evaluate, "make_reward")):
+                        (envs, "EnvPool"), (evaluate, "make_reward")):
         monkeypatch.setattr(owner, name, slow)
 
 
@@ -182,8 +184,8 @@ HOLDER = """
 import sys, time
 sys.path.insert(0, {root!r})
 import train
-from support import gamepool
-gamepool.EnvPool = lambda *a, **k: time.sleep(600)  # a collection that holds its folder, playing
+import envs
+envs.EnvPool = lambda *a, **k: time.sleep(600)  # a collection that holds its folder, playing
 train.main(["collect", "--model", {model!r}, "--num-games", "1", "--num-workers", "1", "--out", {out!r}])
 """
 
@@ -256,7 +258,7 @@ def test_a_damaged_game_file_is_named(tmp_path):
     copy = tmp_path / game.parent.parent.name / game.parent.name
     shutil.copytree(game.parent, copy)
     damage(copy / "game.tw-pddl", "truncated")
-    with gamepool.EnvPool(num_workers=1, game_cls=envs.Game) as pool, pytest.raises(envs.UserError) as e:
+    with envs.EnvPool(num_workers=1, game_cls=envs.Game) as pool, pytest.raises(envs.UserError) as e:
         pool.reset({0: str(copy / "game.tw-pddl")})
     assert one_line(e).startswith(f"game file {copy / 'game.tw-pddl'} does not load (")
     assert "it may be damaged" in str(e.value)
@@ -343,7 +345,7 @@ def test_no_more_game_workers_than_games(tiny_model, tmp_path, monkeypatch):
         started.append(num_workers)
         raise Started
 
-    monkeypatch.setattr(gamepool, "EnvPool", pool)
+    monkeypatch.setattr(envs, "EnvPool", pool)
     with pytest.raises(Started):
         train.main(["collect", "--model", tiny_model, "--num-games", "1", "--num-workers", "24",
                     "--out", str(tmp_path / "c")])

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 import envs
-from support import plumbing
-from integrations import runs
+from stages import plumbing
+from stages import runs
 import rwml
 import train
 import trl_grpo
-from support.plumbing import read_jsonl
+from stages.plumbing import read_jsonl
 from test_reliability2 import WM_ARGS, nothing_slow, one_line, wm_run  # noqa: F401 (fixtures)
 
 

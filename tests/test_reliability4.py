@@ -8,13 +8,15 @@ from pathlib import Path
 import pytest
 
 import eval as evaluate
-from integrations import caches, runs, worlds
+import caches
+from stages import runs
+import envs
 import train
 from envs import UserError
-from support.plumbing import read_jsonl
+from stages.plumbing import read_jsonl
 from test_reliability2 import nothing_slow, one_line  # noqa: F401 (a fixture)
 
-TW = worlds.ENVIRONMENTS["textworld"]
+TW = envs.ENVIRONMENTS["textworld"]
 
 
 def with_env(transitions: str, path: Path, env=None, at=None) -> Path:
@@ -53,7 +55,7 @@ def test_a_triplet_stage_takes_tau_d_and_the_cap_of_its_triplets_environment(sta
     train.main(argv + ["--tau-d", "0.3", "--max-completion-length", "100"])  # given: kept
     assert [(c.env, c.tau_d, c.rouge_gate, c.max_completion_length) for c in settled] == [
         ("textworld", TW.tau_d, TW.rouge_gate, TW.max_completion_length)] * 2 + [("textworld", 0.3, 0.0, 100)]
-    alf = worlds.ENVIRONMENTS["alfworld"]  # else this test would show nothing:
+    alf = envs.ENVIRONMENTS["alfworld"]  # else this test would show nothing:
     assert TW.tau_d != alf.tau_d and TW.rouge_gate != alf.rouge_gate
     assert "--env is not read" not in capsys.readouterr().err  # 50.2: these stages read it
 
@@ -132,7 +134,7 @@ def test_eval_wm_scores_at_the_triplets_tau_d_and_names_a_collect_json_that_disa
 def heldout(tiny_model, tmp_path, monkeypatch):
     """cached_heldout with a stand-in collection (2 triplets, 1 episode; one copied in is finished, as
     collect's): (play(out) -> its triplets, the folders it played in, the cache entry)."""
-    from support import engine
+    import engine
 
     monkeypatch.setattr(engine, "MODEL_CACHE", tmp_path / "cache")
     cfg = train.Settings(model=tiny_model, split="valid_unseen", num_games=1, seed=0)

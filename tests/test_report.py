@@ -31,7 +31,7 @@ def test_weight_change_by_hand():
 
 
 def test_weights_command_counts_only_the_adapters_modules(tiny_model, tmp_path):
-    from support import engine
+    import engine
 
     model, _ = engine.load_model(tiny_model)
     model = engine.add_lora(model, target_modules="q_proj,v_proj")
@@ -113,7 +113,7 @@ def test_report_shows_the_runs_own_world_model_accuracy_not_a_baselines(tmp_path
 def test_the_default_runs_plot_shows_heldout_accuracy_before_and_after(tmp_path, monkeypatch):
     import matplotlib.axes
 
-    from support import cards
+    from stages import cards
 
     (tmp_path / "metrics.jsonl").write_text("".join(
         json.dumps(dict(step=s, reward=0.1 * s % 1, format_rate=1.0)) + "\n" for s in range(1, 9)))

@@ -6,8 +6,8 @@ import json
 import matplotlib.axes
 import pytest
 
-from support import plumbing
-from integrations import runs
+from stages import plumbing
+from stages import runs
 import reports
 
 TARGETS = ["You arrive at shelf 1. On the shelf 1, you see a mug 1.", "Nothing happens."]

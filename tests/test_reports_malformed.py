@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 import reports
-from integrations import verdict
+from readout import verdict
 from envs import UserError
 from test_choose import _agent_eval
 from test_heldout import _wm

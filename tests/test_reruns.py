@@ -10,10 +10,14 @@ import pytest
 
 import envs
 import train
-from integrations import caches, runs, verdict
-from integrations.settings import WorldModelArgs
-from support import common, engine, plumbing
-from support.common import ROOT, UserError, names, read_jsonl
+import caches
+from stages import runs
+from readout import verdict
+from stages.settings import WorldModelArgs
+import engine
+from harness import common
+from stages import plumbing
+from harness.common import ROOT, UserError, names, read_jsonl
 import reports
 
 TRIP = dict(task="put a mug in the fridge", history=[dict(observation="You are in the kitchen.")],
@@ -21,9 +25,9 @@ TRIP = dict(task="put a mug in the fridge", history=[dict(observation="You are i
 
 
 # the modules the agent's play, the filter and the scoring run through (the hand list of 68ef7d6 had four)
-PLAY_PATH = ("train.py", "rwml.py", "envs.py", "reward.py", "support/gamepool.py", "support/engine.py",
-             "support/common.py", "support/plumbing.py", "integrations/worlds.py", "integrations/choose.py",
-             "integrations/runs.py", "integrations/caches.py")
+PLAY_PATH = ("train.py", "rwml.py", "envs.py", "reward.py", "engine/__init__.py", "harness/common.py",
+             "stages/plumbing.py", "worlds/textworld.py", "choose/__init__.py", "stages/runs.py",
+             "caches/__init__.py")
 
 
 def test_the_code_key_covers_every_module_on_the_play_path(tmp_path, monkeypatch):
@@ -31,7 +35,7 @@ def test_the_code_key_covers_every_module_on_the_play_path(tmp_path, monkeypatch
     held-out set's key, so a new run plays it again (on 68ef7d6 only four named files counted)."""
     for f in ROOT.glob("*.py"):
         shutil.copy(f, tmp_path / f.name)
-    for d in ("support", "integrations"):
+    for d in {p.parent.name for p in ROOT.glob("*/__init__.py")}:
         shutil.copytree(ROOT / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__"))
     for module in (caches, runs):
         monkeypatch.setattr(module, "code_sha", lambda: common.code_sha(root=tmp_path))

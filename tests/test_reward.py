@@ -126,7 +126,7 @@ def test_verl_export_and_compute_score_reproduce_our_rewards(tiny_model, transit
     pq = pytest.importorskip("pyarrow.parquet")
     import rwml
     import train
-    from integrations.verl_reward import compute_score
+    from verl_bridge.reward import compute_score
 
     out = tmp_path / "verl"
     train.main(["export", "--format", "verl", "--model", tiny_model, "--transitions", transitions,

@@ -196,10 +196,10 @@ def test_a_bad_tau_is_one_line_on_the_command_line(tmp_path):
 def test_tau_d_and_the_cap_default_to_the_audits_per_environment(tmp_path):
     """Unset, tau_d and the completion cap are the environment's (chosen on the audit's dev half); a value
     given on the command line or in code wins; eval.py wm takes the environment of the transitions."""
-    from support import cli
+    from harness import cli
     import eval as evaluate
     import train
-    from integrations import worlds
+    import envs
 
     cfg = train.Settings()
     assert (cfg.tau_d, cfg.rouge_gate, cfg.max_completion_length) == (0.01, 0.9, 80)
@@ -219,7 +219,7 @@ def test_tau_d_and_the_cap_default_to_the_audits_per_environment(tmp_path):
     for env, tau, _, gate in found:
         p95 = int(re.search(rf"{env}\s+dev\s+\d+ observations: .*?95th pct (\d+)", text)[1])
         cap = 16 * math.ceil(p95 * 1.1 / 16)
-        env_class = worlds.env_class(env)  # the one declaration of each environment's defaults
+        env_class = envs.env_class(env)  # the one declaration of each environment's defaults
         assert (env_class.tau_d, env_class.rouge_gate, env_class.max_completion_length) == (
             float(tau), float(gate or 0), cap), env
     trips = tmp_path / "tw" / "transitions.jsonl"

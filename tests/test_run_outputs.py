@@ -9,11 +9,14 @@ import sys
 import pytest
 import torch
 
-from support import cards, cli, engine, plumbing
+import engine
+from harness import cli
+from stages import plumbing
+from stages import cards
 import rwml
 import envs
 import train
-from support.plumbing import read_jsonl
+from stages.plumbing import read_jsonl
 
 ARGV = ["wm", "--no-easy-filter", "--no-warmup", "--max-steps", "1", "--prompts-per-step", "2",
         "--num-generations", "3", "--max-completion-length", "6", "--micro-batch-size", "6",

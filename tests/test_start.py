@@ -5,7 +5,8 @@ import warnings
 import pytest
 import torch
 
-from support import engine, plumbing
+import engine
+from stages import plumbing
 import train
 from envs import UserError
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lab"))
-from support import stats  # noqa: E402
+from readout import stats  # noqa: E402
 
 
 def test_wilson_published_values():

@@ -3,8 +3,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from support import engine, plumbing
-from integrations import tau2, worlds
+import engine
+from stages import plumbing
+from worlds import tau2
+import envs
 from envs import UserError
 import reports
 
@@ -14,7 +16,7 @@ def play_tau2(model, tok, domain: str, tasks: list, max_turns: int, user_max_new
     """The agent loop (`rwml.play`) on tau2 tasks of a domain, one episode each."""
     import rwml
 
-    with worlds.make("tau2", domain=domain, max_turns=max_turns,
+    with envs.make("tau2", domain=domain, max_turns=max_turns,
                      user_max_new_tokens=user_max_new_tokens) as env:
         return rwml.play(model, tok, env, [dict(game=t, rollout=0) for t in tasks], **kw)
 

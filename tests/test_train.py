@@ -7,13 +7,14 @@ import os
 import pytest
 import torch
 
-from support import engine, plumbing
+import engine
+from stages import plumbing
 import envs
-from integrations import caches, worlds
+import caches
 import rwml
 import train
 from envs import UserError
-from support.plumbing import read_jsonl
+from stages.plumbing import read_jsonl
 
 
 def wm(tiny_model, transitions, out, max_steps, *extra):
@@ -286,7 +287,7 @@ def test_every_tensor_reaching_the_loss_is_on_the_models_device(tiny_model, tran
     torch.manual_seed(0)
     roll = rwml.sample_predictions(model, tok, trips, reasoning=False, n=2, max_new_tokens=6)
     turns = []
-    with worlds.make("alfworld", num_workers=0, max_turns=2) as env:
+    with envs.make("alfworld", num_workers=0, max_turns=2) as env:
         summaries = rwml.rollouts(model, tok, env, envs.list_games("train", 1, seed=0), 2, max_new_tokens=4,
                                   on_turn=turns.append)
     summaries[0]["won"] = True  # a mixed group, so that stage 2 has turns to train on

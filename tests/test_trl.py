@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from support import plumbing
+from stages import plumbing
 import train
 import trl_grpo
 from envs import UserError
-from support.plumbing import read_jsonl
+from stages.plumbing import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_trl = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("trl", "datasets")),

@@ -1,4 +1,4 @@
-"""The verl bridge: the reward file verl loads by path (integrations/verl_reward.py), its
+"""The verl bridge: the reward file verl loads by path (verl_bridge/reward.py), its
 keyword arguments and hostile inputs, verl's reward managers, `train.py export`'s files."""
 import json
 import os
@@ -15,7 +15,7 @@ import pytest
 from verl_loaders import load_reward  # copies of verl's loaders (verl 0.9.1 and 0.6.1)
 
 REPO = Path(__file__).resolve().parent.parent
-ENTRY = REPO / "integrations" / "verl_reward.py"
+ENTRY = REPO / "verl_bridge" / "reward.py"
 LOADERS = Path(__file__).resolve().parent / "verl_loaders.py"
 REAL = "You open the drawer 1. The drawer 1 is open. In it, you see nothing."
 WRONG = "You open the drawer 2. The drawer 2 is open. In it, you see a pen 1."  # d ~ 0.2 (test_reward.py)
@@ -152,7 +152,7 @@ def test_compute_score_reads_reward_binary_strings(score):
 
 def test_compute_score_takes_tau_d_and_the_embedder_from_reward_kwargs():
     """verl's custom_reward_function.reward_kwargs arrive as keyword arguments: they override the row's."""
-    from integrations.verl_reward import compute_score
+    from verl_bridge.reward import compute_score
     from reward import BUNDLED_EMBEDDER
 
     row = dict(assistant_prefix="<next_state>", embedder="/no/such/embedder", tau_d=0.1)

@@ -18,11 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: t
 
 import torch  # noqa: E402
 
-from integrations import choose  # noqa: E402
-from support import engine  # noqa: E402
+import choose  # noqa: E402
+import engine  # noqa: E402
 import rwml  # noqa: E402
-from integrations.settings import GRPOConfig  # noqa: E402
-from integrations import worlds  # noqa: E402
+from stages.settings import GRPOConfig  # noqa: E402
+import envs
+from worlds import textworld  # noqa: E402
 
 
 def main() -> None:
@@ -30,8 +31,8 @@ def main() -> None:
     torch.manual_seed(0)
     model, tok = engine.load_model(engine.BUNDLED_MODEL)
     model = engine.add_lora(model, r=16, alpha=32)
-    game, rng, turns, summaries = worlds.textworld_games("train", 1, seed=0)[0], random.Random(0), [], []
-    with worlds.make("textworld", num_workers=0, max_turns=8) as env:
+    game, rng, turns, summaries = textworld.textworld_games("train", 1, seed=0)[0], random.Random(0), [], []
+    with envs.make("textworld", num_workers=0, max_turns=8) as env:
         for ep in range(4):
             obs, past = env.reset({0: dict(game=game)})[0]["obs"], []
             for step in range(8):

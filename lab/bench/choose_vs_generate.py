@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: the project's modules
 
-from support import engine  # noqa: E402
+import engine  # noqa: E402
 import rwml  # noqa: E402
 from train import ACTORS  # noqa: E402
-from integrations import worlds  # noqa: E402
+import envs  # noqa: E402
 
 
 def play_once(model, tok, env, games: list, mode: str, max_new_tokens: int) -> dict:
@@ -45,10 +45,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None, help="also write the numbers as JSON here")
     a = p.parse_args()
-    games = worlds.games(a.env, "test" if a.env == "textworld" else "valid_seen", a.num_games, 0)
+    games = envs.games(a.env, "test" if a.env == "textworld" else "valid_seen", a.num_games, 0)
     model, tok = engine.load_model(a.model, a.adapter)
     runs = {"choose": [], "generate": []}
-    with worlds.make(a.env, num_workers=0, max_turns=a.max_turns) as env:
+    with envs.make(a.env, num_workers=0, max_turns=a.max_turns) as env:
         for r in range(a.repeats + 1):
             for mode in (("choose", "generate") if r % 2 == 0 else ("generate", "choose")):
                 res = play_once(model, tok, env, games, mode, a.max_new_tokens)

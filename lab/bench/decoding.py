@@ -51,7 +51,7 @@ def triplets() -> list:
 def one(shape: str, variant: str, adapter: str | None = None) -> dict:
     import torch
 
-    from support import engine
+    import engine
     import rwml
 
     model, tok = engine.load_model(engine.BUNDLED_MODEL, adapter)
@@ -77,7 +77,7 @@ def one(shape: str, variant: str, adapter: str | None = None) -> dict:
 
 def plain_generate(model, tok, trips, n, static=False):
     """model.generate as a user writes it: the chat texts, repeated n times, one call."""
-    from support import engine
+    import engine
     import rwml
 
     texts = [engine.chat(tok, rwml.wm_prompt(t, False), rwml.wm_system(trips[0]), rwml.wm_prefix(False))

@@ -17,7 +17,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: the project's modules
 
 import envs  # noqa: E402
-from support import gamepool  # noqa: E402
 
 
 def script(game: str, start: dict, length: int) -> list[str]:
@@ -28,7 +27,7 @@ def script(game: str, start: dict, length: int) -> list[str]:
 
 def bench_engine(games: list[str], cache: bool, length: int, repeats: int) -> tuple[float, float]:
     """(steps/s, resets/s) of one in-process game playing every script `repeats` times."""
-    gamepool.use_engine_cache(cache)
+    envs.use_engine_cache(cache)
     game, steps, step_time, resets, reset_time = envs.Game(max_turns=10 * length), 0, 0.0, 0, 0.0
     for g in games:
         plan = script(g, game.reset(g), length)  # warm-up: load the game once
@@ -42,13 +41,13 @@ def bench_engine(games: list[str], cache: bool, length: int, repeats: int) -> tu
                 game.step(command)
             step_time += time.perf_counter() - t
             steps += len(plan)
-    gamepool.use_engine_cache(False)
+    envs.use_engine_cache(False)
     return steps / step_time, resets / reset_time
 
 
 def bench_pool(games: list[str], workers: int, length: int, repeats: int) -> float:
     """Steps/s of a worker pool stepping all games in lock step, as the agent loop does."""
-    with gamepool.EnvPool(num_workers=workers, max_turns=10 * length, game_cls=envs.Game) as pool:
+    with envs.EnvPool(num_workers=workers, max_turns=10 * length, game_cls=envs.Game) as pool:
         starts = pool.reset(dict(enumerate(games)))
         plans = {s: script(games[s], starts[s], length) for s in starts}
         steps, elapsed = 0, 0.0

@@ -24,7 +24,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 import torch  # noqa: E402
 from bench.random_models import build  # noqa: E402
 
-from support import engine  # noqa: E402
+import engine  # noqa: E402
 import envs  # noqa: E402
 import rwml  # noqa: E402
 import train  # noqa: E402

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: the project's modules
 
-from support import engine  # noqa: E402
+import engine  # noqa: E402
 
 ARMS = ("ours", "trl")
 
@@ -62,7 +62,7 @@ def run_ours(cfg: BenchConfig) -> dict:
     import torch
 
     import rwml
-    from integrations.settings import GRPOConfig
+    from stages.settings import GRPOConfig
     from reward import SimToRealReward
 
     trips, reward = job_triplets(cfg), SimToRealReward()
@@ -172,7 +172,7 @@ def table(runs: list[dict], cfg: BenchConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from support.cli import parse_config
+    from harness.cli import parse_config
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--run"]:  # a child process: one arm, one JSON line on stdout
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import trl  # noqa: F401 (is it installed?)
     except ImportError:
-        from support.common import UserError
+        from harness.common import UserError
 
         raise UserError("TRL is not installed: pip install --no-deps -r lab/bench/requirements.txt") from None
     runs = []
@@ -212,6 +212,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from support.cli import run_cli
+    from harness.cli import run_cli
 
     run_cli(main)

@@ -21,16 +21,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: the project's modules
 
-from support import engine  # noqa: E402
+import engine  # noqa: E402
 
 
 def one_step(job: str, arm: str, model_name: str, a) -> dict:
     import torch
 
-    from support import cost
+    from harness import cost
     import envs
     import rwml
-    from integrations.settings import GRPOConfig
+    from stages.settings import GRPOConfig
 
     model, tok = engine.load_model(model_name)
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
-"""Support (skip on a first read): the reward file verl loads by path (`custom_reward_function.path=<this
-folder>/verl_reward.py custom_reward_function.name=compute_score`), for the parquets `train.py export` writes.
+"""The reward file verl loads by path (`custom_reward_function.path=<this
+folder>/reward.py custom_reward_function.name=compute_score`), for the parquets `train.py export` writes.
 
 Made for how verl loads it: verl >= 0.7 executes the file without registering it in `sys.modules` (older verl
 registers it as `custom_module` first), from whatever folder the trainer runs in, with nothing on
@@ -21,7 +21,7 @@ import types
 from collections.abc import Mapping
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parent.parent  # the repository: reward.py, support/
+_ROOT = Path(__file__).resolve().parent.parent  # the repository: reward.py, harness/
 _PRIVATE = "_rwml_verl_"  # the repository's modules as this file loads them: _rwml_verl_reward, ...
 
 

@@ -1,6 +1,5 @@
-"""Support (skip on a first read): the other environments, TextWorld's generated games (the laptop setting
-for stage 2) behind envs.py's interface, tau2-bench from integrations/tau2.py; then the registry of every
-environment (`ENVIRONMENTS`, `env_class`, `make`, `games`) and their settings (`WorldArgs`)."""
+"""TextWorld's generated games (the laptop setting for stage 2) behind envs.py's interface; envs.py's
+registry loads it by name (`envs.ENVIRONMENTS`), its settings are stages/settings.py's `WorldArgs`."""
 from __future__ import annotations
 
 import json
@@ -8,15 +7,12 @@ import os
 import random
 import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-import envs
-from support.common import UserError, arg, did_you_mean
+from harness.common import UserError
 from envs import Alfworld, Game
-from integrations.tau2 import TAU2_DOMAINS, Tau2
 
 
 # ============================================================================ TextWorld generated games
@@ -170,52 +166,3 @@ class TextWorld(Alfworld):
     @staticmethod
     def games(split: str, num: int | None, seed: int = 0, *, sizes: tuple = (2, 4, 2), **_) -> list[str]:
         return textworld_games(split, num, seed, *sizes)
-
-
-# ============================================================================ the registry
-ENVIRONMENTS = dict(alfworld=envs.Alfworld, textworld=TextWorld, tau2=Tau2)  # `--env` and a triplet's `env`
-# the settings an environment's class gives where unset
-ENV_DEFAULTS = ("tau_d", "rouge_gate", "max_completion_length")
-
-
-def env_class(name: str):
-    """An environment's class, where its facts live (tau_d, max_completion_length, prompts, splits)."""
-    if name not in ENVIRONMENTS:
-        raise UserError(f"unknown --env {name!r}; choose one of {', '.join(ENVIRONMENTS)}"
-                        + did_you_mean(name, ENVIRONMENTS))
-    return ENVIRONMENTS[name]
-
-
-def make(name: str = "alfworld", *, num_workers: int = 2, max_turns: int = 30, at_once: int | None = None,
-         **settings):
-    """The environment the agent plays: ALFWorld or TextWorld games in `num_workers` processes, or a tau2
-    `domain` (with its `user_model`). `at_once`: the most episodes that run together; more workers than that
-    would only idle."""
-    workers = num_workers if at_once is None else min(num_workers, max(at_once, 1))
-    return env_class(name)(num_workers=workers, max_turns=max_turns, **settings)
-
-
-def games(name: str, split: str, num: int | None, seed: int = 0, domain: str = "retail",
-          sizes: tuple[int, int, int] = (2, 4, 2)) -> list:
-    """What the agent plays: ALFWorld game files, TextWorld games generated at `sizes` (world size, objects,
-    quest length), or tau2 tasks (each a seeded subset of a split)."""
-    return env_class(name).games(split, num, seed, domain=domain, sizes=sizes)
-
-
-@dataclass
-class WorldArgs:
-    _argument_group_name = "the games: workers, TextWorld's sizes, tau2's domain and customer"
-    num_envs: int = arg(16, "episodes played (and generated for) together", min=1)
-    num_workers: int = arg(2, "game processes (0 = play in this process)", min=0, resume_free=True)
-    world_size: int = arg(2, "textworld: rooms of a generated game (tw-make's --world-size)", min=1,
-                          part_of="collect:textworld")
-    nb_objects: int = arg(4, "textworld: objects of a generated game", min=1, part_of="collect:textworld")
-    quest_length: int = arg(2, "textworld: steps of the winning quest (at 2 random play wins ~25 % in 10 "
-                               "steps)", min=1, part_of="collect:textworld")
-    domain: str = arg("retail", "tau2: airline | retail | telecom", choices=TAU2_DOMAINS,
-                      part_of="collect:tau2")
-    user_model: str | None = arg(None, "tau2's simulated customer: any HF causal LM; None = the agent's "
-                                       "model (adapter off)", part_of="collect:tau2")
-    num_tasks: int | None = arg(4, "tau2: tasks of the split (None = all; retail train has 74)",
-                                check=lambda v: v >= 1, why="must be at least 1 (or left out: all tasks)",
-                                part_of="collect:tau2")

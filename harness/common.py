@@ -1,4 +1,4 @@
-"""Support (skip on a first read): what every layer needs and nothing above it provides: the one-line error
+"""What every layer needs and nothing above it provides: the one-line error
 (`UserError`), its did-you-mean, a setting's declaration (`arg`), files written whole, and paths as a reader's
 clone has them (`repo_path`).
 
@@ -17,7 +17,7 @@ import os
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent  # the repository (this file is in support/)
+ROOT = Path(__file__).resolve().parent.parent  # the repository (this file is in harness/)
 RERUN = "rerun the same command to continue (with --resume for train.py wm and policy)"
 
 
@@ -79,25 +79,29 @@ def again(cls, name: str, default=dataclasses.MISSING, help: str | None = None):
 
 def code_sha(entry: str = "train.py", root: Path = ROOT) -> str:
     """A cache key's code: the sha256 of `entry` and of every module of the repository it imports, however
-    deep, function-level imports too (envs imports reward inside score_wm). Read from the sources, not from
-    sys.modules: what a process has imported so far depends on what it ran first, and a key must not."""
+    deep, function-level imports too (envs imports reward inside score_wm), and what a registry loads by name
+    ("module:name"). Read from the sources, not from sys.modules: what a process has imported so far depends
+    on what it ran first, and a key must not."""
     seen, todo = {}, [root / entry]
     while todo:
         if (path := todo.pop()) in seen:
             continue
         seen[path] = data = path.read_bytes()
-        todo += [p for m in _imports(data) if (p := root / f"{m.replace('.', '/')}.py").is_file()]
+        names = [m.replace(".", "/") for m in _imports(data)]  # a module's file, or a package's __init__.py
+        todo += [p for m in names for p in (root / f"{m}.py", root / m / "__init__.py") if p.is_file()]
     return hashlib.sha256(b"".join(p.relative_to(root).as_posix().encode() + b"\0" + d + b"\0"
                                    for p, d in sorted(seen.items()))).hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=256)
 def _imports(source: bytes) -> tuple[str, ...]:
-    """The modules (and `from` names, which may be modules) a source imports, anywhere in it."""
+    """The modules (and `from` names, which may be modules) a source imports, anywhere in it, and the modules
+    of its "module:name" strings (a registry's entries)."""
     return tuple(m for node in ast.walk(ast.parse(source)) for m in (
         [a.name for a in node.names] if isinstance(node, ast.Import) else [
             node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-        if isinstance(node, ast.ImportFrom) and node.module and not node.level else []))
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level else
+        [node.value.split(":")[0]] if isinstance(node, ast.Constant) and ":" in str(node.value) else []))
 
 
 # ----------------------------------------------------------------------------- files that survive interrupts

@@ -1,6 +1,6 @@
-"""Support (skip on a first read): tau2-bench, tool use with a simulated customer (METHOD.md §8), behind
+"""tau2-bench, tool use with a simulated customer (METHOD.md §8), behind
 envs.py's interface: its tasks, episodes, the agent's and the customer's tool calls, pass^k and the line
-`eval.py agent --env tau2` prints. The registry is integrations/worlds.py."""
+`eval.py agent --env tau2` prints. The registry is envs.py's."""
 from __future__ import annotations
 
 import importlib
@@ -10,9 +10,8 @@ import random
 import statistics
 from contextlib import nullcontext
 
-
-from support.common import UserError, did_you_mean, utf8_clean
-from support.engine import chat_template, load_model, sample
+from harness.common import UserError, did_you_mean, utf8_clean
+from engine import chat_template, load_model, sample
 from envs import _literal, tag_blocks
 
 

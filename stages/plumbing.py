@@ -1,4 +1,4 @@
-"""Support (skip on a first read): the plumbing under train.py and eval.py; nothing here is the method.
+"""The plumbing under train.py and eval.py; nothing here is the method.
 
 Every value checked before any model loads, one-line errors; files that survive interrupts, checkpoints and
 --resume; metrics under TRL's names, trackers (adapters, their model cards and the reward curve: cards.py).
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from support import engine
-from support.cards import save_peft
-from support.cli import check_fields, resume_free
-from support.common import (PATH_KEYS, UserError, file_problem, read_jsonl, stored_config,
+import engine
+from stages.cards import save_peft
+from harness.cli import check_fields, resume_free
+from harness.common import (PATH_KEYS, UserError, file_problem, read_jsonl, stored_config,
                             write_atomic, write_jsonl)
 
 # ------------------------------------------------------------------- checks before anything slow runs

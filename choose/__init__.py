@@ -1,4 +1,4 @@
-"""Support (skip on a first read): choose mode, the policy as a softmax over a turn's admissible
+"""Choose mode, the policy as a softmax over a turn's admissible
 commands, and random, a uniform admissible command (a baseline): two actors that `rwml.play` and stage 2's
 update are given instead of the paper's free-form replies (`rwml.GENERATE`), one object each (`CHOOSE`,
 `RANDOM`).
@@ -9,8 +9,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from support.common import UserError
-from support.engine import chat, group_logprobs
+from harness.common import UserError
+from engine import chat, group_logprobs
 
 # ================================================= §6 Stage 2, choose mode: a policy over admissible commands
 # Small LMs act without invalid actions when the policy is the LM's likelihood of each admissible command,
@@ -19,7 +19,7 @@ from support.engine import chat, group_logprobs
 # "go to cabinet 1" is not scored as a prefix of "go to cabinet 10"):
 #   score(a) = sum_t log p_theta(a_t | prompt, a_<t),   pi(a|s) = softmax_a(score(a) / T)
 # Summed: the exact log-probability of the command's text under the LM (a length-normalised score was
-# measured and dropped: lab/results/choice_score_sum_vs_mean/).
+# measured and dropped: it chose no better).
 # Batched: a turn's prompt runs once and every candidate runs on its key/value cache (`group_logprobs`).
 
 CHOICE_PREFIX, CHOICE_END = "<action>", "</action>"

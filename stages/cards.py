@@ -1,4 +1,4 @@
-"""Support (skip on a first read): what a run leaves for its reader: the reward curve (plot_rewards), the
+"""What a run leaves for its reader: the reward curve (plot_rewards), the
 adapters saved the peft way with a model card each (save_adapter, write_card: the stage, its settings, the
 data, the held-out lines, a query snippet). Nothing here is the method; what it needs of the method (a
 world-model prompt) comes in as arguments."""
@@ -12,8 +12,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from support import engine
-from support.common import names, read_jsonl, repo_path, write_atomic
+import engine
+from harness.common import names, read_jsonl, repo_path, write_atomic
 
 # ------------------------------------------------------------------------------------------- the reward curve
 

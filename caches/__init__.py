@@ -1,4 +1,4 @@
-"""Support (skip on a first read): the caches that let a run reuse what the same settings and code made (each
+"""The caches that let a run reuse what the same settings and code made (each
 key: the settings that decide it and `code_sha`), each checked whole before use: the filter's, the held-out
 explore set's ($RWML_CACHE/heldout), the warm-up's more train games', `all`'s "before" scores.
 
@@ -15,11 +15,12 @@ from pathlib import Path
 
 import torch
 
-from support import cost, engine
+import engine
+from harness import cost
 import envs
-from support.common import code_sha, file_problem, names, read_jsonl, write_atomic, write_jsonl
-from support.plumbing import write_eval
-from integrations.runs import (WARMUP_STREAM, before_made_by, collect_job, collect_meta, split_games,
+from harness.common import code_sha, file_problem, names, read_jsonl, write_atomic, write_jsonl
+from stages.plumbing import write_eval
+from stages.runs import (WARMUP_STREAM, before_made_by, collect_job, collect_meta, split_games,
                                walkthroughs, warmup_games)
 
 # ------------------------------------------------------------- the caches: the filter's, the held-out set's

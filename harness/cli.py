@@ -1,4 +1,4 @@
-"""Support (skip on a first read): the command line of train.py, eval.py and the lab's scripts.
+"""The command line of train.py, eval.py and the lab's scripts.
 
 transformers' HfArgumentParser (TRL's scripts parse with it) reads flags and a JSON or YAML --config file into
 a settings class whose every setting is declared once (`common.arg`: name, type, default, help, choices,
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from transformers import HfArgumentParser
 
-from support.common import RERUN, UserError, clip, closest, did_you_mean
+from harness.common import RERUN, UserError, clip, closest, did_you_mean
 
 
 class _Parser(HfArgumentParser):

@@ -1,4 +1,4 @@
-"""Support (skip on a first read): a run's bookkeeping under train.py's stages, none of it the method: the
+"""A run's bookkeeping under train.py's stages, none of it the method: the
 --out lock; the settings a stage needs together, checked before anything slow (`check_stage`), and those it
 takes from its triplets (`settle_env`: their environment); the games it plays; a collection that continues
 where it stopped (collect.json, finished episodes); eval.py agent's random policy and log; why a triplet
@@ -28,9 +28,8 @@ import torch
 from tqdm.auto import tqdm
 
 import envs
-from integrations import worlds
-from support.common import UserError, code_sha, names, read_jsonl, write_atomic, write_jsonl
-from support.plumbing import (PROMPT_TAIL, check_resume, context_problem, group_table, jsonl_writer,
+from harness.common import UserError, code_sha, names, read_jsonl, write_atomic, write_jsonl
+from stages.plumbing import (PROMPT_TAIL, check_resume, context_problem, group_table, jsonl_writer,
                               read_transitions, run_header, sample_triplets)
 from reward import parse_next_state
 
@@ -117,7 +116,7 @@ def check_stage(cfg, stage: str) -> None:
 
 def check_play(cfg) -> None:
     """Choose mode picks among a turn's admissible commands, which not every environment lists (tau2)."""
-    if cfg.action_mode == "choose" and not worlds.env_class(cfg.env).can_choose:
+    if cfg.action_mode == "choose" and not envs.env_class(cfg.env).can_choose:
         raise UserError(f"--action-mode choose picks among a turn's admissible commands, and {cfg.env} has "
                         f"no such list; use --action-mode generate with --env {cfg.env}")
 
@@ -163,7 +162,7 @@ def warmup_games(cfg) -> list:
 
 def split_games(cfg) -> list:
     """The games a stage plays: `num_games` ALFWorld game files of `split`, or `num_tasks` tau2 tasks."""
-    return worlds.games(cfg.env, cfg.split, cfg.num_tasks if cfg.env == "tau2" else cfg.num_games, cfg.seed,
+    return envs.games(cfg.env, cfg.split, cfg.num_tasks if cfg.env == "tau2" else cfg.num_games, cfg.seed,
                         cfg.domain, (cfg.world_size, cfg.nb_objects, cfg.quest_length))
 
 
@@ -172,7 +171,7 @@ TRIPLET_STAGES = ("wm-sft", "filter", "wm", "export")  # the stages that take a 
 
 def settle_env(stage: str, cfg, given: set):
     """A stage that takes triplets takes their environment and, unless given, its world-model defaults
-    (`worlds.ENV_DEFAULTS`: tau_d, the cap); a given --env that disagrees with them is refused."""
+    (`envs.ENV_DEFAULTS`: tau_d, the cap); a given --env that disagrees with them is refused."""
     if stage == "all" and "warmup_games" in given and cfg.warmup_games and not cfg.warmup:
         raise UserError(f"--warmup-games {cfg.warmup_games} collects more games for the warm-up, and "
                         "--no-warmup has none: leave one of them out")
@@ -187,7 +186,7 @@ def settle_env(stage: str, cfg, given: set):
         raise UserError(f"--eval-transitions {cfg.eval_transitions} holds {held} triplets, --transitions "
                         f"{env} ones; the learning curve scores the run's environment: give held-out {env} "
                         "triplets")
-    return dataclasses.replace(cfg, env=env, **{k: None for k in worlds.ENV_DEFAULTS if k not in given})
+    return dataclasses.replace(cfg, env=env, **{k: None for k in envs.ENV_DEFAULTS if k not in given})
 
 
 def triplets_env(path: str | None, flag: str = "--transitions") -> str | None:
@@ -199,7 +198,7 @@ def triplets_env(path: str | None, flag: str = "--transitions") -> str | None:
         for n, line in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), 1):
             with contextlib.suppress(ValueError, AttributeError):
                 env = json.loads(line).get("env", "alfworld")
-                if isinstance(env, str) and env in worlds.ENVIRONMENTS:  # else a line read_transitions names
+                if isinstance(env, str) and env in envs.ENVIRONMENTS:  # else a line read_transitions names
                     found.setdefault(env, n)
     if len(found) > 1:
         lines = ", ".join(f"{e} from line {n}" for e, n in found.items())
@@ -321,14 +320,14 @@ def wm_row(state: dict, res: dict, u: dict, batch: list[dict], learning_rate: fl
                             "completions/clipped_ratio")},
         **u, learning_rate=learning_rate, seconds=round(seconds, 2),
         target_kinds=[envs.observation_kind(t["next_obs"]) for t in batch],
-        group_rewards=res["group_rewards"], **nothing_by_group(  # the drift diagnostics (lab/NOTEBOOK.md)
+        group_rewards=res["group_rewards"], **nothing_by_group(  # the drift diagnostics
             [parse_next_state(c) for c in res["completions"]], torch.tensor(res["advantages"]),
             len(res["completions"]) // len(batch)))
 
 
 def nothing_by_group(states: list[str | None], advantages: torch.Tensor, G: int) -> dict:
     """The share of "Nothing happens." predictions and, per prompt, how many and the advantage they got (> 0:
-    pushed up): which groups move the share of that answer, the small model's most common drift (NOTEBOOK)."""
+    pushed up): which groups move the share of that answer, the small model's most common drift."""
     nothing = torch.tensor([s == envs.NOTHING for s in states], dtype=torch.float).view(-1, G)
     pushed = (nothing * advantages.view(-1, G)).sum(1).tolist()
     return dict(nothing_share=sum(s == envs.NOTHING for s in states) / len(states),
@@ -431,14 +430,14 @@ def log_groups(samples, cfg, step: int, batch: list[dict], prompts: list[str], r
 
 def policy_eval_games(cfg) -> list:
     """The held-out games of stage 2's learning curve: eval_games of eval_split (never the train split)."""
-    split = cfg.eval_split or worlds.env_class(cfg.env).splits.get("dev")
+    split = cfg.eval_split or envs.env_class(cfg.env).splits.get("dev")
     if split is None:
         raise UserError(f"--eval-steps plays held-out games, which --env {cfg.env} has no dev split of; "
                         "use --eval-steps 0 and eval.py afterwards")
     if split == cfg.split:
         raise UserError(f"--eval-split {split} is the split stage 2 trains on; pick a held-out one "
                         "(e.g. dev)")
-    return worlds.games(cfg.env, split, cfg.eval_games, 0, cfg.domain,
+    return envs.games(cfg.env, split, cfg.eval_games, 0, cfg.domain,
                         (cfg.world_size, cfg.nb_objects, cfg.quest_length))
 
 
@@ -460,8 +459,8 @@ def triplet_problem(cfg, wm):
     """For read_transitions: why a triplet cannot train with `cfg` (an unknown env; a world-model prompt and
     answer past the model's context), or None. `wm(triplet, reasoning)`: its chat (rwml.wm_texts)."""
     def problem(t: dict) -> str | None:
-        if "env" in t and (not isinstance(t["env"], str) or t["env"] not in worlds.ENVIRONMENTS):
-            return f"env {json.dumps(t['env'])[:40]} is not one of {', '.join(worlds.ENVIRONMENTS)} " \
+        if "env" in t and (not isinstance(t["env"], str) or t["env"] not in envs.ENVIRONMENTS):
+            return f"env {json.dumps(t['env'])[:40]} is not one of {', '.join(envs.ENVIRONMENTS)} " \
                    "(or left out)"
         chats = [wm(t, r) for r in {cfg.wm_reasoning, False}]  # (system, prompt, prefix, stop)
         return context_problem(cfg, [(p, s, x) for s, p, x, _ in chats], t["next_obs"] + chats[0][3])

@@ -1,8 +1,8 @@
-"""Support (skip on a first read): every setting of train.py and eval.py, declared once (`common.arg`: its
+"""Every setting of train.py and eval.py, declared once (`common.arg`: its
 flag, `--config` key, default, help, bounds, and what else it decides), in groups read together, and the
 stages with the groups each reads (`STAGES`: its --help, its warnings). Defaults: the small-model recipe
 that shows RWML learning on the bundled 135M model on a CPU; departures from the paper say "(paper: ...)"
-(configs/paper.json undoes them); the engine's own: support/engine.py.
+(configs/paper.json undoes them); the engine's own: engine/.
 """
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import envs
 from reward import BUNDLED_EMBEDDER
-from integrations import verl_export, worlds
-from support import engine
-from support.common import again, arg
+import engine
+from harness.common import again, arg
 
 SEED_MAX = 2**32 - 1  # numpy's bound (transformers' set_seed); torch's is 2**64 - 1
 _SEED = dict(check=lambda v: 0 <= v <= SEED_MAX, why=f"must be between 0 and {SEED_MAX}")
+_ENVS = {name: envs.env_class(name) for name in envs.ENVIRONMENTS}  # their defaults, in --help
 _SHARE = dict(check=lambda v: 0 <= v <= 1, why="must be between 0 and 1")
 
 
@@ -27,7 +27,7 @@ class ModelArgs:
     load_in_4bit: bool | None = arg(None, "NF4 base weights (QLoRA); None = on with CUDA and >= 1B "
                                           "parameters", part_of="score")
     env: str = arg("alfworld", "or textworld (generated games) or tau2 (tool use; games = tasks); its "
-                   "class (worlds.ENVIRONMENTS) holds its defaults", choices=tuple(worlds.ENVIRONMENTS),
+                   "class (envs.ENVIRONMENTS) holds its defaults", choices=tuple(envs.ENVIRONMENTS),
                    part_of="episodes")
     seed: int = arg(0, "seeds every random draw of a run", **_SEED, part_of="collect card score")
     out: str = arg("runs/rwml", "the run's folder", resume_free=True)
@@ -44,7 +44,7 @@ class AdapterArgs:
 class PlayArgs:
     _argument_group_name = "how the agent plays (collect, policy, rft; eval.py agent)"
     action_mode: str = arg("generate", "generate: free ReAct replies (paper); choose: a softmax over the "
-                           "admissible commands (integrations/choose.py)", choices=("generate", "choose"),
+                           "admissible commands (choose/)", choices=("generate", "choose"),
                            part_of="episodes card:policy")
     split: str | None = arg("train", "the games' split", part_of="collect")
     num_games: int | None = arg(16, "the paper plays every train game (3553); small default for a CPU "
@@ -54,6 +54,25 @@ class PlayArgs:
     history_len: int = arg(2, "H: past (observation, action) pairs the agent sees (paper: 2)", min=0,
                            part_of="collect")
     max_new_tokens: int = arg(64, "a reply: <think>...</think><action>...</action>", min=1, part_of="collect")
+
+
+@dataclass
+class WorldArgs:
+    _argument_group_name = "the games: workers, TextWorld's sizes, tau2's domain and customer"
+    num_envs: int = arg(16, "episodes played (and generated for) together", min=1)
+    num_workers: int = arg(2, "game processes (0 = play in this process)", min=0, resume_free=True)
+    world_size: int = arg(2, "textworld: rooms of a generated game (tw-make's --world-size)", min=1,
+                          part_of="collect:textworld")
+    nb_objects: int = arg(4, "textworld: objects of a generated game", min=1, part_of="collect:textworld")
+    quest_length: int = arg(2, "textworld: steps of the winning quest (at 2 random play wins ~25 % in 10 "
+                               "steps)", min=1, part_of="collect:textworld")
+    domain: str = arg("retail", "tau2: airline | retail | telecom",
+                      choices=envs.load("worlds.tau2:TAU2_DOMAINS"), part_of="collect:tau2")
+    user_model: str | None = arg(None, "tau2's simulated customer: any HF causal LM; None = the agent's "
+                                       "model (adapter off)", part_of="collect:tau2")
+    num_tasks: int | None = arg(4, "tau2: tasks of the split (None = all; retail train has 74)",
+                                check=lambda v: v >= 1, why="must be at least 1 (or left out: all tasks)",
+                                part_of="collect:tau2")
 
 
 @dataclass
@@ -85,7 +104,7 @@ class HeldoutArgs:
                                "scored; a study draws fresh ones with another seed)", min=0, resume_free=True)
     warmup_games: int = arg(32, "all: the warm-up's SFT also trains on the expert walkthroughs and the "
                                 "collection policy's own play of this many other train games (never GRPO's;"
-                                " lab/results/wm_dev: it brought RWML to the template rule on valid_seen); "
+                                " it brought RWML to the template rule on valid_seen); "
                                 "0 = off", min=0)
     train_probes: bool = arg(True, "all: the warm-up's and GRPO's triplets also hold the state probes of "
                                    "their train games (revisits, takes, puts: envs.state_probes)")
@@ -103,12 +122,12 @@ class WorldModelArgs:
     embedder: str = arg(BUNDLED_EMBEDDER, "any sentence-transformers model id or folder",
                         part_of="filter score")
     tau_d: float | None = arg(None, "r = 1 iff 1 - cos(E(prediction), E(real)) < tau_d; " + _PER_ENV(
-        ", ".join(f"{k} {c.tau_d}" for k, c in worlds.ENVIRONMENTS.items())) + "; lab/results/reward_audit",
+        ", ".join(f"{k} {c.tau_d}" for k, c in _ENVS.items())),
         check=lambda v: 0 < v <= 2, why="must be in (0, 2] (a cosine distance)",
         part_of="filter card:wm score")
     rouge_gate: float | None = arg(None, "> 0: r = 1 also needs ROUGE-1 F >= this (the gate of the authors' "
                                          "code); " + _PER_ENV(", ".join(f"{k} {c.rouge_gate}" for k, c in
-                                                                        worlds.ENVIRONMENTS.items())),
+                                                                        _ENVS.items())),
                                    check=lambda v: 0 <= v <= 1, why="must be between 0 and 1 (0 = off)",
                                    part_of="filter score")
     reward_metric: str = arg("embedding", 'or "rouge" (ablation)', choices=("embedding", "rouge"),
@@ -117,7 +136,7 @@ class WorldModelArgs:
     wm_reasoning: bool = arg(False, "<think> then <next_state> (paper: True); off: reply from <next_state> "
                                     "on", part_of="score")
     max_completion_length: int | None = arg(None, "tokens per world-model prediction; " + _PER_ENV(", ".join(
-        f"{k} {c.max_completion_length}" for k, c in worlds.ENVIRONMENTS.items())), min=1,
+        f"{k} {c.max_completion_length}" for k, c in _ENVS.items())), min=1,
                                             part_of="filter card:wm score")
 
 
@@ -147,7 +166,7 @@ class FilterArgs:
     warmup_transitions: str | None = arg(None, "more triplets the SFT copy (the warm-up) trains on besides "
                                                "its split, never GRPO's: transitions.jsonl files, "
                                                "comma-separated (e.g. walkthroughs and the collection "
-                                               "policy's play of more train games; lab/results/wm_dev)",
+                                               "policy's play of more train games)",
                                          part_of="filter")
 
 
@@ -232,18 +251,26 @@ class PolicyArgs:
 
 
 @dataclass
-class Settings(ModelArgs, AdapterArgs, PlayArgs, worlds.WorldArgs, SamplingArgs, CollectArgs,
+class VerlArgs:
+    _argument_group_name = "verl (export)"
+    format: str = arg("verl", "the filtered triplets as verl's GRPO parquet (reward: compute_score)",
+                      choices=("verl",))
+    export_warmup: bool = arg(False, "also train and save the warm-up adapter (verl does not use it)")
+
+
+@dataclass
+class Settings(ModelArgs, AdapterArgs, PlayArgs, WorldArgs, SamplingArgs, CollectArgs,
                HeldoutArgs, WorldModelArgs, FilterArgs, engine.SFTArgs, engine.LoraArgs, GRPOArgs,
-               engine.EngineArgs, StepArgs, RWMLArgs, RunArgs, PolicyArgs, verl_export.VerlArgs):
+               engine.EngineArgs, StepArgs, RWMLArgs, RunArgs, PolicyArgs, VerlArgs):
     """Every setting of every stage: what `train.py` parses (a stage reads its groups, `STAGES`)."""
 
     def __post_init__(self):  # unset: the environment's, from its class (an unknown --env: check_fields)
-        for name in worlds.ENV_DEFAULTS:
-            if getattr(self, name) is None and self.env in worlds.ENVIRONMENTS:
-                setattr(self, name, getattr(worlds.ENVIRONMENTS[self.env], name))
+        for name in envs.ENV_DEFAULTS:
+            if getattr(self, name) is None and self.env in _ENVS:
+                setattr(self, name, getattr(_ENVS[self.env], name))
 
 
-_PLAY = (PlayArgs, worlds.WorldArgs, SamplingArgs)  # the agent plays
+_PLAY = (PlayArgs, WorldArgs, SamplingArgs)  # the agent plays
 _WM = (WorldModelArgs, FilterArgs, engine.SFTArgs, engine.LoraArgs)  # triplets, filtered, a world model
 STAGES = {  # name -> its line in `train.py --help`, the setting groups it reads (its --help, its warnings)
     "all": ("collect (train + held-out games), then wm; held-out accuracy before / after",
@@ -263,5 +290,5 @@ STAGES = {  # name -> its line in `train.py --help`, the setting groups it reads
                (ModelArgs, AdapterArgs, *_PLAY, GRPOArgs, engine.EngineArgs, engine.LoraArgs, StepArgs,
                 RunArgs, PolicyArgs)),
     "export": ("verl's GRPO parquets: the kept triplets and the held-out filter split (runs filter first, no "
-               "warm-up); reward: verl_reward.compute_score", (ModelArgs, *_WM, verl_export.VerlArgs)),
+               "warm-up); reward: verl_bridge/reward.py's compute_score", (ModelArgs, *_WM, VerlArgs)),
 }

@@ -1,4 +1,4 @@
-"""Support (skip on a first read): a run's time and peak memory, of the whole run and of each stage.
+"""A run's time and peak memory, of the whole run and of each stage.
 
     with cost.run(out):               # train.py main: at the end one line on stdout and out/cost.json
         with cost.stage("collect"):   # any stage, nested or not, entered once or many times
@@ -13,7 +13,7 @@ counts the largest process of a tree. On CUDA, also torch.cuda.max_memory_alloca
 start.
 
 Importing this module also tunes glibc's allocator (`tune_allocator`), and every stage boundary hands the
-heap's free pages back (`_trim`): without that, freed activations stay in RSS (lab/NOTEBOOK.md, the allocator)
+heap's free pages back (`_trim`): without that, freed activations stay in RSS
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def _glibc():
 
 
 _LIBC = _glibc()
-MMAP_THRESHOLD = int(os.environ.get("RWML_MMAP", 1 << 20))  # bytes (lab/NOTEBOOK.md: the allocator)
+MMAP_THRESHOLD = int(os.environ.get("RWML_MMAP", 1 << 20))  # bytes: glibc's mmap threshold
 
 
 def tune_allocator() -> None:
@@ -71,7 +71,7 @@ def tune_allocator() -> None:
 
 def _trim() -> None:
     """Give the heap's free pages back to the OS at a stage boundary, so that one stage's leftovers are not
-    counted in the next one's peak. RWML_TRIM=0: off (lab/NOTEBOOK.md's table)."""
+    counted in the next one's peak. RWML_TRIM=0: off."""
     if _LIBC is not None and os.environ.get("RWML_TRIM", "1") == "1":
         _LIBC.malloc_trim(0)
 

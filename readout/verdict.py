@@ -1,4 +1,4 @@
-"""Support (skip on a first read): what the default run (`python train.py`, train.train_all) concludes, read
+"""What the default run (`python train.py`, train.train_all) concludes, read
 from its per-triplet files (wm_eval_*.triplets.jsonl): the before / after line per held-out kind, the
 content-free baselines' line, the paired differences (a)-(e) with their CIs (`gain_lines`), the verdict in
 words, and the adapter's card; the reward's controls (MIS, COIN: `reward_control`) and the matched COIN arm
@@ -15,12 +15,14 @@ import time
 from pathlib import Path
 
 import envs
-from integrations.runs import triplet_key
-from support import cost, engine, stats
-from support.cards import TRIPLETS_KEPT, plot_rewards, write_card
+from stages.runs import triplet_key
+import engine
+from harness import cost
+from readout import stats
+from stages.cards import TRIPLETS_KEPT, plot_rewards, write_card
 from reward import coin_reward, mis_targets
-from support.common import UserError, read_jsonl, write_atomic
-from support.plumbing import swap_checkpoint, write_eval
+from harness.common import UserError, read_jsonl, write_atomic
+from stages.plumbing import swap_checkpoint, write_eval
 
 HELDOUT_KINDS = ("explore", "purposeful")  # this collection policy's triplets; the expert walkthroughs'
 
@@ -52,7 +54,7 @@ def coin_control(cfg, out: Path, load, reward_fn, start, model, kept: list[dict]
     """The matched COIN arm: RWML's recipe with a fair coin for a reward, from the same warm-up, on
     the same prompts in the same batches with the same sampling seed, scored on the same held-out triplets
     (wm_eval_coin_<kind>), line (e), `--coin-control`. One arm's coin moves too far from run to run to decide
-    anything (a coin run passed RWML - COIN: lab/results/fresh_seeds). Resumes as `all` does. `train_wm`,
+    anything (a coin run passed RWML - COIN on fresh seeds). Resumes as `all` does. `train_wm`,
     `evaluate`: train.py's RWML and its held-out scoring."""
     model.unload()  # the bare base model again: the control starts from the warm-up as RWML did
     ctrl = out / "coin_control"
