@@ -422,7 +422,7 @@ def test_sft_interrupted_mid_epoch_continues_to_the_uninterrupted_weights(lora_m
     at the end. A resume that started afresh, or one that lost the shuffle's state, gives other weights."""
     import torch
 
-    from support import engine
+    import engine
     prompts = [f"You see a mug {i}. " * (1 + i % 3) for i in range(24)]
     answers = [f"You pick up the mug {i}." for i in range(24)]
 
