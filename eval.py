@@ -145,7 +145,7 @@ def collection_split(transitions: str, key: str = "split", default=None):
 def with_env_defaults(cfg: WMEvalConfig) -> WMEvalConfig:
     """tau_d and the cap where unset: those of the environment the triplets were collected in (each one's
     `env`, absent: alfworld; its class's, envs.ENVIRONMENTS), as train.py's stages take them."""
-    env = envs.ENVIRONMENTS[triplets_env(cfg.transitions) or "alfworld"]
+    env = envs.env_class(triplets_env(cfg.transitions) or "alfworld")
     return replace(cfg, **{k: getattr(env, k) for k in envs.ENV_DEFAULTS if getattr(cfg, k) is None})
 
 

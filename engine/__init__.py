@@ -401,35 +401,20 @@ def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str
     # (prompt text, prompt ids, answer ids), tokenized once; batches are grouped by the prompt text's length
     pairs = [(c, ids(c), ids(a + eos)) for c, a in ((chat(tokenizer, p, system, prefix), a)
                                                      for p, a in zip(prompts, answers))]
-    rng, losses = random.Random(seed), []
-    shapes = [tuple(p.shape) for p in params]  # the data, the settings and the adapter a checkpoint is of
-    key = hashlib.sha256(repr((pairs, epochs, lr, batch_size, seed, shuffle, max_tokens, shapes)).encode())
-    key = key.hexdigest()
-    first, done, saved = 0, 0, time.monotonic()  # the epoch and the batch to start at; the last save's time
-    if resume_file is not None and resume_file.is_file():
-        ck = torch.load(resume_file, weights_only=False)
-        if ck["key"] == key:  # another run's data or settings: start afresh
-            for p, w in zip(params, ck["params"]):
-                p.data.copy_(w)
-            opt.load_state_dict(ck["opt"])
-            rng.setstate(ck["rng"])
-            first, done, losses, pairs = ck["epoch"], ck["batch"], ck["losses"], ck["pairs"]
-            print(f"sft: continues from {resume_file} (epoch {first + 1}, batch {done})", file=sys.stderr)
-
-    def save(epoch, batch, total, order, batches):
-        tmp = resume_file.with_name(resume_file.name + ".tmp")
-        torch.save(dict(key=key, params=[p.detach().clone() for p in params], opt=opt.state_dict(),
-                        rng=rng.getstate(), epoch=epoch, batch=batch, losses=losses, pairs=order,
-                        total=total, batches=batches), tmp)
-        os.replace(tmp, resume_file)
-
+    rng, losses, start, saved = random.Random(seed), [], (0, 0, None, 0.0), time.monotonic()
+    # a resume file is of its data, settings and adapter: another's is ignored
+    key = repr((pairs, epochs, lr, batch_size, seed, shuffle, max_tokens, [p.shape for p in params]))
+    key = hashlib.sha256(key.encode()).hexdigest()
+    if resume_file is not None and resume_file.is_file() and (ck := torch.load(resume_file))["key"] == key:
+        for p, w in zip(params, ck["params"]):
+            p.data.copy_(w)
+        opt.load_state_dict(ck["opt"])
+        rng.setstate(ck["rng"])
+        losses, pairs, start = ck["losses"], ck["pairs"], ck["start"]  # (epoch, batch, batches, loss)
+        print(f"sft: continues from {resume_file} (epoch {start[0] + 1}, batch {start[1]})", file=sys.stderr)
     model.train()
-    for epoch in tqdm(range(first, epochs), desc="sft", unit="epoch", dynamic_ncols=True):
-        if done:  # resumed inside this epoch: its shuffled batches and the loss so far, as they were saved
-            batches, total, start = ck["batches"], ck["total"], done
-            done = 0
-        else:
-            batches, total, start = None, 0.0, 0
+    for epoch in tqdm(range(start[0], epochs), desc="sft", unit="epoch", dynamic_ncols=True):
+        first, batches, total = start[1:] if epoch == start[0] else (0, None, 0.0)
         if batches is None:
             batches = [pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)]
             if shuffle:  # batches of similar lengths (transformers' group_by_length), in random order
@@ -439,7 +424,7 @@ def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str
                            for p in sorted(pairs[i:i + window], key=lambda x: len(x[0]))]
                 batches = [grouped[i:i + batch_size] for i in range(0, len(grouped), batch_size)]
                 rng.shuffle(batches)
-        for b in range(start, len(batches)):
+        for b in range(first, len(batches)):
             chunk = batches[b]
             n = sum(len(a) for _, _, a in chunk)  # the batch's answer tokens: every micro-batch divides by it
             batch_loss = 0.0
@@ -454,7 +439,10 @@ def sft(model, tokenizer, prompts: list[str], answers: list[str], *, system: str
             opt.zero_grad(set_to_none=True)
             total += batch_loss * len(chunk)
             if resume_file is not None and time.monotonic() - saved > every_s and b + 1 < len(batches):
-                save(epoch, b + 1, total, pairs, batches)
+                torch.save(dict(key=key, params=[p.detach() for p in params], opt=opt.state_dict(),
+                                rng=rng.getstate(), losses=losses, pairs=pairs,
+                                start=(epoch, b + 1, batches, total)), tmp := Path(f"{resume_file}.tmp"))
+                os.replace(tmp, resume_file)
                 saved = time.monotonic()
         losses.append(total / max(len(pairs), 1))
     model.eval()

@@ -16,7 +16,7 @@ from envs import UserError
 from stages.plumbing import read_jsonl
 from test_reliability2 import nothing_slow, one_line  # noqa: F401 (a fixture)
 
-TW = envs.ENVIRONMENTS["textworld"]
+TW = envs.env_class("textworld")
 
 
 def with_env(transitions: str, path: Path, env=None, at=None) -> Path:
@@ -55,7 +55,7 @@ def test_a_triplet_stage_takes_tau_d_and_the_cap_of_its_triplets_environment(sta
     train.main(argv + ["--tau-d", "0.3", "--max-completion-length", "100"])  # given: kept
     assert [(c.env, c.tau_d, c.rouge_gate, c.max_completion_length) for c in settled] == [
         ("textworld", TW.tau_d, TW.rouge_gate, TW.max_completion_length)] * 2 + [("textworld", 0.3, 0.0, 100)]
-    alf = envs.ENVIRONMENTS["alfworld"]  # else this test would show nothing:
+    alf = envs.env_class("alfworld")  # else this test would show nothing:
     assert TW.tau_d != alf.tau_d and TW.rouge_gate != alf.rouge_gate
     assert "--env is not read" not in capsys.readouterr().err  # 50.2: these stages read it
 
