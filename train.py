@@ -253,9 +253,10 @@ def train_wm(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn, st
 
 # --------------------------------- all: the default run (python train.py), held-out accuracy before and after
 
-def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
+def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> str:
     """The default run, `python train.py`: collect on train games, collect held-out games (both kinds),
-    filter (+ warm-up), RWML, held-out accuracy before / after, beside the content-free baselines."""
+    filter (+ warm-up), RWML, held-out accuracy before / after, beside the content-free baselines. Returns
+    the verdict in words."""
     with cost.stage("heldout collect"):
         heldout = heldout_triplets(cfg, out, load)
     with cost.stage("collect"):
@@ -291,7 +292,7 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> None:
     print(probe_line(out, start))
     if cfg.coin_control:
         coin_control(cfg, out, load, reward_fn, start, model, kept, heldout, train_wm, evaluate_heldout)
-    all_summary(cfg, out, gain_lines(out, start), held, len(kept), start, t0)  # the card, the last lines
+    return all_summary(cfg, out, gain_lines(out, start), held, len(kept), start, t0)  # the card, the lines
 
 
 def evaluate_heldout(cfg: Settings, model, tok, heldout: list[dict], reward_fn) -> dict:
@@ -446,12 +447,14 @@ def main(argv: list[str] | None = None) -> None:
     trips, curve = stage_inputs(cfg, stage, triplet_problem(cfg, rwml.wm_texts))
     claim_out(cfg, out, stage)  # the --out lock, and --resume's checks
     with cost.run(out, since=t0):  # at the end: the cost line (from t0: the checks too), and out/cost.json
-        run_stage(stage, cfg, out, t0, trips, curve)
+        verdict = run_stage(stage, cfg, out, t0, trips, curve)
+    if verdict:  # `all`: what this world model knows beyond the rule, in words, the last line
+        print(verdict)
 
 
 def run_stage(stage: str, cfg: Settings, out: Path, t0: float, trips: list[dict] | None,
-              curve: list[dict] | None = None) -> None:
-    """One stage, with one model for all its parts, loaded at first need (`load`)."""
+              curve: list[dict] | None = None) -> str | None:
+    """One stage, with one model for all its parts, loaded at first need (`load`); `all`: its verdict."""
     four_bit, loaded = use_4bit(cfg), []
 
     def load():
@@ -471,7 +474,7 @@ def run_stage(stage: str, cfg: Settings, out: Path, t0: float, trips: list[dict]
         elif stage == "wm-sft":
             train_wm_sft(cfg, trips, out, load, make_reward(cfg))
         elif stage == "all":
-            train_all(cfg, out, load, make_reward(cfg), t0)
+            return train_all(cfg, out, load, make_reward(cfg), t0)
         elif stage == "export":  # the filter, then verl's train and held-out parquets
             needs_reward = cfg.easy_filter or cfg.mixed_only and cfg.export_warmup  # the filter scores
             reward_fn = needs_reward and make_reward(cfg)  # verl's bridge, loaded by name:

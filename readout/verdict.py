@@ -268,9 +268,9 @@ def state_words(s: dict) -> str:
             f"{s['rule']['before']:.3f}, the tracker 1.000) {tracks}, {changes}")
 
 
-def all_summary(cfg, out: Path, lines: list[str], held: dict[str, str], kept: int, start, t0: float) -> None:
+def all_summary(cfg, out: Path, lines: list[str], held: dict[str, str], kept: int, start, t0: float) -> str:
     """`all`'s end: the adapter's card (each held-out kind's line, the template rule's beside), and the gain
-    lines, the verdict, its time and its folder."""
+    lines, its time and its folder. Returns the verdict: the run's last line, after the cost line."""
     rule = {k: json.loads((out / f"wm_eval_template_{k}.json").read_text())["wm_accuracy"] for k in held}
     write_card(out / "adapter", cfg, "all", data={TRIPLETS_KEPT: kept},
                bundled=cfg.model == engine.BUNDLED_MODEL,
@@ -278,5 +278,6 @@ def all_summary(cfg, out: Path, lines: list[str], held: dict[str, str], kept: in
                         f"{'the warm-up' if start else 'the base model'}: the content-free template rule "
                         f"{rule[k]:.3f}, {line}" for k, line in held.items()] + lines[-1:])
     plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")  # + before / after
-    print("\n".join(lines) + f"\n{(time.time() - t0) / 60:.1f} min -> {out} (per-triplet outputs: "
+    print("\n".join(lines[:-1]) + f"\n{(time.time() - t0) / 60:.1f} min -> {out} (per-triplet outputs: "
           f"{out}/wm_eval_*.triplets.jsonl)")
+    return lines[-1]

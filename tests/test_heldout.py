@@ -304,15 +304,12 @@ def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
     assert "state probes, exact match by type: the warm-up -> RWML | the rule, rule + copy, the tracker: " \
         in out
     assert "(f) state probes (" in out and "; on the state probes (exact match RWML " in out
-    said = out.splitlines()
-    end = next(i for i, x in enumerate(said) if " min -> " in x)
-    assert said[end - 1].startswith("verdict: ")  # the gain lines end with the verdict in words
+    said = out.splitlines()  # the last line: the verdict in words, after the time and the cost line
+    assert said[-1].startswith("verdict: ") and said[-2].startswith("cost: ") and " min -> " in said[-3]
     check_gain_lines(tmp_path / "run", out)
     train.main(argv)  # `python train.py` again: it continues the finished run (on c290165: "cannot resume")
     again = capsys.readouterr().out
-    said = again.splitlines()
-    end = next(i for i, x in enumerate(said) if " min -> " in x)
-    assert "resumed from" in again and said[end - 1].startswith("verdict: ")
+    assert "resumed from" in again and again.splitlines()[-1].startswith("verdict: ")
     assert f'eval: reusing the "before" scores {tmp_path / "run"}/wm_eval_before_*.json' in again  # said
 
 
