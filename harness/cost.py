@@ -4,19 +4,16 @@
         with cost.stage("collect"):   # any stage, nested or not, entered once or many times
             ...
 
-A stage's peak RSS is its own: the highest RSS a background thread sampled while it was open (every 50 ms;
-activations live for seconds), so a stage after a big one reports less and an enclosing stage the highest of
-its own and its children's. The whole run's peak is the kernel's high-water mark (VmHWM, never reset: what
-getrusage and `/usr/bin/time -v` report), or a stage's sample where the kernel's count trails it. Game worker
-processes are counted apart (the largest that has ended: getrusage RUSAGE_CHILDREN), as `/usr/bin/time -v`
-counts the largest process of a tree. On CUDA, also torch.cuda.max_memory_allocated, reset at each stage's
-start.
-
-Importing this module also tunes glibc's allocator (`tune_allocator`), and every stage boundary hands the
-heap's free pages back (`_trim`): without that, freed activations stay in RSS
+A stage's peak RSS is its own: the highest RSS a thread samples every 50 ms while it is open (activations
+live for seconds); an enclosing stage holds its children's. The run's peak is the kernel's high-water mark
+(getrusage, as `/usr/bin/time -v`), game workers apart (the largest that has ended). On CUDA, also
+torch.cuda.max_memory_allocated, reset at each stage's start. Importing this module tunes glibc's allocator
+(`tune_allocator`); each stage boundary hands the heap's free pages back (`_trim`): else freed activations
+stay in RSS.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import resource
@@ -26,52 +23,35 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
+
 GB = 1024 ** 3
 _KB = 1 if sys.platform == "darwin" else 1024  # ru_maxrss's unit: bytes on macOS, KiB on Linux
+_WORKERS = resource.RUSAGE_CHILDREN  # _peak(_WORKERS): the largest game worker that has ended
 
 
-def _status(field: str) -> int:
-    """A field of /proc/self/status in bytes (VmRSS, VmHWM); without /proc, getrusage's peak so far."""
-    try:
-        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field))
-        return int(line.split()[1]) * 1024
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _KB
+def _peak(who: int = resource.RUSAGE_SELF) -> int:
+    """The peak RSS of this process or (RUSAGE_CHILDREN) of the largest child that has ended."""
+    return resource.getrusage(who).ru_maxrss * _KB
 
 
-def _workers_bytes() -> int:
-    """The largest RSS of any child process that has ended and been waited for."""
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * _KB
-
-
-def _glibc():
-    """The C library when it is glibc (Linux), else None: its malloc is the one tuned below."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-_LIBC = _glibc()
+_C = ctypes.CDLL(None)
+_LIBC = _C if hasattr(_C, "mallopt") and hasattr(_C, "malloc_trim") else None  # glibc (Linux), else None
 MMAP_THRESHOLD = int(os.environ.get("RWML_MMAP", 1 << 20))  # bytes: glibc's mmap threshold
 
 
 def tune_allocator() -> None:
-    """glibc serves a block below its mmap threshold from its heap, and that threshold grows with every
-    large block freed (up to 32 MB): activations of a few MB then fill the heap, fragment it and stay in
-    RSS after they are freed (the GRPO step: 2.95 GB peak RSS for a working set of about 2.2). A fixed
-    threshold of 1 MB maps such blocks and unmaps them when freed, at no measured cost in time. A user's own
+    """glibc's mmap threshold grows with every large block freed (up to 32 MB): activations of a few MB then
+    fill the heap, fragment it and stay in RSS once freed (a GRPO step: 2.95 GB peak for a working set of
+    about 2.2). A fixed 1 MB threshold maps and unmaps them, at no measured cost in time. A user's own
     MALLOC_MMAP_THRESHOLD_ wins."""
     if _LIBC is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ and MMAP_THRESHOLD > 0:
         _LIBC.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
 
 
 def _trim() -> None:
-    """Give the heap's free pages back to the OS at a stage boundary, so that one stage's leftovers are not
-    counted in the next one's peak. RWML_TRIM=0: off."""
+    """The heap's free pages back to the OS: one stage's leftovers are not the next one's peak (RWML_TRIM=0:
+    off)."""
     if _LIBC is not None and os.environ.get("RWML_TRIM", "1") == "1":
         _LIBC.malloc_trim(0)
 
@@ -89,7 +69,7 @@ class Tracker:
     """The open stages and what each has used so far; a daemon thread raises their peaks every `interval`."""
 
     def __init__(self, interval: float = 0.05):
-        self.t0, self.stages, self.open, self.workers0 = time.time(), {}, [], _workers_bytes()
+        self.t0, self.stages, self.open, self.workers0 = time.time(), {}, [], _peak(_WORKERS)
         self._stop = threading.Event()
         threading.Thread(target=self._sample, args=(interval,), daemon=True).start()
 
@@ -98,7 +78,7 @@ class Tracker:
             self._raise()
 
     def _raise(self) -> None:
-        rss, cuda = _status("VmRSS:"), _cuda()
+        rss, cuda = psutil.Process().memory_info().rss, _cuda()
         gpu = cuda.max_memory_allocated() if cuda else 0
         for s in list(self.open):
             s["peak"], s["cuda_peak"] = max(s["peak"], rss), max(s["cuda_peak"], gpu)
@@ -111,7 +91,7 @@ class Tracker:
         _trim()
         if cuda := _cuda():
             cuda.reset_peak_memory_stats()
-        t, w = time.time(), _workers_bytes()
+        t, w = time.time(), _peak(_WORKERS)
         s = self.stages.setdefault(name, dict(seconds=0.0, peak=0, cuda_peak=0, calls=0, workers=None,
                                               first=t))
         self.open.append(s)
@@ -126,16 +106,17 @@ class Tracker:
             _trim()
             s["seconds"] += time.time() - t
             s["calls"] += 1
-            if _workers_bytes() > w:  # a worker that ended in this stage was the largest so far
-                s["workers"] = _workers_bytes()
+            if _peak(_WORKERS) > w:  # a worker that ended in this stage: the largest yet
+                s["workers"] = _peak(_WORKERS)
 
     def summary(self) -> dict:
         def gb(b):
             return round(b / GB, 3)
 
-        workers, cuda = _workers_bytes(), any(s["cuda_peak"] for s in self.stages.values()) or _cuda()
-        # VmHWM can trail a sampled VmRSS by the kernel's per-thread counters (a few MB): the larger wins
-        peak = max([_status("VmHWM:")] + [s["peak"] for s in self.stages.values()])
+        workers = _peak(_WORKERS)
+        cuda = any(s["cuda_peak"] for s in self.stages.values()) or _cuda()
+        # the high-water mark can trail a sampled RSS by the kernel's per-thread counters (a few MB)
+        peak = max([_peak()] + [s["peak"] for s in self.stages.values()])
         out = dict(seconds=round(time.time() - self.t0, 1), peak_rss_gb=gb(peak),
                    workers_peak_rss_gb=gb(workers) if workers > self.workers0 else None, pid=os.getpid(),
                    stages={})

@@ -24,10 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: t
 import engine  # noqa: E402
 
 
+def vm(field: str) -> int:
+    """A field of /proc/self/status in bytes (VmRSS, VmHWM)."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field))
+    return int(line.split()[1]) * 1024
+
+
 def one_step(job: str, arm: str, model_name: str, a) -> dict:
     import torch
 
-    from harness import cost
+    from harness import cost  # noqa: F401 -- tunes glibc's allocator, as a run does
     import envs
     import rwml
     from stages.settings import GRPOConfig
@@ -108,9 +114,9 @@ def one_step(job: str, arm: str, model_name: str, a) -> dict:
                 opt.step()
                 return loss.item()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := RSS now (Linux): the peak of this update alone
-    before, t = cost._status("VmRSS:"), time.time()
+    before, t = vm("VmRSS:"), time.time()
     loss = step()
-    seconds, peak = time.time() - t, cost._status("VmHWM:")
+    seconds, peak = time.time() - t, vm("VmHWM:")
     added = peak - before
     return dict(job=job, arm=arm, peak_rss_gb=round(peak / 2 ** 30, 3), added_gb=round(added / 2 ** 30, 3),
                 seconds=round(seconds, 2), tokens=tokens, tokens_per_s=round(tokens / seconds, 1), loss=loss,
