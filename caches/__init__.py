@@ -1,8 +1,7 @@
-"""The caches that let a run reuse what the same settings and code made (each
-key: the settings that decide it and `code_sha`), each checked whole before use: the filter's, the held-out
-explore set's ($RWML_CACHE/heldout), the warm-up's more train games', `all`'s "before" scores.
-
-Imports the bottom, plumbing and the stages' bookkeeping (runs.py), never rwml or train.py."""
+"""The caches that let a run reuse what the same settings and code made (key: those settings and
+`code_sha`), each checked whole before use: the filter's, the held-out explore set's
+($RWML_CACHE/heldout), the warm-up's more games', `all`'s "before" scores. Never imports rwml or
+train.py."""
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +25,8 @@ from stages.runs import (WARMUP_STREAM, before_made_by, collect_job, collect_met
 # ------------------------------------------------------------- the caches: the filter's, the held-out set's
 
 def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | None]:
-    """The filter's settings and code (its cache key) and, if `out` holds a whole output of them, (kept,
-    warm-up); a damaged filter.json or a kept.jsonl short of its count is said and filtered again."""
+    """The filter's cache key and, if `out` holds a whole output of it, (kept, warm-up); a damaged
+    one is said and filtered again."""
     kept_file, meta_file, warm = out / "kept.jsonl", out / "filter.json", out / "warmup_adapter"
     seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
     job = {k: getattr(cfg, k) for k in names(cfg, "filter")} | {"seed": seed, "num_triplets": len(triplets)}
@@ -75,8 +74,8 @@ HELDOUT_FILES = ("collect.json", "transitions.jsonl", "episodes.jsonl")
 
 
 def heldout_key(cfg, games: list | None = None) -> str:
-    """Everything that determines the held-out explore set: the collection's settings, the games, the
-    engine (workers, batch), the library versions and the code (`code_sha`: every module train.py imports)."""
+    """What determines the held-out explore set: the collection's settings, the games, the engine,
+    the library versions and the code."""
     import transformers
 
     model = Path(cfg.model)
@@ -103,10 +102,9 @@ def warmup_collections(cfg, out: Path, load, collect) -> str:
 
 def cached_heldout(cfg, out: Path, load, collect, what: str = "the held-out explore triplets",
                    games: list | None = None) -> Path:
-    """The held-out explore collection, played once per `heldout_key` and copied from $RWML_CACHE/heldout
-    after that (settings and seed are the same for every run: replaying costs minutes, changes nothing). An
-    entry is copied only whole, its files as its sha256.json says; a damaged one is played again, replaced.
-    `out` holding a set of other settings (--heldout-games, free on resume) is said and replaced."""
+    """The held-out explore collection, played once per `heldout_key`, then copied from
+    $RWML_CACHE/heldout (replaying costs minutes, changes nothing); an entry only whole (its
+    sha256.json), a damaged one played again. An `out` of other settings is said and replaced."""
     cache = engine.MODEL_CACHE / "heldout" / heldout_key(cfg, games)
     for old in [*cache.parent.glob("*.tmp"), *cache.parent.glob("*.damaged")]:  # a killed run's leftovers
         if not Path(f"/proc/{old.name.split('.')[-2]}").exists():
@@ -160,9 +158,9 @@ def heldout_entry(cache: Path) -> tuple[dict[str, bytes] | None, str]:
 
 
 def scores_before(cfg, out: Path, sets: dict, start, load, score) -> dict[str, Path]:
-    """`all`'s "before" scores, wm_eval_before_<kind>.json: the model RWML starts from (the warm-up or the
-    base) on each set; reused, and said, only when what made them (`before_made_by`) is this run's and they
-    are whole. `score(model, tokenizer, triplets)`: train.py's held-out scoring."""
+    """`all`'s "before" scores of the model RWML starts from, wm_eval_before_<kind>.json; reused
+    only when `before_made_by` is this run's and whole. `score(model, tok, triplets)`:
+    train.py's."""
     files = {kind: out / f"wm_eval_before_{kind}.json" for kind in sets}  # train: RWML's own prompts
     made = {kind: before_made_by(cfg, start, s) for kind, s in sets.items()}
     why = [p for kind, f in files.items() if (p := _before_problem(f, made[kind]))]

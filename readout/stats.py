@@ -1,12 +1,9 @@
-"""Intervals and paired comparisons, for what `python train.py` prints and for
-the lab's tables; numpy, and scipy.stats where it has the test. One rate: `wilson`. Two arms on the same items
-(triplets, episodes) of one run: `paired_bootstrap`, a percentile CI that resamples games (a game's items move
-together) beside the exact sign-flip test over games. Over seeds (`over_seeds`): each seed's value, a
-t-interval and the exact sign-flip test over seeds (a bootstrap over seeds, then games, only from
-`MIN_BOOT_SEEDS` seeds: with fewer it is far too narrow). `verdict`: "holds" / "reversed" only where the CI
-excludes 0 and the exact test agrees (p < ALPHA); a CI alone moves on 4-5 games that an exact test cannot
-separate from chance (2 x 0.5^5 = 0.062).
-"""
+"""Intervals and paired comparisons for what `python train.py` prints and the lab's tables. Two arms
+on the same items of one run: `paired_bootstrap`, a CI resampling games (a game's items move
+together) beside the exact sign-flip test over games; over seeds, `over_seeds` (a bootstrap only
+from MIN_BOOT_SEEDS seeds: with fewer it is far too narrow). `verdict`: "holds" / "reversed" only
+where the CI excludes 0 and the exact test agrees: a CI alone moves on 4-5 games that an exact test
+cannot tell from chance (2 x 0.5^5 = 0.062)."""
 from __future__ import annotations
 
 import math
@@ -50,16 +47,15 @@ def _percentile(v, level: float) -> tuple[float, float]:
 
 
 def mc_margin(n: int, level: float = 0.95) -> float:
-    """The Monte-Carlo error, in replicates, of the count that places a percentile bound: the count of n
-    replicates below the true q-quantile is Binomial(n, q), q = (1 - level) / 2; 2.576 sd (99 %)."""
+    """The Monte-Carlo error, in replicates, of the count placing a percentile bound: 2.576 sd
+    (99 %) of Binomial(n, q), q = (1 - level) / 2."""
     q = (1 - level) / 2
     return MC_Z * math.sqrt(n * q * (1 - q))
 
 
 def sign_flip(d) -> float:
-    """The exact two-sided p of a sign-flip test on values d (their sum against every sign assignment; exact
-    up to 2^20, else N_BOOT random ones). A 0 has the same |sum| with either sign: leaving the zeros out
-    changes no p and keeps the enumeration to what changed."""
+    """The two-sided p of a sign-flip test on values d: exact (scaled integers, or up to 2^20
+    signs), else N_BOOT random signs. Zeros are left out: either sign gives the same |sum|."""
     from scipy.stats import permutation_test
 
     d = np.array([x for x in d if x != 0], dtype=float)
@@ -85,18 +81,16 @@ def _sign_flip_counts(d: np.ndarray) -> float:
 
 
 def paired_bootstrap(a, b, units, n_boot: int = N_BOOT, seed: int | None = None, level: float = 0.95) -> dict:
-    """mean(a) - mean(b) over paired items of one run: dict(diff, lo, hi: a bootstrap CI over units, p: the
-    exact sign-flip test over units, up / down: items above / below, n, units, test="games", and the
-    replicates' counts `verdict` reads)."""
+    """mean(a) - mean(b) over paired items of one run: diff, a bootstrap CI over units (lo, hi), the
+    exact sign-flip p over units, items up / down, and the replicates' counts `verdict` reads."""
     return dict(_bootstrap([(a, b, units)], n_boot, seed, level), **exact_tests(a, b, units), n=len(a),
                 test="games")
 
 
 def over_seeds(runs, n_boot: int = N_BOOT, seed: int | None = None, level: float = 0.95) -> dict:
-    """runs: one (a, b, units) per seed, each paired. One seed: `paired_bootstrap`. Several: the mean of the
-    seeds' paired differences (per_seed), a t-interval over them widened to the bootstrap's (over seeds, then
-    games; the bootstrap alone from MIN_BOOT_SEEDS seeds), p the exact sign-flip test over seeds,
-    test="seeds", seeds = their number."""
+    """runs: one paired (a, b, units) per seed; one seed: `paired_bootstrap`. Several: the mean of
+    the seeds' differences (per_seed), a t-interval widened to the bootstrap's (the bootstrap alone
+    from MIN_BOOT_SEEDS seeds), p the exact sign-flip test over seeds."""
     if len(runs) == 1:
         return paired_bootstrap(*runs[0], n_boot=n_boot, seed=seed, level=level)
     from scipy.stats import t
@@ -125,9 +119,8 @@ def _estimate(seeds: list[dict], names: list[str]) -> float:
 
 
 def _bootstrap(runs, n_boot: int, seed: int | None, level: float) -> dict:
-    """A CI from resampling seeds (when there are several), then games (RNG seed `seed`, default RNG_SEED):
-    dict(diff, lo, hi, per_seed, units, sd, n_boot, level, and the replicates below / at most / at least /
-    above 0, which `verdict` reads)."""
+    """A CI from resampling seeds (when several), then games (RNG seed `seed`, else RNG_SEED), and
+    the replicates below / at most / at least / above 0, which `verdict` reads."""
     seeds = [_by_unit(*r) for r in runs]
     names = sorted({u for s in seeds for u in s})
     total = np.array([[s.get(n, (0.0, 0))[0] for n in names] for s in seeds], dtype=float)  # seed x unit
@@ -145,9 +138,9 @@ def _bootstrap(runs, n_boot: int, seed: int | None, level: float) -> dict:
 
 
 def _replicates(total: np.ndarray, items: np.ndarray, n: int, rng) -> np.ndarray:
-    """n bootstrap replicates of the mean over seeds of each seed's paired difference: seeds drawn with
-    replacement (when there are several), then units (one draw shared by the drawn seeds); a seed without
-    any drawn unit is left out, a replicate without any seed is 0. total, items: seed x unit sums, counts."""
+    """n replicates of the mean over seeds of each seed's difference: seeds drawn (when several),
+    then units (one draw for all); a seed with no drawn unit is left out, a replicate with no seed
+    is 0."""
     k, u = total.shape
     drawn_seeds = rng.integers(k, size=(n, k)) if k > 1 else np.zeros((n, 1), dtype=int)
     drawn_units = rng.integers(max(u, 1), size=(n, u))  # no units: no draw, every replicate 0
@@ -162,8 +155,7 @@ def _replicates(total: np.ndarray, items: np.ndarray, n: int, rng) -> np.ndarray
 
 
 def half_width(ci: dict) -> float:
-    """The CI's half-width, (hi - lo) / 2: what a table gives beside a difference it did not detect;
-    infinite for fewer than 2 units."""
+    """(hi - lo) / 2, beside a difference a table did not detect; infinite below 2 units."""
     return math.inf if ci.get("units", 0) < 2 else (ci["hi"] - ci["lo"]) / 2
 
 
@@ -191,9 +183,9 @@ COUNTS = ("below_0", "at_most_0", "at_least_0", "above_0")
 
 
 def _ci_side(ci: dict) -> int:
-    """+1 where the CI's lower bound is above 0 (by more than its Monte-Carlo error, for a bootstrap: with n
-    replicates the lower bound is the replicate of rank about n q, q = (1 - level) / 2, so it is above 0 when
-    fewer than n q - m replicates are <= 0, m = mc_margin(n)), -1 where the upper is below 0, else 0."""
+    """+1 where the CI's lower bound is above 0, -1 where the upper is below 0, else 0; a
+    bootstrap's by more than its Monte-Carlo error (fewer than n q - mc_margin(n) replicates <=
+    0)."""
     if all(isinstance(ci.get(k), int) for k in ("n_boot", *COUNTS)):
         n, level = ci["n_boot"], ci.get("level", 0.95)
         edge = n * (1 - level) / 2 - mc_margin(n, level)
@@ -202,10 +194,9 @@ def _ci_side(ci: dict) -> int:
 
 
 def verdict(ci: dict | None, half: float | None = None) -> str:
-    """"holds" where the CI's lower bound is above 0 and the exact test's p (ci["p"]) is below ALPHA
-    ("reversed": the upper bound below 0); where no item changed, that, with the share of items 0 changes
-    leave open; else "no difference detected" (why, when the CI alone excludes 0; the CI's half-width, when
-    given); NO_DATA for a comparison without items. A CI without an exact test never holds."""
+    """"holds" ("reversed") where the CI excludes 0 above (below) and ci["p"] < ALPHA; where no item
+    changed, that and what 0 changes leave open; else "no difference detected" (why, the
+    half-width); NO_DATA without items. A CI without an exact test never holds."""
     if not isinstance(ci, dict) or not all(isinstance(ci.get(k), (int, float)) for k in ("lo", "hi")):
         return NO_DATA
     if ci.get("up") == 0 and ci.get("down") == 0 and ci.get("n"):
@@ -220,8 +211,7 @@ def verdict(ci: dict | None, half: float | None = None) -> str:
 
 
 def said(c: dict) -> str:
-    """A comparison in words: the estimate, its 95 % CI, the verdict, the items that changed each way, the
-    exact test; over seeds, each seed's value and their number."""
+    """A comparison in words: estimate, 95 % CI, verdict, items changed each way, the exact test."""
     if not c.get("n"):
         return "no items"
     head = f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] {verdict(c)}"

@@ -1,7 +1,6 @@
-"""What a run leaves for its reader: the reward curve (plot_rewards), the
-adapters saved the peft way with a model card each (save_adapter, write_card: the stage, its settings, the
-data, the held-out lines, a query snippet). Nothing here is the method; what it needs of the method (a
-world-model prompt) comes in as arguments."""
+"""What a run leaves for its reader: the reward curve (plot_rewards), the adapters saved the peft
+way with a model card each (save_adapter, write_card). What it needs of the method comes in as
+arguments."""
 from __future__ import annotations
 
 import contextlib
@@ -75,8 +74,8 @@ _CARD_RUN: dict = {}  # the stage this process runs, its config, its prompts (ru
 
 @contextlib.contextmanager
 def card_run(stage: str, cfg, wm=None):
-    """What the model cards of the adapters saved inside say: this stage, this config; `wm(triplet,
-    reasoning)`: the world-model prompt the adapters answer (`query_snippet`)."""
+    """What the cards of the adapters saved inside say: this stage, this config, and `wm(triplet,
+    reasoning)`, the world-model prompt they answer."""
     _CARD_RUN.update(stage=stage, cfg=cfg, wm=wm)
     try:
         yield
@@ -103,8 +102,8 @@ def save_peft(model, folder: Path, **card) -> None:
 
 
 def card_folder(folder: Path, loaded: str = "", **card) -> None:
-    """A saved adapter's folder (ours, or a checkpoint TRL saved) naming its base by its Hub id, not the
-    bundled model's local conversion, and our card (`write_card`) as its README.md."""
+    """A saved adapter's folder (ours, or TRL's checkpoint) naming its base by its Hub id, not the
+    bundled model's local conversion, and our card as its README.md."""
     config = json.loads((folder / "adapter_config.json").read_text())
     recorded = config.get("base_model_name_or_path") or ""
     config["base_model_name_or_path"] = engine.hub_id(recorded)
@@ -132,8 +131,8 @@ CONTROLS = dict(mis="control MIS: each triplet scored against another triplet's 
 
 def write_card(folder: Path, cfg=None, stage: str | None = None, data: dict | None = None,
                heldout: list[str] | None = None, bundled: bool = False, extra: list[str] = ()) -> None:
-    """The adapter's README.md: method, stage, data (label -> count), settings, scores, the command; how to
-    query a world model with plain transformers + peft."""
+    """The adapter's README.md: method, stage, data, settings, scores, the command, how to query
+    it."""
     from huggingface_hub import ModelCardData
 
     cfg, stage = cfg or _CARD_RUN.get("cfg"), stage or _CARD_RUN.get("stage") or "wm"
@@ -193,8 +192,8 @@ def shown_arg(arg: str) -> str:
 
 
 def base_license(base: str) -> str | None:
-    """The base model's license where it is known offline: the bundled SmolLM2's (its Hub card's), or the
-    `license` of the README.md in the base's local folder or in the Hub cache; None where none is."""
+    """The base model's license where known offline: the bundled SmolLM2's, or the README.md's in
+    its folder or the Hub cache; None where none is."""
     if base == engine.BUNDLED_HUB_ID:
         return engine.BUNDLED_LICENSE
     try:
@@ -212,8 +211,8 @@ _EXAMPLE = dict(task="put a vase in shelf.", action="go to shelf 1", observation
 
 
 def query_snippet(cfg, kind: str, wm) -> list[str]:
-    """A card's "Query this world model": plain transformers + peft, with the system prompt, prompt, prefix
-    and stop string the adapter trained on (`wm(triplet, reasoning)` gives them: rwml.wm_texts)."""
+    """A card's "Query this world model" with plain transformers + peft, with the prompts it trained
+    on (`wm(triplet, reasoning)`: rwml.wm_texts)."""
     env = getattr(cfg, "env", None) or "alfworld"
     reasoning = kind == "wm" and getattr(cfg, "wm_reasoning", False)  # the warm-up and WM SFT: no <think>
     slot = {k: f"@@{k}@@" for k in _EXAMPLE}

@@ -1,10 +1,7 @@
-"""The plumbing under train.py and eval.py; nothing here is the method.
-
-Every value checked before any model loads, one-line errors; files that survive interrupts, checkpoints and
---resume; metrics under TRL's names, trackers (adapters, their model cards and the reward curve: cards.py).
-The command line itself is cli.py. Imports the bottom (common, cost), cli, engine and cards only: what it
-needs of the method (a reply's parser) comes in as arguments.
-"""
+"""The plumbing under train.py and eval.py, none of it the method: every value checked before any
+model loads (one-line errors), files that survive interrupts, checkpoints and --resume, metrics
+under TRL's names, trackers. What it needs of the method (a reply's parser) comes in as
+arguments."""
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +46,8 @@ def check_run(cfg, stage_check=None, processes: bool = False) -> None:
 
 
 def check_cache(cfg) -> None:
-    """$RWML_CACHE a folder, and one this process can write where the bundled model is still to convert (the
-    TextWorld games check theirs), before anything slow."""
+    """$RWML_CACHE a folder, writable where the bundled model is still to convert, before anything
+    slow."""
     root, fix = engine.MODEL_CACHE, "; point RWML_CACHE to a writable folder (or unset it: ~/.cache/rwml)"
     if root.exists() and not root.is_dir():
         raise UserError(f"RWML_CACHE={root} is not a folder{fix}")
@@ -164,8 +161,8 @@ def check_context(cfg, stage: str | None = None) -> None:
 
 
 def context_problem(cfg, chats: list[tuple[str, str, str]], answer: str) -> str | None:
-    """Why a world-model prompt ((prompt, system prompt, reply prefix) in each way it is asked) and its answer
-    overflow cfg.model's context, or None (also where no tokenizer reads: load_model says why)."""
+    """Why a world-model prompt (each (prompt, system, prefix) it is asked as) and its answer
+    overflow cfg.model's context, or None."""
     tok, ctx = model_context(cfg.model)
     if ctx is None:
         return None

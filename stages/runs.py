@@ -1,13 +1,8 @@
-"""A run's bookkeeping under train.py's stages, none of it the method: the
---out lock; the settings a stage needs together, checked before anything slow (`check_stage`), and those it
-takes from its triplets (`settle_env`: their environment); the games it plays; a collection that continues
-where it stopped (collect.json, finished episodes); eval.py agent's random policy and log; why a triplet
-cannot train (`triplet_problem`); a GRPO step's row of metrics. The caches are caches.py; what the default
-run concludes, verdict.py.
-
-Imports the bottom, the engine, plumbing, the environments and the reward's parser, never rwml or train.py:
-what it needs of the method (a triplet's world-model chat) comes in as an argument.
-"""
+"""A run's bookkeeping under train.py's stages, none of it the method: the --out lock, the settings
+a stage needs together (`check_stage`), the environment it takes from its triplets (`settle_env`),
+the games it plays, a collection that continues where it stopped, eval.py agent's random policy and
+log, a GRPO step's row of metrics. Never imports rwml or train.py: what it needs of the method comes
+in as an argument."""
 from __future__ import annotations
 
 import collections
@@ -85,8 +80,8 @@ def releases_locks(fn):
 # ------------------------------------------------------------------------- the stages' settings, together
 
 def check_stage(cfg, stage: str) -> None:
-    """What a stage needs of its settings together, before anything slow runs (`plumbing.check_run`, which
-    also checks each setting against its declaration)."""
+    """What a stage needs of its settings together, before anything slow runs
+    (`plumbing.check_run`)."""
     def bad(name, why):
         raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: {why}")
 
@@ -190,9 +185,8 @@ def settle_env(stage: str, cfg, given: set):
 
 
 def triplets_env(path: str | None, flag: str = "--transitions") -> str | None:
-    """The environment a transitions file's triplets were collected in (each one's `env`, absent:
-    alfworld), checked against collect.json's beside it; a file that mixes them is refused in one line;
-    None where no triplet reads (read_transitions says why)."""
+    """The environment of a transitions file's triplets (`env`, absent: alfworld), checked against
+    collect.json's beside it; a file that mixes them is refused; None where none reads."""
     found = {}  # env -> its first line
     with contextlib.suppress(OSError, UnicodeDecodeError, TypeError):
         for n, line in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), 1):
@@ -214,8 +208,8 @@ def triplets_env(path: str | None, flag: str = "--transitions") -> str | None:
 
 
 def stage_inputs(cfg, stage: str, problem) -> tuple[list[dict] | None, list[dict] | None]:
-    """The triplets a stage trains on and, for `wm --eval-steps`, its held-out ones, read before it starts,
-    each checked (`problem(triplet)`: triplet_problem)."""
+    """The triplets a stage trains on and, for `wm --eval-steps`, its held-out ones, each
+    checked."""
     trips = read_transitions(cfg.transitions, problem) if stage in TRIPLET_STAGES else None
     if stage in (*TRIPLET_STAGES, "all"):
         more_warmup(cfg, problem)  # before the model loads
@@ -326,8 +320,8 @@ def wm_row(state: dict, res: dict, u: dict, batch: list[dict], learning_rate: fl
 
 
 def nothing_by_group(states: list[str | None], advantages: torch.Tensor, G: int) -> dict:
-    """The share of "Nothing happens." predictions and, per prompt, how many and the advantage they got (> 0:
-    pushed up): which groups move the share of that answer, the small model's most common drift."""
+    """The share of "Nothing happens." predictions, and per prompt how many and their advantage:
+    which groups move the small model's most common drift."""
     nothing = torch.tensor([s == envs.NOTHING for s in states], dtype=torch.float).view(-1, G)
     pushed = (nothing * advantages.view(-1, G)).sum(1).tolist()
     return dict(nothing_share=sum(s == envs.NOTHING for s in states) / len(states),
@@ -365,7 +359,6 @@ def recorded(cfg) -> dict:
     return dataclasses.asdict(cfg) | (dict.fromkeys(RANDOM_UNUSED) if cfg.policy == "random" else {})
 
 
-
 def finished_episodes(path: Path, job: dict) -> dict[tuple, dict]:
     """An interrupted evaluation's finished episodes by (split, seed, game), if its log's job is `job`."""
     rows = read_jsonl(path)
@@ -387,9 +380,8 @@ def episode_log(path: Path, job: dict, done: dict):
 
 
 def walkthroughs(cfg, out: Path, games: list, probes: bool = False) -> Path:
-    """`collect --walkthrough`: the expert plans, one triplet a step, no model (the "purposeful" set); with
-    `probes`, the state probes of the same games instead (envs.state_probes, seeded by cfg.seed: the "state"
-    set, and the train games' probes the warm-up and GRPO learn from)."""
+    """`collect --walkthrough`: the expert plans, a triplet a step, no model (the "purposeful" set);
+    with `probes`, the games' state probes instead (envs.state_probes, seeded by cfg.seed)."""
     if cfg.env != "alfworld":
         raise UserError("--walkthrough needs --env alfworld (tau2 tasks have no expert walkthrough here)")
     transitions, meta = out / "transitions.jsonl", out / "collect.json"
@@ -442,9 +434,8 @@ def policy_eval_games(cfg) -> list:
 
 
 def before_made_by(cfg, start, heldout: dict) -> dict:
-    """What made a "before" evaluation: a rerun reuses one only when all of this is the same (the model it
-    starts from, down to the warm-up's bytes; the triplets; how they are predicted and scored: the settings
-    tagged "score" and the code)."""
+    """What made a "before" evaluation, all of which a rerun's must match to reuse it: the start
+    model's bytes, the triplets, the settings tagged "score" and the code."""
     warm = Path(start) / "adapter_model.safetensors" if start else None
     sha = hashlib.sha256(warm.read_bytes()).hexdigest() if warm and warm.is_file() else None
     return dict(start=sha, triplets=[triplet_key(t) for t in heldout["triplets"]], code=code_sha(),
@@ -456,8 +447,8 @@ def triplet_key(r: dict) -> list:
 
 
 def triplet_problem(cfg, wm):
-    """For read_transitions: why a triplet cannot train with `cfg` (an unknown env; a world-model prompt and
-    answer past the model's context), or None. `wm(triplet, reasoning)`: its chat (rwml.wm_texts)."""
+    """For read_transitions: why a triplet cannot train with `cfg` (an unknown env, past the model's
+    context), or None. `wm(triplet, reasoning)`: its chat (rwml.wm_texts)."""
     def problem(t: dict) -> str | None:
         if "env" in t and (not isinstance(t["env"], str) or t["env"] not in envs.ENVIRONMENTS):
             return f"env {json.dumps(t['env'])[:40]} is not one of {', '.join(envs.ENVIRONMENTS)} " \
