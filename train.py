@@ -7,12 +7,11 @@
     python train.py wm-sft --transitions runs/collect/transitions.jsonl --out runs/wm_sft
     python train.py policy --init rwml --adapter runs/wm/adapter --num-games 8 --out runs/policy
 
-Every setting is declared once, with its default, help and bounds, in stages/settings.py (`Settings`);
-a stage reads the groups `STAGES` names (its --help; a flag it does not read warns). Each is a flag
-(`num_games` -> `--num-games`) and a key of a `--config` JSON or YAML file (defaults < file < flags). Read
-top to bottom: the stages' shared parts, one section per stage (collect, filter, wm, all: the default run and
-its held-out sets, policy, wm-sft, rft), then `main`. What `all` concludes (the paired differences, the
-verdict): readout/verdict.py. The run's machinery: harness/; the rest: README, "Files and tests".
+Every setting is declared once (default, help, bounds) in stages/settings.py; a stage reads the
+groups `STAGES` names. Each is a flag (`num_games` -> `--num-games`) and a key of a `--config` JSON
+or YAML file (defaults < file < flags). Read top to bottom: the shared parts, a section per stage,
+then `main`. What `all` concludes: readout/verdict.py; the machinery: harness/, stages/; the rest:
+README, "Files and tests".
 """
 from __future__ import annotations
 
@@ -89,9 +88,8 @@ def collect(cfg: Settings, out: Path, load, games: list | None = None) -> Path:
 
 def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
                     reward_fn) -> tuple[list[dict], Path | None]:
-    """§4 (rwml.filter_copy, rwml.filter_keep), cached in `out`. With `warmup` the copy is kept
-    (out/warmup_adapter): RWML, its baselines and controls start from it (and it is the KL reference).
-    Returns (kept triplets, warm-up adapter or None)."""
+    """§4 (rwml.filter_copy, rwml.filter_keep), cached in `out`: (kept triplets, the warm-up adapter
+    that RWML, its baselines and controls start from, and their KL reference; or None)."""
     with cost.stage("filter"):
         job, cached = filter_cache(cfg, triplets, out)
         if cached:
@@ -126,9 +124,9 @@ def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
 # ------------------------------------- §3, §5 wm: RWML, GRPO on world-model prompts with the embedding reward
 
 def start_adapter(cfg, model, adapter: Path | str | None = None):
-    """The KL reference's construction: a fresh LoRA, whose reference is the base model (the adapter off), or
-    a saved adapter trained on beside a frozen copy "ref", the reference (rwml.reference_policy): RWML from
-    the warm-up (its reference is the warm-up), stage 2 from an RWML, WM-SFT or RFT adapter."""
+    """A fresh LoRA (KL reference: the base model, the adapter off), or a saved adapter (the
+    warm-up; stage 2's RWML, WM-SFT or RFT) trained beside a frozen copy "ref", the reference
+    (rwml.reference_policy)."""
     if adapter is None:
         return engine.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
                                cfg.gradient_checkpointing)
@@ -153,9 +151,8 @@ def start_training(cfg: Settings, model, start, out: Path, stage: str = "wm"):
 
 
 def next_batch(state: dict, n: int, size: int, seed: int) -> list[int]:
-    """The next `size` triplet indices of a run's data stream; advances state's epoch and cursor. An epoch's
-    order, a shuffle, depends only on (seed, epoch): a resumed run, and the matched WM-SFT control, see the
-    same."""
+    """The next `size` triplet indices; advances state's epoch and cursor. An epoch's shuffle
+    depends only on (seed, epoch): a resumed run, and the matched WM-SFT control, see the same."""
     batch, order = [], None
     while len(batch) < size:
         if state["cursor"] >= n:
@@ -171,11 +168,9 @@ def next_batch(state: dict, n: int, size: int, seed: int) -> list[int]:
 
 def training_loop(cfg, out: Path, model, optimizer, state: dict, writer, desc: str, step, evaluate=None,
                   before_save=None) -> None:
-    """What world-model GRPO and stage 2 share: the bar; metrics.jsonl, a row per optimizer step (TRL's
-    names; the tracker too); the held-out curve (`evaluate(step)`: eval_* numbers every eval_steps, at the
-    end, and before step 1 with eval_on_start); a checkpoint every save_steps and at the end. `step()` runs
-    one batch and yields, for each optimizer step it took (state["step"] advanced), its row and the bar's
-    postfix."""
+    """What world-model GRPO and stage 2 share: the bar, a metrics row per optimizer step, the
+    held-out curve (`evaluate(step)`), a checkpoint every save_steps and at the end. `step()` runs
+    one batch and yields each optimizer step's row and the bar's postfix."""
     bar = tqdm(total=cfg.max_steps, initial=state["step"], desc=desc, unit="step", dynamic_ncols=True)
     with open(out / "metrics.jsonl", "a") as metrics:
         if evaluate and cfg.eval_on_start and state["step"] == 0:
@@ -198,9 +193,8 @@ def training_loop(cfg, out: Path, model, optimizer, state: dict, writer, desc: s
 
 def train_wm(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn, start: Path | None = None,
              heldout: list[dict] | None = None, coin_seed: int | None = None):
-    """RWML: GRPO of a LoRA adapter on world-model prompts, from `start` (the warm-up adapter) or a fresh
-    adapter; with eval_steps, world-model accuracy on `heldout` triplets along the way (eval/* metrics).
-    Returns the peft model."""
+    """RWML: GRPO of a LoRA adapter on world-model prompts, from `start` (the warm-up) or a fresh
+    one; with eval_steps, accuracy on `heldout` along the way. Returns the peft model."""
     if not triplets:
         raise UserError("no training triplets left after filtering; collect more games")
     triplets, reward_fn = reward_control(cfg, triplets, reward_fn, out, coin_seed)
@@ -254,9 +248,8 @@ def train_wm(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn, st
 # --------------------------------- all: the default run (python train.py), held-out accuracy before and after
 
 def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> str:
-    """The default run, `python train.py`: collect on train games, collect held-out games (both kinds),
-    filter (+ warm-up), RWML, held-out accuracy before / after, beside the content-free baselines. Returns
-    the verdict in words."""
+    """The default run: collect train and held-out games, filter (+ warm-up), RWML, held-out
+    accuracy before / after beside the content-free baselines. Returns the verdict in words."""
     with cost.stage("heldout collect"):
         heldout = heldout_triplets(cfg, out, load)
     with cost.stage("collect"):
@@ -303,8 +296,7 @@ def evaluate_heldout(cfg: Settings, model, tok, heldout: list[dict], reward_fn) 
 
 
 def heldout_triplets(cfg, out: Path, load) -> dict[str, dict]:
-    """`all`'s held-out sets, explore, purposeful and state (the probes), of the same games for every seed
-    (--heldout-seed)."""
+    """`all`'s held-out sets (explore, purposeful, state), the same games for every seed."""
     held = dataclasses.replace(cfg, split=cfg.heldout_split, num_games=cfg.heldout_games, rollouts_per_game=1,
                                seed=cfg.heldout_seed, adapter=None)
     sets, paths = {}, dict(  # the walkthroughs and the state probes first: they need no model

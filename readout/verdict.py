@@ -1,12 +1,7 @@
-"""What the default run (`python train.py`, train.train_all) concludes, read
-from its per-triplet files (wm_eval_*.triplets.jsonl): the before / after line per held-out kind, the
-content-free baselines' line, the paired differences (a)-(e) with their CIs (`gain_lines`), the verdict in
-words, and the adapter's card; the reward's controls (MIS, COIN: `reward_control`) and the matched COIN arm
-of --coin-control (one arm decides nothing).
-
-Imports the environments (the baselines, the breakdown by kind), the reward's controls, the statistics, the
-cards and runs.py; never rwml or train.py (coin_control gets train.py's RWML as an argument).
-"""
+"""What the default run concludes, read from its per-triplet files (wm_eval_*.triplets.jsonl): the
+before / after lines, the content-free baselines', the paired differences (a)-(f) with their CIs
+(`gain_lines`), the verdict in words; the reward's controls and the matched COIN arm. Never imports
+rwml or train.py (coin_control gets train.py's RWML as an argument)."""
 from __future__ import annotations
 
 import dataclasses
@@ -51,11 +46,9 @@ COIN_STREAM = 1_000_003  # the matched COIN arm's coin: seed + this, so a coin r
 
 def coin_control(cfg, out: Path, load, reward_fn, start, model, kept: list[dict], heldout: dict, train_wm,
                  evaluate) -> None:
-    """The matched COIN arm: RWML's recipe with a fair coin for a reward, from the same warm-up, on
-    the same prompts in the same batches with the same sampling seed, scored on the same held-out triplets
-    (wm_eval_coin_<kind>), line (e), `--coin-control`. One arm's coin moves too far from run to run to decide
-    anything (a coin run passed RWML - COIN on fresh seeds). Resumes as `all` does. `train_wm`,
-    `evaluate`: train.py's RWML and its held-out scoring."""
+    """`--coin-control`, line (e): RWML's recipe with a fair coin for a reward, matched in all else,
+    scored on the same held-out triplets. One arm decides nothing (a coin run passed RWML - COIN on
+    fresh seeds). `train_wm`, `evaluate`: train.py's."""
     model.unload()  # the bare base model again: the control starts from the warm-up as RWML did
     ctrl = out / "coin_control"
     ctrl.mkdir(parents=True, exist_ok=True)
@@ -176,11 +169,9 @@ def said(c: dict) -> str:
 
 
 def gain_lines(out: Path, start) -> list[str]:
-    """(a) the sim-to-real reward on RWML's own training prompts, before -> after: whether training followed
-    the reward; (b) held-out RWML - start per kind and both kinds pooled, reward and exact match: what it
-    generalised; (c) RWML - the content-free template rule: whether it is a world model at all; (d) beyond the
-    rule, the targets whose answer the prompt holds; (e) RWML - the matched COIN arm (`--coin-control`); then
-    the verdict in words (`world_model_verdict`)."""
+    """(a) the reward on RWML's own prompts, before -> after; (b) held-out RWML - start, per kind
+    and pooled; (c) RWML - the template rule; (d) beyond the rule, where the prompt holds the
+    answer; (f) the state probes; (e) RWML - the matched COIN arm; then the verdict in words."""
     a, strict = (compare(out, "rwml", "before", "train", k) for k in ("rewards", "exact"))
     name = "the warm-up" if start else "the base model"
     lines = [f"(a) the sim-to-real reward on RWML's own {a['n']} training prompts ({a['units']} games): "
@@ -231,10 +222,9 @@ def gain_lines(out: Path, start) -> list[str]:
 
 
 def world_model_verdict(a: dict, both: dict, rule: dict, state: dict | None = None) -> str:
-    """The last line. First half: did training raise (a) and held-out exact match, both kinds
-    pooled (b); never whether the reward rather than GRPO on its own samples did: a coin passed both on fresh
-    seed 52; seeds paired with coin runs say it (lab/verdict_designs.py --pairs). Second half: a world model
-    above the content-free rule where RWML - the rule holds on every kind; a rule copy and a flip fail."""
+    """The last line: did training raise (a) and held-out exact match (b), never whether the reward
+    rather than GRPO did (a coin passed both on fresh seed 52); and a world model above the rule
+    where RWML - the rule holds on every kind."""
     def ci(c: dict) -> str:
         return f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
     trained, held = (bool(c.get("ci")) and stats.verdict(c) == "holds" for c in (a, both))
