@@ -7,13 +7,11 @@
     python eval.py wm --transitions FILE --baseline template --out rule.json   # a content-free baseline
     python eval.py weights --adapter DIR --out weights.json
 
-agent: ALFWorld success on valid_seen (in distribution) or valid_unseen (out of distribution) with the
-paper's action-quality shares, per task type, mean and std over seeds (the paper: 3 runs); tau2-bench:
-average reward, pass^k and invalid tool calls (worlds/tau2.py). Each finished episode goes to
-<out>.episodes.jsonl at once: rerunning the command after an interruption plays only the rest.
-wm: world-model accuracy on held-out triplets (share with r_WM = 1, mean cosine, exact match), overall, per
-observation kind and beyond the template rule; on games never trained on (valid_seen: the dev split, for
-choosing settings; valid_unseen: the test split, for reporting).
+agent: ALFWorld success on valid_seen (ID) or valid_unseen (OOD) with the paper's action-quality
+shares, per task type, mean and std over seeds; tau2-bench: average reward, pass^k, invalid tool
+calls. Each finished episode goes to <out>.episodes.jsonl at once: a rerun plays only the rest.
+wm: world-model accuracy on held-out triplets (r_WM = 1, mean cosine, exact match), overall, per
+observation kind and beyond the template rule (valid_seen: dev split; valid_unseen: test split).
 weights: the paper's weight-change measure of an adapter against its base model, per layer and module type.
 Every value and path is checked before anything loads. Tables of these results: lab/reports.py.
 """

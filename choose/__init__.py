@@ -1,8 +1,6 @@
-"""Choose mode, the policy as a softmax over a turn's admissible
-commands, and random, a uniform admissible command (a baseline): two actors that `rwml.play` and stage 2's
-update are given instead of the paper's free-form replies (`rwml.GENERATE`), one object each (`CHOOSE`,
-`RANDOM`).
-"""
+"""Choose mode, the policy as a softmax over a turn's admissible commands, and random, a uniform
+admissible command (a baseline): the actors `rwml.play` and stage 2 take instead of free-form
+replies."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

@@ -1,10 +1,7 @@
-"""The command line of train.py, eval.py and the lab's scripts.
-
-transformers' HfArgumentParser (TRL's scripts parse with it) reads flags and a JSON or YAML --config file into
-a settings class whose every setting is declared once (`common.arg`: name, type, default, help, choices,
-bounds); `check_fields` enforces the declarations before anything slow runs; an unknown flag or key gets a
-did-you-mean or TRL's name mapped to ours; every error is one line (`run_cli`).
-"""
+"""The command line of train.py, eval.py and the lab's scripts: transformers' HfArgumentParser reads
+flags and a JSON or YAML --config file into a settings class declared once (`common.arg`);
+`check_fields` enforces it before anything slow; an unknown name gets a did-you-mean or TRL's name
+mapped to ours; every error is one line (`run_cli`)."""
 from __future__ import annotations
 
 import argparse
@@ -26,11 +23,10 @@ from harness.common import RERUN, UserError, clip, closest, did_you_mean
 
 
 class _Parser(HfArgumentParser):
-    """transformers' HfArgumentParser (TRL's scripts parse with it) over one settings class, with this
-    project's habits: a --help section per setting group (its `_argument_group_name`), `none` for an
-    Optional setting, `--x / --no-x` for every bool (HfArgumentParser gives --no-x only to a default of True),
-    choices shown (checked by `check_fields`, with a did-you-mean), settings outside `shown` hidden, and each
-    flag named dashed (`--num-games`) in --help and errors, though `--num_games` parses too."""
+    """HfArgumentParser (TRL's scripts parse with it) with this project's habits: a --help section
+    per setting group, `none` for an Optional setting, `--x / --no-x` for every bool
+    (HfArgumentParser: only a default of True), settings outside `shown` hidden, flags named dashed
+    (`--num_games` parses too)."""
 
     def __init__(self, cls, shown=None, **kwargs):
         self.cls, self.shown, self.sections = cls, shown, {}
@@ -150,9 +146,9 @@ def resume_free(cfg) -> set[str]:
 
 
 def parse_stage(argv: list[str], stages: dict, cls, settle=None):
-    """`train.py [STAGE] [flags]`: the stage (default all) and its settings, a `cls`; `stages`: name -> (its
-    --help line, the setting groups it reads). --help lists the stages; `STAGE --help`, what it reads.
-    `settle(stage, cfg, given)`: the settings completed from those given and the stage's inputs."""
+    """`train.py [STAGE] [flags]`: the stage (default all) and its `cls`; `stages`: name -> (--help
+    line, setting groups read). `settle(stage, cfg, given)`: the settings completed from those
+    given."""
     if argv[:1] in (["-h"], ["--help"]):
         commands_help("train.py", {k: v[0] for k, v in stages.items()}, "STAGE", "without a stage: all.\n"
                       "`train.py STAGE --help`: the flags that stage reads (each also a key of a --config "

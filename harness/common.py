@@ -1,9 +1,6 @@
-"""What every layer needs and nothing above it provides: the one-line error
-(`UserError`), its did-you-mean, a setting's declaration (`arg`), files written whole, and paths as a reader's
-clone has them (`repo_path`).
-
-Imports no module of this project: everything else may import it.
-"""
+"""What every layer needs: the one-line error (`UserError`), its did-you-mean, a setting's
+declaration (`arg`), files written whole, paths as a reader's clone has them. Imports no module of
+this project."""
 from __future__ import annotations
 
 import ast
@@ -22,8 +19,8 @@ RERUN = "rerun the same command to continue (with --resume for train.py wm and p
 
 
 class UserError(Exception):
-    """Bad input or a failure the user can fix; the command-line tools print it as one line
-    ("error: ...") and exit with status 1 (plumbing.run_cli)."""
+    """Bad input or a failure the user can fix: one line "error: ...", exit status 1
+    (cli.run_cli)."""
 
 
 def closest(value: str, options) -> str | None:
@@ -50,14 +47,13 @@ def utf8_clean(text: str) -> str:
 
 def arg(default, help: str, *, choices: tuple | None = None, min: float | None = None, check=None,
         why: str | None = None, resume_free: bool = False, part_of: str = ""):
-    """A setting: a dataclass field that is also a flag (`num_games` -> `--num-games`) and a `--config` key.
-    Its help, choices and bounds live here, on the field, and nowhere else: `cli.parse_config` shows them,
-    `cli.check_fields` enforces them (`check(value)` false: "--name value: `why`"; None, a
-    setting left out, always passes). `resume_free`: changes no trained weight, so --resume takes another
-    value (evaluations, speed, the step budget). `part_of`, what else it decides (`names`): "filter" the
-    filter's cache key; "collect" (every env's), "collect:<env>" a collection's collect.json; these and
-    "episodes" eval.py's logged episodes' key; "card" (every stage's), "card:<stage>" a model card's settings;
-    "score" a world-model score's (`all`'s "before" key); "no-trl" TRL's trainer has none."""
+    """A setting: a dataclass field that is also a flag (`num_games` -> `--num-games`) and a
+    `--config` key, its help, choices and bounds here only (`check(value)` false: "--name value:
+    `why`"; None passes). `resume_free`: changes no trained weight, so --resume takes another value.
+    `part_of`, what else it decides (`names`): "filter" the filter's cache key; "collect",
+    "collect:<env>" a collect.json; these and "episodes" eval.py's episodes' key; "card",
+    "card:<stage>" a model card's settings; "score" a world-model score's; "no-trl" TRL's trainer
+    has none."""
     meta = dict(help=help, choices=choices, min=min, check=check, why=why, resume_free=resume_free,
                 part_of=tuple(part_of.split()))
     meta = {k: v for k, v in meta.items() if v is not None and v is not False}  # min=0 stays
@@ -78,10 +74,9 @@ def again(cls, name: str, default=dataclasses.MISSING, help: str | None = None):
 
 
 def code_sha(entry: str = "train.py", root: Path = ROOT) -> str:
-    """A cache key's code: the sha256 of `entry` and of every module of the repository it imports, however
-    deep, function-level imports too (envs imports reward inside score_wm), and what a registry loads by name
-    ("module:name"). Read from the sources, not from sys.modules: what a process has imported so far depends
-    on what it ran first, and a key must not."""
+    """A cache key's code: the sha256 of `entry` and of every repository module it imports at any
+    depth (function-level and "module:name" too), read from the sources: what sys.modules holds
+    depends on what a process ran first, and a key must not."""
     seen, todo = {}, [root / entry]
     while todo:
         if (path := todo.pop()) in seen:

@@ -1,9 +1,7 @@
-"""Every setting of train.py and eval.py, declared once (`common.arg`: its
-flag, `--config` key, default, help, bounds, and what else it decides), in groups read together, and the
-stages with the groups each reads (`STAGES`: its --help, its warnings). Defaults: the small-model recipe
-that shows RWML learning on the bundled 135M model on a CPU; departures from the paper say "(paper: ...)"
-(configs/paper.json undoes them); the engine's own: engine/.
-"""
+"""Every setting of train.py and eval.py, declared once (`common.arg`), in groups read together, and
+the groups each stage reads (`STAGES`). Defaults: the recipe that shows RWML learning on the bundled
+135M model on a CPU; departures from the paper say "(paper: ...)" (configs/paper.json undoes
+them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,15 +1,12 @@
 """The reward file verl loads by path (`custom_reward_function.path=<this
 folder>/reward.py custom_reward_function.name=compute_score`), for the parquets `train.py export` writes.
 
-Made for how verl loads it: verl >= 0.7 executes the file without registering it in `sys.modules` (older verl
-registers it as `custom_module` first), from whatever folder the trainer runs in, with nothing on
-`sys.path`. So this file defines no dataclass, and it loads the repository's reward.py (and the sibling
-modules that reward.py imports, whichever they are) under private names, leaving `sys.path` and the host's
-modules of the same names (`envs`, `reward`, `engine`, ...) as they were. verl's reward loop calls
-`compute_score` from several threads: the reward (its embedder) is built once per setting, under a lock.
-
-Reward managers: `naive` (verl's default; one response per call) and `batch` (lists: `data_sources`,
-`solution_strs`, `ground_truths`, `extra_infos`; verl <= 0.7, whose trainer still offers it) both work.
+verl >= 0.7 executes this file without registering it in `sys.modules` (older verl: as
+`custom_module`), from any folder, with nothing on `sys.path`: so it defines no dataclass, and loads
+the repository's reward.py (and the modules it imports) under private names, leaving `sys.path` and
+the host's modules of the same names as they were. verl calls `compute_score` from several threads:
+each setting's reward is built once, under a lock. Reward managers `naive` (verl's default) and
+`batch` (lists; verl <= 0.7) work.
 """
 import importlib
 import importlib.abc
@@ -43,9 +40,8 @@ class _RepoFinder(importlib.abc.MetaPathFinder):
 
 
 def _load_private(name: str):
-    """The repository's module `name`, and the repository modules it imports, executed from this folder and
-    then kept under private names only (`_rwml_verl_<name>`): afterwards `sys.modules` holds the host's
-    modules of those names again (or none), and `sys.path` is untouched. Loaded once per process."""
+    """The repository's module `name` and those it imports, kept under private names only
+    (`_rwml_verl_<name>`): `sys.modules` holds the host's of those names again. Once per process."""
     done = sys.modules.get(_PRIVATE + name)
     if done is not None and getattr(done, "__file__", None) == str(_ROOT / f"{name}.py"):
         return done
