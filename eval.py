@@ -148,7 +148,6 @@ def with_env_defaults(cfg: WMEvalConfig) -> WMEvalConfig:
 
 
 # ----------------------------------------------------------------------------- the agent
-
 def agent_metrics(episodes: list[dict]) -> dict:
     """Success and action-quality rates of episode summaries (as `rwml.play` returns them)."""
     steps, invalid = sum(e["steps"] for e in episodes) or 1, sum(e["invalid"] for e in episodes)
@@ -227,7 +226,6 @@ def evaluate_agent(cfg: AgentEvalConfig) -> dict:
 
 
 # ----------------------------------------------------------------------------- weight change (METHOD.md §8)
-
 MODULE_TYPES = (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("o_proj", "o"), ("mlp", "mlp"))
 
 

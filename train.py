@@ -46,7 +46,6 @@ from readout.verdict import (all_summary, baselines_line, before_after_line, coi
                              probe_line, reward_control)
 
 # ------------------------------------------------ the stages' shared parts: how the agent plays, the triplets
-
 def play_kwargs(cfg) -> dict:
     """How the agent plays (`rwml.play`'s settings) in collection-like stages."""
     return dict(history_len=cfg.history_len, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -62,7 +61,6 @@ def make_env(cfg, episodes: int | None = None):
 
 
 # ------------------------------------------ §2 collect: the model plays the train games; every turn a triplet
-
 def collect(cfg: Settings, out: Path, load, games: list | None = None) -> Path:
     """The model plays `num_games` games of `split`, `rollouts_per_game` times each; a triplet per turn, to
     `transitions.jsonl` as it happens (a rerun continues: `collection_todo`). `load()`: (model, tokenizer)."""
@@ -85,7 +83,6 @@ def collect(cfg: Settings, out: Path, load, games: list | None = None) -> Path:
 
 
 # ----------------------- §4 filter: the filter's split, the easiness copy (+ warm-up), too-easy subsampling
-
 def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
                     reward_fn) -> tuple[list[dict], Path | None]:
     """§4 (rwml.filter_copy, rwml.filter_keep), cached in `out`: (kept triplets, the warm-up adapter
@@ -122,7 +119,6 @@ def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
 
 
 # ------------------------------------- §3, §5 wm: RWML, GRPO on world-model prompts with the embedding reward
-
 def start_adapter(cfg, model, adapter: Path | str | None = None):
     """A fresh LoRA (KL reference: the base model, the adapter off), or a saved adapter (the
     warm-up; stage 2's RWML, WM-SFT or RFT) trained beside a frozen copy "ref", the reference
@@ -246,7 +242,6 @@ def train_wm(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn, st
 
 
 # --------------------------------- all: the default run (python train.py), held-out accuracy before and after
-
 def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> str:
     """The default run: collect train and held-out games, filter (+ warm-up), RWML, held-out
     accuracy before / after beside the content-free baselines. Returns the verdict in words."""
@@ -311,7 +306,6 @@ def heldout_triplets(cfg, out: Path, load) -> dict[str, dict]:
 
 
 # ------------------------------------------------------------------- §6 policy: stage 2, GRPO on task success
-
 def train_policy(cfg: Settings, out: Path, load):
     """Stage 2: multi-turn GRPO on task success (terminal reward won, gamma = 1, step budget max_turns)."""
     games = split_games(cfg)
@@ -363,7 +357,6 @@ def heldout_success(model, tok, env, games: list, cfg, out: Path, step: int) -> 
 
 
 # ---------------------------------------------------------------------------------- §7 baselines: WM SFT, RFT
-
 def train_wm_sft(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn):
     """WM SFT, the paper's baseline, matched to RWML: next-observation SFT (no reasoning) on RWML's triplets
     in RWML's order, `max_steps` updates of `prompts_per_step` at its learning_rate, from RWML's start."""
@@ -429,7 +422,6 @@ def sft_adapter(cfg, model, tok, prompts: list[str], answers: list[str], system:
 
 
 # ---------------------------------------------------------------------- The command line: a stage and its run
-
 @releases_locks
 def main(argv: list[str] | None = None) -> None:
     stage, cfg = parse_stage(sys.argv[1:] if argv is None else argv, STAGES, Settings, settle_env)

@@ -23,7 +23,6 @@ from stages.runs import (WARMUP_STREAM, before_made_by, collect_job, collect_met
                                walkthroughs, warmup_games)
 
 # ------------------------------------------------------------- the caches: the filter's, the held-out set's
-
 def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | None]:
     """The filter's cache key and, if `out` holds a whole output of it, (kept, warm-up); a damaged
     one is said and filtered again."""

@@ -44,7 +44,6 @@ def utf8_clean(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------- a setting, declared once
-
 def arg(default, help: str, *, choices: tuple | None = None, min: float | None = None, check=None,
         why: str | None = None, resume_free: bool = False, part_of: str = ""):
     """A setting: a dataclass field that is also a flag (`num_games` -> `--num-games`) and a
@@ -100,7 +99,6 @@ def _imports(source: bytes) -> tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------- files that survive interrupts
-
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write to a temporary file, then rename: readers see the old or the new file, never half of one."""
     tmp = path.with_name(path.name + ".tmp")
@@ -146,7 +144,6 @@ def file_problem(path: Path) -> str | None:
 
 
 # ----------------------------------------------------------------------------- paths a reader's clone has
-
 OUTSIDE = "<path>"  # what a recorded path outside the repository becomes
 PATH_KEYS = ("transitions", "eval_transitions", "adapter", "out", "filter_dir")  # settings that are paths
 MAYBE_PATH_KEYS = ("model", "embedder", "user_model")  # a Hub id or bundled:NAME, or a local folder

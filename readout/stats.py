@@ -40,12 +40,6 @@ def _by_unit(a, b, units) -> dict:
     return dict(out)
 
 
-def _percentile(v, level: float) -> tuple[float, float]:
-    """The percentile interval of sorted values (the lower rank rounded down, the upper up)."""
-    lo, hi = (1 - level) / 2, (1 + level) / 2
-    return float(v[int(lo * (len(v) - 1))]), float(v[math.ceil(hi * (len(v) - 1))])
-
-
 def mc_margin(n: int, level: float = 0.95) -> float:
     """The Monte-Carlo error, in replicates, of the count placing a percentile bound: 2.576 sd
     (99 %) of Binomial(n, q), q = (1 - level) / 2."""
@@ -129,7 +123,9 @@ def _bootstrap(runs, n_boot: int, seed: int | None, level: float) -> dict:
     reps = np.concatenate([_replicates(total, items, min(CHUNK, n_boot - start), rng)
                            for start in range(0, n_boot, CHUNK)])
     reps.sort()
-    lo, hi = _percentile(reps, level)
+    last = len(reps) - 1  # the percentile interval: the lower rank rounded down, the upper up
+    lo = float(reps[int((1 - level) / 2 * last)])
+    hi = float(reps[math.ceil((1 + level) / 2 * last)])
     each = [_estimate([s], names) for s in seeds]
     return dict(diff=sum(each) / len(each), lo=lo, hi=hi, per_seed=each, units=len(names),
                 sd=float(reps.std(ddof=1)) if n_boot > 1 else 0.0, n_boot=n_boot, level=level,

@@ -123,10 +123,7 @@ def _f1(r: dict) -> str:
     return "-" if r.get("item_f1") is None else f"{r['item_f1']:.3f}"
 
 
-# What `python train.py` prints last: differences of per-triplet means (a triplet's predictions averaged),
-# read from a run's per-triplet files (wm_eval_*.triplets.jsonl), paired by triplet, each with a 95 % CI over
-# games (stats.py), the items that changed each way and the exact sign-flip test over games beside it (a CI
-# alone moves on 4-5 games), which the verdict needs too.
+# What `python train.py` prints last: differences of per-triplet means (a triplet's predictions averaged)
 def compare(out: Path, arm: str, base: str, kind: str | tuple, key: str, rows=None) -> dict:
     """`arm` - `base` on held-out set(s) `kind` (wm_eval_<arm>_<kind>.triplets.jsonl; kinds pooled share their
     games), paired by triplet; `rows` keeps a subset of the base's rows (e.g. the targets the rule misses)."""

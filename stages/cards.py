@@ -15,7 +15,6 @@ import engine
 from harness.common import names, read_jsonl, repo_path, write_atomic
 
 # ------------------------------------------------------------------------------------------- the reward curve
-
 def before_after(folder: Path) -> list[tuple[str, float, float]]:
     """The default run's held-out world-model accuracy per kind, (kind, before, after), from its
     wm_eval_before_<kind>.json and wm_eval_rwml_<kind>.json (none before both are written)."""
@@ -68,7 +67,6 @@ def plot_rewards(metrics_file: Path, png: Path, title: str) -> None:
 
 
 # ----------------------------------------------------------------------------- adapters and their model cards
-
 _CARD_RUN: dict = {}  # the stage this process runs, its config, its prompts (run_stage): a card's defaults
 
 

@@ -25,7 +25,6 @@ from harness.common import (PATH_KEYS, UserError, file_problem, read_jsonl, stor
                             write_atomic, write_jsonl)
 
 # ------------------------------------------------------------------- checks before anything slow runs
-
 def check_run(cfg, stage_check=None, processes: bool = False) -> None:
     """Everything a stage checks before anything slow runs (`stage_check(cfg)`: the stage's own);
     `processes`: the caller shares its work between `accelerate launch`'s processes (lab/trl_grpo.py)."""
@@ -176,7 +175,6 @@ def context_problem(cfg, chats: list[tuple[str, str, str]], answer: str) -> str 
 
 
 # ------------------------------------------------------------------------------ files that survive interrupts
-
 def check_writable(path: Path, flag: str = "--out", folder: bool = True) -> None:
     """An output folder (or file) writable, checked before anything slow runs; nothing is created."""
     if not folder and path.is_dir():
@@ -257,7 +255,6 @@ def config_json(cfg) -> str:
 
 
 # ------------------------------------------------------------------------------- checkpoints and resume
-
 def filter_dir(cfg, out: Path) -> Path:
     return Path(cfg.filter_dir) if cfg.filter_dir else out / "filter"
 
@@ -388,7 +385,6 @@ def start_run(cfg, out: Path, model, optimizer, stage: str = "wm") -> tuple[dict
 
 
 # ------------------------------------------------------------------- logging: trackers, metrics, GRPO groups
-
 # grpo_step's names -> TRL GRPOTrainer's: metrics.jsonl and the trackers hold TRL's names only
 TRL_NAMES = dict(reward_mean="reward", completion_tokens="completions/mean_length",
                  clip_ratio="clip_ratio/region_mean")
@@ -453,7 +449,6 @@ def run_header(model, cfg, trains: str, per_step: str, start, step: int = 0) -> 
 
 
 # ------------------------------------------------------------------------------------------------- on_turn
-
 def jsonl_writer(f):
     """on_turn / on_episode for `rwml.play`: each record to the open file `f` at once."""
     def write(rec):

@@ -29,7 +29,6 @@ from stages.plumbing import (PROMPT_TAIL, check_resume, context_problem, group_t
 from reward import parse_next_state
 
 # ------------------------------------------------------------- the --out lock: one run at a time in a folder
-
 _LOCKS: dict[str, int] = {}  # --out folder -> the descriptor of its lock, held by this process (claim_out)
 
 
@@ -78,7 +77,6 @@ def releases_locks(fn):
 
 
 # ------------------------------------------------------------------------- the stages' settings, together
-
 def check_stage(cfg, stage: str) -> None:
     """What a stage needs of its settings together, before anything slow runs
     (`plumbing.check_run`)."""
@@ -154,7 +152,6 @@ def warmup_games(cfg) -> list:
 
 
 # ------------------------------------------------- the games, a stage's triplets, a collection that continues
-
 def split_games(cfg) -> list:
     """The games a stage plays: `num_games` ALFWorld game files of `split`, or `num_tasks` tau2 tasks."""
     return envs.games(cfg.env, cfg.split, cfg.num_tasks if cfg.env == "tau2" else cfg.num_games, cfg.seed,
@@ -305,7 +302,6 @@ def kind_mix(triplets: list[dict]) -> str:
 
 
 # ----------------------------------------------------------------------------- what a stage logs and prints
-
 def wm_row(state: dict, res: dict, u: dict, batch: list[dict], learning_rate: float, seconds: float) -> dict:
     """A stage-1 GRPO step's row of metrics.jsonl (`log_row` renames it), with its targets' kinds."""
     return dict(step=state["step"], epoch=state["epoch"], **{
@@ -340,7 +336,6 @@ def telling(load, cfg):
 
 
 # ------------------------------------ eval.py agent: the random policy's settings, an evaluation that resumes
-
 RANDOM_UNUSED = ("model", "adapter", "temperature", "top_p", "max_new_tokens", "action_mode", "sampled",
                  "history_len")  # what `--policy random` (a uniform admissible command) never reads
 

@@ -111,7 +111,9 @@ class HeldoutArgs:
                                     "arm decides nothing (a coin run passed RWML - COIN: fresh_seeds)")
 
 
-_PER_ENV = "None: the environment's ({})".format
+def _per_env(name: str) -> str:  # --help: the environments' own defaults of a setting
+    own = ", ".join(f"{k} {getattr(c, name)}" for k, c in _ENVS.items())
+    return f"None: the environment's ({own})"
 
 
 @dataclass
@@ -119,13 +121,12 @@ class WorldModelArgs:
     _argument_group_name = "the world model's answer and its reward (METHOD.md §3)"
     embedder: str = arg(BUNDLED_EMBEDDER, "any sentence-transformers model id or folder",
                         part_of="filter score")
-    tau_d: float | None = arg(None, "r = 1 iff 1 - cos(E(prediction), E(real)) < tau_d; " + _PER_ENV(
-        ", ".join(f"{k} {c.tau_d}" for k, c in _ENVS.items())),
-        check=lambda v: 0 < v <= 2, why="must be in (0, 2] (a cosine distance)",
-        part_of="filter card:wm score")
-    rouge_gate: float | None = arg(None, "> 0: r = 1 also needs ROUGE-1 F >= this (the gate of the authors' "
-                                         "code); " + _PER_ENV(", ".join(f"{k} {c.rouge_gate}" for k, c in
-                                                                        _ENVS.items())),
+    tau_d: float | None = arg(None, "r = 1 iff 1 - cos(E(prediction), E(real)) < tau_d; "
+                              + _per_env("tau_d"), check=lambda v: 0 < v <= 2,
+                              why="must be in (0, 2] (a cosine distance)",
+                              part_of="filter card:wm score")
+    rouge_gate: float | None = arg(None, "> 0: r = 1 also needs ROUGE-1 F >= this (the gate of the "
+                                   "authors' code); " + _per_env("rouge_gate"),
                                    check=lambda v: 0 <= v <= 1, why="must be between 0 and 1 (0 = off)",
                                    part_of="filter score")
     reward_metric: str = arg("embedding", 'or "rouge" (ablation)', choices=("embedding", "rouge"),
@@ -133,8 +134,8 @@ class WorldModelArgs:
     reward_binary: bool = arg(True, "False = the continuous-cosine ablation", part_of="filter score")
     wm_reasoning: bool = arg(False, "<think> then <next_state> (paper: True); off: reply from <next_state> "
                                     "on", part_of="score")
-    max_completion_length: int | None = arg(None, "tokens per world-model prediction; " + _PER_ENV(", ".join(
-        f"{k} {c.max_completion_length}" for k, c in _ENVS.items())), min=1,
+    max_completion_length: int | None = arg(None, "tokens per world-model prediction; "
+                                            + _per_env("max_completion_length"), min=1,
                                             part_of="filter card:wm score")
 
 
