@@ -120,9 +120,8 @@ def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
 
 # ------------------------------------- §3, §5 wm: RWML, GRPO on world-model prompts with the embedding reward
 def start_adapter(cfg, model, adapter: Path | str | None = None):
-    """A fresh LoRA (KL reference: the base model, the adapter off), or a saved adapter (the
-    warm-up; stage 2's RWML, WM-SFT or RFT) trained beside a frozen copy "ref", the reference
-    (rwml.reference_policy)."""
+    """A fresh LoRA (KL reference: the base model), or a saved adapter (the warm-up; stage 2's
+    start) trained beside a frozen copy "ref", the reference (rwml.reference_policy)."""
     if adapter is None:
         return engine.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
                                cfg.gradient_checkpointing)
@@ -164,9 +163,8 @@ def next_batch(state: dict, n: int, size: int, seed: int) -> list[int]:
 
 def training_loop(cfg, out: Path, model, optimizer, state: dict, writer, desc: str, step, evaluate=None,
                   before_save=None) -> None:
-    """What world-model GRPO and stage 2 share: the bar, a metrics row per optimizer step, the
-    held-out curve (`evaluate(step)`), a checkpoint every save_steps and at the end. `step()` runs
-    one batch and yields each optimizer step's row and the bar's postfix."""
+    """What world-model GRPO and stage 2 share: the bar, a metrics row per step, the held-out curve
+    (`evaluate(step)`), checkpoints. `step()` runs a batch, yielding each step's row and postfix."""
     bar = tqdm(total=cfg.max_steps, initial=state["step"], desc=desc, unit="step", dynamic_ncols=True)
     with open(out / "metrics.jsonl", "a") as metrics:
         if evaluate and cfg.eval_on_start and state["step"] == 0:

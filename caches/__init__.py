@@ -24,8 +24,7 @@ from stages.runs import (WARMUP_STREAM, before_made_by, collect_job, collect_met
 
 # ------------------------------------------------------------- the caches: the filter's, the held-out set's
 def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | None]:
-    """The filter's cache key and, if `out` holds a whole output of it, (kept, warm-up); a damaged
-    one is said and filtered again."""
+    """The filter's cache key and, if `out` holds a whole output of it, (kept, warm-up)."""
     kept_file, meta_file, warm = out / "kept.jsonl", out / "filter.json", out / "warmup_adapter"
     seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
     job = {k: getattr(cfg, k) for k in names(cfg, "filter")} | {"seed": seed, "num_triplets": len(triplets)}
@@ -73,8 +72,7 @@ HELDOUT_FILES = ("collect.json", "transitions.jsonl", "episodes.jsonl")
 
 
 def heldout_key(cfg, games: list | None = None) -> str:
-    """What determines the held-out explore set: the collection's settings, the games, the engine,
-    the library versions and the code."""
+    """What determines the held-out explore set: settings, games, engine, libraries, code."""
     import transformers
 
     model = Path(cfg.model)
@@ -101,9 +99,9 @@ def warmup_collections(cfg, out: Path, load, collect) -> str:
 
 def cached_heldout(cfg, out: Path, load, collect, what: str = "the held-out explore triplets",
                    games: list | None = None) -> Path:
-    """The held-out explore collection, played once per `heldout_key`, then copied from
-    $RWML_CACHE/heldout (replaying costs minutes, changes nothing); an entry only whole (its
-    sha256.json), a damaged one played again. An `out` of other settings is said and replaced."""
+    """The held-out explore collection, played once per `heldout_key`, then copied whole from
+    $RWML_CACHE/heldout (sha256.json; damaged: played again). An `out` of other settings is said and
+    replaced."""
     cache = engine.MODEL_CACHE / "heldout" / heldout_key(cfg, games)
     for old in [*cache.parent.glob("*.tmp"), *cache.parent.glob("*.damaged")]:  # a killed run's leftovers
         if not Path(f"/proc/{old.name.split('.')[-2]}").exists():
@@ -157,9 +155,8 @@ def heldout_entry(cache: Path) -> tuple[dict[str, bytes] | None, str]:
 
 
 def scores_before(cfg, out: Path, sets: dict, start, load, score) -> dict[str, Path]:
-    """`all`'s "before" scores of the model RWML starts from, wm_eval_before_<kind>.json; reused
-    only when `before_made_by` is this run's and whole. `score(model, tok, triplets)`:
-    train.py's."""
+    """`all`'s "before" scores of RWML's start model (wm_eval_before_<kind>.json), reused only when
+    whole and `before_made_by` is this run's. `score`: train.py's."""
     files = {kind: out / f"wm_eval_before_{kind}.json" for kind in sets}  # train: RWML's own prompts
     made = {kind: before_made_by(cfg, start, s) for kind, s in sets.items()}
     why = [p for kind, f in files.items() if (p := _before_problem(f, made[kind]))]

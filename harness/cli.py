@@ -23,10 +23,9 @@ from harness.common import RERUN, UserError, clip, closest, did_you_mean
 
 
 class _Parser(HfArgumentParser):
-    """HfArgumentParser (TRL's scripts parse with it) with this project's habits: a --help section
-    per setting group, `none` for an Optional setting, `--x / --no-x` for every bool
-    (HfArgumentParser: only a default of True), settings outside `shown` hidden, flags named dashed
-    (`--num_games` parses too)."""
+    """HfArgumentParser with this project's habits: a --help section per setting group, `none` for
+    an Optional setting, `--x / --no-x` for every bool (not only a default of True), settings
+    outside `shown` hidden, flags named dashed."""
 
     def __init__(self, cls, shown=None, **kwargs):
         self.cls, self.shown, self.sections = cls, shown, {}
@@ -64,9 +63,9 @@ _UNSET = object()  # a setting no flag gave
 
 def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None, shown=None,
                  description: str | None = None, unread=None, settle=None):
-    """`cls` from flags and a --config file (defaults < file < flags), and the positional arguments;
-    --help shows `shown` (all are accepted); `unread(name)`: the warning for a flag outside `shown`;
-    `settle(cfg, given)`: the settings completed from those given (flags and file keys) and the inputs."""
+    """`cls` from flags and a --config file (defaults < file < flags), and the positionals; --help
+    shows `shown`; `unread(name)`: a flag outside `shown`'s warning; `settle(cfg, given)`: the
+    settings completed."""
     p = _Parser(cls, shown, prog=prog, description=description,
                 usage=" ".join([prog, *(n.upper() for n in positional or {}), "[flags]"]))
     for name, kw in (positional or {}).items():
@@ -147,8 +146,7 @@ def resume_free(cfg) -> set[str]:
 
 def parse_stage(argv: list[str], stages: dict, cls, settle=None):
     """`train.py [STAGE] [flags]`: the stage (default all) and its `cls`; `stages`: name -> (--help
-    line, setting groups read). `settle(stage, cfg, given)`: the settings completed from those
-    given."""
+    line, groups read); `settle(stage, cfg, given)`: the settings completed."""
     if argv[:1] in (["-h"], ["--help"]):
         commands_help("train.py", {k: v[0] for k, v in stages.items()}, "STAGE", "without a stage: all.\n"
                       "`train.py STAGE --help`: the flags that stage reads (each also a key of a --config "

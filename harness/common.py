@@ -19,8 +19,7 @@ RERUN = "rerun the same command to continue (with --resume for train.py wm and p
 
 
 class UserError(Exception):
-    """Bad input or a failure the user can fix: one line "error: ...", exit status 1
-    (cli.run_cli)."""
+    """Bad input or a failure the user can fix: one line "error: ...", exit status 1."""
 
 
 def closest(value: str, options) -> str | None:
@@ -47,12 +46,11 @@ def utf8_clean(text: str) -> str:
 def arg(default, help: str, *, choices: tuple | None = None, min: float | None = None, check=None,
         why: str | None = None, resume_free: bool = False, part_of: str = ""):
     """A setting: a dataclass field that is also a flag (`num_games` -> `--num-games`) and a
-    `--config` key, its help, choices and bounds here only (`check(value)` false: "--name value:
-    `why`"; None passes). `resume_free`: changes no trained weight, so --resume takes another value.
-    `part_of`, what else it decides (`names`): "filter" the filter's cache key; "collect",
-    "collect:<env>" a collect.json; these and "episodes" eval.py's episodes' key; "card",
-    "card:<stage>" a model card's settings; "score" a world-model score's; "no-trl" TRL's trainer
-    has none."""
+    `--config` key; its help, choices and bounds here only (`check(value)` false: "--name value:
+    `why`"; None passes). `resume_free`: --resume takes another value (no trained weight changes).
+    `part_of` (`names`): "filter" the filter's cache key; "collect", "collect:<env>" a collect.json;
+    these and "episodes" eval.py's episodes' key; "card", "card:<stage>" a model card; "score" a
+    world-model score's; "no-trl" none in TRL."""
     meta = dict(help=help, choices=choices, min=min, check=check, why=why, resume_free=resume_free,
                 part_of=tuple(part_of.split()))
     meta = {k: v for k, v in meta.items() if v is not None and v is not False}  # min=0 stays
@@ -73,9 +71,9 @@ def again(cls, name: str, default=dataclasses.MISSING, help: str | None = None):
 
 
 def code_sha(entry: str = "train.py", root: Path = ROOT) -> str:
-    """A cache key's code: the sha256 of `entry` and of every repository module it imports at any
-    depth (function-level and "module:name" too), read from the sources: what sys.modules holds
-    depends on what a process ran first, and a key must not."""
+    """A cache key's code: the sha256 of `entry` and every repository module it imports at any
+    depth, read from the sources (sys.modules depends on what a process ran first; a key must
+    not)."""
     seen, todo = {}, [root / entry]
     while todo:
         if (path := todo.pop()) in seen:

@@ -41,17 +41,15 @@ MMAP_THRESHOLD = int(os.environ.get("RWML_MMAP", 1 << 20))  # bytes: glibc's mma
 
 
 def tune_allocator() -> None:
-    """glibc's mmap threshold grows with every large block freed (up to 32 MB): activations of a few MB then
-    fill the heap, fragment it and stay in RSS once freed (a GRPO step: 2.95 GB peak for a working set of
-    about 2.2). A fixed 1 MB threshold maps and unmaps them, at no measured cost in time. A user's own
-    MALLOC_MMAP_THRESHOLD_ wins."""
+    """glibc's mmap threshold grows with every large block freed (to 32 MB): activations of a few MB
+    then fragment the heap and stay in RSS once freed (a GRPO step: 2.95 GB peak for 2.2 in use). A
+    fixed 1 MB maps and unmaps them, at no cost in time; MALLOC_MMAP_THRESHOLD_ wins."""
     if _LIBC is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ and MMAP_THRESHOLD > 0:
         _LIBC.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
 
 
 def _trim() -> None:
-    """The heap's free pages back to the OS: one stage's leftovers are not the next one's peak (RWML_TRIM=0:
-    off)."""
+    """The heap's free pages back to the OS, out of the next stage's peak (RWML_TRIM=0: off)."""
     if _LIBC is not None and os.environ.get("RWML_TRIM", "1") == "1":
         _LIBC.malloc_trim(0)
 
@@ -156,9 +154,9 @@ def stage(name: str):
 
 @contextmanager
 def run(folder: Path | None, since: float | None = None):
-    """A whole run: a fresh tracker; at the end (also after an error or Ctrl-C) the cost line on stdout and
-    `folder`/cost.json when that folder exists. `since`: when the run's command started: its clock starts
-    then, and stages since then count (the bundled model's conversion while the inputs were checked)."""
+    """A whole run: a fresh tracker; at its end (also on an error or Ctrl-C) the cost line and
+    `folder`/cost.json. `since`: the command's start: stages since then count (a model's conversion
+    while inputs were checked)."""
     global _TRACKER
     before, _TRACKER = _TRACKER, Tracker()
     before.close()

@@ -82,9 +82,9 @@ def paired_bootstrap(a, b, units, n_boot: int = N_BOOT, seed: int | None = None,
 
 
 def over_seeds(runs, n_boot: int = N_BOOT, seed: int | None = None, level: float = 0.95) -> dict:
-    """runs: one paired (a, b, units) per seed; one seed: `paired_bootstrap`. Several: the mean of
-    the seeds' differences (per_seed), a t-interval widened to the bootstrap's (the bootstrap alone
-    from MIN_BOOT_SEEDS seeds), p the exact sign-flip test over seeds."""
+    """runs: one paired (a, b, units) per seed (one: `paired_bootstrap`): the mean of the seeds'
+    differences, a t-interval widened to the bootstrap's (a bootstrap alone from MIN_BOOT_SEEDS
+    seeds), p over seeds."""
     if len(runs) == 1:
         return paired_bootstrap(*runs[0], n_boot=n_boot, seed=seed, level=level)
     from scipy.stats import t
@@ -135,8 +135,7 @@ def _bootstrap(runs, n_boot: int, seed: int | None, level: float) -> dict:
 
 def _replicates(total: np.ndarray, items: np.ndarray, n: int, rng) -> np.ndarray:
     """n replicates of the mean over seeds of each seed's difference: seeds drawn (when several),
-    then units (one draw for all); a seed with no drawn unit is left out, a replicate with no seed
-    is 0."""
+    then units (one draw for all); a seed with no drawn unit is left out, none is 0."""
     k, u = total.shape
     drawn_seeds = rng.integers(k, size=(n, k)) if k > 1 else np.zeros((n, 1), dtype=int)
     drawn_units = rng.integers(max(u, 1), size=(n, u))  # no units: no draw, every replicate 0
@@ -180,8 +179,7 @@ COUNTS = ("below_0", "at_most_0", "at_least_0", "above_0")
 
 def _ci_side(ci: dict) -> int:
     """+1 where the CI's lower bound is above 0, -1 where the upper is below 0, else 0; a
-    bootstrap's by more than its Monte-Carlo error (fewer than n q - mc_margin(n) replicates <=
-    0)."""
+    bootstrap's by more than its Monte-Carlo error (fewer than n q - mc_margin(n) at most 0)."""
     if all(isinstance(ci.get(k), int) for k in ("n_boot", *COUNTS)):
         n, level = ci["n_boot"], ci.get("level", 0.95)
         edge = n * (1 - level) / 2 - mc_margin(n, level)
@@ -190,9 +188,9 @@ def _ci_side(ci: dict) -> int:
 
 
 def verdict(ci: dict | None, half: float | None = None) -> str:
-    """"holds" ("reversed") where the CI excludes 0 above (below) and ci["p"] < ALPHA; where no item
-    changed, that and what 0 changes leave open; else "no difference detected" (why, the
-    half-width); NO_DATA without items. A CI without an exact test never holds."""
+    """"holds" ("reversed") where the CI excludes 0 above (below) and ci["p"] < ALPHA (never without
+    an exact test); where no item changed, what 0 changes leave open; else "no difference detected"
+    (why; the half-width)."""
     if not isinstance(ci, dict) or not all(isinstance(ci.get(k), (int, float)) for k in ("lo", "hi")):
         return NO_DATA
     if ci.get("up") == 0 and ci.get("down") == 0 and ci.get("n"):

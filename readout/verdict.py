@@ -23,9 +23,9 @@ HELDOUT_KINDS = ("explore", "purposeful")  # this collection policy's triplets; 
 
 
 def reward_control(cfg, triplets: list[dict], reward_fn, out: Path, coin_seed: int | None = None):
-    """(triplets, reward function) under a control: MIS (another triplet's target), COIN (a fair coin,
-    seeded by `coin_seed`, else the run's seed) or TEMPLATE (the template rule's sentence for the target:
-    what a model learns from the grammar alone, with no state to track)."""
+    """(triplets, reward function) under a control: MIS (another triplet's target), COIN (a fair
+    coin, seeded by `coin_seed`, else the run's) or TEMPLATE (the rule's sentence: the grammar, no
+    state)."""
     if cfg.reward_control == "template":
         return [dict(t, next_obs=envs.template_prediction(t["action"])) for t in triplets], reward_fn
     if cfg.reward_control == "mis":
@@ -46,9 +46,8 @@ COIN_STREAM = 1_000_003  # the matched COIN arm's coin: seed + this, so a coin r
 
 def coin_control(cfg, out: Path, load, reward_fn, start, model, kept: list[dict], heldout: dict, train_wm,
                  evaluate) -> None:
-    """`--coin-control`, line (e): RWML's recipe with a fair coin for a reward, matched in all else,
-    scored on the same held-out triplets. One arm decides nothing (a coin run passed RWML - COIN on
-    fresh seeds). `train_wm`, `evaluate`: train.py's."""
+    """`--coin-control`, line (e): RWML's recipe, a fair coin for its reward, matched in all else.
+    One arm decides nothing (a coin run passed RWML - COIN on fresh seeds)."""
     model.unload()  # the bare base model again: the control starts from the warm-up as RWML did
     ctrl = out / "coin_control"
     ctrl.mkdir(parents=True, exist_ok=True)
@@ -77,8 +76,7 @@ BASELINE_NAMES = dict(template="template rule", nothing="always \"Nothing happen
 
 
 def baselines_line(cfg, out: Path, kind: str, trips: list[dict], file: str, reward_fn) -> None:
-    """The model-free baselines on a held-out set: wm_eval_<rule>_<kind>.json each, and one line (reward
-    accuracy / exact match)."""
+    """The model-free baselines on a held-out set: wm_eval_<rule>_<kind>.json each, and one line."""
     rules = {name: baseline_wm(name, trips, reward_fn) for name in envs.BASELINES}
     for name, r in rules.items():
         write_eval(out / f"wm_eval_{name}_{kind}.json", dict(r, split=cfg.heldout_split, transitions=file))
@@ -166,9 +164,8 @@ def said(c: dict) -> str:
 
 
 def gain_lines(out: Path, start) -> list[str]:
-    """(a) the reward on RWML's own prompts, before -> after; (b) held-out RWML - start, per kind
-    and pooled; (c) RWML - the template rule; (d) beyond the rule, where the prompt holds the
-    answer; (f) the state probes; (e) RWML - the matched COIN arm; then the verdict in words."""
+    """(a) the reward on RWML's own prompts; (b) held-out RWML - start; (c) RWML - the template
+    rule; (d) beyond the rule; (f) the state probes; (e) RWML - COIN; the verdict in words."""
     a, strict = (compare(out, "rwml", "before", "train", k) for k in ("rewards", "exact"))
     name = "the warm-up" if start else "the base model"
     lines = [f"(a) the sim-to-real reward on RWML's own {a['n']} training prompts ({a['units']} games): "
@@ -219,9 +216,9 @@ def gain_lines(out: Path, start) -> list[str]:
 
 
 def world_model_verdict(a: dict, both: dict, rule: dict, state: dict | None = None) -> str:
-    """The last line: did training raise (a) and held-out exact match (b), never whether the reward
-    rather than GRPO did (a coin passed both on fresh seed 52); and a world model above the rule
-    where RWML - the rule holds on every kind."""
+    """The last line: did training raise (a) and held-out exact match (b) (not whether the reward
+    did: a coin passed both on seed 52); a world model above the rule where RWML - the rule holds on
+    every kind."""
     def ci(c: dict) -> str:
         return f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
     trained, held = (bool(c.get("ci")) and stats.verdict(c) == "holds" for c in (a, both))

@@ -129,8 +129,7 @@ CONTROLS = dict(mis="control MIS: each triplet scored against another triplet's 
 
 def write_card(folder: Path, cfg=None, stage: str | None = None, data: dict | None = None,
                heldout: list[str] | None = None, bundled: bool = False, extra: list[str] = ()) -> None:
-    """The adapter's README.md: method, stage, data, settings, scores, the command, how to query
-    it."""
+    """The adapter's README.md: method, stage, data, settings, scores, command, query."""
     from huggingface_hub import ModelCardData
 
     cfg, stage = cfg or _CARD_RUN.get("cfg"), stage or _CARD_RUN.get("stage") or "wm"

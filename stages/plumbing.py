@@ -45,8 +45,7 @@ def check_run(cfg, stage_check=None, processes: bool = False) -> None:
 
 
 def check_cache(cfg) -> None:
-    """$RWML_CACHE a folder, writable where the bundled model is still to convert, before anything
-    slow."""
+    """$RWML_CACHE a folder, writable where the bundled model is yet to convert."""
     root, fix = engine.MODEL_CACHE, "; point RWML_CACHE to a writable folder (or unset it: ~/.cache/rwml)"
     if root.exists() and not root.is_dir():
         raise UserError(f"RWML_CACHE={root} is not a folder{fix}")

@@ -78,8 +78,7 @@ def releases_locks(fn):
 
 # ------------------------------------------------------------------------- the stages' settings, together
 def check_stage(cfg, stage: str) -> None:
-    """What a stage needs of its settings together, before anything slow runs
-    (`plumbing.check_run`)."""
+    """What a stage needs of its settings together, before anything slow runs."""
     def bad(name, why):
         raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: {why}")
 
@@ -205,8 +204,7 @@ def triplets_env(path: str | None, flag: str = "--transitions") -> str | None:
 
 
 def stage_inputs(cfg, stage: str, problem) -> tuple[list[dict] | None, list[dict] | None]:
-    """The triplets a stage trains on and, for `wm --eval-steps`, its held-out ones, each
-    checked."""
+    """The triplets a stage trains on and, for `wm --eval-steps`, its held-out ones, checked."""
     trips = read_transitions(cfg.transitions, problem) if stage in TRIPLET_STAGES else None
     if stage in (*TRIPLET_STAGES, "all"):
         more_warmup(cfg, problem)  # before the model loads

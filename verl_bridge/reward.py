@@ -171,13 +171,11 @@ def _scores(solutions, truths, infos, kwargs: dict, batch: bool) -> list[float]:
 
 def compute_score(data_source=None, solution_str=None, ground_truth=None, extra_info=None, *,
                   data_sources=None, solution_strs=None, ground_truths=None, extra_infos=None, **kwargs):
-    """r_WM of verl responses, exactly as `SimToRealReward` scores our completions. verl's naive manager
-    passes one response (`solution_str`, ...; returns a float), its batch manager lists (`solution_strs`,
-    `ground_truths`, `extra_infos`, `data_sources`; returns a list). The reply prefix our trainer writes for
-    the model (`extra_info["assistant_prefix"]`, e.g. "<next_state>") is put back in front; embedder, tau_d,
-    metric and binarisation are the row's (`train.py export` writes them) unless verl's
-    `custom_reward_function.reward_kwargs` set them. verl's other keyword arguments (reward_router_address,
-    reward_model_tokenizer, ...) and `data_source(s)` are not used."""
+    """r_WM of verl responses, exactly as `SimToRealReward` scores ours: one (`solution_str`, ...; a
+    float) for the naive manager, lists (`solution_strs`, ...; a list) for the batch one. The reply
+    prefix (`extra_info["assistant_prefix"]`) is put back in front; embedder, tau_d, metric and
+    binarisation are the row's unless `reward_kwargs` set them; verl's other keyword arguments are
+    not used."""
     if solution_strs is not None or ground_truths is not None or extra_infos is not None:
         if solution_str is not None or ground_truth is not None or extra_info is not None:
             raise TypeError("compute_score: got both one response (solution_str, ...) and lists "

@@ -221,10 +221,9 @@ def tau2_action_text(a: dict) -> str:
 
 
 class Tau2:
-    """tau2-bench for the agent: one Tau2Episode per slot, the conversation, and the simulated customer,
-    which `bind_model` gives a model: `user_model`, or the agent's own with its adapter off (the base model,
-    which training leaves as is). `max_turns` counts agent actions. Summaries add `reward` (the official
-    grading)."""
+    """tau2-bench for the agent: a Tau2Episode per slot and the simulated customer, which
+    `bind_model` gives a model (`user_model`, or the agent's own with its adapter off). `max_turns`
+    counts agent actions; summaries add `reward` (the official grading)."""
 
     system, stop, can_explore = TAU2_AGENT_SYSTEM, None, False  # tau2 triplets: the model's own actions only
     counters = ("tool_calls", "invalid", "format_errors", "user_tool_calls", "user_invalid")
