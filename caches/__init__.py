@@ -100,8 +100,7 @@ def warmup_collections(cfg, out: Path, load, collect) -> str:
 def cached_heldout(cfg, out: Path, load, collect, what: str = "the held-out explore triplets",
                    games: list | None = None) -> Path:
     """The held-out explore collection, played once per `heldout_key`, then copied whole from
-    $RWML_CACHE/heldout (sha256.json; damaged: played again). An `out` of other settings is said and
-    replaced."""
+    $RWML_CACHE/heldout; an `out` of other settings is said and replaced."""
     cache = engine.MODEL_CACHE / "heldout" / heldout_key(cfg, games)
     for old in [*cache.parent.glob("*.tmp"), *cache.parent.glob("*.damaged")]:  # a killed run's leftovers
         if not Path(f"/proc/{old.name.split('.')[-2]}").exists():
@@ -155,8 +154,7 @@ def heldout_entry(cache: Path) -> tuple[dict[str, bytes] | None, str]:
 
 
 def scores_before(cfg, out: Path, sets: dict, start, load, score) -> dict[str, Path]:
-    """`all`'s "before" scores of RWML's start model (wm_eval_before_<kind>.json), reused only when
-    whole and `before_made_by` is this run's. `score`: train.py's."""
+    """`all`'s "before" scores (RWML's start), reused if whole and `before_made_by` matches."""
     files = {kind: out / f"wm_eval_before_{kind}.json" for kind in sets}  # train: RWML's own prompts
     made = {kind: before_made_by(cfg, start, s) for kind, s in sets.items()}
     why = [p for kind, f in files.items() if (p := _before_problem(f, made[kind]))]

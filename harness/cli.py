@@ -23,9 +23,8 @@ from harness.common import RERUN, UserError, clip, closest, did_you_mean
 
 
 class _Parser(HfArgumentParser):
-    """HfArgumentParser with this project's habits: a --help section per setting group, `none` for
-    an Optional setting, `--x / --no-x` for every bool (not only a default of True), settings
-    outside `shown` hidden, flags named dashed."""
+    """HfArgumentParser with this project's habits: --help sections, `none` for an Optional, `--x /
+    --no-x` for every bool, settings outside `shown` hidden, flags named dashed."""
 
     def __init__(self, cls, shown=None, **kwargs):
         self.cls, self.shown, self.sections = cls, shown, {}
@@ -63,9 +62,8 @@ _UNSET = object()  # a setting no flag gave
 
 def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None, shown=None,
                  description: str | None = None, unread=None, settle=None):
-    """`cls` from flags and a --config file (defaults < file < flags), and the positionals; --help
-    shows `shown`; `unread(name)`: a flag outside `shown`'s warning; `settle(cfg, given)`: the
-    settings completed."""
+    """`cls` from flags and a --config file (defaults < file < flags), and the positionals;
+    `unread(name)`: a flag outside `shown`'s warning; `settle(cfg, given)`."""
     p = _Parser(cls, shown, prog=prog, description=description,
                 usage=" ".join([prog, *(n.upper() for n in positional or {}), "[flags]"]))
     for name, kw in (positional or {}).items():

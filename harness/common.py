@@ -71,9 +71,8 @@ def again(cls, name: str, default=dataclasses.MISSING, help: str | None = None):
 
 
 def code_sha(entry: str = "train.py", root: Path = ROOT) -> str:
-    """A cache key's code: the sha256 of `entry` and every repository module it imports at any
-    depth, read from the sources (sys.modules depends on what a process ran first; a key must
-    not)."""
+    """A cache key's code: the sha256 of `entry` and every repository module it imports, read from
+    the sources (sys.modules depends on what a process ran first)."""
     seen, todo = {}, [root / entry]
     while todo:
         if (path := todo.pop()) in seen:

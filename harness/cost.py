@@ -154,9 +154,8 @@ def stage(name: str):
 
 @contextmanager
 def run(folder: Path | None, since: float | None = None):
-    """A whole run: a fresh tracker; at its end (also on an error or Ctrl-C) the cost line and
-    `folder`/cost.json. `since`: the command's start: stages since then count (a model's conversion
-    while inputs were checked)."""
+    """A whole run: at its end (errors, Ctrl-C too) the cost line and `folder`/cost.json. `since`:
+    the command's start; stages since then count (a model's conversion)."""
     global _TRACKER
     before, _TRACKER = _TRACKER, Tracker()
     before.close()

@@ -82,9 +82,8 @@ def paired_bootstrap(a, b, units, n_boot: int = N_BOOT, seed: int | None = None,
 
 
 def over_seeds(runs, n_boot: int = N_BOOT, seed: int | None = None, level: float = 0.95) -> dict:
-    """runs: one paired (a, b, units) per seed (one: `paired_bootstrap`): the mean of the seeds'
-    differences, a t-interval widened to the bootstrap's (a bootstrap alone from MIN_BOOT_SEEDS
-    seeds), p over seeds."""
+    """runs: a paired (a, b, units) per seed: the mean of the seeds' differences, a t-interval
+    widened to the bootstrap's (alone from MIN_BOOT_SEEDS seeds), p over seeds."""
     if len(runs) == 1:
         return paired_bootstrap(*runs[0], n_boot=n_boot, seed=seed, level=level)
     from scipy.stats import t
@@ -188,9 +187,8 @@ def _ci_side(ci: dict) -> int:
 
 
 def verdict(ci: dict | None, half: float | None = None) -> str:
-    """"holds" ("reversed") where the CI excludes 0 above (below) and ci["p"] < ALPHA (never without
-    an exact test); where no item changed, what 0 changes leave open; else "no difference detected"
-    (why; the half-width)."""
+    """"holds" ("reversed") where the CI excludes 0 above (below) and ci["p"] < ALPHA; where no item
+    changed, what 0 changes leave open; else "no difference detected" (why)."""
     if not isinstance(ci, dict) or not all(isinstance(ci.get(k), (int, float)) for k in ("lo", "hi")):
         return NO_DATA
     if ci.get("up") == 0 and ci.get("down") == 0 and ci.get("n"):

@@ -24,8 +24,7 @@ HELDOUT_KINDS = ("explore", "purposeful")  # this collection policy's triplets; 
 
 def reward_control(cfg, triplets: list[dict], reward_fn, out: Path, coin_seed: int | None = None):
     """(triplets, reward function) under a control: MIS (another triplet's target), COIN (a fair
-    coin, seeded by `coin_seed`, else the run's) or TEMPLATE (the rule's sentence: the grammar, no
-    state)."""
+    coin, `coin_seed`) or TEMPLATE (the rule's sentence)."""
     if cfg.reward_control == "template":
         return [dict(t, next_obs=envs.template_prediction(t["action"])) for t in triplets], reward_fn
     if cfg.reward_control == "mis":
@@ -89,8 +88,7 @@ CHANGES = ("take_revisit", "put_revisit")  # what a take or a put changed: rule 
 
 
 def probe_line(out: Path, start) -> str:
-    """The state probes by type: exact match of the start (warm-up) -> RWML, beside the rule, rule + copy and
-    the tracker (the ceiling: 1 on every kept probe)."""
+    """The state probes by type: start -> RWML, beside the rule, rule + copy, the tracker."""
     got = {a: json.loads((out / f"wm_eval_{a}_state.json").read_text())
            for a in ("before", "rwml", *PROBE_ARMS)}
     types = list(got["rwml"].get("per_probe", {}))
@@ -216,9 +214,8 @@ def gain_lines(out: Path, start) -> list[str]:
 
 
 def world_model_verdict(a: dict, both: dict, rule: dict, state: dict | None = None) -> str:
-    """The last line: did training raise (a) and held-out exact match (b) (not whether the reward
-    did: a coin passed both on seed 52); a world model above the rule where RWML - the rule holds on
-    every kind."""
+    """The last line: did training raise (a) and held-out exact match (b), never whether the reward
+    did; a world model above the rule where RWML - the rule holds on every kind."""
     def ci(c: dict) -> str:
         return f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
     trained, held = (bool(c.get("ci")) and stats.verdict(c) == "holds" for c in (a, both))

@@ -159,8 +159,7 @@ def check_context(cfg, stage: str | None = None) -> None:
 
 
 def context_problem(cfg, chats: list[tuple[str, str, str]], answer: str) -> str | None:
-    """Why a world-model prompt (each (prompt, system, prefix) it is asked as) and its answer
-    overflow cfg.model's context, or None."""
+    """Why a world-model prompt (as each way asks it) and answer overflow the context, or None."""
     tok, ctx = model_context(cfg.model)
     if ctx is None:
         return None

@@ -32,12 +32,11 @@ def _utf8(value) -> tuple:
 
 def export_verl(cfg, trips: list[dict], out: Path, load, reward_fn, filter_triplets, split_triplets,
                 wm) -> tuple[Path, Path]:
-    """`train.py export`: the filter (its warm-up only with --export-warmup: verl starts from the
-    base), then verl's GRPO parquets: train.parquet, the kept triplets, and test.parquet, the filter
-    split (less any prompt also in train.parquet). A row per triplet: `prompt` the world-model chat,
-    `reward_model.ground_truth` the real next observation, `extra_info` what `compute_score` needs
-    to score as our trainer does (verl cannot start the reply: the prefix is put back at
-    scoring)."""
+    """`train.py export`: the filter (its warm-up only with --export-warmup), then verl's GRPO
+    parquets: train.parquet, the kept triplets, and test.parquet, the filter split (less prompts in
+    train.parquet). A row per triplet: `prompt` the world-model chat, `reward_model.ground_truth`
+    the real next observation, `extra_info` what `compute_score` needs (verl cannot start the reply:
+    the prefix is put back at scoring)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

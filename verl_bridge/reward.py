@@ -171,11 +171,10 @@ def _scores(solutions, truths, infos, kwargs: dict, batch: bool) -> list[float]:
 
 def compute_score(data_source=None, solution_str=None, ground_truth=None, extra_info=None, *,
                   data_sources=None, solution_strs=None, ground_truths=None, extra_infos=None, **kwargs):
-    """r_WM of verl responses, exactly as `SimToRealReward` scores ours: one (`solution_str`, ...; a
-    float) for the naive manager, lists (`solution_strs`, ...; a list) for the batch one. The reply
-    prefix (`extra_info["assistant_prefix"]`) is put back in front; embedder, tau_d, metric and
-    binarisation are the row's unless `reward_kwargs` set them; verl's other keyword arguments are
-    not used."""
+    """r_WM of verl responses, as `SimToRealReward` scores ours: one (a float) for the naive
+    manager, lists (a list) for the batch one. The reply prefix (`extra_info["assistant_prefix"]`)
+    is put back in front; embedder, tau_d, metric, binarisation: the row's unless `reward_kwargs`
+    set them."""
     if solution_strs is not None or ground_truths is not None or extra_infos is not None:
         if solution_str is not None or ground_truth is not None or extra_info is not None:
             raise TypeError("compute_score: got both one response (solution_str, ...) and lists "
