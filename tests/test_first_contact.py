@@ -267,7 +267,7 @@ def readme_block() -> list[str]:
     readme = (ROOT / "README.md").read_text().split("## The method")[0]
     block = []
     for line in readme.splitlines():
-        if line.startswith("    (") or line.startswith("    verdict"):
+        if line.startswith(("    (", "    verdict", "    state probes")):
             block.append(line.strip())
         elif line.startswith("        ") and block:
             block[-1] += " " + line.strip()
@@ -275,17 +275,20 @@ def readme_block() -> list[str]:
 
 
 def test_the_readmes_output_block_is_what_todays_code_reads_from_a_committed_run():
-    """README's output lines, shortened at "...", are today's closing lines (verdict.gain_lines) read from the
-    per-triplet files of the committed run it names, a run on a seed no study chose with."""
+    """README's output lines, shortened at "...", are today's closing lines (the probe line, verdict.gain_lines)
+    read from the per-triplet files of the committed run it names, a seed and held-out games no study chose
+    with."""
     from readout import verdict
 
-    run = ROOT / "lab" / "results" / "fresh_seeds" / "seed51"
-    block, lines = readme_block(), verdict.gain_lines(run, start="warm-up")
-    assert len(block) >= 4 and "(lab/results/fresh_seeds/seed51/)" in (ROOT / "README.md").read_text()
+    run = ROOT / "lab" / "results" / "state_probes" / "test_seed91"
+    block = readme_block()
+    lines = [verdict.probe_line(run, "warm-up"), *verdict.gain_lines(run, start="warm-up")]
+    assert len(block) >= 4 and "(lab/results/state_probes/test_seed91/)" in (ROOT / "README.md").read_text()
     for entry in block:
         assert any(all(part.strip() in line for part in entry.split("...")) for line in lines), entry
     config = json.loads((run / "config.json").read_text())
     assert config["seed"] not in (0, 1, 2, 12, 21) and config["heldout_split"] == "valid_unseen"
+    assert config["heldout_seed"] not in (0, 30)  # not the games every earlier run or dev scored
 
 
 def test_the_readmes_verdict_words_match_its_numbers():
