@@ -275,9 +275,9 @@ def readme_block() -> list[str]:
 
 
 def test_the_readmes_output_block_is_what_todays_code_reads_from_a_committed_run():
-    """README's output lines, shortened at "...", are today's closing lines (the probe line, verdict.gain_lines)
-    read from the per-triplet files of the committed run it names, a seed and held-out games no study chose
-    with."""
+    """README's output lines, shortened at "...", are today's closing lines (the probe line and
+    verdict.gain_lines) read from the per-triplet files of the committed run it names, a seed and held-out
+    games no study chose with."""
     from readout import verdict
 
     run = ROOT / "lab" / "results" / "state_probes" / "test_seed91"
