@@ -1,2 +1,2 @@
-"""What runs a command, below everything else: the one-line error, a setting's declaration, the command line
-(flags, --config), files written whole, and the cost line (time, peak memory). Imports nothing of the repo."""
+"""What runs a command, importing nothing of the repo: the one-line error, a setting's declaration,
+the command line (flags, --config), files written whole, the cost line (time, peak memory)."""

@@ -1,15 +1,14 @@
 """A run's time and peak memory, of the whole run and of each stage.
 
-    with cost.run(out):               # train.py main: at the end one line on stdout and out/cost.json
+    with cost.run(out):               # train.py: at the end one line on stdout and out/cost.json
         with cost.stage("collect"):   # any stage, nested or not, entered once or many times
             ...
 
-A stage's peak RSS is its own: the highest RSS a thread samples every 50 ms while it is open (activations
-live for seconds); an enclosing stage holds its children's. The run's peak is the kernel's high-water mark
-(getrusage, as `/usr/bin/time -v`), game workers apart (the largest that has ended). On CUDA, also
-torch.cuda.max_memory_allocated, reset at each stage's start. Importing this module tunes glibc's allocator
-(`tune_allocator`); each stage boundary hands the heap's free pages back (`_trim`): else freed activations
-stay in RSS.
+A stage's peak RSS is its own: the highest RSS a thread samples every 50 ms while it is open
+(activations live for seconds); an enclosing stage holds its children's. The run's peak is the
+kernel's high-water mark (getrusage, as `/usr/bin/time -v`), the largest ended game worker apart.
+On CUDA, also torch.cuda.max_memory_allocated, reset at each stage's start. Importing this module
+tunes glibc's allocator; each stage's edges trim the heap: else freed activations stay in RSS.
 """
 from __future__ import annotations
 
@@ -31,12 +30,11 @@ _WORKERS = resource.RUSAGE_CHILDREN  # _peak(_WORKERS): the largest game worker 
 
 
 def _peak(who: int = resource.RUSAGE_SELF) -> int:
-    """The peak RSS of this process or (RUSAGE_CHILDREN) of the largest child that has ended."""
     return resource.getrusage(who).ru_maxrss * _KB
 
 
 _C = ctypes.CDLL(None)
-_LIBC = _C if hasattr(_C, "mallopt") and hasattr(_C, "malloc_trim") else None  # glibc (Linux), else None
+_LIBC = _C if hasattr(_C, "mallopt") and hasattr(_C, "malloc_trim") else None  # glibc only
 MMAP_THRESHOLD = int(os.environ.get("RWML_MMAP", 1 << 20))  # bytes: glibc's mmap threshold
 
 
@@ -64,7 +62,7 @@ def _cuda():
 
 
 class Tracker:
-    """The open stages and what each has used so far; a daemon thread raises their peaks every `interval`."""
+    """The open stages and their use so far; a daemon thread raises their peaks every `interval`."""
 
     def __init__(self, interval: float = 0.05):
         self.t0, self.stages, self.open, self.workers0 = time.time(), {}, [], _peak(_WORKERS)
@@ -90,8 +88,8 @@ class Tracker:
         if cuda := _cuda():
             cuda.reset_peak_memory_stats()
         t, w = time.time(), _peak(_WORKERS)
-        s = self.stages.setdefault(name, dict(seconds=0.0, peak=0, cuda_peak=0, calls=0, workers=None,
-                                              first=t))
+        s = self.stages.setdefault(
+            name, dict(seconds=0.0, peak=0, cuda_peak=0, calls=0, workers=None, first=t))
         self.open.append(s)
         self._raise()
         try:
@@ -100,7 +98,8 @@ class Tracker:
             self._raise()
             self.open = [o for o in self.open if o is not s]
             for o in self.open:  # the enclosing stages hold this one's peak
-                o["peak"], o["cuda_peak"] = max(o["peak"], s["peak"]), max(o["cuda_peak"], s["cuda_peak"])
+                o["peak"] = max(o["peak"], s["peak"])
+                o["cuda_peak"] = max(o["cuda_peak"], s["cuda_peak"])
             _trim()
             s["seconds"] += time.time() - t
             s["calls"] += 1
@@ -112,14 +111,15 @@ class Tracker:
             return round(b / GB, 3)
 
         workers = _peak(_WORKERS)
-        cuda = any(s["cuda_peak"] for s in self.stages.values()) or _cuda()
+        stages = self.stages.values()
+        cuda = any(s["cuda_peak"] for s in stages) or _cuda()
         # the high-water mark can trail a sampled RSS by the kernel's per-thread counters (a few MB)
-        peak = max([_peak()] + [s["peak"] for s in self.stages.values()])
+        peak = max([_peak()] + [s["peak"] for s in stages])
         out = dict(seconds=round(time.time() - self.t0, 1), peak_rss_gb=gb(peak),
-                   workers_peak_rss_gb=gb(workers) if workers > self.workers0 else None, pid=os.getpid(),
-                   stages={})
+                   workers_peak_rss_gb=gb(workers) if workers > self.workers0 else None,
+                   pid=os.getpid(), stages={})
         if cuda:
-            out["cuda_max_allocated_gb"] = gb(max([s["cuda_peak"] for s in self.stages.values()] or [0]))
+            out["cuda_max_allocated_gb"] = gb(max([s["cuda_peak"] for s in stages] or [0]))
         for name, s in self.stages.items():
             row = dict(seconds=round(s["seconds"], 1), peak_rss_gb=gb(s["peak"]), calls=s["calls"])
             if s["workers"]:
@@ -148,7 +148,7 @@ _TRACKER = Tracker()
 
 
 def stage(name: str):
-    """A stage of the current run (a context manager): its time and peak memory go into the cost line."""
+    """A stage of the current run (a context manager): its time and peak go into the cost line."""
     return _TRACKER.stage(name)
 
 
@@ -170,6 +170,6 @@ def run(folder: Path | None, since: float | None = None):
         _TRACKER = Tracker()  # what runs until the next run (its checks) is that run's
         print(line(summary), flush=True)
         if folder is not None and Path(folder).is_dir():
-            tmp = Path(folder) / f"cost.json.tmp{os.getpid()}"  # accelerate launch: one writer per process
+            tmp = Path(folder) / f"cost.json.tmp{os.getpid()}"  # accelerate: one writer per process
             tmp.write_text(json.dumps(summary, indent=2))
             os.replace(tmp, Path(folder) / "cost.json")
