@@ -1,2 +1,2 @@
-"""The bridge to verl: `train.py export` writes verl's GRPO parquets (export.py), and verl loads the reward
-file, reward.py, by its path."""
+"""The bridge to verl: `train.py export` writes verl's GRPO parquets (export.py), and verl loads
+the reward file, reward.py, by its path."""

