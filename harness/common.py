@@ -38,11 +38,10 @@ def clip(text: str, n: int = 80) -> str:
 
 
 def utf8_clean(text: str) -> str:
-    """Text that encodes as UTF-8: a lone surrogate ("\\ud800") becomes "?" (tokenizers raise on them)."""
+    """Text that encodes as UTF-8: a lone surrogate ("\\ud800") becomes "?" (tokenizers raise)."""
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
-# ----------------------------------------------------------------------------- a setting, declared once
 def arg(default, help: str, *, choices: tuple | None = None, min: float | None = None, check=None,
         why: str | None = None, resume_free: bool = False, part_of: str = ""):
     """A setting: a dataclass field that is also a flag (`num_games` -> `--num-games`) and a
@@ -58,16 +57,18 @@ def arg(default, help: str, *, choices: tuple | None = None, min: float | None =
 
 
 def names(cfg, *tags: str) -> tuple[str, ...]:
-    """The settings of `cfg` (a config or its class) whose `part_of` holds one of `tags`, in their order."""
-    return tuple(f.name for f in dataclasses.fields(cfg) if set(tags) & set(f.metadata.get("part_of", ())))
+    """The settings of `cfg` (a config or its class) with one of `tags` in `part_of`, in order."""
+    fields = dataclasses.fields(cfg)
+    return tuple(f.name for f in fields if set(tags) & set(f.metadata.get("part_of", ())))
 
 
 def again(cls, name: str, default=dataclasses.MISSING, help: str | None = None):
-    """`cls`'s setting `name` in another config, with another default or help (eval.py's protocol: 30 turns,
-    not train.py's 10): its declaration, bounds and choices stay `cls`'s."""
+    """`cls`'s setting `name` in another config, with another default or help (eval.py's protocol:
+    30 turns, not train.py's 10): its declaration, bounds and choices stay `cls`'s."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     meta = dict(f.metadata, **({"help": help} if help else {}))
-    return dataclasses.field(default=f.default if default is dataclasses.MISSING else default, metadata=meta)
+    default = f.default if default is dataclasses.MISSING else default
+    return dataclasses.field(default=default, metadata=meta)
 
 
 def code_sha(entry: str = "train.py", root: Path = ROOT) -> str:
@@ -78,26 +79,27 @@ def code_sha(entry: str = "train.py", root: Path = ROOT) -> str:
         if (path := todo.pop()) in seen:
             continue
         seen[path] = data = path.read_bytes()
-        names = [m.replace(".", "/") for m in _imports(data)]  # a module's file, or a package's __init__.py
-        todo += [p for m in names for p in (root / f"{m}.py", root / m / "__init__.py") if p.is_file()]
+        for module in _imports(data):  # a module's file, or a package's __init__.py
+            m = module.replace(".", "/")
+            todo += [p for p in (root / f"{m}.py", root / m / "__init__.py") if p.is_file()]
     return hashlib.sha256(b"".join(p.relative_to(root).as_posix().encode() + b"\0" + d + b"\0"
                                    for p, d in sorted(seen.items()))).hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=256)
 def _imports(source: bytes) -> tuple[str, ...]:
-    """The modules (and `from` names, which may be modules) a source imports, anywhere in it, and the modules
-    of its "module:name" strings (a registry's entries)."""
+    """The modules (and `from` names, which may be modules) a source imports, anywhere in it, and
+    the modules of its "module:name" strings (a registry's entries)."""
     return tuple(m for node in ast.walk(ast.parse(source)) for m in (
         [a.name for a in node.names] if isinstance(node, ast.Import) else [
             node.module, *(f"{node.module}.{a.name}" for a in node.names)]
         if isinstance(node, ast.ImportFrom) and node.module and not node.level else
-        [node.value.split(":")[0]] if isinstance(node, ast.Constant) and ":" in str(node.value) else []))
+        [node.value.split(":")[0]]
+        if isinstance(node, ast.Constant) and ":" in str(node.value) else []))
 
 
-# ----------------------------------------------------------------------------- files that survive interrupts
 def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write to a temporary file, then rename: readers see the old or the new file, never half of one."""
+    """A temporary file, then a rename: readers see the old or the new file, never half of one."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data) if isinstance(data, bytes) else tmp.write_text(data)
     os.replace(tmp, path)
@@ -115,18 +117,16 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def write_jsonl(path: Path, rows, default=None) -> None:
-    """`rows` as JSON lines, written atomically (`write_atomic`)."""
     write_atomic(path, "".join(json.dumps(r, default=default) + "\n" for r in rows))
 
 
 def file_problem(path: Path) -> str | None:
-    """Why a safetensors (header, size), JSON or torch.save file (zip checksums) would not load, or None."""
+    """Why a safetensors (header, size), JSON or torch.save file (zip checksums) fails, or None."""
     if not path.is_file():
         return "is missing"
     try:
         if path.suffix == ".safetensors":
             from safetensors import safe_open
-
             with safe_open(str(path), "pt"):
                 pass
         elif path.suffix == ".json":
@@ -140,17 +140,16 @@ def file_problem(path: Path) -> str | None:
     return None
 
 
-# ----------------------------------------------------------------------------- paths a reader's clone has
 OUTSIDE = "<path>"  # what a recorded path outside the repository becomes
-PATH_KEYS = ("transitions", "eval_transitions", "adapter", "out", "filter_dir")  # settings that are paths
+PATH_KEYS = ("transitions", "eval_transitions", "adapter", "out", "filter_dir")  # path settings
 MAYBE_PATH_KEYS = ("model", "embedder", "user_model")  # a Hub id or bundled:NAME, or a local folder
 
 
 def repo_path(path, outside: str | None = OUTSIDE, root: Path = ROOT) -> str:
-    """`path` relative to `root` (the repository) when it lies inside it, else `outside` (None: as given),
-    never the machine's absolute path. A relative path is taken from the working directory."""
+    """`path` relative to `root` (the repository) when it lies inside it, else `outside` (None: as
+    given), never the machine's absolute path. A relative path is from the working directory."""
     full = Path(os.path.abspath(os.path.expanduser(str(path))))
-    for candidate in (full, full.resolve()):  # a symlinked folder under the repository counts as inside
+    for candidate in (full, full.resolve()):  # a symlinked folder in the repository is inside
         with contextlib.suppress(ValueError):
             return candidate.relative_to(root).as_posix()
     return str(path) if outside is None else outside
@@ -162,8 +161,9 @@ def is_local_path(value: str) -> bool:
 
 
 def stored_config(config: dict, root: Path = ROOT) -> dict:
-    """A config or result as it is written: its paths relative to the repository (or `<path>`), ids as they
-    are, a `config` inside it too."""
-    return {k: stored_config(v, root) if k == "config" and isinstance(v, dict) else repo_path(v, root=root)
-            if isinstance(v, str) and (k in PATH_KEYS or k in MAYBE_PATH_KEYS and is_local_path(v)) else v
+    """A config or result as it is written: its paths relative to the repository (or `<path>`), ids
+    as they are, a `config` inside it too."""
+    return {k: stored_config(v, root) if k == "config" and isinstance(v, dict)
+            else repo_path(v, root=root) if isinstance(v, str) and (
+                k in PATH_KEYS or k in MAYBE_PATH_KEYS and is_local_path(v)) else v
             for k, v in config.items()}
