@@ -1,10 +1,8 @@
 """The plumbing under train.py and eval.py, none of it the method: every value checked before any
 model loads (one-line errors), files that survive interrupts, checkpoints and --resume, metrics
-under TRL's names, trackers. What it needs of the method (a reply's parser) comes in as
-arguments."""
+under TRL's names, trackers. The method (a reply's parser) comes in as arguments."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -24,19 +22,29 @@ from harness.cli import check_fields, resume_free
 from harness.common import (PATH_KEYS, UserError, file_problem, read_jsonl, stored_config,
                             write_atomic, write_jsonl)
 
-# ------------------------------------------------------------------- checks before anything slow runs
+TRIPLET_FORMAT = "JSON lines with task, history, action, next_obs, as train.py collect writes"
+# grpo_step's names -> TRL GRPOTrainer's: metrics.jsonl and the trackers hold TRL's names only
+TRL_NAMES = dict(reward_mean="reward", completion_tokens="completions/mean_length",
+                 clip_ratio="clip_ratio/region_mean")
+# the keys of every stage-1 GRPO row in metrics.jsonl, whichever trainer wrote it (tested for both)
+WM_METRICS = ("step", "epoch", "loss", "grad_norm", "learning_rate", "reward", "reward_std",
+              "frac_reward_zero_std", "kl", "completions/mean_length", "completions/min_length",
+              "completions/max_length", "completions/clipped_ratio", "clip_ratio/region_mean")
+PROMPT_TAIL = 300  # a prompt's characters kept in samples.jsonl: the last observation and action
+
+# ------------------------------------------------------------- checks before anything slow runs
 def check_run(cfg, stage_check=None, processes: bool = False) -> None:
     """Everything a stage checks before anything slow runs (`stage_check(cfg)`: the stage's own);
-    `processes`: the caller shares its work between `accelerate launch`'s processes (lab/trl_grpo.py)."""
+    `processes`: the caller shares its work between `accelerate launch`'s processes (TRL's)."""
     check_fields(cfg)
     check_cache(cfg)
     if not processes:
         check_single_process()
     if stage_check:
         stage_check(cfg)
-    if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:  # not after the filter
-        raise UserError(f"--report-to {cfg.report_to} needs the {cfg.report_to} package: pip install -r "
-                        "requirements-trackers.txt (or --report-to none)")
+    if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
+        raise UserError(f"--report-to {cfg.report_to} needs the {cfg.report_to} package: pip "
+                        "install -r requirements-trackers.txt (or --report-to none)")
     check_writable(Path(cfg.out))
     if cfg.filter_dir:
         check_writable(Path(cfg.filter_dir), "--filter-dir")
@@ -46,33 +54,35 @@ def check_run(cfg, stage_check=None, processes: bool = False) -> None:
 
 def check_cache(cfg) -> None:
     """$RWML_CACHE a folder, writable where the bundled model is yet to convert."""
-    root, fix = engine.MODEL_CACHE, "; point RWML_CACHE to a writable folder (or unset it: ~/.cache/rwml)"
+    root = engine.MODEL_CACHE
+    fix = "; point RWML_CACHE to a writable folder (or unset it: ~/.cache/rwml)"
     if root.exists() and not root.is_dir():
         raise UserError(f"RWML_CACHE={root} is not a folder{fix}")
     if getattr(cfg, "model", None) != engine.BUNDLED_MODEL:
         return
     if (root / "SmolLM2-135M-Instruct").is_dir():
-        engine._bundled_smollm2()  # converted: a damaged copy is named now (a header and two JSONs read)
+        engine._bundled_smollm2()  # converted: names a damaged copy now (reads a header, two JSONs)
         return
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create RWML_CACHE={root} ({e.strerror}){fix}") from None
     if not os.access(root, os.W_OK | os.X_OK):
-        raise UserError(f"RWML_CACHE={root} is read-only, and the bundled model is to be converted into it"
-                        + fix)
+        raise UserError(f"RWML_CACHE={root} is read-only, and the bundled model is to be converted "
+                        "into it" + fix)
 
 
 def check_single_process() -> None:
-    """N processes (WORLD_SIZE) of our trainer would run N same jobs into one --out: only TRL's splits."""
+    """N processes (WORLD_SIZE) of our trainer would run N same jobs into one --out."""
     world = int(os.environ.get("WORLD_SIZE") or 1)
     if world > 1:
-        raise UserError(f"launched as {world} processes (WORLD_SIZE={world}), but only TRL's GRPOTrainer "
-                        "(lab/trl_grpo.py) shares work between processes; run that, or one process")
+        raise UserError(f"launched as {world} processes (WORLD_SIZE={world}), but only TRL's "
+                        "GRPOTrainer (lab/trl_grpo.py) shares work between processes; run that, "
+                        "or one process")
 
 
 def use_4bit(cfg) -> bool:
-    """--load-in-4bit, or its default (engine.default_4bit); the size is read only where CUDA could use it."""
+    """--load-in-4bit, or engine.default_4bit's; the size is read only where CUDA could use it."""
     if cfg.load_in_4bit is not None:
         return cfg.load_in_4bit
     cuda = torch.cuda.is_available()
@@ -80,17 +90,13 @@ def use_4bit(cfg) -> bool:
 
 
 def process_state():
-    """accelerate's view of this process (one of `accelerate launch`'s, or the only one); no CUDA: gloo."""
+    """accelerate's view of this process (of `accelerate launch`'s, or alone); no CUDA: gloo."""
     from accelerate import PartialState
-
     return PartialState(cpu=not torch.cuda.is_available())
 
 
-TRIPLET_FORMAT = "JSON lines with task, history, action, next_obs, as train.py collect writes"
-
-
 def triplet_problem(t) -> str | None:
-    """What is wrong with a transitions record, or None: the fields the world-model prompt and target use."""
+    """A transitions record's problem, or None: the fields the world-model prompt and target use."""
     if not isinstance(t, dict):
         return f"a JSON {type(t).__name__}, not an object"
     for key in ("task", "action", "next_obs"):
@@ -113,9 +119,10 @@ def read_transitions(path: str | None, fits=None) -> list[dict]:
     if not Path(path).is_file():
         raise UserError(f"transitions file not found: {path}")
     try:
-        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()  # -sig: an editor's BOM is fine
+        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()  # an editor's BOM is fine
     except UnicodeDecodeError as e:
-        raise UserError(f"{path} is not UTF-8 text (byte {e.start}); expected {TRIPLET_FORMAT}") from None
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start}); expected {TRIPLET_FORMAT}") \
+            from None
     trips = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -136,9 +143,8 @@ def read_transitions(path: str | None, fits=None) -> list[dict]:
 
 @functools.lru_cache(maxsize=8)
 def model_context(name: str) -> tuple[object, int | None]:
-    """(tokenizer, context length) of a model, without its weights; (None, None): load_model says why."""
+    """(tokenizer, context length) without the weights; (None, None): load_model says why."""
     from transformers import AutoConfig, AutoTokenizer
-
     try:
         path = engine._bundled_smollm2() if name == engine.BUNDLED_MODEL else name
         config, tok = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
@@ -148,14 +154,15 @@ def model_context(name: str) -> tuple[object, int | None]:
     return tok, getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
 
 
-def check_context(cfg, stage: str | None = None) -> None:
+def check_context(cfg) -> None:
     """--max-new-tokens and --max-completion-length within the model's context, before it loads."""
-    names = [n for n in ("max_new_tokens", "max_completion_length") if isinstance(getattr(cfg, n, None), int)]
+    names = [n for n in ("max_new_tokens", "max_completion_length")
+             if isinstance(getattr(cfg, n, None), int)]
     ctx = model_context(cfg.model)[1] if names and hasattr(cfg, "model") else None
     for n in names if ctx else ():
         if getattr(cfg, n) >= ctx:
-            raise UserError(f"--{n.replace('_', '-')} {getattr(cfg, n)}: at least {cfg.model}'s whole "
-                            f"context of {ctx} tokens, with no room for the prompt; lower it")
+            raise UserError(f"--{n.replace('_', '-')} {getattr(cfg, n)}: at least {cfg.model}'s "
+                            f"whole context of {ctx} tokens, with no room for the prompt; lower it")
 
 
 def context_problem(cfg, chats: list[tuple[str, str, str]], answer: str) -> str | None:
@@ -163,20 +170,24 @@ def context_problem(cfg, chats: list[tuple[str, str, str]], answer: str) -> str 
     tok, ctx = model_context(cfg.model)
     if ctx is None:
         return None
-    prompts, size = [engine.chat(tok, *c) for c in chats], lambda s: len(s.encode("utf-8", "surrogatepass"))
-    if max(map(size, prompts)) + max(size(answer), cfg.max_completion_length) + 16 <= ctx:
+    prompts = [engine.chat(tok, *c) for c in chats]
+    *sizes, answer_size = (len(s.encode("utf-8", "surrogatepass")) for s in (*prompts, answer))
+    if max(sizes) + max(answer_size, cfg.max_completion_length) + 16 <= ctx:
         return None  # a token is at least a byte (byte-level BPE): no need to tokenize
     n = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
     m = max(len(tok(answer, add_special_tokens=False)["input_ids"]) + 1, cfg.max_completion_length)
-    return None if n + m <= ctx else (f"its world-model prompt ({n} tokens) and answer ({m}) exceed "
-                                      f"{cfg.model}'s context of {ctx} tokens; shorten or drop this triplet")
+    if n + m <= ctx:
+        return None
+    return (f"its world-model prompt ({n} tokens) and answer ({m}) exceed {cfg.model}'s context "
+            f"of {ctx} tokens; shorten or drop this triplet")
 
 
-# ------------------------------------------------------------------------------ files that survive interrupts
+# ------------------------------------------------------------ files that survive interrupts
 def check_writable(path: Path, flag: str = "--out", folder: bool = True) -> None:
-    """An output folder (or file) writable, checked before anything slow runs; nothing is created."""
+    """An output folder (or file) writable, checked before anything slow; nothing is created."""
     if not folder and path.is_dir():
-        raise UserError(f"{flag} {path} is a folder; give a file name, e.g. {path / 'results.json'}")
+        raise UserError(f"{flag} {path} is a folder; give a file name, e.g. "
+                        f"{path / 'results.json'}")
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir() and (folder or existing != path):
         raise UserError(f"{flag} {path}: {existing} is a file, not a folder; choose another path")
@@ -185,8 +196,8 @@ def check_writable(path: Path, flag: str = "--out", folder: bool = True) -> None
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise UserError(f"{flag} {path}: cannot write there ({e.strerror or e}); choose another path") \
-            from None
+        raise UserError(f"{flag} {path}: cannot write there ({e.strerror or e}); choose another "
+                        "path") from None
 
 
 def check_adapter(path: str | None, flag: str = "--adapter") -> None:
@@ -195,20 +206,19 @@ def check_adapter(path: str | None, flag: str = "--adapter") -> None:
         return
     config = Path(path) / "adapter_config.json"
     if not config.is_file() and (Path(path) / "adapter" / "adapter_config.json").is_file():
-        raise UserError(f"{path} is a run folder, not an adapter: its adapter is {Path(path) / 'adapter'}; "
-                        f"give {flag} {Path(path) / 'adapter'}")
+        raise UserError(f"{path} is a run folder, not an adapter: its adapter is "
+                        f"{Path(path) / 'adapter'}; give {flag} {Path(path) / 'adapter'}")
     if not config.is_file():
         raise UserError(f"no peft adapter at {path} (expected {config})")
     try:
         from peft import PeftConfig
-
         if not isinstance(json.loads(config.read_text()).get("peft_type"), str):
             raise ValueError("no peft_type")
         PeftConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 -- whatever peft's reader raises, the file is the problem
         why = str(e).splitlines()[0] if str(e) else repr(e)
-        raise UserError(f"{config} is not a readable peft adapter config ({why}); save the adapter again, or "
-                        f"give another {flag}") from None
+        raise UserError(f"{config} is not a readable peft adapter config ({why}); save the adapter "
+                        f"again, or give another {flag}") from None
     weights = next((Path(path) / n for n in ("adapter_model.safetensors", "adapter_model.bin")
                     if (Path(path) / n).is_file()), Path(path) / "adapter_model.safetensors")
     if problem := file_problem(weights):
@@ -216,34 +226,28 @@ def check_adapter(path: str | None, flag: str = "--adapter") -> None:
 
 
 def checkpoint_problem(folder: Path) -> str | None:
-    """Why a checkpoint folder would not load back, or None: both files read whole, not merely exist."""
+    """Why a checkpoint would not load back, or None: both files read whole, not merely exist."""
     return next((f"{folder / n} {p}" for n in ("adapter_model.safetensors", "trainer_state.pt")
                  if (p := file_problem(folder / n))), None)
 
 
-@contextlib.contextmanager
 def keep_rng():
-    """An evaluation inside training leaves its random state as it was: a learning curve changes no step."""
-    cpu, cuda = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
+    """An evaluation inside training leaves the RNG as it was: a learning curve changes no step."""
+    return torch.random.fork_rng(devices=range(torch.cuda.device_count()), device_type="cuda")
 
 
 def sample_triplets(trips: list[dict], n: int, seed: int = 0) -> list[dict]:
     """`n` of the triplets in their order, drawn with `seed` (0 or more than there are: all)."""
-    return trips if not n or n >= len(trips) else [trips[i] for i in sorted(random.Random(seed).sample(
-        range(len(trips)), n))]
+    if not n or n >= len(trips):
+        return trips
+    return [trips[i] for i in sorted(random.Random(seed).sample(range(len(trips)), n))]
 
 
 def write_eval(path: Path, result: dict) -> None:
-    """An evaluation's summary (JSON) and, to audit it, each triplet's outputs beside it (.triplets.jsonl)."""
+    """An evaluation's summary (JSON) and, to audit it, each triplet's outputs (.triplets.jsonl)."""
     detail = path.with_name(path.stem + ".triplets.jsonl")
     write_jsonl(detail, result.get("triplets", []))
-    summary = stored_config({k: v for k, v in result.items() if k != "triplets"})  # paths: a clone's
+    summary = stored_config({k: v for k, v in result.items() if k != "triplets"})  # a clone's paths
     write_atomic(path, json.dumps(dict(summary, triplets_file=detail.name), indent=2))
 
 
@@ -252,22 +256,24 @@ def config_json(cfg) -> str:
     return json.dumps(stored_config(dataclasses.asdict(cfg)), indent=2)
 
 
-# ------------------------------------------------------------------------------- checkpoints and resume
+# ---------------------------------------------------------------------- checkpoints and resume
 def filter_dir(cfg, out: Path) -> Path:
     return Path(cfg.filter_dir) if cfg.filter_dir else out / "filter"
 
 
 def save_checkpoint(path: Path, model, optimizer, state: dict) -> None:
-    """Adapter, optimizer, RNG, cursor and step to checkpoint.tmp, then swapped in: no crash loses one."""
+    """Adapter, optimizer, RNG, cursor, step to checkpoint.tmp, swapped in: no crash loses one."""
     tmp = path.with_name(path.name + ".tmp")
     _remove_checkpoint(tmp)
     save_peft(model, tmp, stage=state.get("stage"), extra=[
-        f"checkpoint at step {state['step']}: `--resume` continues from it (trainer_state.pt: optimizer, RNG "
-        "states and data cursor, tensors and plain values only); the finished adapter: ../adapter"])
-    buffer = io.BytesIO()  # then written as bytes: on a full disk torch.save says only "unexpected pos"
+        f"checkpoint at step {state['step']}: `--resume` continues from it (trainer_state.pt: "
+        "optimizer, RNG states and data cursor, tensors and plain values only); the finished "
+        "adapter: ../adapter"])
+    buffer = io.BytesIO()  # written after: torch.save to a full disk says only "unexpected pos"
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     torch.save(dict(state, optimizer=optimizer.state_dict(), torch_rng=torch.get_rng_state(),
-                    cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None), buffer)
-    write_atomic(tmp / "trainer_state.pt", buffer.getvalue())  # last, by rename: it marks a complete folder
+                    cuda_rng=cuda_rng), buffer)
+    write_atomic(tmp / "trainer_state.pt", buffer.getvalue())  # last: it marks a complete folder
     swap_checkpoint(path, verify=False)  # just written: no need to read it back
 
 
@@ -278,7 +284,7 @@ def _remove_checkpoint(folder: Path) -> None:
 
 
 def swap_checkpoint(path: Path, verify: bool = True) -> bool:
-    """A whole checkpoint.tmp (else an old .old) into `path`; whether `path` then holds a checkpoint."""
+    """A whole checkpoint.tmp (else .old) into `path`; whether `path` then holds a checkpoint."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     whole = ((lambda f: checkpoint_problem(f) is None) if verify
              else (lambda f: (f / "trainer_state.pt").is_file()))
@@ -293,7 +299,6 @@ def swap_checkpoint(path: Path, verify: bool = True) -> bool:
 def load_checkpoint(path: Path, model, optimizer) -> dict:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
-
     swap_checkpoint(path)  # a save that a crash stopped
     set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
     state = read_state(path / "trainer_state.pt")
@@ -305,13 +310,13 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
 
 
 def read_state(path: Path, **kwargs) -> dict:
-    """trainer_state.pt read with torch.load(weights_only=True): tensors and plain values, no pickled code."""
+    """trainer_state.pt, loaded weights_only: tensors and plain values, no pickled code."""
     try:
         return torch.load(path, weights_only=True, **kwargs)
     except pickle.UnpicklingError:
-        raise UserError(f"cannot resume: {path} holds pickled objects (an older release wrote it); delete "
-                        f"{path.parent} to start the run over, or resume it with the release that wrote it"
-                        ) from None
+        raise UserError(f"cannot resume: {path} holds pickled objects (an older release wrote "
+                        f"it); delete {path.parent} to start the run over, or resume it with the "
+                        "release that wrote it") from None
 
 
 def check_resume(cfg, out: Path, stage: str, resume: bool | None = None) -> bool:
@@ -320,91 +325,79 @@ def check_resume(cfg, out: Path, stage: str, resume: bool | None = None) -> bool
     if not swap_checkpoint(ckpt):
         return False
     if not (cfg.resume if resume is None else resume):
-        raise UserError(f"{out} already holds a run; pass --resume to continue it, or use another --out")
-    if problem := checkpoint_problem(ckpt):
-        raise UserError(f"cannot resume: {problem}; delete {ckpt} to start the run over, or use another "
+        raise UserError(f"{out} already holds a run; pass --resume to continue it, or use another "
                         "--out")
+    if problem := checkpoint_problem(ckpt):
+        raise UserError(f"cannot resume: {problem}; delete {ckpt} to start the run over, or use "
+                        "another --out")
     state = read_state(ckpt / "trainer_state.pt", mmap=True, map_location="cpu")
     if (saved := state.get("stage", stage)) != stage:
-        raise UserError(f"cannot resume: {out} holds a {saved} run, not a {stage} run; use another --out")
+        raise UserError(f"cannot resume: {out} holds a {saved} run, not a {stage} run; use another "
+                        "--out")
     check_settings(cfg, out, state.get("paths", {}))
     return True
 
 
 def run_paths(cfg) -> dict:  # the run's paths, kept in its checkpoints for --resume
-    return {k: os.path.abspath(v) for k, v in dataclasses.asdict(cfg).items() if k in PATH_KEYS and v}
+    fields = dataclasses.asdict(cfg)
+    return {k: os.path.abspath(v) for k, v in fields.items() if k in PATH_KEYS and v}
 
 
 def check_settings(cfg, out: Path, paths: dict | None = None) -> None:
-    """The settings that change training (not `resume_free`) are out/config.json's, its paths `paths`'."""
+    """The settings that change training (not `resume_free`) match config.json, paths `paths`."""
     try:  # start_run writes it before the first checkpoint: without it no setting could be checked
         old = stored_config(json.loads((out / "config.json").read_text(encoding="utf-8-sig")))
     except (OSError, ValueError, AttributeError) as e:
-        raise UserError(f"cannot resume: {out / 'config.json'}, the settings {out / 'checkpoint'} was "
-                        f"trained with, is {'missing' if isinstance(e, FileNotFoundError) else 'damaged'}; "
-                        f"restore it, or delete {out / 'checkpoint'} to start the run over") from None
+        why = "missing" if isinstance(e, FileNotFoundError) else "damaged"
+        raise UserError(f"cannot resume: {out / 'config.json'}, the settings {out / 'checkpoint'} "
+                        f"was trained with, is {why}; restore it, or delete {out / 'checkpoint'} "
+                        "to start the run over") from None
     new = json.loads(config_json(cfg))  # paths as recorded: relative to the repository, or <path>
-    if paths:  # as this machine names them (the checkpoint's): config.json's `<path>` cannot tell two apart
+    if paths:  # as this machine names them (the checkpoint's): `<path>` cannot tell two apart
         old |= {k: p for k, p in paths.items() if k in old}
         new |= {k: p for k, p in run_paths(cfg).items() if k in old}
-    diff = [f"--{k.replace('_', '-')} {old[k]!r} -> {v!r}" for k, v in new.items()
-            if k not in resume_free(cfg) and k in old and old[k] != v]
+    diff = ", ".join(f"--{k.replace('_', '-')} {old[k]!r} -> {v!r}" for k, v in new.items()
+                     if k not in resume_free(cfg) and k in old and old[k] != v)
     if diff:
-        raise UserError(f"cannot resume: {out} was trained with other settings ({', '.join(diff)}); "
-                        "resume with its settings, or use another --out")
+        raise UserError(f"cannot resume: {out} was trained with other settings ({diff}); resume "
+                        "with its settings, or use another --out")
 
 
 def start_run(cfg, out: Path, model, optimizer, stage: str = "wm") -> tuple[dict, object]:
-    """Resume (or refuse to overwrite a run); logs cut back to its step; config.json; the tracker."""
+    """Resume (or refuse to overwrite), logs cut back to its step, config.json, the tracker."""
     ckpt = out / "checkpoint"
     state = dict(step=0, epoch=0, cursor=0, stage=stage, paths=run_paths(cfg))
-    if check_resume(cfg, out, stage):
-        state = dict(dict(stage=stage), **load_checkpoint(ckpt, model, optimizer))  # earlier ones': no stage
+    if check_resume(cfg, out, stage):  # an earlier release's checkpoint has no stage
+        state = dict(dict(stage=stage), **load_checkpoint(ckpt, model, optimizer))
         print(f"resumed from {ckpt} at step {state['step']}")
     out.mkdir(parents=True, exist_ok=True)
-    for log in (out / "metrics.jsonl", out / "samples.jsonl", out / "eval_episodes.jsonl"):  # per-step logs
-        if log.exists():
+    for log in (out / "metrics.jsonl", out / "samples.jsonl", out / "eval_episodes.jsonl"):
+        if log.exists():  # a per-step log
             write_jsonl(log, [r for r in read_jsonl(log) if r.get("step", 0) <= state["step"]])
     write_atomic(out / "config.json", config_json(cfg))
     if cfg.report_to == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter
-
         return state, SummaryWriter(str(out / "tensorboard"))
     if cfg.report_to == "wandb":  # a resumed run continues the same wandb run
         import wandb
-
         id_file = out / "wandb_run_id"
         if not id_file.is_file():
             write_atomic(id_file, wandb.util.generate_id())
-        return state, wandb.init(project=os.environ.get("WANDB_PROJECT", "rwml"), name=out.name, dir=str(out),
-                                 id=id_file.read_text().strip(), resume="allow", job_type=stage,
-                                 config=dataclasses.asdict(cfg))
+        return state, wandb.init(project=os.environ.get("WANDB_PROJECT", "rwml"), name=out.name,
+                                 dir=str(out), id=id_file.read_text().strip(), resume="allow",
+                                 job_type=stage, config=dataclasses.asdict(cfg))
     return state, None
 
 
-# ------------------------------------------------------------------- logging: trackers, metrics, GRPO groups
-# grpo_step's names -> TRL GRPOTrainer's: metrics.jsonl and the trackers hold TRL's names only
-TRL_NAMES = dict(reward_mean="reward", completion_tokens="completions/mean_length",
-                 clip_ratio="clip_ratio/region_mean")
-
-
-# the keys of every stage-1 GRPO row in metrics.jsonl, whichever trainer wrote it (tested for both)
-WM_METRICS = ("step", "epoch", "loss", "grad_norm", "learning_rate", "reward", "reward_std",
-              "frac_reward_zero_std", "kl", "completions/mean_length", "completions/min_length",
-              "completions/max_length", "completions/clipped_ratio", "clip_ratio/region_mean")
-
-
-PROMPT_TAIL = 300  # characters of a world-model prompt kept in samples.jsonl: the last observation and action
-
-
+# --------------------------------------------------------- logging: trackers, metrics, GRPO groups
 def log_row(metrics, writer, row: dict) -> None:
-    """One step's row to metrics.jsonl under TRL's names, its numbers to the tracker (train/, eval/)."""
+    """A step's row to metrics.jsonl (TRL's names), its numbers to the tracker (train/, eval/)."""
     row = {TRL_NAMES.get(k, k): v for k, v in row.items()}
     jsonl_writer(metrics)(row)
     if writer is None:
         return
-    scalars = {f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}": float(v) for k, v in row.items()
-               if isinstance(v, (int, float)) and k != "step"}
+    scalars = {f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}": float(v)
+               for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
     if hasattr(writer, "add_scalar"):  # TensorBoard
         for k, v in scalars.items():
             writer.add_scalar(k, v, row["step"])
@@ -418,7 +411,7 @@ def close_tracker(writer) -> None:
 
 
 def group_table(step: int, groups: list[dict], parse, width: int = 90) -> str:
-    """A step's groups for the log: the first whole (`parse`: the prediction), then how many are all-equal."""
+    """A step's groups for the log: the first in full (`parse`: the predictions), then all-equal."""
     first = groups[0]
     lines = [f"[step {step}] group 1 of {len(groups)}: action {first['action']!r}; real: "
              f"{first['target'][:width]!r}", f"  {'reward':>6} {'advantage':>9}  predicted"]
@@ -432,21 +425,22 @@ def group_table(step: int, groups: list[dict], parse, width: int = 90) -> str:
 
 
 def run_header(model, cfg, trains: str, per_step: str, start, step: int = 0) -> str:
-    """What is about to train, printed before step 1: data, sizes, start adapter, KL reference, device."""
+    """What is about to train (before step 1): data, sizes, start adapter, KL reference, device."""
     fresh = f"a fresh LoRA (r {cfg.lora_r}, alpha {cfg.lora_alpha}, {cfg.lora_target_modules})"
-    reference = "the start adapter, a frozen copy" if start else "the base model (the adapter disabled)"
+    reference = ("the start adapter, a frozen copy" if start
+                 else "the base model (the adapter disabled)")
     dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
+    four_bit = "on" if getattr(model, "is_loaded_in_4bit", False) else "off"
     return "\n".join([
         trains,
-        f"  {cfg.max_steps} steps x {per_step} x G {cfg.num_generations}, learning rate {cfg.learning_rate}"
-        + (f"; resumed at step {step}" if step else ""),
+        f"  {cfg.max_steps} steps x {per_step} x G {cfg.num_generations}, learning rate "
+        f"{cfg.learning_rate}" + (f"; resumed at step {step}" if step else ""),
         f"  start: {start or fresh}",
         f"  beta {cfg.beta}, KL reference: {reference}" if cfg.beta else "  beta 0: no KL term",
-        f"  device {model.device}, {str(dtype).replace('torch.', '')}, "
-        f"4-bit {'on' if getattr(model, 'is_loaded_in_4bit', False) else 'off'}"])
+        f"  device {model.device}, {str(dtype).replace('torch.', '')}, 4-bit {four_bit}"])
 
 
-# ------------------------------------------------------------------------------------------------- on_turn
+# -------------------------------------------------------------------------------------- on_turn
 def jsonl_writer(f):
     """on_turn / on_episode for `rwml.play`: each record to the open file `f` at once."""
     def write(rec):

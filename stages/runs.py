@@ -1,8 +1,6 @@
-"""A run's bookkeeping under train.py's stages, none of it the method: the --out lock, the settings
-a stage needs together (`check_stage`), the environment it takes from its triplets (`settle_env`),
-the games it plays, a collection that continues where it stopped, eval.py agent's random policy and
-log, a GRPO step's row of metrics. Never imports rwml or train.py: what it needs of the method comes
-in as an argument."""
+"""A run's bookkeeping under train.py's stages, none of it the method (that comes in as arguments:
+never imports rwml or train.py): the --out lock, a stage's settings, its triplets' env, its games,
+a collection that continues, eval.py agent's random policy and log, a GRPO step's metrics."""
 from __future__ import annotations
 
 import collections
@@ -25,24 +23,29 @@ from tqdm.auto import tqdm
 import envs
 from harness.common import UserError, code_sha, names, read_jsonl, write_atomic, write_jsonl
 from stages.plumbing import (PROMPT_TAIL, check_resume, context_problem, group_table, jsonl_writer,
-                              read_transitions, run_header, sample_triplets)
+                             read_transitions, run_header, sample_triplets)
 from reward import parse_next_state
 
-# ------------------------------------------------------------- the --out lock: one run at a time in a folder
-_LOCKS: dict[str, int] = {}  # --out folder -> the descriptor of its lock, held by this process (claim_out)
+TRIPLET_STAGES = ("wm-sft", "filter", "wm", "export")  # the stages that read a collection
+WARMUP_STREAM = 100  # the warm-up's more train games are drawn with seed + this
+RANDOM_UNUSED = ("model", "adapter", "temperature", "top_p", "max_new_tokens", "action_mode",
+                 "sampled", "history_len")  # what `--policy random` (no model) never reads
+
+# ---------------------------------------------------- the --out lock: one run at a time in a folder
+_LOCKS: dict[str, int] = {}  # --out folder -> the descriptor of its lock, held by this process
 
 
 def claim_out(cfg, out: Path, stage: str) -> None:
-    """One run at a time in an --out (a flock on <out>/.lock till the process ends); --resume's checks."""
+    """One run at a time per --out (a flock on <out>/.lock till the process ends); resume checks."""
     key = str(out.resolve())
-    if os.environ.get("RANK", "0") == "0" and key not in _LOCKS:  # accelerate launch: the main process's
+    if os.environ.get("RANK", "0") == "0" and key not in _LOCKS:  # accelerate launch: rank 0's
         out.mkdir(parents=True, exist_ok=True)
         try:
             fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:  # a folder, or no permission
-            raise UserError(f"cannot open the run lock {out / '.lock'} ({e.strerror}); remove it (it holds "
-                            "only the pid of the run using the folder), or use another --out") from None
-        for tries in range(41):  # a run killed a moment ago: its game workers hold its lock until they end
+            raise UserError(f"cannot open the run lock {out / '.lock'} ({e.strerror}); remove it "
+                            "(it holds only its run's pid), or use another --out") from None
+        for tries in range(41):  # a run killed a moment ago: its game workers hold the lock a while
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
@@ -50,21 +53,21 @@ def claim_out(cfg, out: Path, stage: str) -> None:
                 pid = os.pread(fd, 20, 0).decode(errors="replace").strip() or "?"
                 if tries == 40 or Path(f"/proc/{pid}").exists():  # its writer still runs
                     os.close(fd)
-                    raise UserError(f"another run is using {out} (pid {pid}); wait for it to end, or use "
-                                    "another --out") from None
+                    raise UserError(f"another run is using {out} (pid {pid}); wait for it to end, "
+                                    "or use another --out") from None
                 time.sleep(0.05)
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         _LOCKS[key] = fd
     if stage in ("wm", "policy", "all"):
-        if found := next(out.glob("trl/checkpoint-*"), None):  # lab/trl_grpo.py's run is never overwritten
-            raise UserError(f"{out} holds a run of TRL's GRPOTrainer ({found}), which train.py cannot "
-                            "continue; use another --out")
-        check_resume(cfg, out, "policy" if stage == "policy" else "wm", cfg.resume or stage == "all")
+        if found := next(out.glob("trl/checkpoint-*"), None):  # lab/trl_grpo.py's run is kept
+            raise UserError(f"{out} holds a run of TRL's GRPOTrainer ({found}), which train.py "
+                            "cannot continue; use another --out")
+        check_resume(cfg, out, stage if stage == "policy" else "wm", cfg.resume or stage == "all")
 
 
 def releases_locks(fn):
-    """`fn` gives back the --out locks it took, however it ends (tests run stages one after another)."""
+    """`fn` gives back the --out locks it took, however it ends (tests run stages one by one)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         before = set(_LOCKS)
@@ -76,108 +79,104 @@ def releases_locks(fn):
     return wrapper
 
 
-# ------------------------------------------------------------------------- the stages' settings, together
+# ------------------------------------------------------------------ the stages' settings, together
 def check_stage(cfg, stage: str) -> None:
     """What a stage needs of its settings together, before anything slow runs."""
     def bad(name, why):
         raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: {why}")
-
     check_play(cfg)
     if stage == "wm" and cfg.eval_transitions and not cfg.eval_steps:
-        bad("eval_transitions", "is read only by the learning curve, which is off: add --eval-steps N (a "
-            "held-out evaluation every N steps), or leave --eval-transitions out")
+        bad("eval_transitions", "is read only by the learning curve, which is off: add "
+            "--eval-steps N (a held-out evaluation every N steps), or leave --eval-transitions out")
     if stage == "all" and cfg.num_games is not None:  # collection gives at most this many triplets
         n = cfg.num_games * cfg.rollouts_per_game * cfg.max_turns
         if n - max(1, round(cfg.filter_split * n)) < cfg.prompts_per_step:
-            bad("filter_split", f"leaves fewer than --prompts-per-step {cfg.prompts_per_step} of the at most "
-                f"{n} collected triplets for GRPO; lower it or collect more (--num-games, --max-turns)")
+            bad("filter_split", f"leaves fewer than --prompts-per-step {cfg.prompts_per_step} of "
+                f"the at most {n} collected triplets for GRPO; lower it or collect more "
+                "(--num-games, --max-turns)")
     if stage == "all" and cfg.coin_control and cfg.reward_control == "coin":
-        bad("coin_control", "trains a matched COIN arm beside RWML, and --reward-control coin makes RWML a "
-            "coin too: leave one of them out")
+        bad("coin_control", "trains a matched COIN arm beside RWML, and --reward-control coin "
+            "makes RWML a coin too: leave one of them out")
     if stage == "export" and importlib.util.find_spec("pyarrow") is None:
         raise UserError("train.py export --format verl writes parquet, which needs pyarrow: "
                         "pip install pyarrow")
     for name in ("train.parquet", "test.parquet", "train.parquet.tmp", "test.parquet.tmp"):
         if stage == "export" and (path := Path(cfg.out) / name).is_dir():
-            raise UserError(f"export writes the file {path}, which is a folder; remove it or use another "
-                            "--out")
+            raise UserError(f"export writes the file {path}, which is a folder; remove it or use "
+                            "another --out")
     if stage in ("collect", "policy", "rft") and cfg.env == "alfworld":
-        split_games(cfg)  # ALFWorld's data there, the split and --num-games: before --out or a cost line
-    dict(policy=check_init, all=check_heldout).get(stage, lambda cfg: None)(cfg)
+        split_games(cfg)  # ALFWorld's data, the split and --num-games: before --out or a cost line
+    if stage == "policy" and cfg.init == "base" and cfg.adapter:
+        raise UserError(f"--init base starts from the bare model, but --adapter {cfg.adapter} was "
+                        "given; say which kind it is, e.g. --init rwml")
+    if stage == "policy" and cfg.init != "base" and not cfg.adapter:
+        raise UserError(f"--init {cfg.init} needs --adapter DIR: the adapter/ folder of that run, "
+                        f"e.g. runs/{cfg.init}/adapter")
+    if stage == "all":
+        check_heldout(cfg)
 
 
 def check_play(cfg) -> None:
-    """Choose mode picks among a turn's admissible commands, which not every environment lists (tau2)."""
-    if cfg.action_mode == "choose" and not envs.env_class(cfg.env).can_choose:
-        raise UserError(f"--action-mode choose picks among a turn's admissible commands, and {cfg.env} has "
-                        f"no such list; use --action-mode generate with --env {cfg.env}")
+    if cfg.action_mode == "choose" and not envs.env_class(cfg.env).can_choose:  # tau2 lists none
+        raise UserError(f"--action-mode choose picks among a turn's admissible commands, and "
+                        f"{cfg.env} has no such list; use --action-mode generate with --env "
+                        f"{cfg.env}")
 
-def check_init(cfg) -> None:
-    if cfg.init == "base" and cfg.adapter:
-        raise UserError(f"--init base starts from the bare model, but --adapter {cfg.adapter} was given; "
-                        "say which kind it is, e.g. --init rwml")
-    if cfg.init != "base" and not cfg.adapter:
-        raise UserError(f"--init {cfg.init} needs --adapter DIR: the adapter/ folder of that run, "
-                        f"e.g. runs/{cfg.init}/adapter")
 
 def check_heldout(cfg) -> None:
-    """`all` scores games never trained on: no held-out game among the train games (before any model)."""
+    """`all` scores games never trained on: no held-out game among the train games."""
     if cfg.env != "alfworld":
-        raise UserError("the `all` stage runs on ALFWorld; for tau2 use the collect / wm / policy stages")
+        raise UserError("the `all` stage runs on ALFWorld; for tau2 use the collect / wm / policy "
+                        "stages")
     train = {envs.game_id(g) for g in split_games(cfg)}
-    held = {envs.game_id(g) for g in envs.list_games(cfg.heldout_split, cfg.heldout_games, cfg.heldout_seed)}
+    held = {envs.game_id(g)
+            for g in envs.list_games(cfg.heldout_split, cfg.heldout_games, cfg.heldout_seed)}
     if cfg.heldout_split == cfg.split or train & held:
-        raise UserError(f"--heldout-split {cfg.heldout_split} shares {len(train & held)} games with the "
-                        f"train games (--split {cfg.split}); use valid_unseen (the test split) or "
-                        "valid_seen (the dev split)")
+        raise UserError(f"--heldout-split {cfg.heldout_split} shares {len(train & held)} games "
+                        f"with the train games (--split {cfg.split}); use valid_unseen (the test "
+                        "split) or valid_seen (the dev split)")
     if cfg.warmup and cfg.warmup_games:
         warmup_games(cfg)  # before any collection: more than the split holds besides GRPO's games
 
 
-WARMUP_STREAM = 100  # the warm-up's more train games: seed + this draws them (lab/wm_dev.sh's MORE_SEED)
-
-
 def warmup_games(cfg) -> list:
-    """The warm-up's `warmup_games` more train games, drawn with seed + WARMUP_STREAM, never one of GRPO's:
-    one drawn twice is replaced by a game of the rest (drawn with that seed; a draw with none stays)."""
+    """The warm-up's more train games: drawn with seed + WARMUP_STREAM, none of them GRPO's."""
     every, train = envs.list_games(cfg.split), set(split_games(cfg))
     if cfg.warmup_games > len(every) - len(train):
-        raise UserError(f"--warmup-games {cfg.warmup_games}: the {cfg.split} split holds {len(every)} games, "
-                        f"{len(train)} of them GRPO's (--num-games); use at most {len(every) - len(train)}")
+        raise UserError(f"--warmup-games {cfg.warmup_games}: the {cfg.split} split holds "
+                        f"{len(every)} games, {len(train)} of them GRPO's (--num-games); use at "
+                        f"most {len(every) - len(train)}")
     drawn = envs.list_games(cfg.split, cfg.warmup_games, cfg.seed + WARMUP_STREAM)
     rest = [g for g in every if g not in train and g not in drawn]
-    return sorted([g for g in drawn if g not in train]
-                  + random.Random(cfg.seed + WARMUP_STREAM).sample(rest, len(train & set(drawn))))
+    redrawn = random.Random(cfg.seed + WARMUP_STREAM).sample(rest, len(train & set(drawn)))
+    return sorted([g for g in drawn if g not in train] + redrawn)
 
 
-# ------------------------------------------------- the games, a stage's triplets, a collection that continues
+# ------------------------------------- the games, a stage's triplets, a collection that continues
 def split_games(cfg) -> list:
-    """The games a stage plays: `num_games` ALFWorld game files of `split`, or `num_tasks` tau2 tasks."""
-    return envs.games(cfg.env, cfg.split, cfg.num_tasks if cfg.env == "tau2" else cfg.num_games, cfg.seed,
-                        cfg.domain, (cfg.world_size, cfg.nb_objects, cfg.quest_length))
-
-
-TRIPLET_STAGES = ("wm-sft", "filter", "wm", "export")  # the stages that take a collection's triplets
+    """The games a stage plays: `num_games` of `split` (ALFWorld's files), or `num_tasks` (tau2)."""
+    return envs.games(cfg.env, cfg.split, cfg.num_tasks if cfg.env == "tau2" else cfg.num_games,
+                      cfg.seed, cfg.domain, (cfg.world_size, cfg.nb_objects, cfg.quest_length))
 
 
 def settle_env(stage: str, cfg, given: set):
-    """A stage that takes triplets takes their environment and, unless given, its world-model defaults
-    (`envs.ENV_DEFAULTS`: tau_d, the cap); a given --env that disagrees with them is refused."""
+    """A stage that takes triplets takes their environment and, unless given, its world-model
+    defaults (`envs.ENV_DEFAULTS`: tau_d, the cap); a given --env that disagrees is refused."""
     if stage == "all" and "warmup_games" in given and cfg.warmup_games and not cfg.warmup:
-        raise UserError(f"--warmup-games {cfg.warmup_games} collects more games for the warm-up, and "
-                        "--no-warmup has none: leave one of them out")
+        raise UserError(f"--warmup-games {cfg.warmup_games} collects more games for the warm-up, "
+                        "and --no-warmup has none: leave one of them out")
     if stage not in TRIPLET_STAGES or not (env := triplets_env(cfg.transitions)):
         return cfg  # no triplet reads: read_transitions says why
     if "env" in given and cfg.env != env:
-        raise UserError(f"--env {cfg.env} disagrees with --transitions {cfg.transitions}, whose triplets are "
-                        f"{env}'s; leave --env out (a stage that takes triplets takes theirs) or give "
-                        f"{cfg.env} triplets")
+        raise UserError(f"--env {cfg.env} disagrees with --transitions {cfg.transitions}, whose "
+                        f"triplets are {env}'s; leave --env out (a stage that takes triplets takes "
+                        f"theirs) or give {cfg.env} triplets")
     if stage == "wm" and cfg.eval_transitions and (
             held := triplets_env(cfg.eval_transitions, "--eval-transitions")) not in (None, env):
-        raise UserError(f"--eval-transitions {cfg.eval_transitions} holds {held} triplets, --transitions "
-                        f"{env} ones; the learning curve scores the run's environment: give held-out {env} "
-                        "triplets")
-    return dataclasses.replace(cfg, env=env, **{k: None for k in envs.ENV_DEFAULTS if k not in given})
+        raise UserError(f"--eval-transitions {cfg.eval_transitions} holds {held} triplets, "
+                        f"--transitions {env} ones; the learning curve scores the run's "
+                        f"environment: give held-out {env} triplets")
+    return dataclasses.replace(cfg, env=env, **dict.fromkeys(set(envs.ENV_DEFAULTS) - given))
 
 
 def triplets_env(path: str | None, flag: str = "--transitions") -> str | None:
@@ -188,18 +187,18 @@ def triplets_env(path: str | None, flag: str = "--transitions") -> str | None:
         for n, line in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), 1):
             with contextlib.suppress(ValueError, AttributeError):
                 env = json.loads(line).get("env", "alfworld")
-                if isinstance(env, str) and env in envs.ENVIRONMENTS:  # else a line read_transitions names
+                if isinstance(env, str) and env in envs.ENVIRONMENTS:  # else read_transitions says
                     found.setdefault(env, n)
     if len(found) > 1:
         lines = ", ".join(f"{e} from line {n}" for e, n in found.items())
-        raise UserError(f"{flag} {path} mixes environments ({lines}); a run's reward threshold and cap are "
-                        "one environment's: give the triplets of one")
+        raise UserError(f"{flag} {path} mixes environments ({lines}); a run's reward threshold and "
+                        "cap are one environment's: give the triplets of one")
     env = next(iter(found), None)
     meta = Path(path).with_name("collect.json") if env else None
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # no collect.json, or none to read
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no collect.json to read
         if meta and (named := json.loads(meta.read_text(encoding="utf-8")).get("env", env)) != env:
-            raise UserError(f"{meta} names env {json.dumps(named)[:40]}, but the triplets of {path} are "
-                            f"{env}'s; fix or delete {meta} (its collection's settings)")
+            raise UserError(f"{meta} names env {json.dumps(named)[:40]}, but the triplets of "
+                            f"{path} are {env}'s; fix or delete {meta} (its collection's settings)")
     return env
 
 
@@ -212,69 +211,68 @@ def stage_inputs(cfg, stage: str, problem) -> tuple[list[dict] | None, list[dict
         return trips, None
     if not cfg.eval_transitions:
         raise UserError("wm --eval-steps scores held-out triplets along the way: give them with "
-                        "--eval-transitions (a transitions.jsonl of held-out games, e.g. train.py collect "
-                        "--split valid_seen)")
+                        "--eval-transitions (a transitions.jsonl of held-out games, e.g. train.py "
+                        "collect --split valid_seen)")
     return trips, sample_triplets(read_transitions(cfg.eval_transitions, problem),
                                   cfg.eval_max_triplets)
 
 
 def more_warmup(cfg, problem=None) -> list[dict]:
-    """The triplets of --warmup-transitions (more train games' collections) the filter's copy also learns,
-    each file checked whole (read_transitions) and of the run's environment."""
+    """--warmup-transitions' triplets, more games' collections the filter's copy also learns."""
     more = [f for f in (cfg.warmup_transitions or "").split(",") if f]
     if missing := [f for f in more if not Path(f).is_file()]:
-        raise UserError(f"--warmup-transitions: {', '.join(missing)} not found; give transitions.jsonl "
-                        "files of `train.py collect`, comma-separated")
+        raise UserError(f"--warmup-transitions: {', '.join(missing)} not found; give "
+                        "transitions.jsonl files of `train.py collect`, comma-separated")
     for f in more:
         if (env := triplets_env(f, "--warmup-transitions")) not in (None, cfg.env):
-            raise UserError(f"--warmup-transitions {f} holds {env} triplets, and this run is {cfg.env}'s: "
-                            f"give {cfg.env} triplets")
+            raise UserError(f"--warmup-transitions {f} holds {env} triplets, and this run is "
+                            f"{cfg.env}'s: give {cfg.env} triplets")
     return [t for f in more for t in read_transitions(f, problem)]
 
 
 def collect_job(cfg) -> dict:
-    """A collection's settings, as its collect.json holds them."""
     job = {k: getattr(cfg, k) for k in names(cfg, "collect", f"collect:{cfg.env}")}
-    if cfg.action_mode != "generate":  # written only when set: collections made before the field stay valid
+    if cfg.action_mode != "generate":  # only when set: collections made before the field stay valid
         job["action_mode"] = cfg.action_mode
-    return job | ({} if cfg.env == "alfworld" else dict(env=cfg.env))  # ALFWorld collect.json files name none
+    return job | ({} if cfg.env == "alfworld" else dict(env=cfg.env))  # ALFWorld's files name none
 
 
 def collection_todo(cfg, out: Path, games: list) -> tuple[list[dict], int]:
-    """A collection's settings (collect.json) and finished episodes kept: (episodes to play, number done)."""
+    """A collection's settings (collect.json), its finished episodes kept: (to play, done)."""
     job = collect_job(cfg)
     meta = out / "collect.json"
     if (old := collect_meta(meta)) is not None and old != job:
         diff = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in job.items() if old.get(k) != v)
-        raise UserError(f"{out} holds a collection made with other settings ({diff}); use another --out")
+        raise UserError(f"{out} holds a collection made with other settings ({diff}); use another "
+                        "--out")
     write_atomic(meta, json.dumps(job, indent=2))
     transitions, episodes_file = out / "transitions.jsonl", out / "episodes.jsonl"
-    done_eps, turns = read_jsonl(episodes_file), read_jsonl(transitions)
+    done, turns = read_jsonl(episodes_file), read_jsonl(transitions)
     count = collections.Counter((t["game"], t["rollout"]) for t in turns)
-    if short := [e for e in done_eps if e.get("steps") not in (None, count[e["game"], e["rollout"]])]:
-        print(f"collect: {transitions} misses turns of {len(short)} finished episodes (lines cut or edited); "
-              "playing them again")
-        done_eps = [e for e in done_eps if e not in short]
-    finished = {(e["game"], e["rollout"]) for e in done_eps}
+    if short := [e for e in done if e.get("steps") not in (None, count[e["game"], e["rollout"]])]:
+        print(f"collect: {transitions} misses turns of {len(short)} finished episodes (lines cut "
+              "or edited); playing them again")
+        done = [e for e in done if e not in short]
+    finished = {(e["game"], e["rollout"]) for e in done}
     kept = [t for t in turns if (t["game"], t["rollout"]) in finished]
     if len(kept) < len(turns):  # the per-episode rule (README, "No run loses work")
         cut = {(t["game"], t["rollout"]) for t in turns} - finished
-        print(f"collect: dropped {len(turns) - len(kept)} turns of {len(cut)} unfinished episodes: an "
-              "episode is kept once it ends; one that did not is played again from its start")
-    write_jsonl(transitions, kept)  # without a line cut short by an interrupt or an unfinished episode
-    write_jsonl(episodes_file, done_eps)
+        print(f"collect: dropped {len(turns) - len(kept)} turns of {len(cut)} unfinished episodes: "
+              "an episode is kept once it ends; one that did not is played again from its start")
+    write_jsonl(transitions, kept)  # no line cut short by an interrupt, no unfinished episode
+    write_jsonl(episodes_file, done)
     todo = [dict(game=g, rollout=r) for g in games for r in range(cfg.rollouts_per_game)
             if (envs.game_name(g), r) not in finished]
-    print(f"collect: {len(games)} {cfg.split} games x {cfg.rollouts_per_game} rollouts; {len(finished)} "
-          f"episodes already done, {len(todo)} to play -> {transitions}")
+    print(f"collect: {len(games)} {cfg.split} games x {cfg.rollouts_per_game} rollouts; "
+          f"{len(finished)} episodes already done, {len(todo)} to play -> {transitions}")
     return todo, len(finished)
 
 
 def collection_summary(cfg, out: Path) -> None:
     eps, trips = read_jsonl(out / "episodes.jsonl"), read_jsonl(out / "transitions.jsonl")
     n, own = max(len(trips), 1), [t for t in trips if not t.get("explored")]
-    print(f"collect: {len(trips)} triplets from {len(eps)} episodes ({len(trips) - len(own)} explored "
-          f"turns); success {sum(e['won'] for e in eps)}/{len(eps)}, "
+    print(f"collect: {len(trips)} triplets from {len(eps)} episodes ({len(trips) - len(own)} "
+          f"explored turns); success {sum(e['won'] for e in eps)}/{len(eps)}, "
           f"valid actions {sum(t['valid'] for t in trips) / n:.1%}, the model's own replies "
           f"well formed {sum(t['format_ok'] for t in own) / max(len(own), 1):.1%}")
     if cfg.env == "alfworld":
@@ -282,31 +280,31 @@ def collection_summary(cfg, out: Path) -> None:
 
 
 def collect_meta(meta: Path) -> dict | None:
-    """A collection's collect.json (its settings), None if there is none; a damaged one is one line."""
+    """A collection's settings (collect.json), None if there is none; a damaged one: an error."""
     try:
         old = json.loads(meta.read_text(encoding="utf-8")) if meta.exists() else None
     except ValueError as e:  # cut by a full disk or an editor, or not text
         old = e
     if old is None or isinstance(old, dict):
         return old
-    raise UserError(f"{meta} is damaged ({str(old)[:60]}); delete it to go on collecting in {meta.parent} "
-                    "with these settings, or use another --out")
+    raise UserError(f"{meta} is damaged ({str(old)[:60]}); delete it to go on collecting in "
+                    f"{meta.parent} with these settings, or use another --out")
 
 
 def kind_mix(triplets: list[dict]) -> str:
-    """"arrive 51%, take 16%, ...": the share of each observation kind among the triplets' targets."""
+    """"arrive 51%, take 16%, ...": each observation kind's share among the triplets' targets."""
     counts = collections.Counter(envs.observation_kind(t["next_obs"]) for t in triplets)
     return ", ".join(f"{k} {v / max(len(triplets), 1):.0%}" for k, v in counts.most_common())
 
 
-# ----------------------------------------------------------------------------- what a stage logs and prints
-def wm_row(state: dict, res: dict, u: dict, batch: list[dict], learning_rate: float, seconds: float) -> dict:
-    """A stage-1 GRPO step's row of metrics.jsonl (`log_row` renames it), with its targets' kinds."""
+# ------------------------------------------------------------------- what a stage logs and prints
+def wm_row(state: dict, res: dict, u: dict, batch: list[dict], lr: float, seconds: float) -> dict:
+    """A stage-1 GRPO step's metrics.jsonl row (`log_row` renames it), with its targets' kinds."""
     return dict(step=state["step"], epoch=state["epoch"], **{
         k: res[k] for k in ("reward_mean", "reward_std", "frac_reward_zero_std", "format_rate",
                             "completion_tokens", "completions/min_length", "completions/max_length",
                             "completions/clipped_ratio")},
-        **u, learning_rate=learning_rate, seconds=round(seconds, 2),
+        **u, learning_rate=lr, seconds=round(seconds, 2),
         target_kinds=[envs.observation_kind(t["next_obs"]) for t in batch],
         group_rewards=res["group_rewards"], **nothing_by_group(  # the drift diagnostics
             [parse_next_state(c) for c in res["completions"]], torch.tensor(res["advantages"]),
@@ -317,9 +315,9 @@ def nothing_by_group(states: list[str | None], advantages: torch.Tensor, G: int)
     """The share of "Nothing happens." predictions, and per prompt how many and their advantage:
     which groups move the small model's most common drift."""
     nothing = torch.tensor([s == envs.NOTHING for s in states], dtype=torch.float).view(-1, G)
-    pushed = (nothing * advantages.view(-1, G)).sum(1).tolist()
+    pushed = [round(a, 4) for a in (nothing * advantages.view(-1, G)).sum(1).tolist()]
     return dict(nothing_share=sum(s == envs.NOTHING for s in states) / len(states),
-                group_nothing=nothing.sum(1).tolist(), group_nothing_advantage=[round(a, 4) for a in pushed])
+                group_nothing=nothing.sum(1).tolist(), group_nothing_advantage=pushed)
 
 
 def telling(load, cfg):
@@ -327,33 +325,31 @@ def telling(load, cfg):
     def load_and_tell():
         model, tok = load()
         games = f"{cfg.num_tasks} tasks" if cfg.env == "tau2" else f"{cfg.num_games} games"
-        print(run_header(model, cfg, f"policy: multi-turn GRPO on task success, {games} of {cfg.env} "
-                         f"{cfg.split}, from {cfg.init}", f"{cfg.games_per_step} games", cfg.adapter))
+        print(run_header(model, cfg, f"policy: multi-turn GRPO on task success, {games} of "
+                         f"{cfg.env} {cfg.split}, from {cfg.init}", f"{cfg.games_per_step} games",
+                         cfg.adapter))
         return model, tok
     return load_and_tell
 
 
-# ------------------------------------ eval.py agent: the random policy's settings, an evaluation that resumes
-RANDOM_UNUSED = ("model", "adapter", "temperature", "top_p", "max_new_tokens", "action_mode", "sampled",
-                 "history_len")  # what `--policy random` (a uniform admissible command) never reads
-
-
+# ------------------------ eval.py agent: the random policy's settings, an evaluation that resumes
 def random_policy(cfg, given: set):
-    """eval.py agent's settings: with --policy random, those of a model it never loads, given, are warned."""
+    """With --policy random, a given setting of the model it never loads is warned of."""
     if cfg.policy == "random" and (unused := [k for k in RANDOM_UNUSED if k in given]):
         print(f"warning: --policy random plays a uniform admissible command, with no model: "
-              f"{', '.join('--' + k.replace('_', '-') for k in unused)} not used (recorded as null)",
+              f"--{', --'.join(k.replace('_', '-') for k in unused)} not used (recorded as null)",
               file=sys.stderr)
     return cfg
 
 
 def recorded(cfg) -> dict:
-    """eval.py agent's settings as its result and episode log record them: --policy random's unused, null."""
-    return dataclasses.asdict(cfg) | (dict.fromkeys(RANDOM_UNUSED) if cfg.policy == "random" else {})
+    """eval.py agent's settings as its result and log hold them: --policy random's unused, null."""
+    unused = dict.fromkeys(RANDOM_UNUSED) if cfg.policy == "random" else {}
+    return dataclasses.asdict(cfg) | unused
 
 
 def finished_episodes(path: Path, job: dict) -> dict[tuple, dict]:
-    """An interrupted evaluation's finished episodes by (split, seed, game), if its log's job is `job`."""
+    """An interrupted evaluation's finished episodes by (split, seed, game), if its job is `job`."""
     rows = read_jsonl(path)
     done = rows[1:] if rows and rows[0] == dict(job=job) else []
     if len(rows) > 1 and not done:
@@ -365,9 +361,9 @@ def finished_episodes(path: Path, job: dict) -> dict[tuple, dict]:
 
 @contextlib.contextmanager
 def episode_log(path: Path, job: dict, done: dict):
-    """on_episode for `play`, to the log rewritten first with `job` and the `done` episodes (no cut lines)."""
+    """on_episode for `play`, to the log rewritten first with `job` and the `done` episodes."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl(path, [dict(job=job), *done.values()], default=str)
+    write_jsonl(path, [dict(job=job), *done.values()], default=str)  # no line cut short
     with open(path, "a") as f:
         yield jsonl_writer(f)
 
@@ -376,32 +372,34 @@ def walkthroughs(cfg, out: Path, games: list, probes: bool = False) -> Path:
     """`collect --walkthrough`: the expert plans, a triplet a step, no model (the "purposeful" set);
     with `probes`, the games' state probes instead (envs.state_probes, seeded by cfg.seed)."""
     if cfg.env != "alfworld":
-        raise UserError("--walkthrough needs --env alfworld (tau2 tasks have no expert walkthrough here)")
+        raise UserError("--walkthrough needs --env alfworld (tau2 tasks have no expert "
+                        "walkthrough here)")
     transitions, meta = out / "transitions.jsonl", out / "collect.json"
-    job = dict(walkthrough=True) | {k: getattr(cfg, k) for k in ("split", "seed", "num_games", "history_len")}
-    job |= dict(games=[envs.game_id(g) for g in games], code=code_sha()) | ({"probes": 1} if probes else {})
+    job = dict(walkthrough=True, split=cfg.split, seed=cfg.seed, num_games=cfg.num_games,
+               history_len=cfg.history_len, games=[envs.game_id(g) for g in games],
+               code=code_sha(), **({"probes": 1} if probes else {}))
     what = "state probes" if probes else "walkthrough triplets"
     old = (collect_meta(meta) or {}) if transitions.is_file() else {}
     if {k: v for k, v in old.items() if k != "num_triplets"} == job:  # a rerun: done, if whole
         if len(read_jsonl(transitions)) == old.get("num_triplets"):
             print(f"collect: reusing {transitions} ({what} of {len(games)} {cfg.split} games)")
             return transitions
-        print(f"collect: {transitions} is not the {old.get('num_triplets')} triplets {meta} records (cut or "
-              f"edited); writing the {what} again")
+        print(f"collect: {transitions} is not the {old.get('num_triplets')} triplets {meta} "
+              f"records (cut or edited); writing the {what} again")
     out.mkdir(parents=True, exist_ok=True)
-    trips = (envs.state_probes(games, cfg.history_len, cfg.seed) if probes else
-             envs.walkthrough_triplets(history_len=cfg.history_len, wrong_first=False, games=games))
+    trips = envs.state_probes(games, cfg.history_len, cfg.seed) if probes else (
+        envs.walkthrough_triplets(history_len=cfg.history_len, wrong_first=False, games=games))
     write_atomic(meta, json.dumps(job | dict(num_triplets=len(trips)), indent=2))
     write_jsonl(transitions, trips)
-    mix = (", ".join(f"{k} {v}" for k, v in collections.Counter(t["probe"] for t in trips).items())
-           if probes else kind_mix(trips))
+    by_probe = collections.Counter(t["probe"] for t in trips) if probes else {}
+    mix = ", ".join(f"{k} {v}" for k, v in by_probe.items()) if probes else kind_mix(trips)
     print(f"collect: {len(trips)} {what} of {len(games)} {cfg.split} games -> {transitions}; by "
           f"{'probe type' if probes else 'kind of next observation'}: {mix}")
     return transitions
 
 
 def log_groups(samples, cfg, step: int, batch: list[dict], prompts: list[str], res: dict) -> None:
-    """A step's whole groups (of `batch`, asked `prompts`) to samples.jsonl and, as a table, to the log."""
+    """A step's groups (`batch`, asked `prompts`) to samples.jsonl and, as a table, to the log."""
     G = cfg.num_generations
     groups = [dict(prompt_tail=p[-PROMPT_TAIL:], action=t["action"],
                    target=t["next_obs"], completions=res["completions"][i * G:(i + 1) * G],
@@ -409,30 +407,31 @@ def log_groups(samples, cfg, step: int, batch: list[dict], prompts: list[str], r
                    advantages=[round(a, 4) for a in res["advantages"][i * G:(i + 1) * G]])
               for i, (t, p) in enumerate(zip(batch, prompts))]
     jsonl_writer(samples)(dict(step=step, action=batch[0]["action"], completion=res["sample"],
-                               target=res["sample_target"], reward=res["sample_reward"], groups=groups))
+                               target=res["sample_target"], reward=res["sample_reward"],
+                               groups=groups))
     tqdm.write(group_table(step, groups, parse_next_state))
 
 
 def policy_eval_games(cfg) -> list:
-    """The held-out games of stage 2's learning curve: eval_games of eval_split (never the train split)."""
+    """Stage 2's learning curve's held-out games: eval_games of eval_split (not the train split)."""
     split = cfg.eval_split or envs.env_class(cfg.env).splits.get("dev")
     if split is None:
-        raise UserError(f"--eval-steps plays held-out games, which --env {cfg.env} has no dev split of; "
-                        "use --eval-steps 0 and eval.py afterwards")
+        raise UserError(f"--eval-steps plays held-out games, which --env {cfg.env} has no dev "
+                        "split of; use --eval-steps 0 and eval.py afterwards")
     if split == cfg.split:
         raise UserError(f"--eval-split {split} is the split stage 2 trains on; pick a held-out one "
                         "(e.g. dev)")
     return envs.games(cfg.env, split, cfg.eval_games, 0, cfg.domain,
-                        (cfg.world_size, cfg.nb_objects, cfg.quest_length))
+                      (cfg.world_size, cfg.nb_objects, cfg.quest_length))
 
 
 def before_made_by(cfg, start, heldout: dict) -> dict:
     """What made a "before" evaluation, all of which a rerun's must match to reuse it: the start
-    model's bytes, the triplets, the settings tagged "score" and the code."""
+    model's bytes, the triplets, the settings tagged "score" (that decide a score) and the code."""
     warm = Path(start) / "adapter_model.safetensors" if start else None
     sha = hashlib.sha256(warm.read_bytes()).hexdigest() if warm and warm.is_file() else None
     return dict(start=sha, triplets=[triplet_key(t) for t in heldout["triplets"]], code=code_sha(),
-                **{k: getattr(cfg, k) for k in names(cfg, "score")})  # the settings that decide a score
+                **{k: getattr(cfg, k) for k in names(cfg, "score")})
 
 
 def triplet_key(r: dict) -> list:
@@ -444,8 +443,9 @@ def triplet_problem(cfg, wm):
     context), or None. `wm(triplet, reasoning)`: its chat (rwml.wm_texts)."""
     def problem(t: dict) -> str | None:
         if "env" in t and (not isinstance(t["env"], str) or t["env"] not in envs.ENVIRONMENTS):
-            return f"env {json.dumps(t['env'])[:40]} is not one of {', '.join(envs.ENVIRONMENTS)} " \
-                   "(or left out)"
+            return (f"env {json.dumps(t['env'])[:40]} is not one of "
+                    f"{', '.join(envs.ENVIRONMENTS)} (or left out)")
         chats = [wm(t, r) for r in {cfg.wm_reasoning, False}]  # (system, prompt, prefix, stop)
-        return context_problem(cfg, [(p, s, x) for s, p, x, _ in chats], t["next_obs"] + chats[0][3])
+        answer = t["next_obs"] + chats[0][3]
+        return context_problem(cfg, [(p, s, x) for s, p, x, _ in chats], answer)
     return problem
