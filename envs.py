@@ -1,13 +1,12 @@
 """The environments the agent plays, behind one interface; ALFWorld (the paper's, Sec. 4), here.
 
-Nothing here simulates a game: every observation comes from `textworld`'s engine running the official ALFWorld
-game files (as `alfworld.agents.environment.AlfredTWEnv` does). What we add is
+Nothing here simulates a game: every observation comes from `textworld`'s engine running the
+official ALFWorld game files (as `alfworld.agents.environment.AlfredTWEnv` does). What we add is
   - game lists by split, sorted, with a deterministic subset by count and seed;
   - clean observations (no banner), the task sentence, our own step budget (the paper: 30);
-  - the action parser for model text, with "invalid" and "format error" counted apart, and the admissible
-    commands that choose mode picks from;
-  - content-free baselines, strict metrics, the held-out breakdown (`score_wm`); walkthroughs as triplets;
-  - `Alfworld`: the interface's ALFWorld, whose class holds its facts (tau_d, prompts, reply cap, splits).
+  - the action parser for model text, "invalid" and "format error" counted apart;
+  - content-free baselines, strict metrics, `score_wm`; walkthroughs and state probes as triplets;
+  - `Alfworld`: the interface's ALFWorld, whose class holds its facts (tau_d, prompts, cap, splits).
   - the game pool: worker processes and engine caches, which only make the games faster;
   - the registry of every environment (`ENVIRONMENTS`): the others, worlds/, loaded by name.
 """
@@ -29,11 +28,12 @@ from pathlib import Path
 
 from harness.common import RERUN, UserError, did_you_mean, utf8_clean
 
-SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")  # valid_seen = ID, valid_unseen = OOD
+SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")  # valid_seen: ID, valid_unseen: OOD
 TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
-              "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place")
-NOTHING = "Nothing happens."  # the game's answer to an action that does nothing (invalid, free text)
-INEFFICIENT = ("look", "examine", "inventory", "help")  # paper Sec. 5: actions that gather no progress
+              "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep",
+              "pick_two_obj_and_place")
+NOTHING = "Nothing happens."  # the game's answer to an action doing nothing (invalid, free text)
+INEFFICIENT = ("look", "examine", "inventory", "help")  # paper Sec. 5: they gather no progress
 DATA_HINT = ("set ALFWORLD_DATA to the folder that holds json_2.1.1/ (run `alfworld-download`, or "
              "`make data` to unpack an archive), see README")
 
@@ -43,18 +43,19 @@ def data_root() -> Path:
     """The json_2.1.1 folder under $ALFWORLD_DATA (alfworld's own variable and default)."""
     root = Path(os.path.expanduser(os.environ.get("ALFWORLD_DATA", "~/.cache/alfworld")))
     if not (root / "json_2.1.1").is_dir():
-        raise UserError(f"ALFWorld data not found: {root / 'json_2.1.1'} does not exist; {DATA_HINT}")
+        raise UserError(f"ALFWorld data not found: {root / 'json_2.1.1'} does not exist; "
+                        f"{DATA_HINT}")
     return root / "json_2.1.1"
 
 
 def list_games(split: str, num_games: int | None = None, seed: int = 0) -> list[str]:
-    """Game files of a split, sorted; `num_games` of them drawn with `seed` (same inputs, same games)."""
+    """Game files of a split, sorted; `num_games` of them drawn with `seed` (deterministic)."""
     if split not in SPLITS:
         raise UserError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
     if num_games is not None and num_games < 1:
         raise UserError(f"the number of games must be at least 1, got {num_games}")
     folder = data_root() / split
-    games = sorted(str(p) for p in folder.glob("*/*/game.tw-pddl"))  # file-system order is not stable
+    games = sorted(str(p) for p in folder.glob("*/*/game.tw-pddl"))  # file-system order varies
     if not games:
         raise UserError(f"no games in {folder}; {DATA_HINT}")
     if num_games is None:
@@ -65,7 +66,7 @@ def list_games(split: str, num_games: int | None = None, seed: int = 0) -> list[
 
 
 def task_type(game: str) -> str:
-    """`.../pick_two_obj_and_place-Pen-None-Desk-318/trial_.../game.tw-pddl` -> `pick_two_obj_and_place`."""
+    """`.../pick_two_obj_and_place-Pen-None-Desk-318/trial_.../...` -> `pick_two_obj_and_place`."""
     return Path(game).parent.parent.name.split("-")[0]
 
 
@@ -75,7 +76,7 @@ def game_id(game: str) -> str:
     return f"{p.parent.parent.name}/{p.parent.name}"
 
 
-# ----------------------------------------------------------------------------- actions from model text
+# ------------------------------------------------------------------------- actions from model text
 
 _TAG = re.compile(r"</?\s*(action|think)\s*>", re.I)
 MAX_ACTION_CHARS = 200  # the longest admissible ALFWorld command is ~60 characters
@@ -87,9 +88,9 @@ def _literal(tag: str) -> re.Pattern:
 
 
 def tag_blocks(text: str, name: str) -> list[tuple[int, int, str]]:
-    """Each `<name>...</name>` block, left to right, tags in any case: (start, end, inner text). The blocks
-    of re.findall("<name>(.*?)</name>", text, re.S | re.I), in linear time: that regex rescans the rest of
-    the text from every unclosed tag ("<action>" * 50000, 400 KB, took 70 s)."""
+    """Each `<name>...</name>` block, left to right, tags in any case: (start, end, inner text).
+    re.findall("<name>(.*?)</name>", text, re.S | re.I)'s blocks in linear time: that regex rescans
+    the rest of the text from every unclosed tag ("<action>" * 50000, 400 KB, took 70 s)."""
     opening, closing = _literal(f"<{name}>"), _literal(f"</{name}>")
     blocks, pos = [], 0
     while (o := opening.search(text, pos)) and (c := closing.search(text, o.end())):
@@ -104,12 +105,10 @@ def normalize(command: str) -> str:
 
 
 def parse_action(text) -> tuple[str, bool]:
-    """(command, well_formed) from model output; never raises.
-
-    Well formed = exactly one non-empty `<action>...</action>` block on one line. A malformed reply still
-    yields a command (the block's text, or the reply's last line), which the game will answer with
-    "Nothing happens." -- so the agent sees the consequence, and the counters see a format error.
-    """
+    """(command, well_formed) from model output; never raises. Well formed = exactly one non-empty
+    `<action>...</action>` block on one line. A malformed reply still yields a command (the block's
+    text, or the reply's last line), which the game will answer with "Nothing happens." -- so the
+    agent sees the consequence, and the counters see a format error."""
     text = utf8_clean("" if text is None else str(text))
     blocks = [normalize(_TAG.sub(" ", b)) for _, _, b in tag_blocks(text, "action")]
     blocks = [b for b in blocks if b]
@@ -126,13 +125,12 @@ def is_inefficient(command: str) -> bool:
     return command.split(" ", 1)[0] in INEFFICIENT if command else False
 
 
-# ---------------------------------------------------------------------- exploration and observation kinds
+# -------------------------------------------------------------- exploration and observation kinds
 
 def explore_command(admissible: list[str], rng: random.Random) -> str:
-    """An admissible command drawn by kind first (go to, open, close, take, move, use, heat, cool, clean,
-    slice), then uniformly within that kind. Drawn uniformly over commands, ~90 % would be "go to X"; the
-    kind-first draw reaches the events a world model can learn to predict from its prompt (take, move,
-    open, ...). Uses no expert knowledge: only the game's list of admissible commands."""
+    """An admissible command drawn by kind first (go to, open, take, move, ...), then uniformly
+    within that kind. Drawn uniformly, ~90 % would be "go to X"; by kind, the draw reaches events a
+    world model can learn to predict from its prompt. No expert knowledge: only the game's list."""
     by_kind: dict[str, list[str]] = {}
     for c in admissible:
         if c and not is_inefficient(c):
@@ -142,33 +140,33 @@ def explore_command(admissible: list[str], rng: random.Random) -> str:
     return rng.choice(by_kind[rng.choice(sorted(by_kind))])
 
 
-_OBS_KINDS = (("nothing_happens", "nothing happens."), ("arrive", "you arrive at"), ("take", "you pick up"),
-              ("move", "you move"), ("open", "you open"), ("close", "you close"), ("heat", "you heat"),
-              ("cool", "you cool"), ("clean", "you clean"), ("slice", "you slice"), ("toggle", "you turn"),
+_OBS_KINDS = (("nothing_happens", "nothing happens."), ("arrive", "you arrive at"),
+              ("take", "you pick up"), ("move", "you move"), ("open", "you open"),
+              ("close", "you close"), ("heat", "you heat"), ("cool", "you cool"),
+              ("clean", "you clean"), ("slice", "you slice"), ("toggle", "you turn"),
               ("inventory", "you are carrying"), ("inventory", "you are not carrying"),
               ("look", "you are facing"), ("look", "you are in the middle of a room"))
 
 
 def observation_kind(obs: str) -> str:
-    """The event an ALFWorld observation reports, from its first words (nothing_happens, arrive, take,
-    move, open, close, heat, cool, clean, slice, toggle, inventory, look; anything else is other)."""
+    """The event an ALFWorld observation reports, from its first words (`_OBS_KINDS`; or other)."""
     text = " ".join(str(obs).lower().split())
     return next((kind for kind, start in _OBS_KINDS if text.startswith(start)), "other")
 
 
-# ----------------------------------------------------------------------------- content-free baselines
-# What a world model must beat: predictions written from the action text alone (or the current observation),
-# with no model and no knowledge of the room. A target the template rule already hits is a sentence to
-# parse, not dynamics to learn; the rest ("beyond-template" targets) is what a world model has to learn.
+# ------------------------------------------------------------------------- content-free baselines
+# What a world model must beat: predictions from the action text alone (or the current observation),
+# with no model and no knowledge of the room. A target the template rule already hits is a sentence
+# to parse, not dynamics; the rest ("beyond-template" targets) is what a world model has to learn.
 
-_CLOSED_WHEN_REACHED = ("cabinet", "drawer", "fridge", "microwave", "safe")  # receptacles that start closed
+_CLOSED_WHEN_REACHED = ("cabinet", "drawer", "fridge", "microwave", "safe")  # they start closed
 
 
 def template_prediction(action: str) -> str:
-    """The game's sentence for the action's words: `go to X` -> "The X is closed." (cabinets, drawers,
-    fridges, microwaves, safes) or "On the X, you see nothing."; `open X` -> "... In it, you see nothing.";
-    close / take / move / heat / cool / clean / slice / use -> the game's sentence with the action's words;
-    anything else -> "Nothing happens."."""
+    """The game's sentence for the action's words: `go to X` -> "The X is closed." (cabinets,
+    drawers, ...) or "On the X, you see nothing."; `open X` -> "... In it, you see nothing.";
+    close / take / move / heat / cool / clean / slice / use -> the game's sentence with the action's
+    words; anything else -> "Nothing happens."."""
     a = normalize(str(action))
     verb, _, rest = a.partition(" ")
     two = re.fullmatch(r"(.+?) (from|to|with) (.+)", rest)
@@ -193,10 +191,11 @@ def template_prediction(action: str) -> str:
 
 
 def unseen_objects(triplet: dict) -> list[str]:
-    """The objects the target lists ("..., you see a mug 1, and a knife 2.") that the world-model prompt
-    (task, history, current observation, action) never names: what no model can read from its input, only
-    guess. A beyond-template target is nearly always such a list."""
-    listed = re.findall(r"\ban? ([a-z]+ \d+)", str(triplet["next_obs"]).lower().partition("you see ")[2])
+    """The objects the target lists ("..., you see a mug 1, and a knife 2.") that the world-model
+    prompt (task, history, current observation, action) never names: no model can read them from its
+    input, only guess. A beyond-template target is nearly always such a list."""
+    seen_part = str(triplet["next_obs"]).lower().partition("you see ")[2]
+    listed = re.findall(r"\ban? ([a-z]+ \d+)", seen_part)
     seen = " ".join([str(triplet.get("task", "")), str(triplet.get("action", ""))]
                     + [f"{h.get('observation', '')} {h.get('action', '')}"
                        for h in triplet.get("history", [])]).lower()
@@ -205,14 +204,14 @@ def unseen_objects(triplet: dict) -> list[str]:
 
 # Strict metrics beside the reward (which passes "soapbar 1" for "soapbottle 2").
 def exact_match(pred, target) -> bool:
-    """The prediction equals the target after `normalize` (case, spacing); no prediction never does."""
+    """The prediction equals the target after `normalize` (case, spacing); None never does."""
     return bool(pred) and normalize(pred) == normalize(target)
 
 
 def observation_items(obs) -> set[tuple[str, int]] | None:
     """The (object, number) pairs an observation lists: "..., you see a apple 2, and a knife 1." ->
-    {("apple", 2), ("knife", 1)}; "you see nothing", "You are not carrying anything." -> set(); None when it
-    lists nothing ("You pick up the apple 2 from the countertop 1."). An item without a number gets -1."""
+    {("apple", 2), ("knife", 1)}; "you see nothing", "You are not carrying anything." -> set(); None
+    when it lists nothing ("You pick up the apple 2 from the countertop 1."). No number: -1."""
     text = normalize(str(obs or ""))
     lists = re.findall(r"(?:you see|you are carrying:?)\s+([^.]*)", text)
     if not lists:
@@ -223,8 +222,8 @@ def observation_items(obs) -> set[tuple[str, int]] | None:
 
 
 def item_f1(pred, target) -> float | None:
-    """F1 of the prediction's (object, number) pairs against the target's; None when the target lists
-    nothing; 0 for a prediction that lists nothing; 1 when both list an empty set."""
+    """F1 of the prediction's (object, number) pairs against the target's; None when the target
+    lists nothing; 0 for a prediction that lists nothing; 1 when both list an empty set."""
     want, got = observation_items(target), observation_items(pred)
     if want is None:
         return None
@@ -288,10 +287,9 @@ def _window(triplet: dict) -> tuple:
 
 
 def track_state(triplet: dict) -> str | None:
-    """The engine's next observation where the world-model prompt (its window, the action)
-    determines it, else None: a revisit (the listing seen, less what was taken since, plus what was
-    moved there, which the engine may list in another order), going where one is, re-opening, a take
-    while carrying, `inventory`. Never a guess: where it answers, the engine agrees (tests)."""
+    """The engine's next observation where the prompt (its window, the action) determines it, else
+    None: a revisit (the listing seen, less what was taken since, plus what was moved there), going
+    where one is, re-opening, a take while carrying, `inventory`. Never a guess (tests)."""
     at, apart, seen, shut, carry = _window(triplet)
     verb, _, x = normalize(str(triplet["action"])).partition(" ")
     if verb == "go" and x.startswith("to "):
@@ -330,8 +328,7 @@ def rule_copy(triplet: dict) -> str:
 
 
 def probe_exact(pred, target) -> bool:
-    """`exact_match`, or the same sentence listing the same items in another order (the engine's own
-    order where an object was moved to)."""
+    """`exact_match`, or the same sentence with the same items in another order (a move's)."""
     def frame(text):
         return re.sub(r"(you see|you are carrying:?)\s+[^.]*", r"\1 _", normalize(str(text)))
     items = observation_items(pred)
@@ -344,8 +341,8 @@ BASELINES = ("template", "nothing", "copy", "rule_copy", "tracker")
 
 
 def baseline_prediction(name: str, triplet: dict) -> str:
-    """A content-free baseline's predicted next observation: `template` (`template_prediction`), `nothing`
-    (always "Nothing happens."), `copy` (the current observation), `rule_copy` (`rule_copy`),
+    """A content-free baseline's predicted next observation: `template` (`template_prediction`),
+    `nothing` (always "Nothing happens."), `copy` (the current observation), `rule_copy`,
     `tracker` (`track_state`, else the template rule)."""
     if name == "template":
         return template_prediction(triplet["action"])
@@ -362,16 +359,16 @@ def baseline_prediction(name: str, triplet: dict) -> str:
 
 def score_wm(triplets: list[dict], completions: list[str], reward_fn, k: int = 1) -> dict:
     """Score k completions per triplet (`<next_state>` replies, in triplet order): the summaries of
-    rwml.evaluate_wm, and under `triplets` one row per triplet (its predictions, rewards, cosines, kind, and
-    whether the template rule hits it). Content-free baselines are scored here too, with the same reward."""
-    from reward import parse_next_state  # here: reward.py imports torch, and envs stays cheap to import
+    rwml.evaluate_wm, and under `triplets` one row per triplet (predictions, rewards, cosines, kind,
+    whether the template rule hits it). Content-free baselines are scored here too."""
+    from reward import parse_next_state  # here: reward.py imports torch; envs stays cheap to import
 
     targets = [t["next_obs"] for t in triplets for _ in range(k)]
     rewards = reward_fn(completions, targets)
     states = [parse_next_state(p) for p in completions]
     sims = reward_fn.similarity(states, targets)
-    rule = reward_fn([f"<next_state>{template_prediction(t['action'])}</next_state>" for t in triplets],
-                     [t["next_obs"] for t in triplets])
+    rule = reward_fn([f"<next_state>{template_prediction(t['action'])}</next_state>"
+                      for t in triplets], [t["next_obs"] for t in triplets])
     # the prompt holds the answer iff the state tracker reproduces it; the rest is a guess
     unseen = [not probe_exact(track_state(t), t["next_obs"]) for t in triplets]
     probe = [t.get("probe") for t in triplets for _ in range(k)]
@@ -383,18 +380,19 @@ def score_wm(triplets: list[dict], completions: list[str], reward_fn, k: int = 1
 
     def summary(rs):
         n, f1 = max(len(rs), 1), [r["f1"] for r in rs if r["f1"] is not None]  # strict: item_f1
-        return dict(wm_accuracy=sum(r["reward"] for r in rs) / n,
-                    mean_cosine=sum(r["cosine"] for r in rs) / n,
-                    exact_match=sum(r["exact"] for r in rs) / n, format_rate=sum(r["parsed"] for r in rs) / n,
+        mean = {key: sum(r[key] for r in rs) / n for key in ("reward", "cosine", "exact", "parsed")}
+        return dict(wm_accuracy=mean["reward"], mean_cosine=mean["cosine"],
+                    exact_match=mean["exact"], format_rate=mean["parsed"],
                     item_f1=sum(f1) / len(f1) if f1 else None, item_n=len(f1) // k, n=len(rs) // k)
 
     out = summary(rows)
-    out["per_kind"] = dict(change=summary([r for r in rows if r["kind"] != "nothing_happens"]),
-                           nothing_happens=summary([r for r in rows if r["kind"] == "nothing_happens"]),
-                           beyond_template=summary([r for r in rows if r["beyond"]]),
-                           # of those, the targets the prompt does not determine: only a guess
-                           beyond_template_unseen=summary([r for r in rows if r["beyond"] and r["unseen"]]),
-                           within_template=summary([r for r in rows if not r["beyond"]]))
+    out["per_kind"] = dict(
+        change=summary([r for r in rows if r["kind"] != "nothing_happens"]),
+        nothing_happens=summary([r for r in rows if r["kind"] == "nothing_happens"]),
+        beyond_template=summary([r for r in rows if r["beyond"]]),
+        # of those, the targets the prompt does not determine: only a guess
+        beyond_template_unseen=summary([r for r in rows if r["beyond"] and r["unseen"]]),
+        within_template=summary([r for r in rows if not r["beyond"]]))
     out["per_observation_kind"] = {kind: summary([r for r in rows if r["kind"] == kind])
                                    for kind in sorted({r["kind"] for r in rows})}
     if any(probe):
@@ -407,7 +405,8 @@ def score_wm(triplets: list[dict], completions: list[str], reward_fn, k: int = 1
                             template_hit=not rows[i * k]["beyond"], tracker_hit=not unseen[i],
                             unseen_objects=unseen[i],
                             **({"probe": t["probe"]} if t.get("probe") else {}),
-                            predictions=states[i * k:(i + 1) * k], rewards=rewards[i * k:(i + 1) * k],
+                            predictions=states[i * k:(i + 1) * k],
+                            rewards=rewards[i * k:(i + 1) * k],
                             cosines=[round(c, 4) for c in sims[i * k:(i + 1) * k]],
                             exact=[r["exact"] for r in rows[i * k:(i + 1) * k]],
                             item_f1=[r["f1"] for r in rows[i * k:(i + 1) * k]])
@@ -432,28 +431,29 @@ class Game:
         if not os.path.isfile(path):
             raise UserError(f"game file not found: {path}; {DATA_HINT}")
         infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
-        argv = sys.argv  # Fast Downward's PDDL translation sets sys.argv = ["translate.py", "domain", "task"]
+        argv = sys.argv  # Fast Downward's PDDL translation sets sys.argv = ["translate.py", ...]
         try:
             if self.env is None:
                 wrappers = [AlfredDemangler(shuffle=False), AlfredInfos]
                 self.env = textworld.start(path, infos, wrappers=wrappers)
             elif path != self.path:
-                self.env.load(path)  # reuses this slot's Fast Downward library instead of loading another
+                self.env.load(path)  # reuses this slot's Fast Downward library, loads no other
             self.path, self.turn, self.done = path, 0, False
             state = self.env.reset()
-        except Exception as e:  # noqa: BLE001 -- whatever the engine raises on a damaged file: name the file
+        except Exception as e:  # noqa: BLE001 -- whatever a damaged file raises: name the file
             self.env = None  # a half-loaded engine is not reused
             why = (str(e).splitlines() or [""])[0][:200]
-            raise UserError(f"game file {path} does not load ({type(e).__name__}: {why}); it may be damaged: "
-                            f"restore it (alfworld-download, or `make data`), or remove its folder") from None
+            raise UserError(f"game file {path} does not load ({type(e).__name__}: {why}); it may "
+                            "be damaged: restore it (alfworld-download, or `make data`), or remove "
+                            "its folder") from None
         finally:
             sys.argv = argv
         # "-= Welcome to TextWorld, ALFRED! =-\n\n<room>\n\nYour task is to: <task>"
         text = state.feedback.split("=-", 1)[-1].strip()
         obs, _, task = text.partition("Your task is to: ")
         self.admissible = list(state["admissible_commands"])
-        return dict(obs=obs.strip(), task=task.strip(), admissible=self.admissible, won=False, done=False,
-                    turn=0, task_type=task_type(path))
+        return dict(obs=obs.strip(), task=task.strip(), admissible=self.admissible, won=False,
+                    done=False, turn=0, task_type=task_type(path))
 
     def step(self, command: str) -> dict:
         """Step a parsed command. Valid iff it equals an admissible command up to case and spaces;
@@ -466,8 +466,8 @@ class Game:
         won = bool(state["won"])
         self.done = won or self.lost(state) or self.turn >= self.max_turns
         self.admissible = list(state["admissible_commands"] or [])
-        return dict(obs=self.text(state.feedback), admissible=self.admissible, won=won, done=self.done,
-                    turn=self.turn, valid=match is not None)
+        return dict(obs=self.text(state.feedback), admissible=self.admissible, won=won,
+                    done=self.done, turn=self.turn, valid=match is not None)
 
     def lost(self, state) -> bool:
         return False  # an ALFWorld game cannot be lost, only run out of steps
@@ -477,14 +477,13 @@ class Game:
         return feedback.strip()
 
 
-
-def walkthrough_triplets(split: str = "train", num_games: int | None = 3, history_len: int = 2, seed: int = 0,
-                         wrong_first: bool = True, games: list[str] | None = None,
+def walkthrough_triplets(split: str = "train", num_games: int | None = 3, history_len: int = 2,
+                         seed: int = 0, wrong_first: bool = True, games: list[str] | None = None,
                          cache: bool = True) -> list[dict]:
-    """Real triplets without a model: the expert walkthroughs of real games on the real engine, as `train.py
-    collect` writes them. `wrong_first`: a wrong command first, so that "Nothing happens." is there too
-    (tests, benchmarks); without it, the "purposeful" held-out triplets: what an agent pursuing its task sees
-    (object lists, take / move / heat / cool / clean). `cache`: use_engine_cache (2.5x faster)."""
+    """Real triplets without a model: the expert walkthroughs of real games on the real engine, as
+    `train.py collect` writes them. `wrong_first`: a wrong command first, so that "Nothing happens."
+    is there too (tests, benchmarks); without it, the "purposeful" held-out triplets: what an agent
+    pursuing its task sees (object lists, take / move / ...). `cache`: use_engine_cache."""
     use_engine_cache(cache)
     out, game = [], Game(max_turns=100)
     for path in games if games is not None else list_games(split, num_games, seed):
@@ -493,10 +492,11 @@ def walkthrough_triplets(split: str = "train", num_games: int | None = 3, histor
         plan = json.loads(Path(path).read_text())["walkthrough"]
         for i, command in enumerate((["fly away"] if wrong_first else []) + plan):
             r, recent = game.step(command), past[-history_len:] if history_len else []  # [-0:]: all
-            out.append(dict(game=game_id(path), task=s["task"], task_type=s["task_type"], rollout=0, step=i,
-                            history=[{"observation": o, "action": a} for o, a in recent]
-                            + [{"observation": obs}], action=command, next_obs=r["obs"], valid=r["valid"],
-                            format_ok=True, won=r["won"], done=r["done"], response=""))
+            history = [{"observation": o, "action": a} for o, a in recent] + [{"observation": obs}]
+            out.append(dict(game=game_id(path), task=s["task"], task_type=s["task_type"], rollout=0,
+                            step=i, history=history, action=command, next_obs=r["obs"],
+                            valid=r["valid"], format_ok=True, won=r["won"], done=r["done"],
+                            response=""))
             past.append((obs, command))
             obs = r["obs"]
     return out
@@ -510,14 +510,12 @@ PROBES = ("revisit", "revisit_open", "take_revisit", "inventory", "take_again", 
 def state_probes(games: list[str], history_len: int = 2, seed: int = 0, rounds: int = 2,
                  cache: bool = True, dropped: list | None = None) -> list[dict]:
     """Held-out probes of the room's state, without a model, on the real engine. Per game, `rounds`
-    times: at a place A whose listing offers a take (opened if closed), go to B and back (`revisit`;
-    an opened container: `revisit_open`); take X, go to B and back (`take_revisit`: A less X),
-    `inventory`, take X again (`take_again`); at a place D that takes X (opened if closed), move X
-    there, go to B and back (`put_revisit`: D plus X, scored as a set), `inventory`, re-open D
-    (`reopen`); then open a closed container C, go to B and back (`revisit_open`), re-open C. A, B,
-    C, D, X: drawn with `seed` from the game's admissible commands. Each probe step is a triplet
-    (walkthrough_triplets' fields and `probe`), the steps before it its history; kept only where
-    `track_state` reproduces the engine (the ceiling); the rest go to `dropped`."""
+    times: at a place A listing takes, go to B and back (`revisit`, `revisit_open`); take X, go to B
+    and back (`take_revisit`), `inventory`, take X again (`take_again`); move X to a place D, go to
+    B and back (`put_revisit`: scored as a set), `inventory`, re-open D (`reopen`); open a closed
+    container C, go to B and back, re-open C. A, B, C, D, X: drawn with `seed` from the admissible
+    commands. Each probe step is a triplet (walkthrough_triplets' fields and `probe`); kept only
+    where `track_state` reproduces the engine (the ceiling); the rest go to `dropped`."""
     use_engine_cache(cache)
     out, game = [], Game(max_turns=10**6)
     dropped = [] if dropped is None else dropped
@@ -586,14 +584,14 @@ def _probe_game(game: Game, path: str, history_len: int, rng: random.Random, rou
     return trips
 
 
-# ==================================== the game pool: the games' speed (same outputs), in worker processes
+# ============================== the game pool: the games' speed (same outputs), in worker processes
 
 _ORIGINALS: dict = {}
 
 
 def use_engine_cache(enabled: bool = True) -> None:
-    """Cache TextWorld's two measured hot spots (same outputs; tests/test_envs.py): every step re-parses the
-    same grammar strings with tatsu, and every load and reset translates the same PDDL problem to SAS."""
+    """Cache TextWorld's two measured hot spots (same outputs; tests/test_envs.py): every step
+    re-parses the same grammar strings with tatsu, every load and reset translates the same PDDL."""
     import fast_downward
     import textworld.envs.pddl.textgen as textgen
     import textworld.logic
@@ -609,10 +607,10 @@ def use_engine_cache(enabled: bool = True) -> None:
         return
 
     # deep copies of the memoised parses: the engine mutates parsed symbols while deriving
-    parse = functools.lru_cache(maxsize=None)(lambda text, rule: _ORIGINALS["parse"](text, rule_name=rule))
+    parse = functools.cache(lambda text, rule: _ORIGINALS["parse"](text, rule_name=rule))
     textgen._parse_and_convert = lambda text, rule_name, **kw: copy.deepcopy(parse(text, rule_name))
     # a parsed query is only read (matched against the state), so one shared copy is safe
-    query = functools.lru_cache(maxsize=None)(_ORIGINALS["query"].__func__)
+    query = functools.cache(_ORIGINALS["query"].__func__)
     textworld.logic.Rule.parse_conjunctive_query = classmethod(query)
     sas = {}  # the translated task is only read by PddlState; the dict keeps it across resets
 
@@ -626,17 +624,17 @@ def use_engine_cache(enabled: bool = True) -> None:
 
 
 def _serve(conn, max_turns: int, parent_pid: int, parent_ends: list, game_cls) -> None:
-    """Worker loop: owns the games of its slots; answers lists of (slot, op, arg) in order. Exits with its
-    parent, however the parent exits; leaves Ctrl-C to the parent, which says it in one line."""
+    """Worker loop: owns the games of its slots; answers lists of (slot, op, arg) in order. Exits
+    with its parent, however the parent exits; leaves Ctrl-C to the parent, which says it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C signals the whole process group
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so may SIGTERM (kill -TERM -PGID); the parent says it
-    if sys.platform.startswith("linux"):  # SIGKILL when the forking thread ends (kill -9, out of memory)
-        with suppress(OSError, AttributeError):  # elsewhere: the parent check below, within a second
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so may SIGTERM (kill -TERM -PGID)
+    if sys.platform.startswith("linux"):  # SIGKILL when the forking thread ends (kill -9, OOM)
+        with suppress(OSError, AttributeError):  # elsewhere: the parent check below, within 1 s
             import ctypes
 
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    for end in parent_ends:  # forked copies of the parent's pipe ends: they would keep the pipes open
-        end.close()          # after the parent dies, and this worker would wait for a message forever
+    for end in parent_ends:  # forked copies of the parent's pipe ends: they would keep the pipes
+        end.close()          # open after it dies, and this worker would wait for a message forever
     use_engine_cache()
     games = {}
     while True:
@@ -660,12 +658,12 @@ def _serve(conn, max_turns: int, parent_pid: int, parent_ends: list, game_cls) -
 
 
 class EnvPool:
-    """Games (`game_cls(max_turns)`: Game, textworld.TwGame) in `num_workers` processes (0 = in this
-    process); slot s lives in worker s % num_workers. Calls take {slot: argument} for any subset of slots,
-    the workers in parallel; a worker that dies or sends no answer for `timeout` seconds ends the call with
-    a UserError."""
+    """Games (`game_cls(max_turns)`: Game, textworld.TwGame) in `num_workers` processes (0 = in
+    this process); slot s lives in worker s % num_workers. Calls take {slot: argument} for any
+    slots, the workers in parallel; a worker that dies or is silent `timeout` s: a UserError."""
 
-    def __init__(self, num_workers: int = 2, max_turns: int = 30, timeout: float = 300.0, *, game_cls):
+    def __init__(self, num_workers: int = 2, max_turns: int = 30, timeout: float = 300.0, *,
+                 game_cls):
         if num_workers < 0:
             raise UserError(f"--num-workers must be 0 or more, got {num_workers}")
         self.num_workers, self.max_turns, self.timeout = num_workers, max_turns, timeout
@@ -678,20 +676,21 @@ class EnvPool:
         for _ in range(num_workers):
             parent, child = ctx.Pipe()
             ends = self.conns + [parent]  # the parent's ends so far, which the fork copies
-            p = ctx.Process(target=_serve, args=(child, max_turns, os.getpid(), ends, game_cls), daemon=True)
+            args = (child, max_turns, os.getpid(), ends, game_cls)
+            p = ctx.Process(target=_serve, args=args, daemon=True)
             p.start()
-            child.close()  # only the worker holds its end: when the worker dies, reading here gives EOF
+            child.close()  # only the worker holds its end: when it dies, reading here gives EOF
             self.conns.append(parent)
             self.procs.append(p)
 
     def _call(self, op: str, args: dict[int, str]) -> dict[int, dict]:
-        """Send each worker its slots' jobs, read every answer, then raise any error (no dirty pipe)."""
+        """Each worker gets its slots' jobs; every answer is read before any error is raised."""
         if not self.num_workers:
             return {s: self._local(s, op, a) for s, a in args.items()}
         jobs = [[] for _ in self.conns]
         for slot, arg in args.items():
             jobs[slot % self.num_workers].append((slot, op, arg))
-        self.loading = {i: [str(a) for _, o, a in job if o == "reset"] for i, job in enumerate(jobs)}
+        self.loading = dict(enumerate([str(a) for _, o, a in job if o == "reset"] for job in jobs))
         for i, job in enumerate(jobs):
             if job:
                 try:
@@ -716,8 +715,8 @@ class EnvPool:
                 if not proc.is_alive():
                     raise EOFError
                 if time.monotonic() > deadline:
-                    raise UserError(f"game worker {i} (pid {proc.pid}) sent no answer in {self.timeout:g} s "
-                                    f"(a hung game engine?); {RERUN}")
+                    raise UserError(f"game worker {i} (pid {proc.pid}) sent no answer in "
+                                    f"{self.timeout:g} s (a hung game engine?); {RERUN}")
             return conn.recv()
         except (EOFError, OSError):
             raise UserError(self._dead(i)) from None
@@ -727,10 +726,10 @@ class EnvPool:
         proc.join(timeout=1)
         code = proc.exitcode
         how = "" if code is None else f" (signal {-code})" if code < 0 else f" (exit status {code})"
-        if games := self.loading.get(i):  # a damaged game file kills its engine: the same at every rerun
-            return (f"game worker {i} (pid {proc.pid}) died{how} loading {', '.join(games)}; {RERUN}; if it "
-                    "dies the same way again, that game's files are damaged (a TextWorld game: delete its "
-                    "folder, it is generated again)")
+        if games := self.loading.get(i):  # a damaged game file kills its engine at every rerun
+            return (f"game worker {i} (pid {proc.pid}) died{how} loading {', '.join(games)}; "
+                    f"{RERUN}; if it dies the same way again, that game's files are damaged (a "
+                    "TextWorld game: delete its folder, it is generated again)")
         return f"game worker {i} (pid {proc.pid}) died{how}, e.g. killed or out of memory; {RERUN}"
 
     def _local(self, slot, op, arg):
@@ -760,20 +759,20 @@ class EnvPool:
         self.close()
 
 
-# ============================================================================ the agent's view: one interface
+# ================================================================== the agent's view: one interface
 # `rwml.play` drives every environment through the same calls, for many episodes at once (slots):
-#   env.bind_model(model, tokenizer, ...)  -> once per `play`: the model it plays (tau2: for its customer)
-#   env.reset({slot: episode})             -> {slot: {"obs", "game", "task", "task_type"}}
-#   env.prompt(slot, recent)               -> the agent's prompt (`recent`: its last H (observation, action))
-#   env.explore(slot, rng)                 -> a reply written without the model (if `can_explore`)
-#   env.step({slot: reply})                -> {slot: {"action", "obs", "valid", "format_ok", "won", "done",
-#                                                     "counts"}}
-#   env.finish(slot)                       -> what the episode's summary adds (tau2: the official grading)
-# plus `system` (the agent's system prompt), `stop` (where a reply ends), `counters` (the summary's counts),
-# `turn_fields` (what each triplet adds) and, where `can_choose`, `admissible(slot)` and `choice_prompt`; and
-# its facts: the world model's prompt (`wm_system`, `wm_ask`) and cap, tau_d, `splits`.
+#   env.bind_model(model, tokenizer, ...) -> once per `play`: the model (tau2: for its customer)
+#   env.reset({slot: episode}) -> {slot: {"obs", "game", "task", "task_type"}}
+#   env.prompt(slot, recent)   -> the agent's prompt (`recent`: its last H (observation, action))
+#   env.explore(slot, rng)     -> a reply written without the model (if `can_explore`)
+#   env.step({slot: reply})    -> {slot: {"action", "obs", "valid", "format_ok", "won", "done",
+#                                         "counts"}}
+#   env.finish(slot)           -> what the episode's summary adds (tau2: the official grading)
+# plus `system` (the agent's system prompt), `stop` (where a reply ends), `counters` (the summary's
+# counts), `turn_fields` (what each triplet adds), where `can_choose` `admissible(slot)` and
+# `choice_prompt`; and its facts: the world model's prompt (`wm_system`, `wm_ask`), cap, tau_d.
 
-AGENT_PREFIX = "<think>"  # the start of every agent reply, written for the model: small models keep format
+AGENT_PREFIX = "<think>"  # the start of every agent reply, written for it: small models keep format
 
 
 def game_name(game) -> str:
@@ -786,23 +785,22 @@ class Alfworld:
 
     system = "You are an expert agent in a text-based household simulator (ALFWorld)."
     stop, can_explore = "</action>", True
-    counters = ("invalid", "format_errors", "inefficient", "explored")  # invalid: a bad command or format
+    counters = ("invalid", "format_errors", "inefficient", "explored")  # invalid: command or format
     turn_fields: dict = {}
     game_cls = Game  # one game of a slot (worlds.textworld.TextWorld: TwGame)
-    can_choose, example_action = True, "go to countertop 1"  # `--action-mode choose`: picks from `admissible`
-    splits = dict(train="train", dev="valid_seen", test="valid_unseen")  # dev chooses settings, test reports
+    can_choose, example_action = True, "go to countertop 1"  # choose mode picks from `admissible`
+    splits = dict(train="train", dev="valid_seen", test="valid_unseen")  # dev: settings; test
     eval_split = "valid_seen"  # `eval.py agent`'s default: the paper's in-distribution games
-    # The world model's prompt (rwml.wm_prompt): its system prompt, and (question, what to write, an example)
-    wm_system = ("You are a world model of a text-based household simulator (ALFWorld): you predict what the "
-                 "game says next.")
+    # The world model's prompt (rwml.wm_prompt): system prompt, (question, what to write, example)
+    wm_system = ("You are a world model of a text-based household simulator (ALFWorld): you "
+                 "predict what the game says next.")
     wm_ask = ("What does the game answer to this action?", "the game's answer",
-              "<think>Going somewhere lists what is there.</think><next_state>You arrive at shelf 1. On the "
-              "shelf 1, you see a vase 2.</next_state>")
-    # The reward where its flags are unset (departures table), chosen by the reward audit on valid_seen games
-    # (lab/reward_audit.py): the form and tau_d by its rule (the largest tau_d rewarding >= 90 % of
-    # fact-keeping rewrites of real observations and refusing >= 90 % of one-fact edits; of the forms, the one
-    # refusing more: here the authors' ROUGE-1 gate, by one pair of 1,516); the cap = the dev observations'
-    # 95th-percentile length + 10 %, to 16s.
+              "<think>Going somewhere lists what is there.</think><next_state>You arrive at shelf "
+              "1. On the shelf 1, you see a vase 2.</next_state>")
+    # The reward where its flags are unset, by the reward audit on valid_seen games: form and tau_d
+    # by its rule (the largest tau_d rewarding >= 90 % of fact-keeping rewrites of real observations
+    # and refusing >= 90 % of one-fact edits; of the forms, the one refusing more: the authors'
+    # ROUGE-1 gate, by one pair of 1,516); the cap: the dev observations' p95 length + 10 %, to 16s.
     tau_d, rouge_gate, max_completion_length = 0.01, 0.9, 80
 
     def __init__(self, *, num_workers: int = 2, max_turns: int = 30, **_):
@@ -818,22 +816,25 @@ class Alfworld:
 
     def reset(self, episodes: dict[int, dict]) -> dict[int, dict]:
         out = self.pool.reset({slot: ep["game"] for slot, ep in episodes.items()})
-        self.state.update({slot: dict(r, name=game_id(episodes[slot]["game"])) for slot, r in out.items()})
+        names = {slot: game_id(ep["game"]) for slot, ep in episodes.items()}
+        self.state.update({slot: dict(r, name=names[slot]) for slot, r in out.items()})
         return {slot: dict(obs=s["obs"], game=game_id(episodes[slot]["game"]), task=s["task"],
                            task_type=s["task_type"]) for slot, s in out.items()}
 
     def prompt(self, slot: int, recent: list[tuple[str, str]]) -> str:
-        """ReAct-style: the task, the step count, the last H (observation, action) pairs, now, admissible."""
+        """ReAct: the task, the step count, the last H (observation, action) pairs, now, choices."""
         s, turn = self.state[slot], self.state[slot]["turn"]
-        lines = [f"Your task is to: {s['task']}", f"You have taken {turn} of at most {self.max_turns} steps."]
+        lines = [f"Your task is to: {s['task']}",
+                 f"You have taken {turn} of at most {self.max_turns} steps."]
         if recent:
-            lines.append(f"Your last {len(recent)} observations and the actions you took after them:")
-            lines += [f"[Observation {turn - len(recent) + i + 1}] {o}\n"
-                      f"[Action {turn - len(recent) + i + 1}] {a}"
+            n = len(recent)
+            lines.append(f"Your last {n} observations and the actions you took after them:")
+            lines += [f"[Observation {turn - n + i + 1}] {o}\n[Action {turn - n + i + 1}] {a}"
                       for i, (o, a) in enumerate(recent)]
-        lines += [f"[Current observation] {s['obs']}", "Admissible actions: " + ", ".join(s["admissible"]),
-                  "Reply in this exact format: first think briefly inside <think> </think>, then give "
-                  "exactly one admissible action inside <action> </action>, for example:",
+        lines += [f"[Current observation] {s['obs']}",
+                  "Admissible actions: " + ", ".join(s["admissible"]),
+                  "Reply in this exact format: first think briefly inside <think> </think>, then "
+                  "give exactly one admissible action inside <action> </action>, for example:",
                   "<think>I need a mug; mugs are often on countertops.</think>"
                   "<action>go to countertop 1</action>"]
         return "\n".join(lines)
@@ -845,13 +846,13 @@ class Alfworld:
         """The turn's admissible commands, from the engine; none is an error that names the game."""
         s = self.state[slot]
         if not s["admissible"]:
-            raise UserError(f"game {s.get('name', '?')} offers no admissible commands at step {s['turn']}; "
-                            "--action-mode choose needs them (use --action-mode generate)")
+            raise UserError(f"game {s.get('name', '?')} offers no admissible commands at step "
+                            f"{s['turn']}; choose mode needs them (use --action-mode generate)")
         return list(s["admissible"])
 
     def choice_prompt(self, slot: int, recent: list[tuple[str, str]]) -> str:
-        """`prompt` for `--action-mode choose`: the same text, but the reply is only the action, which the
-        policy picks from the admissible list (no <think>: it would have to be generated first)."""
+        """`prompt` for `--action-mode choose`: the same text, but the reply is only the action,
+        picked from the admissible list (no <think>: it would have to be generated first)."""
         text = self.prompt(slot, recent)
         return text[:text.index("Reply in this exact format:")] + (
             f"Reply with exactly one admissible action inside <action> </action>, for example:\n"
@@ -866,8 +867,8 @@ class Alfworld:
             command, ok = parsed[slot]
             counts = dict(invalid=not (r["valid"] and ok), format_errors=not ok,
                           inefficient=r["valid"] and is_inefficient(command))
-            results[slot] = dict(action=command, obs=r["obs"], valid=r["valid"], format_ok=ok, won=r["won"],
-                                 done=r["done"], counts=counts)
+            results[slot] = dict(action=command, obs=r["obs"], valid=r["valid"], format_ok=ok,
+                                 won=r["won"], done=r["done"], counts=counts)
         return results
 
     def finish(self, slot: int) -> dict:
@@ -885,7 +886,7 @@ class Alfworld:
 
 # ============================================================================ the registry
 def load(spec: str):
-    """What a registry's entry "module:name" names (`ENVIRONMENTS`, rwml.ACTORS), imported at first use."""
+    """What a registry's "module:name" names (`ENVIRONMENTS`, rwml.ACTORS), imported at use."""
     return getattr(importlib.import_module(spec.split(":")[0]), spec.split(":")[1])
 
 
@@ -897,24 +898,23 @@ ENV_DEFAULTS = ("tau_d", "rouge_gate", "max_completion_length")
 
 
 def env_class(name: str):
-    """An environment's class, where its facts live (tau_d, max_completion_length, prompts, splits)."""
+    """An environment's class, where its facts live (tau_d, the cap, prompts, splits)."""
     if name not in ENVIRONMENTS:
         raise UserError(f"unknown --env {name!r}; choose one of {', '.join(ENVIRONMENTS)}"
                         + did_you_mean(name, ENVIRONMENTS))
     return load(ENVIRONMENTS[name])
 
 
-def make(name: str = "alfworld", *, num_workers: int = 2, max_turns: int = 30, at_once: int | None = None,
-         **settings):
-    """The environment the agent plays: ALFWorld or TextWorld games in `num_workers` processes, or a tau2
-    `domain` (with its `user_model`). `at_once`: the most episodes that run together; more workers than that
-    would only idle."""
+def make(name: str = "alfworld", *, num_workers: int = 2, max_turns: int = 30,
+         at_once: int | None = None, **settings):
+    """The environment the agent plays: ALFWorld or TextWorld games in `num_workers` processes (no
+    more than `at_once` episodes need), or a tau2 `domain` (with its `user_model`)."""
     workers = num_workers if at_once is None else min(num_workers, max(at_once, 1))
     return env_class(name)(num_workers=workers, max_turns=max_turns, **settings)
 
 
 def games(name: str, split: str, num: int | None, seed: int = 0, domain: str = "retail",
           sizes: tuple[int, int, int] = (2, 4, 2)) -> list:
-    """What the agent plays: ALFWorld game files, TextWorld games generated at `sizes` (world size, objects,
-    quest length), or tau2 tasks (each a seeded subset of a split)."""
+    """What the agent plays: ALFWorld game files, TextWorld games generated at `sizes` (world size,
+    objects, quest length), or tau2 tasks (each a seeded subset of a split)."""
     return env_class(name).games(split, num, seed, domain=domain, sizes=sizes)

@@ -2,13 +2,11 @@
 
     d(pred, real) = 1 - cos(E(pred), E(real))        E = a sentence-embedding model
     r_WM = 1 if d < tau_d else 0                     binary on purpose: harder to hack
-    (with rouge_gate > 0, also ROUGE-1 F(pred, real) >= rouge_gate: the gate of the authors' released code)
+    (rouge_gate > 0: also ROUGE-1 F(pred, real) >= rouge_gate, the gate of the authors' code)
 
-Only the text inside `<next_state>...</next_state>` is embedded; a missing or empty prediction earns 0.
-Options for the ablations: the continuous cosine, and ROUGE-L instead of embeddings.
-
-`SimToRealReward(...)(completions, targets)` -> list[float] is also a TRL-style reward function:
-GRPOTrainer(reward_funcs=SimToRealReward(), ...) with a `targets` column in the dataset.
+Only the text inside `<next_state>...</next_state>` is embedded; no prediction earns 0.
+Ablations: the continuous cosine, ROUGE-L instead of embeddings. `SimToRealReward()` is also a
+TRL reward function (reward_funcs=SimToRealReward(), a `targets` column in the dataset).
 """
 from __future__ import annotations
 
@@ -30,11 +28,11 @@ def _last(pattern: re.Pattern, text: str, end: int):
 
 
 def parse_next_state(completion) -> str | None:
-    """The predicted observation: the last `<next_state>` block, spaces folded; None when there is none.
-    Nested opening tags ("<next_state>a<next_state>b</next_state>") give the innermost block ("b").
-    Linear time: the last closing tag, the last opening tag before it, the first closing tag after that."""
-    if isinstance(completion, list):  # TRL's conversational format: [{"role": ..., "content": ...}]
-        completion = completion[-1].get("content") if completion and isinstance(completion[-1], dict) else ""
+    """The last `<next_state>` block, spaces folded; None when there is none. Nested opening tags
+    ("<next_state>a<next_state>b</next_state>") give the innermost block ("b"). Linear time."""
+    if isinstance(completion, list):  # TRL's conversational format: [{"role", "content"}, ...]
+        last = completion[-1] if completion else None
+        completion = last.get("content") if isinstance(last, dict) else ""
     if not isinstance(completion, str):
         return None
     close = _last(_CLOSE, completion, len(completion))
@@ -61,8 +59,7 @@ def rouge_l(pred: str, target: str) -> float:
 
 
 def rouge1(pred: str, target: str) -> float:
-    """ROUGE-1 F: the clipped overlap of lower-cased alphanumeric words (rouge_score's tokens, no stemming),
-    the second signal of the gate in the authors' released code (`rouge_gate`)."""
+    """ROUGE-1 F: clipped overlap of lower-cased alphanumeric words (rouge_score's, no stemming)."""
     a, b = (Counter(re.findall(r"[a-z0-9]+", x.lower())) for x in (pred, target))
     return 2 * sum((a & b).values()) / max(sum(a.values()) + sum(b.values()), 1)
 
@@ -81,19 +78,19 @@ def load_embedder(name: str = BUNDLED_EMBEDDER, device: str | None = None):
         return SentenceTransformer(name, device=device or default_device())
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load embedding model {name!r}: {str(e).splitlines()[0]} (a local "
-                        f"sentence-transformers folder, a Hub id with network access, or {BUNDLED_EMBEDDER})"
-                        ) from None
+                        "sentence-transformers folder, a Hub id with network access, or "
+                        f"{BUNDLED_EMBEDDER})") from None
 
 
 class SimToRealReward:
-    """r_WM for batches of completions. Target embeddings are computed once and cached; predictions are
-    embedded in batches. `metric`: "embedding" (default) or "rouge"; `binary=False` gives the similarity
-    itself (clipped at 0); `rouge_gate` > 0: a binary reward also needs ROUGE-1 F >= rouge_gate. Alone,
-    `SimToRealReward()` is ALFWorld's reward as a run uses it (envs.Alfworld's tau_d and gate: the reward
-    audit's); other environments' come from their classes (`make_reward`)."""
+    """r_WM for batches of completions; target embeddings cached. `metric`: "embedding" or "rouge";
+    `binary=False`: the similarity itself (clipped at 0); `rouge_gate` > 0: a binary reward also
+    needs ROUGE-1 F >= rouge_gate. The defaults are ALFWorld's (envs.Alfworld, the reward audit's);
+    other environments' come from their classes (`make_reward`)."""
 
-    def __init__(self, embedder: str = BUNDLED_EMBEDDER, tau_d: float = 0.01, metric: str = "embedding",
-                 binary: bool = True, rouge_gate: float = 0.9, batch_size: int = 64):
+    def __init__(self, embedder: str = BUNDLED_EMBEDDER, tau_d: float = 0.01,
+                 metric: str = "embedding", binary: bool = True, rouge_gate: float = 0.9,
+                 batch_size: int = 64):
         if metric not in ("embedding", "rouge"):
             raise UserError(f"unknown reward metric {metric!r}; choose embedding or rouge")
         if not 0 < tau_d <= 2:
@@ -110,14 +107,15 @@ class SimToRealReward:
                                  normalize_embeddings=True, show_progress_bar=False).float().cpu()
 
     def similarity(self, preds: list[str | None], targets: list[str]) -> list[float]:
-        """Cosine (or ROUGE-L F1) of each prediction with its target; 0 for a missing prediction."""
-        if len(preds) != len(targets):  # zip would drop the extra ones silently, indexing would raise
-            raise UserError(f"the reward got {len(preds)} completions but {len(targets)} targets; it needs "
-                            "one real next observation per completion")
+        """Cosine (or ROUGE-L F1) of each prediction with its target; 0 for a missing one."""
+        if len(preds) != len(targets):  # zip would drop the extra ones silently
+            raise UserError(f"the reward got {len(preds)} completions but {len(targets)} targets; "
+                            "it needs one real next observation per completion")
         bad = next((i for i, t in enumerate(targets) if not isinstance(t, str)), None)
-        if bad is not None:  # None from a missing dataset field would crash the embedder's tokenizer
-            raise UserError(f"the reward's target {bad} is {type(targets[bad]).__name__}, not text; every "
-                            "completion needs its real next observation as a string")
+        if bad is not None:  # None (a missing dataset field) would crash the tokenizer
+            what = type(targets[bad]).__name__
+            raise UserError(f"the reward's target {bad} is {what}, not text; "
+                            "every completion needs its real next observation as a string")
         if self.metric == "rouge":
             return [rouge_l(p, t) if p else 0.0 for p, t in zip(preds, targets)]
         new = sorted({t for t in targets if t not in self._targets})
@@ -132,7 +130,8 @@ class SimToRealReward:
                 sims[i] = s
         return sims
 
-    def __call__(self, completions: list, targets: list[str] | None = None, **kwargs) -> list[float]:
+    def __call__(self, completions: list, targets: list[str] | None = None,
+                 **kwargs) -> list[float]:
         if targets is None:
             raise UserError("the reward needs the real next observations: pass targets=[...] "
                             "(a `targets` column)")
@@ -140,27 +139,27 @@ class SimToRealReward:
         sims = self.similarity(preds, targets)
         if not self.binary:
             return [max(s, 0.0) if p else 0.0 for s, p in zip(sims, preds)]
-        return [1.0 if p and 1.0 - s < self.tau_d and (not self.rouge_gate or rouge1(p, t) >= self.rouge_gate)
-                else 0.0 for s, p, t in zip(sims, preds, targets)]
+        gate = self.rouge_gate
+        return [1.0 if p and 1.0 - s < self.tau_d and (not gate or rouge1(p, t) >= gate) else 0.0
+                for s, p, t in zip(sims, preds, targets)]
 
 
 def make_reward(cfg) -> SimToRealReward:
-    """The run's reward from its settings (`cfg`: the world model's, stages/settings.py): the
-    embedder, tau_d, metric, binary and the ROUGE-1 gate it names."""
-    return SimToRealReward(cfg.embedder, cfg.tau_d, cfg.reward_metric, cfg.reward_binary, cfg.rouge_gate)
+    """The run's reward from its world-model settings (stages/settings.py)."""
+    return SimToRealReward(cfg.embedder, cfg.tau_d, cfg.reward_metric, cfg.reward_binary,
+                           cfg.rouge_gate)
 
 
-# ----------------------------------------------------------------------------- controls (METHOD.md §7)
-# From "Does Learning to Predict the World Help Agents Act?" (2026): if these controls help the agent as
-# much as the real reward does, the gain does not come from learning the world.
+# ----------------------------------------------------------------------- controls (METHOD.md §7)
+# From "Does Learning to Predict the World Help Agents Act?" (2026): if these controls help the
+# agent as much as the real reward does, the gain does not come from learning the world.
 
 def mis_targets(targets: list[str], seed: int = 0) -> tuple[list[str], float]:
-    """MIS: each triplet gets another triplet's real next observation *with a different text*. Deranging
-    positions is not enough when most targets are the same string ("Nothing happens."): most triplets
-    would keep their own text and MIS would mostly be the real reward. The texts are grouped (groups in
-    random order, members shuffled) and the list is rotated by the largest group's size, so a target moves
-    to another group whenever any group holds at most half of them. Returns (new targets, the share that
-    still equals its own, which is > 0 only when one text is more than half of all)."""
+    """MIS: each triplet gets another triplet's real next observation *with a different text*.
+    Deranging positions is not enough when most targets are one string ("Nothing happens."). The
+    texts are grouped (groups in random order, members shuffled) and the list is rotated by the
+    largest group's size, so every target changes text unless one text is over half of all.
+    Returns (new targets, the share that still equals its own)."""
     if len(targets) < 2:
         raise UserError(f"the MIS control needs at least 2 triplets, got {len(targets)}")
     rng = random.Random(seed)
@@ -180,8 +179,7 @@ def mis_targets(targets: list[str], seed: int = 0) -> tuple[list[str], float]:
 
 
 def coin_reward(seed: int = 0):
-    """COIN: a reward function with the reward's signature that ignores the prediction and flips a fair
-    coin."""
+    """COIN: the reward's signature; ignores the prediction and flips a fair coin."""
     rng = random.Random(seed)
 
     def coin(completions: list, targets: list[str] | None = None, **kwargs) -> list[float]:
