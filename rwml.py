@@ -31,6 +31,8 @@ from reward import parse_next_state
 from engine import add_lora, by_length, completion_logprobs, group_logprobs, pack, sample_chat, sft
 from harness.common import UserError
 
+ALFWORLD_LEN = envs.Alfworld.max_completion_length  # a prediction's tokens in the default run
+
 # ============================================================================== §2 Data: collection
 # The base model plays ALFWorld's *training* games at temperature 1.0 (3 rollouts per game in the
 # paper). Failures and invalid actions are kept: a world model must also learn "Nothing happens.".
@@ -188,7 +190,8 @@ def wm_texts(t: Triplet, reasoning: bool) -> tuple[str, str, str, str]:
 
 
 def sample_predictions(model, tokenizer, triplets: list[Triplet], *, reasoning: bool, n: int = 1,
-                       max_new_tokens: int = 96, temperature: float = 1.0, top_p: float = 1.0):
+                       max_new_tokens: int = ALFWORLD_LEN, temperature: float = 1.0,
+                       top_p: float = 1.0):
     """`n` predictions per triplet (all of one environment), each ending at </next_state>."""
     return sample_chat(model, tokenizer, [wm_prompt(t, reasoning) for t in triplets], n=n,
                        system=wm_system(triplets[0]), prefix=wm_prefix(reasoning), stop=WM_STOP,
@@ -219,7 +222,7 @@ def split_triplets(triplets: list[Triplet], frac: float = 0.1, seed: int = 0) ->
 # collapses, its Table 4). Ours: the copy is also the warm-up; GRPO gets only mixed triplets.
 
 def easiness(model, tokenizer, triplets: list[Triplet], reward_fn, *, k: int = 4,
-             max_new_tokens: int = 96, temperature: float = 1.0,
+             max_new_tokens: int = ALFWORLD_LEN, temperature: float = 1.0,
              batch_size: int = 32) -> list[float]:
     """Mean reward of `k` sampled direct predictions (no reasoning) per triplet. `max_new_tokens`
     must leave room for the longest target (train.py passes max_completion_length): a prediction
@@ -661,9 +664,9 @@ ACTORS = dict(generate="rwml:GENERATE", choose="choose:CHOOSE", random="choose:R
 
 # ============================================================== §8 Evaluation: world-model accuracy
 
-def evaluate_wm(model, tokenizer, triplets: list[Triplet], reward_fn, *, max_new_tokens: int = 96,
-                batch_size: int = 16, reasoning: bool = False, samples: int = 0,
-                temperature: float = 1.0) -> dict:
+def evaluate_wm(model, tokenizer, triplets: list[Triplet], reward_fn, *,
+                max_new_tokens: int = ALFWORLD_LEN, batch_size: int = 16, reasoning: bool = False,
+                samples: int = 0, temperature: float = 1.0) -> dict:
     """World-model accuracy on held-out triplets: the share with r_WM = 1, beside mean cosine, exact
     match, item F1 and format rate, overall and by kind (envs.score_wm). `samples` = 0: one greedy
     prediction per triplet; k > 0: k sampled at `temperature` (the quantity GRPO raises)."""
