@@ -1,15 +1,14 @@
-"""The caches that let a run reuse what the same settings and code made (key: those settings and
-`code_sha`), each checked whole before use: the filter's, the held-out explore set's
-($RWML_CACHE/heldout), the warm-up's more games', `all`'s "before" scores. Never imports rwml or
-train.py."""
+"""The caches that let a run reuse what the same settings and code (`code_sha`) made, each checked
+whole before use: the filter's, the held-out explore set's ($RWML_CACHE/heldout), the warm-up's
+more games', `all`'s "before" scores. Never imports rwml or train.py."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,13 +21,13 @@ from stages.plumbing import write_eval
 from stages.runs import (WARMUP_STREAM, before_made_by, collect_job, collect_meta, split_games,
                                walkthroughs, warmup_games)
 
-# ------------------------------------------------------------- the caches: the filter's, the held-out set's
 def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | None]:
     """The filter's cache key and, if `out` holds a whole output of it, (kept, warm-up)."""
     kept_file, meta_file, warm = out / "kept.jsonl", out / "filter.json", out / "warmup_adapter"
     seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
-    job = {k: getattr(cfg, k) for k in names(cfg, "filter")} | {"seed": seed, "num_triplets": len(triplets)}
-    # by content, not by name: the same triplets and warm-up files in another run's folder are the same job
+    job = {k: getattr(cfg, k) for k in names(cfg, "filter")}
+    job.update(seed=seed, num_triplets=len(triplets))
+    # by content, not by name: the same triplets and warm-up files elsewhere are the same job
     more = [Path(f) for f in (cfg.warmup_transitions or "").split(",") if f]
     warm_files = b"".join(f.read_bytes() for f in more if f.is_file())
     job.update(triplets=_sha(json.dumps(triplets, sort_keys=True).encode()),
@@ -39,16 +38,16 @@ def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | No
     except (ValueError, AttributeError) as e:  # cut by a kill or a full disk, or not an object
         print(f"filter: {meta_file} is damaged ({str(e)[:60]}); filtering again")
         meta, stored = {}, None
-    # a warm-up job's kept set is the same without the warm-up unless mixed_only (the warm-up's) chose it
-    if kept_file.exists() and (stored == job or stored == job | {"warmup": True} and not cfg.mixed_only) and (
-            not cfg.warmup or (warm / "adapter_config.json").is_file()
-            and file_problem(warm / "adapter_model.safetensors") is None):  # else made again
+    # a kept set is the same with or without the warm-up unless mixed_only (the warm-up's) chose it
+    same = stored == job or stored == job | {"warmup": True} and not cfg.mixed_only
+    if kept_file.exists() and same and (not cfg.warmup or (warm / "adapter_config.json").is_file()
+                                        and not file_problem(warm / "adapter_model.safetensors")):
         if len(kept := read_jsonl(kept_file)) == meta.get("num_kept"):
             print(f"filter: reusing {kept_file} ({len(kept)} triplets)"
                   + (f" and {warm}" if cfg.warmup else ""))
             return job, (kept, warm if cfg.warmup else None)
-        print(f"filter: {kept_file} holds {len(kept)} of the {meta.get('num_kept')} triplets {meta_file} "
-              "records (cut or edited); filtering again")
+        print(f"filter: {kept_file} holds {len(kept)} of the {meta.get('num_kept')} triplets "
+              f"{meta_file} records (cut or edited); filtering again")
     return job, None
 
 
@@ -56,16 +55,17 @@ def save_filter(out: Path, job: dict, info: dict, kept: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "kept.jsonl", kept)
     write_atomic(out / "filter.json", json.dumps(dict(job=job, **info), indent=2))
-    print("filter: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-                                 for k, v in info.items() if k not in ("sft_losses", "easiness_counts")))
+    shown = (f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+             for k, v in info.items() if k not in ("sft_losses", "easiness_counts"))
+    print("filter: " + ", ".join(shown))
 
 
 def save_easiness(out: Path, train: list[dict], scores: list, easy: list, keep: list) -> None:
-    """easiness.jsonl: each training triplet's easiness, whether it counted as easy, whether GRPO gets it."""
+    """easiness.jsonl: each training triplet's easiness, whether easy, whether GRPO gets it."""
     out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out / "easiness.jsonl", [
-        dict(game=t.get("game"), step=t.get("step"), rollout=t.get("rollout"), next_obs=t["next_obs"],
-             easiness=s, easy=e, kept=k) for t, s, e, k in zip(train, scores, easy, keep)])
+    write_jsonl(out / "easiness.jsonl", [dict(
+        game=t.get("game"), step=t.get("step"), rollout=t.get("rollout"), next_obs=t["next_obs"],
+        easiness=s, easy=e, kept=k) for t, s, e, k in zip(train, scores, easy, keep)])
 
 
 HELDOUT_FILES = ("collect.json", "transitions.jsonl", "episodes.jsonl")
@@ -74,24 +74,23 @@ HELDOUT_FILES = ("collect.json", "transitions.jsonl", "episodes.jsonl")
 def heldout_key(cfg, games: list | None = None) -> str:
     """What determines the held-out explore set: settings, games, engine, libraries, code."""
     import transformers
-
     model = Path(cfg.model)
     weights = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in model.iterdir()
                      if f.is_file()) if model.is_dir() else None
     games = [envs.game_id(g) for g in (split_games(cfg) if games is None else games)]
-    key = dict(job=collect_job(cfg), env=cfg.env, num_envs=cfg.num_envs, games=games, weights=weights,
-               torch=torch.__version__, transformers=transformers.__version__,
+    key = dict(job=collect_job(cfg), env=cfg.env, num_envs=cfg.num_envs, games=games,
+               weights=weights, torch=torch.__version__, transformers=transformers.__version__,
                threads=torch.get_num_threads(), code=code_sha())
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def warmup_collections(cfg, out: Path, load, collect) -> str:
-    """`all`'s more warm-up triplets: walkthroughs of `warmup_games` other train games (never GRPO's) and
-    the collection policy's play of them (its "Nothing happens." targets; cached as the held-out set is)."""
-    more = dataclasses.replace(cfg, num_games=cfg.warmup_games, seed=cfg.seed + WARMUP_STREAM, adapter=None)
+    """`all`'s more warm-up triplets: walkthroughs of `warmup_games` other train games (not GRPO's)
+    and the policy's play of them (its "Nothing happens." targets; cached as the held-out set)."""
+    more = replace(cfg, num_games=cfg.warmup_games, seed=cfg.seed + WARMUP_STREAM, adapter=None)
     games = warmup_games(cfg)
-    walk = collect(dataclasses.replace(more, walkthrough=True), out / "warmup_walk", load, games)
-    play = cached_heldout(dataclasses.replace(more, walkthrough=False), out / "warmup_play", load, collect,
+    walk = collect(replace(more, walkthrough=True), out / "warmup_walk", load, games)
+    play = cached_heldout(replace(more, walkthrough=False), out / "warmup_play", load, collect,
                           what="the warm-up's more train triplets", games=games)
     probes = cfg.train_probes and walkthroughs(more, out / "warmup_state", games, probes=True)
     return ",".join(str(f) for f in (cfg.warmup_transitions, walk, play, probes) if f)
@@ -99,17 +98,17 @@ def warmup_collections(cfg, out: Path, load, collect) -> str:
 
 def cached_heldout(cfg, out: Path, load, collect, what: str = "the held-out explore triplets",
                    games: list | None = None) -> Path:
-    """The held-out explore collection, played once per `heldout_key`, then copied whole from
-    $RWML_CACHE/heldout; an `out` of other settings is said and replaced."""
+    """Held-out triplets played once per `heldout_key`, then copied whole from the cache."""
     cache = engine.MODEL_CACHE / "heldout" / heldout_key(cfg, games)
-    for old in [*cache.parent.glob("*.tmp"), *cache.parent.glob("*.damaged")]:  # a killed run's leftovers
-        if not Path(f"/proc/{old.name.split('.')[-2]}").exists():
+    for old in [*cache.parent.glob("*.tmp"), *cache.parent.glob("*.damaged")]:
+        if not Path(f"/proc/{old.name.split('.')[-2]}").exists():  # a killed run's leftovers
             shutil.rmtree(old, ignore_errors=True)
-    if (out / "transitions.jsonl").exists() and collect_meta(out / "collect.json") != collect_job(cfg):
+    trans = out / "transitions.jsonl"
+    if trans.exists() and collect_meta(out / "collect.json") != collect_job(cfg):
         print(f"collect: {out} holds {what} of other settings; collecting these in their place")
         for name in HELDOUT_FILES:
             (out / name).unlink(missing_ok=True)
-    fresh = not (out / "transitions.jsonl").exists()  # a resumed collection draws other samples: not cached
+    fresh = not trans.exists()  # a resumed collection draws other samples: not cached
     if fresh and cache.exists():
         files, why = heldout_entry(cache)
         if files:
@@ -127,19 +126,20 @@ def cached_heldout(cfg, out: Path, load, collect, what: str = "the held-out expl
     path = collect(cfg, out, load, games)
     if fresh and not cache.exists():
         tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-        with contextlib.suppress(OSError):  # a read-only cache only costs the next run the collection
+        with contextlib.suppress(OSError):  # a read-only cache costs only the next run's collection
             tmp.mkdir(parents=True, exist_ok=True)
             files = {name: (out / name).read_bytes() for name in HELDOUT_FILES}
             for name, data in files.items():
                 (tmp / name).write_bytes(data)
-            write_atomic(tmp / "sha256.json", json.dumps({n: _sha(d) for n, d in files.items()}, indent=2))
+            sums = {n: _sha(d) for n, d in files.items()}
+            write_atomic(tmp / "sha256.json", json.dumps(sums, indent=2))
             os.replace(tmp, cache)  # whole or not at all
         shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
 def heldout_entry(cache: Path) -> tuple[dict[str, bytes] | None, str]:
-    """A held-out cache entry's files, each as the sha256.json written with them says; or (None, why not)."""
+    """A held-out cache entry's files, each as its sha256.json says; or (None, why not)."""
     try:
         sums, files = json.loads((cache / "sha256.json").read_text()), {}
         for name in HELDOUT_FILES:
@@ -148,26 +148,26 @@ def heldout_entry(cache: Path) -> tuple[dict[str, bytes] | None, str]:
             files[name] = data
         return files, ""
     except OSError as e:
-        return None, f"{Path(e.filename or 'sha256.json').name} is missing or unreadable ({e.strerror})"
+        name = Path(e.filename or "sha256.json").name
+        return None, f"{name} is missing or unreadable ({e.strerror})"
     except (ValueError, AttributeError):  # sha256.json cut, or not an object
         return None, "sha256.json is damaged"
 
 
 def scores_before(cfg, out: Path, sets: dict, start, load, score) -> dict[str, Path]:
     """`all`'s "before" scores (RWML's start), reused if whole and `before_made_by` matches."""
-    files = {kind: out / f"wm_eval_before_{kind}.json" for kind in sets}  # train: RWML's own prompts
+    files = {kind: out / f"wm_eval_before_{kind}.json" for kind in sets}  # train: RWML's prompts
     made = {kind: before_made_by(cfg, start, s) for kind, s in sets.items()}
     why = [p for kind, f in files.items() if (p := _before_problem(f, made[kind]))]
     if not why:
-        print(f"eval: reusing the \"before\" scores {out}/wm_eval_before_*.json (made by this run's model, "
-              "triplets, settings and code)")
+        print(f"eval: reusing the \"before\" scores {out}/wm_eval_before_*.json (made by this "
+              "run's model, triplets, settings and code)")
         return files
     if said := [p for p in why if not p.endswith(" is missing")]:
         print(f"eval: scoring \"before\" again ({said[0]})")
     model, tok = load()
     if start:
         from peft import PeftModel
-
         model = PeftModel.from_pretrained(model, str(start))
     with cost.stage("eval before"):
         for kind, f in files.items():
@@ -180,7 +180,7 @@ def scores_before(cfg, out: Path, sets: dict, start, load, score) -> dict[str, P
 
 
 def _before_problem(f: Path, made: dict) -> str | None:
-    """Why a "before" score cannot be reused (missing, damaged, made by other inputs, its rows cut)."""
+    """Why a "before" score cannot be reused: missing, damaged, made by other inputs, rows cut."""
     if problem := file_problem(f):
         return f"{f} {problem}"
     if not isinstance(old := json.loads(f.read_text()), dict) or old.get("made_by") != made:

@@ -22,9 +22,8 @@ MIN_BOOT_SEEDS = 5  # below this many seeds the CI over seeds is Student's t, no
 
 
 def wilson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
-    """The Wilson score interval of k successes in n trials (Wilson 1927; scipy.stats); (0, 1) when n is 0."""
+    """The Wilson score interval of k successes in n trials (scipy's); (0, 1) when n is 0."""
     from scipy.stats import binomtest
-
     ci = binomtest(k, n).proportion_ci(level, method="wilson") if n > 0 else None
     return (float(ci.low), float(ci.high)) if ci else (0.0, 1.0)
 
@@ -32,7 +31,8 @@ def wilson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
 def _by_unit(a, b, units) -> dict:
     """unit -> [sum of a - b, items] over paired items."""
     if not len(a) == len(b) == len(units):
-        raise ValueError(f"paired outcomes need equal lengths, got {len(a)}, {len(b)}, {len(units)}")
+        raise ValueError(
+            f"paired outcomes need equal lengths, got {len(a)}, {len(b)}, {len(units)}")
     out = defaultdict(lambda: [0.0, 0])
     for x, y, u in zip(a, b, units):
         out[u][0] += x - y
@@ -41,8 +41,7 @@ def _by_unit(a, b, units) -> dict:
 
 
 def mc_margin(n: int, level: float = 0.95) -> float:
-    """The Monte-Carlo error, in replicates, of the count placing a percentile bound: 2.576 sd
-    (99 %) of Binomial(n, q), q = (1 - level) / 2."""
+    """A percentile bound's Monte-Carlo error in replicates: 2.576 sd of Binomial(n, q) (99 %)."""
     q = (1 - level) / 2
     return MC_Z * math.sqrt(n * q * (1 - q))
 
@@ -51,7 +50,6 @@ def sign_flip(d) -> float:
     """The two-sided p of a sign-flip test on values d: exact (scaled integers, or up to 2^20
     signs), else N_BOOT random signs. Zeros are left out: either sign gives the same |sum|."""
     from scipy.stats import permutation_test
-
     d = np.array([x for x in d if x != 0], dtype=float)
     if len(d) < 2:  # nothing changed, or one value: every assignment gives the same |sum|
         return 1.0
@@ -64,21 +62,22 @@ def sign_flip(d) -> float:
 
 
 def _sign_flip_counts(d: np.ndarray) -> float:
-    """The exact two-sided sign-flip p of non-zero integers d, by counting the 2^n sums (a convolution per
-    value: milliseconds, where enumerating 2^20 assignments took seconds)."""
+    """The exact two-sided sign-flip p of non-zero integers d, by counting the 2^n sums (a
+    convolution per value: milliseconds, where enumerating 2^20 assignments took seconds)."""
     size = int(np.abs(d).sum())
     counts = np.zeros(2 * size + 1)  # index: a sum + size; |a sum| <= size, so np.roll never wraps
     counts[size] = 1.0
     for x in np.abs(d):
         counts = np.roll(counts, x) + np.roll(counts, -x)
-    return float(counts[np.abs(np.arange(-size, size + 1)) >= abs(int(d.sum()))].sum() / 2 ** len(d))
+    return float(counts[np.abs(np.arange(-size, size + 1)) >= abs(d.sum())].sum() / 2 ** len(d))
 
 
-def paired_bootstrap(a, b, units, n_boot: int = N_BOOT, seed: int | None = None, level: float = 0.95) -> dict:
-    """mean(a) - mean(b) over paired items of one run: diff, a bootstrap CI over units (lo, hi), the
-    exact sign-flip p over units, items up / down, and the replicates' counts `verdict` reads."""
-    return dict(_bootstrap([(a, b, units)], n_boot, seed, level), **exact_tests(a, b, units), n=len(a),
-                test="games")
+def paired_bootstrap(a, b, units, n_boot: int = N_BOOT, seed: int | None = None,
+                     level: float = 0.95) -> dict:
+    """mean(a) - mean(b) over paired items of one run: a bootstrap CI over units, the exact
+    sign-flip p over units, items up / down, and the replicates' counts `verdict` reads."""
+    return dict(_bootstrap([(a, b, units)], n_boot, seed, level), **exact_tests(a, b, units),
+                n=len(a), test="games")
 
 
 def over_seeds(runs, n_boot: int = N_BOOT, seed: int | None = None, level: float = 0.95) -> dict:
@@ -87,18 +86,18 @@ def over_seeds(runs, n_boot: int = N_BOOT, seed: int | None = None, level: float
     if len(runs) == 1:
         return paired_bootstrap(*runs[0], n_boot=n_boot, seed=seed, level=level)
     from scipy.stats import t
-
     each = [_estimate([_by_unit(*r)], sorted(set(r[2]))) for r in runs]
     k, mean = len(each), sum(each) / len(each)
     out = _bootstrap(runs, n_boot, seed, level)
-    if k < MIN_BOOT_SEEDS:  # Student's t at k - 1 df (2 seeds: 12.7 standard errors), never narrower than
-        # the bootstrap: seeds that agree give a t-interval of width 0, which games' noise still widens
+    # Student's t at k - 1 df (2 seeds: 12.7 standard errors), never narrower than the bootstrap:
+    # seeds that agree give a t-interval of width 0, which games' noise still widens
+    if k < MIN_BOOT_SEEDS:
         half = t.ppf((1 + level) / 2, k - 1) * statistics.stdev(each) / math.sqrt(k)
-        out = dict(lo=min(mean - half, out["lo"]), hi=max(mean + half, out["hi"]), units=out["units"],
-                   level=level)
+        out = dict(lo=min(mean - half, out["lo"]), hi=max(mean + half, out["hi"]),
+                   units=out["units"], level=level)
     pairs = [(x, y) for a, b, _ in runs for x, y in zip(a, b)]
-    return dict(out, diff=mean, per_seed=each, seeds=k, p=sign_flip(each), test="seeds", n=len(pairs),
-                up=sum(x > y for x, y in pairs), down=sum(x < y for x, y in pairs))
+    return dict(out, diff=mean, per_seed=each, seeds=k, p=sign_flip(each), test="seeds",
+                n=len(pairs), up=sum(x > y for x, y in pairs), down=sum(x < y for x, y in pairs))
 
 
 def _estimate(seeds: list[dict], names: list[str]) -> float:
@@ -116,8 +115,8 @@ def _bootstrap(runs, n_boot: int, seed: int | None, level: float) -> dict:
     the replicates below / at most / at least / above 0, which `verdict` reads."""
     seeds = [_by_unit(*r) for r in runs]
     names = sorted({u for s in seeds for u in s})
-    total = np.array([[s.get(n, (0.0, 0))[0] for n in names] for s in seeds], dtype=float)  # seed x unit
-    items = np.array([[s.get(n, (0.0, 0))[1] for n in names] for s in seeds], dtype=float)
+    total = np.array([[s.get(n, (0, 0))[0] for n in names] for s in seeds], float)  # seed x unit
+    items = np.array([[s.get(n, (0, 0))[1] for n in names] for s in seeds], float)
     rng = np.random.default_rng(RNG_SEED if seed is None else seed)
     reps = np.concatenate([_replicates(total, items, min(CHUNK, n_boot - start), rng)
                            for start in range(0, n_boot, CHUNK)])
@@ -128,8 +127,8 @@ def _bootstrap(runs, n_boot: int, seed: int | None, level: float) -> dict:
     each = [_estimate([s], names) for s in seeds]
     return dict(diff=sum(each) / len(each), lo=lo, hi=hi, per_seed=each, units=len(names),
                 sd=float(reps.std(ddof=1)) if n_boot > 1 else 0.0, n_boot=n_boot, level=level,
-                below_0=int(np.count_nonzero(reps < 0)), at_most_0=int(np.count_nonzero(reps <= 0)),
-                at_least_0=int(np.count_nonzero(reps >= 0)), above_0=int(np.count_nonzero(reps > 0)))
+                below_0=int((reps < 0).sum()), at_most_0=int((reps <= 0).sum()),
+                at_least_0=int((reps >= 0).sum()), above_0=int((reps > 0).sum()))
 
 
 def _replicates(total: np.ndarray, items: np.ndarray, n: int, rng) -> np.ndarray:
@@ -139,13 +138,13 @@ def _replicates(total: np.ndarray, items: np.ndarray, n: int, rng) -> np.ndarray
     drawn_seeds = rng.integers(k, size=(n, k)) if k > 1 else np.zeros((n, 1), dtype=int)
     drawn_units = rng.integers(max(u, 1), size=(n, u))  # no units: no draw, every replicate 0
     counts = np.bincount((drawn_units + u * np.arange(n)[:, None]).ravel(),
-                         minlength=n * u).reshape(n, u).astype(float)  # replicate x unit: times drawn
+                         minlength=n * u).reshape(n, u).astype(float)  # replicate x unit: draws
     num, den = counts @ total.T, counts @ items.T  # replicate x seed
     per_seed = np.divide(num, den, out=np.full_like(num, np.nan), where=den > 0)
     taken = np.take_along_axis(per_seed, drawn_seeds, axis=1)  # replicate x drawn seed
     present = ~np.isnan(taken)
-    return np.where(present.any(axis=1),
-                    np.where(present, taken, 0.0).sum(axis=1) / np.maximum(present.sum(axis=1), 1), 0.0)
+    mean = np.where(present, taken, 0.0).sum(axis=1) / np.maximum(present.sum(axis=1), 1)
+    return np.where(present.any(axis=1), mean, 0.0)
 
 
 def half_width(ci: dict) -> float:
@@ -154,25 +153,23 @@ def half_width(ci: dict) -> float:
 
 
 def exact_tests(a, b, units) -> dict:
-    """Items up / down (a above / below b), and p: the two-sided sign-flip test over units on the units'
+    """Items up / down (a above / below b), and p: the two-sided sign-flip test over units on their
     summed differences (items of a game are not independent: no test on items alone)."""
-    by = _by_unit(a, b, units)
-    up, down = sum(x > y for x, y in zip(a, b)), sum(x < y for x, y in zip(a, b))
-    return dict(up=up, down=down, p=sign_flip([s for s, _ in by.values()]))
+    p = sign_flip([s for s, _ in _by_unit(a, b, units).values()])
+    return dict(up=sum(x > y for x, y in zip(a, b)), down=sum(x < y for x, y in zip(a, b)), p=p)
 
 
 def unchanged_bound(n: int, level: float = 0.95) -> float:
-    """The largest share of n items that may change while none of them is seen to: the upper Clopper-Pearson
-    bound of 0 in n (about 3.7 / n); a paired difference of items that all agree is known only to +- that."""
+    """The largest share of n items that may change while none is seen to: the upper
+    Clopper-Pearson bound of 0 in n (about 3.7 / n), the +- of a difference where all agree."""
     from scipy.stats import binomtest
-
     return float(binomtest(0, n).proportion_ci(level, method="exact").high) if n else 1.0
 
 
 NO_DATA = "no data (nothing to compare)"
-RULE = ("verdict: \"holds\" (\"reversed\") only where the 95 % CI excludes 0 and the exact sign-flip test "
-        "(over games in one run, over seeds across seeds) agrees, p < 0.05; else \"no difference detected\"; "
-        "where no item changed, the change 0 changes leave open; stats.py")
+RULE = ('verdict: "holds" ("reversed") only where the 95 % CI excludes 0 and the exact sign-flip '
+        'test (over games in one run, over seeds across seeds) agrees, p < 0.05; else "no '
+        'difference detected"; where no item changed, the change 0 changes leave open; stats.py')
 COUNTS = ("below_0", "at_most_0", "at_least_0", "above_0")
 
 
@@ -189,7 +186,8 @@ def _ci_side(ci: dict) -> int:
 def verdict(ci: dict | None, half: float | None = None) -> str:
     """"holds" ("reversed") where the CI excludes 0 above (below) and ci["p"] < ALPHA; where no item
     changed, what 0 changes leave open; else "no difference detected" (why)."""
-    if not isinstance(ci, dict) or not all(isinstance(ci.get(k), (int, float)) for k in ("lo", "hi")):
+    bounds = ("lo", "hi")
+    if not isinstance(ci, dict) or not all(isinstance(ci.get(k), (int, float)) for k in bounds):
         return NO_DATA
     if ci.get("up") == 0 and ci.get("down") == 0 and ci.get("n"):
         bound = unchanged_bound(ci["n"])
@@ -197,9 +195,11 @@ def verdict(ci: dict | None, half: float | None = None) -> str:
     side, p = _ci_side(ci), ci.get("p")
     if side and p is not None and p < ALPHA:
         return "holds" if side > 0 else "reversed"
+    test = ci.get("test", "games")
     why = ("" if not side else " (the CI excludes 0, no exact test)" if p is None else
-           f" (the CI excludes 0, the exact test over {ci.get('test', 'games')} does not: p {p:.3f})")
-    return "no difference detected" + why + (f"; CI half-width {half:.3f}" if half is not None else "")
+           f" (the CI excludes 0, the exact test over {test} does not: p {p:.3f})")
+    width = f"; CI half-width {half:.3f}" if half is not None else ""
+    return "no difference detected" + why + width
 
 
 def said(c: dict) -> str:
@@ -210,9 +210,9 @@ def said(c: dict) -> str:
     if c.get("test") == "seeds":
         how = ("t-interval, at least the bootstrap's" if c["seeds"] < MIN_BOOT_SEEDS else
                "bootstrap over seeds, then games")
-        return (f"{head}; {c['seeds']} seeds ({', '.join(f'{d:+.3f}' for d in c['per_seed'])}; {how}); "
-                f"sign-flip over seeds p {c['p']:.3f}")
+        per = ", ".join(f"{d:+.3f}" for d in c["per_seed"])
+        return f"{head}; {c['seeds']} seeds ({per}; {how}); sign-flip over seeds p {c['p']:.3f}"
     if not c["up"] and not c["down"]:
         return f"{head}, {c['units']} games"
-    return (f"{head}; {c['up']} up, {c['down']} down over {c['units']} games (sign-flip over games p "
-            f"{c['p']:.3f})")
+    return (f"{head}; {c['up']} up, {c['down']} down over {c['units']} games (sign-flip over games "
+            f"p {c['p']:.3f})")
