@@ -93,7 +93,7 @@ def read_config(path: str, cls, prog: str) -> dict:
     try:
         text = Path(path).read_text(encoding="utf-8-sig")  # -sig: a BOM is fine
         values = yaml.safe_load(text) if path.endswith((".yaml", ".yml")) else json.loads(text)
-    except (OSError, ValueError, RecursionError) as e:
+    except (OSError, ValueError, yaml.YAMLError, RecursionError) as e:
         why = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0]
         raise UserError(f"cannot read config file {path}: {why}") from None
     if not isinstance(values, dict):
