@@ -3,19 +3,16 @@
     python train.py                      # the default run (stage `all`) on the bundled defaults
     python train.py collect --num-games 50 --rollouts-per-game 3 --max-turns 30 --out runs/collect
     python train.py wm --transitions runs/collect/transitions.jsonl --max-steps 200 --out runs/wm
-    python train.py wm ... --resume | --reward-control mis|coin
     python train.py wm-sft --transitions runs/collect/transitions.jsonl --out runs/wm_sft
     python train.py policy --init rwml --adapter runs/wm/adapter --num-games 8 --out runs/policy
 
-Every setting is declared once (default, help, bounds) in stages/settings.py; a stage reads the
-groups `STAGES` names. Each is a flag (`num_games` -> `--num-games`) and a key of a `--config` JSON
-or YAML file (defaults < file < flags). Read top to bottom: the shared parts, a section per stage,
-then `main`. What `all` concludes: readout/verdict.py; the machinery: harness/, stages/; the rest:
-README, "Files and tests".
-"""
+Settings: stages/settings.py, each a flag and a --config key (defaults < file < flags); a stage
+reads the groups `STAGES` names. Read top to bottom: the shared parts, a section per stage, `main`;
+what `all` concludes: readout/verdict.py; the machinery: harness/, stages/; the rest: README."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import random
 import sys
@@ -36,34 +33,32 @@ from stages.runs import (check_stage, claim_out, collection_summary, collection_
                           split_games, stage_inputs, telling, triplet_problem, walkthroughs, wm_row)
 from harness.cli import parse_stage, run_cli
 from harness.common import RERUN, UserError, read_jsonl, write_atomic
-from stages.plumbing import (check_run, close_tracker, config_json, filter_dir, jsonl_writer, keep_rng,
-                              log_row, run_header, sample_triplets, save_checkpoint, start_run,
-                              swap_checkpoint, use_4bit, write_eval)
+from stages.plumbing import (check_run, close_tracker, config_json, filter_dir, jsonl_writer,
+                              keep_rng, log_row, run_header, sample_triplets, save_checkpoint,
+                              start_run, swap_checkpoint, use_4bit, write_eval)
 from stages.settings import STAGES, Settings  # every setting: its flag, default
 from harness import cost
 from stages.cards import CONTROLS, TRIPLETS_KEPT, card_run, plot_rewards, save_adapter
-from readout.verdict import (all_summary, baselines_line, before_after_line, coin_control, gain_lines,
-                             probe_line, reward_control)
+from readout.verdict import (all_summary, baselines_line, before_after_line, coin_control,
+                             gain_lines, probe_line, reward_control)
 
-# ------------------------------------------------ the stages' shared parts: how the agent plays, the triplets
-def play_kwargs(cfg) -> dict:
-    """How the agent plays (`rwml.play`'s settings) in collection-like stages."""
+# ------------------------------------ the stages' shared parts: how the agent plays, the triplets
+def play_kwargs(cfg) -> dict:  # `rwml.play`'s settings
     return dict(history_len=cfg.history_len, temperature=cfg.temperature, top_p=cfg.top_p,
                 max_new_tokens=cfg.max_new_tokens, num_envs=cfg.num_envs,
                 actor=envs.load(rwml.ACTORS[cfg.action_mode]))
 
 
 def make_env(cfg, episodes: int | None = None):
-    """The environment (tau2: with its customer's model, --user-model); at most one game worker per game."""
-    return envs.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers, max_turns=cfg.max_turns,
-                       at_once=None if episodes is None else min(cfg.num_envs, episodes),
-                       user_model=cfg.user_model)
+    """The environment (tau2: and its customer, --user-model); at most one game worker per game."""
+    return envs.make(cfg.env, domain=cfg.domain, num_workers=cfg.num_workers,
+                     max_turns=cfg.max_turns, user_model=cfg.user_model,
+                     at_once=None if episodes is None else min(cfg.num_envs, episodes))
 
 
-# ------------------------------------------ §2 collect: the model plays the train games; every turn a triplet
+# ------------------------------ §2 collect: the model plays the train games; every turn a triplet
 def collect(cfg: Settings, out: Path, load, games: list | None = None) -> Path:
-    """The model plays `num_games` games of `split`, `rollouts_per_game` times each; a triplet per turn, to
-    `transitions.jsonl` as it happens (a rerun continues: `collection_todo`). `load()`: (model, tokenizer)."""
+    """The model plays; a triplet per turn to `transitions.jsonl` as it happens (reruns resume)."""
     games = games or split_games(cfg)  # bad data or split fails before the model loads
     out.mkdir(parents=True, exist_ok=True)
     if cfg.walkthrough:
@@ -76,16 +71,16 @@ def collect(cfg: Settings, out: Path, load, games: list | None = None) -> Path:
                 open(out / "episodes.jsonl", "a") as fe:
             model, tok = load()  # after make_env: ALFWorld's game workers fork without the model
             rwml.play(model, tok, env, todo, **play_kwargs(cfg), on_turn=jsonl_writer(ft),
-                      on_episode=jsonl_writer(fe), explore_prob=cfg.explore_prob, seed=cfg.seed + done,
-                      desc="collect")
+                      on_episode=jsonl_writer(fe), explore_prob=cfg.explore_prob,
+                      seed=cfg.seed + done, desc="collect")
     collection_summary(cfg, out)
     return transitions
 
 
-# ----------------------- §4 filter: the filter's split, the easiness copy (+ warm-up), too-easy subsampling
+# ---------- §4 filter: the filter's split, the easiness copy (+ warm-up), too-easy subsampling
 def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
                     reward_fn) -> tuple[list[dict], Path | None]:
-    """§4 (rwml.filter_copy, rwml.filter_keep), cached in `out`: (kept triplets, the warm-up adapter
+    """§4 (rwml.filter_copy, filter_keep), cached in `out`: (kept triplets, the warm-up adapter
     that RWML, its baselines and controls start from, and their KL reference; or None)."""
     with cost.stage("filter"):
         job, cached = filter_cache(cfg, triplets, out)
@@ -99,17 +94,16 @@ def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
             model, tok = load()
             with cost.stage("filter sft"):  # an interrupted SFT continues from its last minutes
                 out.mkdir(parents=True, exist_ok=True)
-                copy, info["sft_losses"] = rwml.filter_copy(model, tok, split, cfg, more=more, seed=seed,
-                                                            resume_file=out / "sft_resume.pt")
+                copy, info["sft_losses"] = rwml.filter_copy(
+                    model, tok, split, cfg, more=more, seed=seed, resume_file=out / "sft_resume.pt")
             if cfg.warmup:
                 save_adapter(copy, out, "warmup_adapter", cfg=cfg, stage="filter", data={
                     "filter-split triplets (SFT)": len(split), "more warm-up triplets": len(more)})
             if cfg.easy_filter or (cfg.mixed_only and cfg.warmup):
                 with cost.stage("easiness"):
                     keep, scored = rwml.filter_keep(copy, tok, train, reward_fn, cfg, seed)
-                scores, easy = scored.pop("scores"), scored.pop("easy")
+                save_easiness(out, train, scored.pop("scores"), scored.pop("easy"), keep)
                 info.update(scored)
-                save_easiness(out, train, scores, easy, keep)
             copy.unload()  # back to the bare base model; its weights were never touched
         kept = [t for t, k in zip(train, keep) if k]
         info.update(num_triplets=len(triplets), num_train=len(train), num_filter_split=len(split),
@@ -118,30 +112,30 @@ def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
         return kept, out / "warmup_adapter" if cfg.warmup else None
 
 
-# ------------------------------------- §3, §5 wm: RWML, GRPO on world-model prompts with the embedding reward
+# ------------------- §3, §5 wm: RWML, GRPO on world-model prompts with the embedding reward
 def start_adapter(cfg, model, adapter: Path | str | None = None):
     """A fresh LoRA (KL reference: the base model), or a saved adapter (the warm-up; stage 2's
     start) trained beside a frozen copy "ref", the reference (rwml.reference_policy)."""
     if adapter is None:
-        return engine.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules,
-                               cfg.gradient_checkpointing)
+        return engine.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
+                               cfg.lora_target_modules, cfg.gradient_checkpointing)
     from peft import PeftModel
-
     model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
     model.load_adapter(str(adapter), adapter_name="ref", is_trainable=False)
     model.set_adapter("default")  # trainable; "ref" stays frozen
     if cfg.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=dict(use_reentrant=False))
+        kwargs = dict(use_reentrant=False)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         model.enable_input_require_grads()
     return model
 
 
 def start_training(cfg: Settings, model, start, out: Path, stage: str = "wm"):
-    """The adapter (seeded: the LoRA init and the sampling depend on the seed alone), AdamW, the run state."""
+    """The adapter (seeded: LoRA init and sampling hang on the seed alone), AdamW, the run state."""
     torch.manual_seed(cfg.seed)
     model = start_adapter(cfg, model, start)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
-                                  weight_decay=0.0)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=0.0)
     return (model, optimizer, *start_run(cfg, out, model, optimizer, stage))
 
 
@@ -161,23 +155,24 @@ def next_batch(state: dict, n: int, size: int, seed: int) -> list[int]:
     return batch
 
 
-def training_loop(cfg, out: Path, model, optimizer, state: dict, writer, desc: str, step, evaluate=None,
-                  before_save=None) -> None:
+def training_loop(cfg, out: Path, model, optimizer, state: dict, writer, desc: str, step,
+                  evaluate=None, before_save=None) -> None:
     """What world-model GRPO and stage 2 share: the bar, a metrics row per step, the held-out curve
     (`evaluate(step)`), checkpoints. `step()` runs a batch, yielding each step's row and postfix."""
-    bar = tqdm(total=cfg.max_steps, initial=state["step"], desc=desc, unit="step", dynamic_ncols=True)
+    last = cfg.max_steps
+    bar = tqdm(total=last, initial=state["step"], desc=desc, unit="step", dynamic_ncols=True)
     with open(out / "metrics.jsonl", "a") as metrics:
         if evaluate and cfg.eval_on_start and state["step"] == 0:
             log_row(metrics, writer, dict(step=0, **evaluate(0)))
-        while state["step"] < cfg.max_steps:
+        while state["step"] < last:
             before = state["step"]
             for row, postfix in step():
-                if evaluate and (state["step"] % cfg.eval_steps == 0 or state["step"] >= cfg.max_steps):
+                if evaluate and (state["step"] % cfg.eval_steps == 0 or state["step"] >= last):
                     row.update(evaluate(state["step"]))
                 log_row(metrics, writer, row)
                 bar.update(1)
                 bar.set_postfix(postfix)
-            if state["step"] // cfg.save_steps > before // cfg.save_steps or state["step"] >= cfg.max_steps:
+            if state["step"] // cfg.save_steps > before // cfg.save_steps or state["step"] >= last:
                 if before_save:
                     before_save()
                 save_checkpoint(out / "checkpoint", model, optimizer, state)
@@ -185,7 +180,7 @@ def training_loop(cfg, out: Path, model, optimizer, state: dict, writer, desc: s
     close_tracker(writer)
 
 
-def train_wm(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn, start: Path | None = None,
+def train_wm(cfg: Settings, triplets: list, out: Path, load, reward_fn, start: Path | None = None,
              heldout: list[dict] | None = None, coin_seed: int | None = None):
     """RWML: GRPO of a LoRA adapter on world-model prompts, from `start` (the warm-up) or a fresh
     one; with eval_steps, accuracy on `heldout` along the way. Returns the peft model."""
@@ -193,24 +188,25 @@ def train_wm(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn, st
         raise UserError("no training triplets left after filtering; collect more games")
     triplets, reward_fn = reward_control(cfg, triplets, reward_fn, out, coin_seed)
     model, tok = load()
-    model, optimizer, state, writer = start_training(cfg, model, start, out)  # the seed alone decides
+    model, opt, state, writer = start_training(cfg, model, start, out)  # the seed alone decides
+    control = f"; {CONTROLS[cfg.reward_control]}" if cfg.reward_control in CONTROLS else ""
     print(run_header(model, cfg, f"wm: RWML GRPO on {len(triplets)} triplets (the filter's output)"
-                     + (f"; {CONTROLS[cfg.reward_control]}" if cfg.reward_control in CONTROLS else ""),
-                     f"{cfg.prompts_per_step} prompts", start, state["step"]))
+                     + control, f"{cfg.prompts_per_step} prompts", start, state["step"]))
     coin = getattr(reward_fn, "rng", None)
     if coin is not None and "reward_rng" in state:
         coin.setstate(state["reward_rng"])
 
-    def evaluate(step: int) -> dict:  # world-model accuracy on the held-out triplets, as `all` scores them
+    def evaluate(step: int) -> dict:  # held-out world-model accuracy, as `all` scores it
         with keep_rng(), cost.stage("wm eval"):
             r = evaluate_heldout(cfg, model, tok, heldout, reward_fn)
         return dict(eval_wm_accuracy=r["wm_accuracy"], eval_mean_cosine=r["mean_cosine"],
                     eval_beyond_template=r["per_kind"]["beyond_template"]["wm_accuracy"])
 
     def step():  # one batch of prompts: num_iterations updates on its groups
-        batch = [triplets[i] for i in next_batch(state, len(triplets), cfg.prompts_per_step, cfg.seed)]
+        picked = next_batch(state, len(triplets), cfg.prompts_per_step, cfg.seed)
+        batch = [triplets[i] for i in picked]
         t0 = time.time()
-        res = rwml.grpo_step(model, tok, optimizer, batch, reward_fn, cfg, reasoning=cfg.wm_reasoning)
+        res = rwml.grpo_step(model, tok, opt, batch, reward_fn, cfg, reasoning=cfg.wm_reasoning)
         seconds = (time.time() - t0) / len(res["updates"])
         for u in res["updates"]:
             if state["step"] >= cfg.max_steps:
@@ -219,9 +215,9 @@ def train_wm(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn, st
             if u["skipped"]:
                 tqdm.write(f"wm: step {state['step']}: non-finite loss or gradient, update skipped")
             yield wm_row(state, res, u, batch, cfg.learning_rate, seconds), dict(
-                reward=f"{res['reward_mean']:.2f}", fmt=f"{res['format_rate']:.2f}", loss=f"{u['loss']:.3f}",
-                kl=f"{u['kl']:.4f}")
-        k = len(res["updates"])  # whole groups to samples.jsonl: the first batch, then every few steps
+                reward=f"{res['reward_mean']:.2f}", fmt=f"{res['format_rate']:.2f}",
+                loss=f"{u['loss']:.3f}", kl=f"{u['kl']:.4f}")
+        k = len(res["updates"])  # whole groups to samples.jsonl: first batch, then every few steps
         if state["step"] % cfg.log_completions_steps < k or state["step"] == k:
             with open(out / "samples.jsonl", "a") as samples:
                 log_groups(samples, cfg, state["step"], batch,
@@ -231,7 +227,7 @@ def train_wm(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn, st
         if coin is not None:
             state["reward_rng"] = coin.getstate()
 
-    training_loop(cfg, out, model, optimizer, state, writer, "rwml grpo", step,
+    training_loop(cfg, out, model, opt, state, writer, "rwml grpo", step,
                   evaluate if heldout and cfg.eval_steps else None, before_save)
     adapter = save_adapter(model, out, cfg=cfg, data={TRIPLETS_KEPT: len(triplets)})
     plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")
@@ -239,7 +235,7 @@ def train_wm(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn, st
     return model
 
 
-# --------------------------------- all: the default run (python train.py), held-out accuracy before and after
+# ----------------- all: the default run (python train.py), held-out accuracy before and after
 def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> str:
     """The default run: collect train and held-out games, filter (+ warm-up), RWML, held-out
     accuracy before / after beside the content-free baselines. Returns the verdict in words."""
@@ -248,15 +244,17 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> str:
     with cost.stage("collect"):
         trips = read_jsonl(collect(cfg, out / "collect", load))
         if cfg.train_probes:  # and the state probes of the same train games (no model)
-            trips += read_jsonl(walkthroughs(cfg, out / "collect_state", split_games(cfg), probes=True))
-    warm = cfg  # the warm-up also trains on more games' triplets; config.json keeps the command's settings
+            probes = walkthroughs(cfg, out / "collect_state", split_games(cfg), probes=True)
+            trips += read_jsonl(probes)
+    warm = cfg  # the warm-up also trains on more games' triplets (config.json: the command's)
     if cfg.warmup and cfg.warmup_games:
         with cost.stage("warm-up collect"):
-            warm = dataclasses.replace(cfg, warmup_transitions=warmup_collections(cfg, out, load, collect))
+            more = warmup_collections(cfg, out, load, collect)
+            warm = dataclasses.replace(cfg, warmup_transitions=more)
     kept, start = filter_triplets(warm, trips, filter_dir(cfg, out), load, reward_fn)
     sets = dict(heldout, train=dict(triplets=kept, file=str(filter_dir(cfg, out) / "kept.jsonl")))
-    before_files = scores_before(cfg, out, sets, start, load,  # the model RWML starts from: warm-up or base
-                                 lambda model, tok, t: evaluate_heldout(cfg, model, tok, t, reward_fn))
+    before_files = scores_before(cfg, out, sets, start, load,  # RWML's start: warm-up or base
+                                 lambda m, tok, t: evaluate_heldout(cfg, m, tok, t, reward_fn))
     resume = cfg.resume or swap_checkpoint(out / "checkpoint")  # `all` continues where it stopped
     with cost.stage("grpo"):
         model = train_wm(dataclasses.replace(cfg, resume=resume), kept, out, load, reward_fn, start,
@@ -267,9 +265,10 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> str:
           f"{'the warm-up' if start else 'the base model'}, after = RWML ({cfg.max_steps} steps)")
     held = {}
     for kind, s in sets.items():
+        split = cfg.split if kind == "train" else cfg.heldout_split
         with cost.stage("eval after"):
-            after = dict(evaluate_heldout(cfg, model, load()[1], s["triplets"], reward_fn), model="RWML",
-                         split=cfg.split if kind == "train" else cfg.heldout_split, transitions=s["file"])
+            after = dict(evaluate_heldout(cfg, model, load()[1], s["triplets"], reward_fn),
+                         model="RWML", split=split, transitions=s["file"])
         write_eval(out / f"wm_eval_rwml_{kind}.json", after)
         if kind != "train":
             baselines_line(cfg, out, kind, s["triplets"], s["file"], reward_fn)
@@ -277,8 +276,9 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> str:
             print(f"{kind}: {held[kind]}")
     print(probe_line(out, start))
     if cfg.coin_control:
-        coin_control(cfg, out, load, reward_fn, start, model, kept, heldout, train_wm, evaluate_heldout)
-    return all_summary(cfg, out, gain_lines(out, start), held, len(kept), start, t0)  # the card, the lines
+        coin_control(cfg, out, load, reward_fn, start, model, kept, heldout, train_wm,
+                     evaluate_heldout)
+    return all_summary(cfg, out, gain_lines(out, start), held, len(kept), start, t0)  # card, lines
 
 
 def evaluate_heldout(cfg: Settings, model, tok, heldout: list[dict], reward_fn) -> dict:
@@ -290,39 +290,39 @@ def evaluate_heldout(cfg: Settings, model, tok, heldout: list[dict], reward_fn) 
 
 def heldout_triplets(cfg, out: Path, load) -> dict[str, dict]:
     """`all`'s held-out sets (explore, purposeful, state), the same games for every seed."""
-    held = dataclasses.replace(cfg, split=cfg.heldout_split, num_games=cfg.heldout_games, rollouts_per_game=1,
-                               seed=cfg.heldout_seed, adapter=None)
+    held = dataclasses.replace(cfg, split=cfg.heldout_split, num_games=cfg.heldout_games,
+                               rollouts_per_game=1, seed=cfg.heldout_seed, adapter=None)
+    play = dataclasses.replace(held, walkthrough=False)
     sets, paths = {}, dict(  # the walkthroughs and the state probes first: they need no model
-        purposeful=collect(dataclasses.replace(held, walkthrough=True), out / "heldout_purposeful", load),
+        purposeful=walkthroughs(held, out / "heldout_purposeful", split_games(held)),
         state=walkthroughs(held, out / "heldout_state", split_games(held), probes=True),
-        explore=cached_heldout(dataclasses.replace(held, walkthrough=False), out / "heldout", load, collect))
+        explore=cached_heldout(play, out / "heldout", load, collect))
     for kind, path in paths.items():
         if not (trips := read_jsonl(path)):
-            raise UserError(f"the held-out {kind} triplets ({path}) are empty; use more --heldout-games")
+            raise UserError(f"no held-out {kind} triplets in {path}; use more --heldout-games")
         sets[kind] = dict(triplets=sample_triplets(trips, cfg.eval_max_triplets), file=str(path))
     return sets
 
 
-# ------------------------------------------------------------------- §6 policy: stage 2, GRPO on task success
+# -------------------------------------------------- §6 policy: stage 2, GRPO on task success
 def train_policy(cfg: Settings, out: Path, load):
-    """Stage 2: multi-turn GRPO on task success (terminal reward won, gamma = 1, step budget max_turns)."""
+    """Stage 2: multi-turn GRPO on task success (terminal reward won, gamma 1, budget max_turns)."""
     games = split_games(cfg)
-    heldout = policy_eval_games(cfg) if cfg.eval_steps else []  # before any model loads: a bad split fails
+    held = policy_eval_games(cfg) if cfg.eval_steps else []  # before any model: a bad split fails
     with make_env(cfg, min(cfg.games_per_step, len(games)) * cfg.num_generations) as env:
         model, tok = load()  # after make_env: ALFWorld's game workers fork without the model
         start = None if cfg.init == "base" else cfg.adapter
         model, optimizer, state, writer = start_training(cfg, model, start, out, "policy")
-        policy_grpo = dataclasses.replace(cfg, max_completion_length=cfg.max_new_tokens)  # completion: reply
+        policy_grpo = dataclasses.replace(cfg, max_completion_length=cfg.max_new_tokens)  # a reply
 
         def step():  # one step: games_per_step games, num_generations episodes each
-            # the games of a step depend only on (seed, step): a resumed run plays the same ones
             step_games = random.Random(cfg.seed * 1000 + state["step"]).sample(
-                games, min(cfg.games_per_step, len(games)))
+                games, min(cfg.games_per_step, len(games)))  # (seed, step) alone: resumes replay
             t0 = time.time()
             with cost.stage("policy grpo"):
                 res = rwml.policy_step(model, tok, optimizer, env, step_games, policy_grpo,
-                                       envs.load(rwml.ACTORS[cfg.action_mode]), history_len=cfg.history_len,
-                                       num_envs=cfg.num_envs)
+                                       envs.load(rwml.ACTORS[cfg.action_mode]),
+                                       history_len=cfg.history_len, num_envs=cfg.num_envs)
             state["step"] += 1
             u = res["updates"][-1]
             stats = {k: v for k, v in res.items() if k not in ("updates", "sample")}
@@ -332,16 +332,17 @@ def train_policy(cfg: Settings, out: Path, load):
                 trained=res["trained_turns"], kl=f"{u['kl']:.4f}")
 
         training_loop(cfg, out, model, optimizer, state, writer, f"policy grpo ({cfg.init})", step,
-                      heldout and (lambda s: heldout_success(model, tok, env, heldout, cfg, out, s)))
+                      held and (lambda s: heldout_success(model, tok, env, held, cfg, out, s)))
     adapter = save_adapter(model, out)
-    plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", f"policy GRPO from {cfg.init}: success")
+    plot_rewards(out / "metrics.jsonl", out / "reward_curve.png",
+                 f"policy GRPO from {cfg.init}: success")
     print(f"policy: {state['step']} steps from {cfg.init}; adapter -> {adapter}; "
           f"metrics -> {out / 'metrics.jsonl'}")
     return model
 
 
 def heldout_success(model, tok, env, games: list, cfg, out: Path, step: int) -> dict:
-    """Held-out success of the policy as `eval.py agent` plays it; episodes to eval_episodes.jsonl (audit)."""
+    """Held-out success as `eval.py agent` plays it; episodes to eval_episodes.jsonl (audit)."""
     model.eval()
     with keep_rng(), cost.stage("policy eval"):
         played = rwml.play(model, tok, env, [dict(game=g) for g in games],
@@ -350,14 +351,15 @@ def heldout_success(model, tok, env, games: list, cfg, out: Path, step: int) -> 
     with open(out / "eval_episodes.jsonl", "a") as f:
         f.writelines(json.dumps(dict(e, step=step), default=str) + "\n" for e in played)
     steps = sum(e["steps"] for e in played) or 1
-    return dict(eval_success=sum(e["won"] for e in played) / len(played), eval_mean_steps=steps / len(played),
+    return dict(eval_success=sum(e["won"] for e in played) / len(played),
+                eval_mean_steps=steps / len(played),
                 eval_invalid=sum(e["invalid"] for e in played) / steps)
 
 
-# ---------------------------------------------------------------------------------- §7 baselines: WM SFT, RFT
+# ------------------------------------------------------------- §7 baselines: WM SFT, RFT
 def train_wm_sft(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn):
-    """WM SFT, the paper's baseline, matched to RWML: next-observation SFT (no reasoning) on RWML's triplets
-    in RWML's order, `max_steps` updates of `prompts_per_step` at its learning_rate, from RWML's start."""
+    """The WM SFT baseline, matched to RWML: next-observation SFT (no reasoning) on its triplets in
+    its order, `max_steps` updates of `prompts_per_step` at its learning_rate, from its start."""
     kept, start = filter_triplets(cfg, triplets, filter_dir(cfg, out), load, reward_fn)
     if not kept:
         raise UserError("no training triplets left after filtering; collect more games")
@@ -366,47 +368,48 @@ def train_wm_sft(cfg: Settings, triplets: list[dict], out: Path, load, reward_fn
               for i in next_batch(state, len(kept), cfg.prompts_per_step, cfg.seed)]
     model, tok = load()
     model, losses, adapter = sft_adapter(
-        cfg, model, tok, [rwml.wm_prompt(t, False) for t in stream], [rwml.wm_answer(t) for t in stream],
-        rwml.wm_system(stream[0]), out, prefix=rwml.wm_prefix(False), start=start, epochs=1,
-        batch_size=cfg.prompts_per_step, shuffle=False, lr=cfg.learning_rate,
-        data={TRIPLETS_KEPT: len(kept), "updates": cfg.max_steps}, num_triplets=len(kept),
-        learning_rate=cfg.learning_rate, updates=cfg.max_steps, start_adapter=str(start) if start else None)
-    print(f"wm-sft: {cfg.max_steps} updates of {cfg.prompts_per_step} triplets (of {len(kept)}) from "
-          f"{'the warm-up adapter' if start else 'a fresh adapter'}, mean loss {losses[0]:.3f}; "
-          f"adapter -> {adapter}")
+        cfg, model, tok, [rwml.wm_prompt(t, False) for t in stream],
+        [rwml.wm_answer(t) for t in stream], rwml.wm_system(stream[0]), out,
+        prefix=rwml.wm_prefix(False), start=start, epochs=1, shuffle=False, lr=cfg.learning_rate,
+        batch_size=cfg.prompts_per_step, data={TRIPLETS_KEPT: len(kept), "updates": cfg.max_steps},
+        num_triplets=len(kept), learning_rate=cfg.learning_rate, updates=cfg.max_steps,
+        start_adapter=str(start) if start else None)
+    print(f"wm-sft: {cfg.max_steps} updates of {cfg.prompts_per_step} triplets (of {len(kept)}) "
+          f"from {'the warm-up adapter' if start else 'a fresh adapter'}, mean loss "
+          f"{losses[0]:.3f}; adapter -> {adapter}")
     return model
 
 
 def train_rft(cfg: Settings, out: Path, load):
-    """RFT: the model plays the train games (tau2: tasks) rollouts_per_game times; SFT on its successes."""
+    """RFT: the model plays each train game rollouts_per_game times; SFT on its won episodes."""
     turns, games = [], split_games(cfg)
     with make_env(cfg, len(games) * cfg.rollouts_per_game) as env:
         model, tok = load()  # after make_env: ALFWorld's game workers fork without the model
         torch.manual_seed(cfg.seed)
         with cost.stage("rft rollouts"):
-            summaries = rwml.rollouts(model, tok, env, games, cfg.rollouts_per_game, on_turn=turns.append,
-                                      desc="rft rollouts", **play_kwargs(cfg))
-    won = {i for i, s in enumerate(summaries) if s["won"]}
+            played = rwml.rollouts(model, tok, env, games, cfg.rollouts_per_game,
+                                   on_turn=turns.append, desc="rft rollouts", **play_kwargs(cfg))
+    won = {i for i, s in enumerate(played) if s["won"]}
     keep = [t for t in turns if t["episode"] in won]
     if not keep:
-        raise UserError(f"RFT: none of the {len(summaries)} episodes succeeded, so there is nothing to "
-                        "fine-tune on; play more games (--num-games, --rollouts-per-game, --max-turns) "
-                        "or use a stronger --model")
+        raise UserError(f"RFT: none of the {len(played)} episodes succeeded, so there is "
+                        "nothing to fine-tune on; play more games (--num-games, "
+                        "--rollouts-per-game, --max-turns) or use a stronger --model")
     system = envs.env_class(cfg.env).system  # the agent's system prompt, as the turns were played
-    model, _, adapter = sft_adapter(cfg, model, tok, [t["prompt"] for t in keep],
-                                    [t["response"] for t in keep], system, out, episodes=len(summaries),
-                                    successes=len(won), turns=len(keep),
-                                    data={"episodes played": len(summaries), "successful episodes": len(won),
-                                          "turns trained on": len(keep)})
-    print(f"rft: {len(won)}/{len(summaries)} episodes succeeded, SFT on their {len(keep)} turns; "
+    model, _, adapter = sft_adapter(
+        cfg, model, tok, [t["prompt"] for t in keep], [t["response"] for t in keep], system, out,
+        episodes=len(played), successes=len(won), turns=len(keep),
+        data={"episodes played": len(played), "successful episodes": len(won),
+              "turns trained on": len(keep)})
+    print(f"rft: {len(won)}/{len(played)} episodes succeeded, SFT on their {len(keep)} turns; "
           f"adapter -> {adapter}")
     return model
 
 
 def sft_adapter(cfg, model, tok, prompts: list[str], answers: list[str], system: str, out: Path, *,
-                prefix: str = "", start: Path | None = None, epochs: int | None = None, batch_size: int = 8,
-                shuffle: bool = True, lr: float | None = None, data: dict | None = None, **info):
-    """Plain SFT of a fresh LoRA (or of `start`), saved with config.json, sft.json and a model card."""
+                prefix="", start: Path | None = None, epochs: int | None = None, batch_size=8,
+                shuffle=True, lr: float | None = None, data: dict | None = None, **info):
+    """Plain SFT of a fresh LoRA (or of `start`), saved with config.json, sft.json, a model card."""
     torch.manual_seed(cfg.seed)
     model = start_adapter(cfg, model, start)
     with cost.stage("sft"):
@@ -419,16 +422,15 @@ def sft_adapter(cfg, model, tok, prompts: list[str], answers: list[str], system:
     return model, losses, save_adapter(model, out, cfg=cfg, data=data)
 
 
-# ---------------------------------------------------------------------- The command line: a stage and its run
+# --------------------------------------------------- The command line: a stage and its run
 @releases_locks
 def main(argv: list[str] | None = None) -> None:
     stage, cfg = parse_stage(sys.argv[1:] if argv is None else argv, STAGES, Settings, settle_env)
     out, t0 = Path(cfg.out), time.time()
     check_run(cfg, lambda cfg: check_stage(cfg, stage))  # before anything slow
-    # what it trains on, and what it scores (wm --eval-steps)
-    trips, curve = stage_inputs(cfg, stage, triplet_problem(cfg, rwml.wm_texts))
+    trips, curve = stage_inputs(cfg, stage, triplet_problem(cfg, rwml.wm_texts))  # data, wm's curve
     claim_out(cfg, out, stage)  # the --out lock, and --resume's checks
-    with cost.run(out, since=t0):  # at the end: the cost line (from t0: the checks too), and out/cost.json
+    with cost.run(out, since=t0):  # at the end: the cost line (from t0, the checks too), cost.json
         verdict = run_stage(stage, cfg, out, t0, trips, curve)
     if verdict:  # `all`: what this world model knows beyond the rule, in words, the last line
         print(verdict)
@@ -436,14 +438,13 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_stage(stage: str, cfg: Settings, out: Path, t0: float, trips: list[dict] | None,
               curve: list[dict] | None = None) -> str | None:
-    """One stage, with one model for all its parts, loaded at first need (`load`); `all`: its verdict."""
-    four_bit, loaded = use_4bit(cfg), []
+    """One stage, one model for all its parts, loaded at first need (`load`); `all`: its verdict."""
+    four_bit = use_4bit(cfg)
 
+    @functools.cache
     def load():
-        if not loaded:
-            loaded.append(engine.load_model(cfg.model, cfg.adapter if stage == "collect" else None,
-                                            load_in_4bit=four_bit))
-        return loaded[0]
+        return engine.load_model(cfg.model, cfg.adapter if stage == "collect" else None,
+                                 load_in_4bit=four_bit)
 
     with card_run(stage, cfg, rwml.wm_texts):  # what the model cards of this stage's adapters say
         if stage == "collect":
@@ -458,10 +459,9 @@ def run_stage(stage: str, cfg: Settings, out: Path, t0: float, trips: list[dict]
         elif stage == "all":
             return train_all(cfg, out, load, make_reward(cfg), t0)
         elif stage == "export":  # the filter, then verl's train and held-out parquets
-            needs_reward = cfg.easy_filter or cfg.mixed_only and cfg.export_warmup  # the filter scores
-            reward_fn = needs_reward and make_reward(cfg)  # verl's bridge, loaded by name:
-            envs.load("verl_bridge.export:export_verl")(cfg, trips, out, load, reward_fn, filter_triplets,
-                                                        rwml.split_triplets, rwml.wm_texts)
+            reward = (cfg.easy_filter or cfg.mixed_only and cfg.export_warmup) and make_reward(cfg)
+            verl = envs.load("verl_bridge.export:export_verl")  # verl's bridge, loaded by name
+            verl(cfg, trips, out, load, reward, filter_triplets, rwml.split_triplets, rwml.wm_texts)
         else:  # filter, wm
             reward_fn = make_reward(cfg)
             kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)

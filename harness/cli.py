@@ -17,6 +17,7 @@ import types
 import typing
 from pathlib import Path
 
+import yaml
 from transformers import HfArgumentParser
 
 from harness.common import RERUN, UserError, clip, closest, did_you_mean
@@ -37,24 +38,25 @@ class _Parser(HfArgumentParser):
         super()._add_dataclass_arguments(dtype)
 
     def _parse_dataclass_field(self, parser, field):
-        owner = next(k for k in self.cls.__mro__ if field.name in vars(k).get("__annotations__", {}))
-        parser, typ = self.sections.get(owner, parser), field.type
+        declared = (k for k in self.cls.__mro__ if field.name in vars(k).get("__annotations__", ()))
+        parser, typ = self.sections.get(next(declared), parser), field.type
         optional = isinstance(typ, types.UnionType)  # `int | None`: an int, or `none`
         typ = next(t for t in typing.get_args(typ) if t is not type(None)) if optional else typ
-        text = f"{field.metadata.get('help', '')} (default {field.default})".strip().replace("%", "%%")
-        text = text if self.shown is None or field.name in self.shown else argparse.SUPPRESS
-        flags = [f"--{field.name.replace('_', '-')}", f"--{field.name}"][:1 + ("_" in field.name)]
-        if typ is bool:
-            action = parser.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction,
-                                         help=text)
-            action.option_strings = [flags[0], "--no-" + flags[0][2:]]  # what --help and errors name
+        text = f"{field.metadata.get('help', '')} (default {field.default})".replace("%", "%%")
+        text = text.strip() if self.shown is None or field.name in self.shown else argparse.SUPPRESS
+        flag = "--" + field.name.replace("_", "-")  # what --help and errors name
+        if typ is bool:  # HfArgumentParser's bool takes a value and has --no-x only if True
+            action = parser.add_argument(*dict.fromkeys([flag, f"--{field.name}"]), help=text,
+                                         dest=field.name, action=argparse.BooleanOptionalAction)
+            action.option_strings = [flag, "--no-" + flag[2:]]
             return
         choices = field.metadata.get("choices")
-        metavar = ("{" + ",".join(choices) + "}" if choices else typ.__name__.upper()) + "|none" * optional
+        metavar = "{" + ",".join(choices) + "}" if choices else typ.__name__.upper()
         f = copy.copy(field)
-        f.type, f.metadata = _or_none(typ) if optional else typ, dict(help=text, metavar=metavar)
-        HfArgumentParser._parse_dataclass_field(parser, f)
-        self._actions[-1].option_strings = flags[:1]  # the action just added: named dashed in --help, errors
+        f.type = _or_none(typ) if optional else typ
+        f.metadata = dict(help=text, metavar=metavar + "|none" * optional)
+        HfArgumentParser._parse_dataclass_field(parser, f)  # also takes --name_x
+        self._actions[-1].option_strings = [flag]
 
 
 _UNSET = object()  # a setting no flag gave
@@ -68,39 +70,35 @@ def parse_config(cls, argv: list[str], prog: str, positional: dict | None = None
                 usage=" ".join([prog, *(n.upper() for n in positional or {}), "[flags]"]))
     for name, kw in (positional or {}).items():
         p.add_argument(name, **kw)
-    p.add_argument("--config", metavar="FILE", help="a JSON or YAML file of any settings below (flags win)")
+    p.add_argument("--config", metavar="FILE",
+                   help="a JSON or YAML file of any settings below (flags win)")
     known = [f.name for f in dataclasses.fields(cls)]
     args, unknown = p.parse_known_args(argv, argparse.Namespace(**dict.fromkeys(known, _UNSET)))
-    for u in unknown:
-        raise UserError(f"unknown argument {clip(u)!r}{unknown_name(u.split('=')[0][:100], known, prog)}")
+    if unknown:
+        hint = unknown_name(unknown[0].split("=")[0][:100], known, prog)
+        raise UserError(f"unknown argument {clip(unknown[0])!r}{hint}")
     typed = {k: v for k, v in vars(args).items() if k in known and v is not _UNSET}
     values = read_config(args.config, cls, prog) if args.config else {}
     for k in typed if unread else ():
-        if k not in shown:
-            print(unread(k), file=sys.stderr)  # a typed flag this command does not read (a file may hold any)
+        if k not in shown:  # typed, not read by this command (a --config file may hold any)
+            print(unread(k), file=sys.stderr)
     cfg = cls(**values | typed)
     return (settle(cfg, set(values) | set(typed)) if settle else cfg), {
         k: v for k, v in vars(args).items() if k not in known and k != "config"}
 
 
 def read_config(path: str, cls, prog: str) -> dict:
-    """A --config file's settings: a JSON object (YAML: .yaml, .yml), each a field of `cls`, of its type."""
+    """A --config file's settings (JSON, or YAML: .yaml, .yml): fields of `cls`, of their types."""
     hints, known = typing.get_type_hints(cls), [f.name for f in dataclasses.fields(cls)]
     try:
         text = Path(path).read_text(encoding="utf-8-sig")  # -sig: a BOM is fine
-        if path.endswith((".yaml", ".yml")):
-            import yaml
-
-            values = yaml.safe_load(text)
-        else:
-            values = json.loads(text)
-    except (OSError, ValueError, RecursionError) as e:  # yaml's errors are ValueErrors; nested past the limit
-        raise UserError(f"cannot read config file {path}: "
-                        f"{'nested too deeply' if isinstance(e, RecursionError) else str(e).splitlines()[0]}"
-                        ) from None
+        values = yaml.safe_load(text) if path.endswith((".yaml", ".yml")) else json.loads(text)
+    except (OSError, ValueError, yaml.YAMLError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0]
+        raise UserError(f"cannot read config file {path}: {why}") from None
     if not isinstance(values, dict):
-        raise UserError(f"{path} holds {json.dumps(values, default=str)[:40]}, not a JSON object of fields "
-                        'such as {"num_games": 8}')
+        raise UserError(f"{path} holds {json.dumps(values, default=str)[:40]}, not a JSON object "
+                        'of fields such as {"num_games": 8}')
     values = {str(k).replace("-", "_"): v for k, v in values.items()}
     for k, v in values.items():
         if k not in known:
@@ -109,13 +107,14 @@ def read_config(path: str, cls, prog: str) -> dict:
             raise UserError(f"unknown key {clip(k)!r} in {path}"
                             + (hint or (f"; did you mean {close!r}?" if close else "")))
         if not _fits(hints[k], v):
-            want = re.sub(r"None(Type)?", "null", re.sub(r"<class '(\w+)'>", r"\1", str(hints[k])))
+            want = re.sub(r"<class '(\w+)'>", r"\1", str(hints[k]))
+            want = re.sub(r"None(Type)?", "null", want)
             raise UserError(f"{k} in {path} must be {want}, got {clip(json.dumps(v, default=str))}")
     return values
 
 
 def check_fields(cfg) -> None:
-    """Every setting within what its declaration says (`common.arg`: choices, min, check), and every float
+    """Every setting within its declaration (`common.arg`: choices, min, check) and every float
     finite, before anything slow runs; a value outside its choices gets a did-you-mean."""
     for f in dataclasses.fields(cfg):
         v, meta, flag = getattr(cfg, f.name), f.metadata, "--" + f.name.replace("_", "-")
@@ -138,7 +137,7 @@ def fields_of(*classes) -> set[str]:
 
 
 def resume_free(cfg) -> set[str]:
-    """The settings that change no trained weight (`arg(resume_free=True)`): --resume takes other values."""
+    """Settings that change no trained weight (`arg(resume_free=True)`): --resume takes others."""
     return {f.name for f in dataclasses.fields(cfg) if f.metadata.get("resume_free")}
 
 
@@ -146,9 +145,9 @@ def parse_stage(argv: list[str], stages: dict, cls, settle=None):
     """`train.py [STAGE] [flags]`: the stage (default all) and its `cls`; `stages`: name -> (--help
     line, groups read); `settle(stage, cfg, given)`: the settings completed."""
     if argv[:1] in (["-h"], ["--help"]):
-        commands_help("train.py", {k: v[0] for k, v in stages.items()}, "STAGE", "without a stage: all.\n"
-                      "`train.py STAGE --help`: the flags that stage reads (each also a key of a --config "
-                      "file)")
+        commands_help("train.py", {k: v[0] for k, v in stages.items()}, "STAGE",
+                      "without a stage: all.\n`train.py STAGE --help`: the flags that stage reads "
+                      "(each also a key of a --config file)")
     stage = argv[0] if argv and not argv[0].startswith("-") else "all"
     if stage not in stages:
         raise UserError(f"unknown stage {stage!r}; choose one of {', '.join(stages)}"
@@ -160,36 +159,37 @@ def parse_stage(argv: list[str], stages: dict, cls, settle=None):
         return (f"warning: --{name.replace('_', '-')} is not read by `{stage}`; "
                 + (f"it is read by {', '.join(readers)}" if readers else "no stage reads it")
                 + f" (train.py {stage} --help lists the flags `{stage}` reads)")
-    cfg, _ = parse_config(cls, argv[1:] if argv and argv[0] == stage else argv, prog=f"train.py {stage}",
+    cfg, _ = parse_config(cls, argv[1:] if argv[:1] == [stage] else argv, prog=f"train.py {stage}",
                           shown=reads[stage], description=stages[stage][0], unread=unread,
                           settle=settle and (lambda cfg, given: settle(stage, cfg, given)))
     return stage, cfg
 
 
-TRAINER_ALIASES = {  # a TRL / transformers Trainer argument a user types -> (our field or None, what to do)
-    "num_train_epochs": ("max_steps", "this project counts optimizer steps: --max-steps (the filter's SFT "
-                         "copy: --sft-epochs)"),
-    "logging_steps": ("log_completions_steps", "metrics are logged every step (metrics.jsonl); whole "
-                      "groups every --log-completions-steps"),
-    "per_device_train_batch_size": ("prompts_per_step", "a step's batch is --prompts-per-step prompts x "
-                                    "--num-generations completions (--micro-batch-size: rows per forward)"),
-    "gradient_accumulation_steps": ("micro_batch_size", "no equivalent: a step accumulates its micro-batches "
-                                    "(--micro-batch-size) into one update"),
-    "output_dir": ("out", "--out"), "resume_from_checkpoint": ("resume", "--resume (--out's checkpoint)"),
-    "model_name_or_path": ("model", "--model"), "save_strategy": ("save_steps", "--save-steps N"),
+_NO_SCHEDULE = ("learning_rate", "no equivalent: the learning rate is constant (--warmup is the "
+                "format warm-up adapter, not a schedule)")
+TRAINER_ALIASES = {  # a TRL / transformers Trainer argument a user types -> (our field, what to do)
+    "num_train_epochs": ("max_steps", "this project counts optimizer steps: --max-steps (the "
+                         "filter's SFT copy: --sft-epochs)"),
+    "logging_steps": ("log_completions_steps", "metrics are logged every step (metrics.jsonl); "
+                      "whole groups every --log-completions-steps"),
+    "per_device_train_batch_size": ("prompts_per_step", "a step's batch is --prompts-per-step "
+                                    "prompts x --num-generations completions (--micro-batch-size: "
+                                    "rows per forward)"),
+    "gradient_accumulation_steps": ("micro_batch_size", "no equivalent: a step accumulates its "
+                                    "micro-batches (--micro-batch-size) into one update"),
+    "output_dir": ("out", "--out"), "model_name_or_path": ("model", "--model"),
+    "resume_from_checkpoint": ("resume", "--resume (--out's checkpoint)"),
+    "save_strategy": ("save_steps", "--save-steps N"),
     "eval_strategy": ("eval_steps", "--eval-steps N (0 = off)"),
     "evaluation_strategy": ("eval_steps", "--eval-steps N (0 = off)"),
-    "save_total_limit": ("save_steps", "no equivalent: one checkpoint is kept, replaced every --save-steps"),
-    "lr_scheduler_type": ("learning_rate", "no equivalent: the learning rate is constant (--learning-rate)"),
-    "warmup_steps": ("learning_rate", "no equivalent: the learning rate is constant (--warmup is the format "
-                     "warm-up adapter, not a schedule)"),
-    "warmup_ratio": ("learning_rate", "no equivalent: the learning rate is constant (--warmup is the format "
-                     "warm-up adapter, not a schedule)"),
+    "save_total_limit": ("save_steps", "no equivalent: one checkpoint, replaced each --save-steps"),
+    "lr_scheduler_type": ("learning_rate", "no equivalent: --learning-rate is constant"),
+    "warmup_steps": _NO_SCHEDULE, "warmup_ratio": _NO_SCHEDULE,
 }
 
 
 def unknown_name(name: str, known: list[str], prog: str) -> str:
-    """The hint after an unknown flag or key: TRL's / Trainer's name mapped to ours, else a did-you-mean."""
+    """The hint after an unknown flag or key: TRL's name mapped to ours, else a did-you-mean."""
     name = name.lstrip("-").replace("-", "_")
     if name in TRAINER_ALIASES and TRAINER_ALIASES[name][0] in known:
         return f": not a flag here; TRL's {name}: {TRAINER_ALIASES[name][1]}"
@@ -214,17 +214,18 @@ def _fits(typ, value) -> bool:
     return value is None if typ is type(None) else isinstance(value, typ)
 
 
-def commands_help(prog: str, commands: dict[str, str], metavar: str, epilog: str) -> typing.NoReturn:
+def commands_help(prog: str, commands: dict, metavar: str, epilog: str) -> typing.NoReturn:
     """`prog --help`: its commands, one line each; exits 0 (argparse's SystemExit)."""
-    table = f"{metavar.lower()}s:\n" + "\n".join(f"  {name:<13}{line}" for name, line in commands.items())
-    p = argparse.ArgumentParser(prog=prog, usage=f"{prog} {metavar} [flags]", description=table,
-                                epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    table = "\n".join(f"  {name:<13}{line}" for name, line in commands.items())
+    p = argparse.ArgumentParser(prog=prog, usage=f"{prog} {metavar} [flags]",
+                                description=f"{metavar.lower()}s:\n{table}", epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.parse_args(["--help"])
     raise AssertionError("argparse's --help exits")
 
 
 def run_cli(main, on_interrupt: str = "interrupted") -> None:
-    """Bad input (a UserError), a full disk, Ctrl-C and SIGTERM: one line on stderr, exit status 1."""
+    """A UserError (bad input), a full disk, Ctrl-C, SIGTERM: one line on stderr, exit status 1."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM ends a run as Ctrl-C does
     try:
         main()
@@ -233,8 +234,7 @@ def run_cli(main, on_interrupt: str = "interrupted") -> None:
     except KeyboardInterrupt:
         sys.exit(on_interrupt)
     except Exception as e:
-        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e):
-            sys.exit(f"error: out of disk space ({str(e).splitlines()[0]}); free some, then {RERUN}")
-        raise
-
-
+        full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+        if not (full or "No space left on device" in str(e)):
+            raise
+        sys.exit(f"error: out of disk space ({str(e).splitlines()[0]}); free some, then {RERUN}")
