@@ -110,7 +110,7 @@ def wm_accuracy(cfg: WMEvalConfig) -> dict:
     import torch
 
     cfg = with_env_defaults(cfg)
-    trips = read_transitions(cfg.transitions, triplet_problem(cfg, rwml.wm_texts))
+    trips = read_transitions(cfg.transitions, triplet_problem(cfg))
     trips = sample_triplets(trips, cfg.eval_max_triplets, 0)  # seed 0: every run scores the same
     reward_fn = make_reward(cfg)
     info = dict(transitions=cfg.transitions, split=collection_split(cfg.transitions),

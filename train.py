@@ -39,7 +39,7 @@ from stages.plumbing import (check_run, close_tracker, config_json, filter_dir, 
 from stages.settings import STAGES, Settings  # every setting: its flag, default
 from harness import cost
 from stages.cards import CONTROLS, TRIPLETS_KEPT, card_run, plot_rewards, save_adapter
-from readout.verdict import (all_summary, baselines_line, before_after_line, coin_control,
+from readout.verdict import (HELDOUT_KINDS, all_summary, baselines_line, before_after_line,
                              gain_lines, probe_line, reward_control)
 
 # ------------------------------------ the stages' shared parts: how the agent plays, the triplets
@@ -276,9 +276,31 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> str:
             print(f"{kind}: {held[kind]}")
     print(probe_line(out, start))
     if cfg.coin_control:
-        coin_control(cfg, out, load, reward_fn, start, model, kept, heldout, train_wm,
-                     evaluate_heldout)
+        coin_control(cfg, out, load, reward_fn, start, model, kept, heldout)
     return all_summary(cfg, out, gain_lines(out, start), held, len(kept), start, t0)  # card, lines
+
+
+COIN_STREAM = 1_000_003  # COIN's coin: seed + this (a coin run's control is another coin)
+
+
+def coin_control(cfg, out: Path, load, reward_fn, start, model, kept: list[dict],
+                 heldout: dict) -> None:
+    """`--coin-control`, line (e): RWML's recipe, a fair coin for its reward, matched in all else.
+    One arm decides nothing (a coin run passed RWML - COIN on fresh seeds)."""
+    model.unload()  # the bare base model again: the control starts from the warm-up as RWML did
+    ctrl = out / "coin_control"
+    ctrl.mkdir(parents=True, exist_ok=True)
+    with cost.stage("coin control grpo"):
+        resume = cfg.resume or swap_checkpoint(ctrl / "checkpoint")
+        coin = dataclasses.replace(cfg, reward_control="coin", eval_steps=0, resume=resume)
+        arm = train_wm(coin, kept, ctrl, load, reward_fn, start, coin_seed=cfg.seed + COIN_STREAM)
+    for kind in HELDOUT_KINDS:
+        with cost.stage("coin control eval"):
+            scores = evaluate_heldout(cfg, arm, load()[1], heldout[kind]["triplets"], reward_fn)
+            write_eval(out / f"wm_eval_coin_{kind}.json",
+                       dict(scores, model="COIN (matched)", split=cfg.heldout_split,
+                            transitions=heldout[kind]["file"]))
+    arm.unload()
 
 
 def evaluate_heldout(cfg: Settings, model, tok, heldout: list[dict], reward_fn) -> dict:
@@ -428,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
     stage, cfg = parse_stage(sys.argv[1:] if argv is None else argv, STAGES, Settings, settle_env)
     out, t0 = Path(cfg.out), time.time()
     check_run(cfg, lambda cfg: check_stage(cfg, stage))  # before anything slow
-    trips, curve = stage_inputs(cfg, stage, triplet_problem(cfg, rwml.wm_texts))  # data, wm's curve
+    trips, curve = stage_inputs(cfg, stage, triplet_problem(cfg))  # data, wm's curve
     claim_out(cfg, out, stage)  # the --out lock, and --resume's checks
     with cost.run(out, since=t0):  # at the end: the cost line (from t0, the checks too), cost.json
         verdict = run_stage(stage, cfg, out, t0, trips, curve)
@@ -446,7 +468,7 @@ def run_stage(stage: str, cfg: Settings, out: Path, t0: float, trips: list[dict]
         return engine.load_model(cfg.model, cfg.adapter if stage == "collect" else None,
                                  load_in_4bit=four_bit)
 
-    with card_run(stage, cfg, rwml.wm_texts):  # what the model cards of this stage's adapters say
+    with card_run(stage, cfg):  # what the model cards of this stage's adapters say
         if stage == "collect":
             with cost.stage("collect"):
                 collect(cfg, out, load)
@@ -458,10 +480,13 @@ def run_stage(stage: str, cfg: Settings, out: Path, t0: float, trips: list[dict]
             train_wm_sft(cfg, trips, out, load, make_reward(cfg))
         elif stage == "all":
             return train_all(cfg, out, load, make_reward(cfg), t0)
-        elif stage == "export":  # the filter, then verl's train and held-out parquets
-            reward = (cfg.easy_filter or cfg.mixed_only and cfg.export_warmup) and make_reward(cfg)
-            verl = envs.load("verl_bridge.export:export_verl")  # verl's bridge, loaded by name
-            verl(cfg, trips, out, load, reward, filter_triplets, rwml.split_triplets, rwml.wm_texts)
+        elif stage == "export":  # the filter (its warm-up with --export-warmup), verl's parquets
+            exp = dataclasses.replace(cfg, warmup=cfg.export_warmup)
+            reward = (exp.easy_filter or exp.mixed_only and exp.warmup) and make_reward(exp)
+            kept, _ = filter_triplets(exp, trips, filter_dir(exp, out), load, reward)
+            seed = exp.seed if exp.filter_seed is None else exp.filter_seed
+            split = rwml.split_triplets(trips, exp.filter_split, seed)[1]  # the filter's own split
+            envs.load("verl_bridge.export:export_verl")(exp, kept, split, out)  # verl's, by name
         else:  # filter, wm
             reward_fn = make_reward(cfg)
             kept, start = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)

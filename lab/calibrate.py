@@ -52,7 +52,7 @@ def calibrate_tau(cfg: CalibrateConfig) -> dict:
     import torch
 
     cfg = with_env_defaults(cfg)
-    trips = sample_triplets(read_transitions(cfg.transitions, triplet_problem(cfg, rwml.wm_texts)),
+    trips = sample_triplets(read_transitions(cfg.transitions, triplet_problem(cfg)),
                             cfg.eval_max_triplets or 32, cfg.seed)
     reward_fn = make_reward(cfg)
     model, tok = engine.load_model(cfg.model, cfg.adapter)

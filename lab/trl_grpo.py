@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     _, cfg = parse_stage(["wm", *(sys.argv[1:] if argv is None else argv)], STAGE, Settings, settle_env)
     out = Path(cfg.out)
     check_run(cfg, check, processes=True)  # accelerate launch: every process runs this, TRL shares the work
-    trips, _ = stage_inputs(cfg, "wm", runs.triplet_problem(cfg, rwml.wm_texts))
+    trips, _ = stage_inputs(cfg, "wm", runs.triplet_problem(cfg))
     claim_out(cfg, out, "trl")
     if found := next(out.glob("checkpoint*"), None):
         raise UserError(f"{out} holds a run of train.py ({found}), which TRL cannot continue; use another "
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
             loaded.append(engine.load_model(cfg.model, load_in_4bit=use_4bit(cfg)))
         return loaded[0]
 
-    with cost.run(out), card_run("wm", cfg, rwml.wm_texts):
+    with cost.run(out), card_run("wm", cfg):
         reward_fn = train.make_reward(cfg)
         with state.main_process_first():  # the main process first; the others reuse its cache
             kept, start = train.filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)

@@ -1,9 +1,8 @@
 """What the default run concludes from its per-triplet files (wm_eval_*.triplets.jsonl): the
 before / after lines, the baselines', the paired differences (a)-(f) with CIs (`gain_lines`), the
-verdict in words; the reward's controls, the matched COIN arm. Never imports rwml or train.py."""
+verdict in words; the reward's controls. Never imports rwml or train.py."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -11,12 +10,11 @@ from pathlib import Path
 import envs
 from stages.runs import triplet_key
 import engine
-from harness import cost
 from readout import stats
 from stages.cards import TRIPLETS_KEPT, plot_rewards, write_card
 from reward import coin_reward, mis_targets
 from harness.common import UserError, read_jsonl, write_atomic
-from stages.plumbing import swap_checkpoint, write_eval
+from stages.plumbing import write_eval
 
 HELDOUT_KINDS = ("explore", "purposeful")  # the collection policy's triplets; the walkthroughs'
 
@@ -37,29 +35,6 @@ def reward_control(cfg, triplets: list[dict], reward_fn, out: Path, coin_seed: i
     elif cfg.reward_control == "coin":
         return triplets, coin_reward(cfg.seed if coin_seed is None else coin_seed)
     return triplets, reward_fn
-
-
-COIN_STREAM = 1_000_003  # COIN's coin: seed + this (a coin run's control is another coin)
-
-
-def coin_control(cfg, out: Path, load, reward_fn, start, model, kept: list[dict], heldout: dict,
-                 train_wm, evaluate) -> None:
-    """`--coin-control`, line (e): RWML's recipe, a fair coin for its reward, matched in all else.
-    One arm decides nothing (a coin run passed RWML - COIN on fresh seeds)."""
-    model.unload()  # the bare base model again: the control starts from the warm-up as RWML did
-    ctrl = out / "coin_control"
-    ctrl.mkdir(parents=True, exist_ok=True)
-    with cost.stage("coin control grpo"):
-        resume = cfg.resume or swap_checkpoint(ctrl / "checkpoint")
-        coin = dataclasses.replace(cfg, reward_control="coin", eval_steps=0, resume=resume)
-        arm = train_wm(coin, kept, ctrl, load, reward_fn, start, coin_seed=cfg.seed + COIN_STREAM)
-    for kind in HELDOUT_KINDS:
-        with cost.stage("coin control eval"):
-            write_eval(out / f"wm_eval_coin_{kind}.json",
-                       dict(evaluate(cfg, arm, load()[1], heldout[kind]["triplets"], reward_fn),
-                            model="COIN (matched)", split=cfg.heldout_split,
-                            transitions=heldout[kind]["file"]))
-    arm.unload()
 
 
 def baseline_wm(name: str, triplets: list[dict], reward_fn) -> dict:

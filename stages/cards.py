@@ -13,6 +13,7 @@ from pathlib import Path
 from huggingface_hub import ModelCard, ModelCardData, try_to_load_from_cache
 
 import engine
+import rwml
 from harness.common import names, read_jsonl, repo_path, write_atomic
 
 # ------------------------------------------------------------------------------- the reward curve
@@ -90,9 +91,9 @@ _EXAMPLE = dict(task="put a vase in shelf.", action="go to shelf 1", observation
 
 
 @contextlib.contextmanager
-def card_run(stage: str, cfg, wm=None):
-    """Cards saved inside name this stage, config and prompt (`wm(triplet, reasoning)`)."""
-    _CARD_RUN.update(stage=stage, cfg=cfg, wm=wm)
+def card_run(stage: str, cfg):
+    """Cards saved inside name this stage and config, and show its prompt (rwml.wm_texts)."""
+    _CARD_RUN.update(stage=stage, cfg=cfg)
     try:
         yield
     finally:
@@ -176,8 +177,8 @@ def write_card(folder: Path, cfg=None, stage: str | None = None, data: dict | No
     lines += [f"- command: `{shlex.join(['python', *map(shown_arg, sys.argv)])}`", "", "## Load",
               "", "```python", "from peft import AutoPeftModelForCausalLM", "",
               'model = AutoPeftModelForCausalLM.from_pretrained("path/to/this/folder")', "```", ""]
-    if kind in WM_KINDS and _CARD_RUN.get("wm"):
-        lines += query_snippet(cfg, kind, _CARD_RUN["wm"])
+    if kind in WM_KINDS and _CARD_RUN:
+        lines += query_snippet(cfg, kind)
     write_atomic(folder / "README.md", "\n".join(lines))
 
 
@@ -200,14 +201,14 @@ def base_license(base: str) -> str | None:
     return None
 
 
-def query_snippet(cfg, kind: str, wm) -> list[str]:
-    """A card's "Query this world model" in transformers + peft, with `wm`'s prompts (wm_texts)."""
+def query_snippet(cfg, kind: str) -> list[str]:
+    """A card's "Query this world model" in transformers + peft, with rwml.wm_texts' prompts."""
     env = getattr(cfg, "env", None) or "alfworld"
     reasoning = kind == "wm" and getattr(cfg, "wm_reasoning", False)  # warm-up, WM SFT: no <think>
     slot = {k: f"@@{k}@@" for k in _EXAMPLE}
     triplet = dict(task=slot["task"], history=[dict(observation=slot["observation"])],
                    action=slot["action"], env=env)
-    system, user, prefix, stop = wm(triplet, reasoning)
+    system, user, prefix, stop = rwml.wm_texts(triplet, reasoning)
     user = user.replace("{", "{{").replace("}", "}}")
     for k, v in slot.items():
         user = user.replace(v, "{" + k + "}")

@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 import envs
+import rwml
 from harness.common import UserError, code_sha, names, read_jsonl, write_atomic, write_jsonl
 from stages.plumbing import (PROMPT_TAIL, check_resume, context_problem, group_table, jsonl_writer,
                              read_transitions, run_header, sample_triplets)
@@ -438,14 +439,14 @@ def triplet_key(r: dict) -> list:
     return [str(r.get("game")), r.get("rollout"), r.get("step"), r.get("action")]
 
 
-def triplet_problem(cfg, wm):
+def triplet_problem(cfg):
     """For read_transitions: why a triplet cannot train with `cfg` (an unknown env, past the model's
-    context), or None. `wm(triplet, reasoning)`: its chat (rwml.wm_texts)."""
+    context), or None."""
     def problem(t: dict) -> str | None:
         if "env" in t and (not isinstance(t["env"], str) or t["env"] not in envs.ENVIRONMENTS):
             return (f"env {json.dumps(t['env'])[:40]} is not one of "
                     f"{', '.join(envs.ENVIRONMENTS)} (or left out)")
-        chats = [wm(t, r) for r in {cfg.wm_reasoning, False}]  # (system, prompt, prefix, stop)
+        chats = [rwml.wm_texts(t, r) for r in {cfg.wm_reasoning, False}]
         answer = t["next_obs"] + chats[0][3]
         return context_problem(cfg, [(p, s, x) for s, p, x, _ in chats], answer)
     return problem

@@ -533,7 +533,7 @@ def test_the_verdict_says_whether_the_reward_beat_self_training(tmp_path):
         "verdict: not shown that training raised the reward where RWML trained ((a) +0.000 [")
     cfg = train.Settings(reward_control="coin")
     run = verdict.reward_control(cfg, [], None, tmp_path)[1]
-    ctrl = verdict.reward_control(cfg, [], None, tmp_path, coin_seed=cfg.seed + verdict.COIN_STREAM)[1]
+    ctrl = verdict.reward_control(cfg, [], None, tmp_path, coin_seed=cfg.seed + train.COIN_STREAM)[1]
     assert run(["x"] * 64) != ctrl(["x"] * 64)
 
 

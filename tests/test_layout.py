@@ -19,15 +19,18 @@ CORE = ("rwml", "reward", "envs", "train", "eval", "engine")
 CORE_MAX, TOTAL_MAX = 3500, 7020
 # Imports run down this list: a module imports only modules of the layers above its own, never one of its own
 # layer or of a later one. The bottom (common), the cost line, verl's reward file; the engine, the command
-# line; choose mode, model cards, the reward; the environment interface (and ALFWorld, the game pool, the
-# registry); the method, the other environments, plumbing; the stages' bookkeeping, the settings, verl's
-# export, statistics; the caches, what the default run concludes; the stages and evaluation. By package:
+# line; choose mode, the reward; the environment interface (and ALFWorld, the game pool, the registry); the
+# method, the other environments; model cards (they show the method's prompt); plumbing; the stages'
+# bookkeeping, the settings, verl's export; the caches, what the default run concludes; the stages and
+# evaluation. By package:
 # harness, engine, reward / choose, envs, rwml / worlds, stages, verl_bridge / readout / caches, train / eval.
 LAYERS = (("harness.common", "harness.cost", "verl_bridge.reward", "readout.stats"),
           ("engine", "harness.cli"),
-          ("choose", "stages.cards", "reward"),
+          ("choose", "reward"),
           ("envs",),
-          ("rwml", "worlds.tau2", "worlds.textworld", "stages.plumbing"),
+          ("rwml", "worlds.tau2", "worlds.textworld"),
+          ("stages.cards",),
+          ("stages.plumbing",),
           ("stages.runs", "stages.settings", "verl_bridge.export"),
           ("caches", "readout.verdict"),
           ("train", "eval"))
@@ -110,6 +113,13 @@ def test_the_core_stays_within_its_budget():
 def test_the_code_stays_small():
     sizes = {name: len(lines(name)) for name in modules()}
     assert sum(sizes.values()) <= TOTAL_MAX, f"{sum(sizes.values())} lines of Python outside tests/ and lab/"
+
+
+def test_no_line_of_the_code_is_over_100_characters():
+    """Characters, not bytes ("§" is one); ruff.toml holds the same width, tests/ and lab/ their own."""
+    long = [f"{path(name).relative_to(ROOT)}:{i}" for name in modules() | {f"{p}" for p in PACKAGES}
+            for i, x in enumerate(lines(name), 1) if len(x) > 100]
+    assert not long, f"{len(long)} lines over 100 characters, e.g. {long[:3]}"
 
 
 def test_one_grpo_step_walks_few_modules(tiny_model):

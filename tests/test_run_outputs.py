@@ -36,7 +36,7 @@ def run(tiny_model, transitions, tmp_path_factory):
     printed = io.StringIO()
     argv, sys.argv = sys.argv, ["train.py", *ARGV, "--model", tiny_model, "--out", str(out)]
     try:
-        with contextlib.redirect_stdout(printed), train.card_run("wm", cfg, rwml.wm_texts):  # as run_stage
+        with contextlib.redirect_stdout(printed), train.card_run("wm", cfg):  # as run_stage
             train.train_wm(cfg, plumbing.read_transitions(transitions), out,
                            lambda: engine.load_model(tiny_model), parity_reward)
     finally:
@@ -175,10 +175,8 @@ def test_card_yaml_is_the_hubs_model_card_data(bundled_cards):
 
 @pytest.mark.parametrize("stage, reasoning", [("wm", False), ("wm", True), ("filter", False)])
 def test_the_cards_query_snippet_runs_with_transformers_and_peft(stage, reasoning, tiny_model, tmp_path):
-    import rwml
-
     cfg = train.Settings(model=tiny_model, max_completion_length=6, wm_reasoning=reasoning)
-    with train.card_run(stage, cfg, rwml.wm_texts):  # a run's cards: the world-model prompt it trained on
+    with train.card_run(stage, cfg):  # a run's cards: the world-model prompt it trained on
         saved = train.save_adapter(engine.add_lora(engine.load_model(tiny_model)[0], r=4, alpha=8), tmp_path,
                                    cfg=cfg, stage=stage)
     card = (saved / "README.md").read_text()

@@ -1,15 +1,13 @@
 """The bridge to verl (`train.py export`: the kept triplets as verl's GRPO parquet; the reward verl
-loads: reward.py's `compute_score`). The method's parts it uses (the filter, the world-model prompt:
-`wm(triplet, reasoning)` -> system prompt, prompt, reply prefix, stop) come from train.py as
-arguments. TRL's GRPOTrainer: lab/trl_grpo.py, a worked example."""
+loads: reward.py's `compute_score`). train.py runs the filter and hands over its kept triplets and
+its split; the world-model chat is rwml.py's. TRL's GRPOTrainer: lab/trl_grpo.py, an example."""
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
+import rwml
 from harness.common import UserError, utf8_clean
-from stages.plumbing import filter_dir
 from reward import BUNDLED_EMBEDDER
 
 
@@ -27,21 +25,17 @@ def _utf8(value) -> tuple:
     return value, 0
 
 
-def export_verl(cfg, trips: list[dict], out: Path, load, reward_fn, filter_triplets, split_triplets,
-                wm) -> tuple[Path, Path]:
-    """`train.py export`: the filter (its warm-up only with --export-warmup), then verl's GRPO
-    parquets: train.parquet the kept triplets, test.parquet the filter split less train.parquet's
-    prompts. A row per triplet: `prompt` the world-model chat, `ground_truth` the real next
-    observation, `extra_info` what `compute_score` needs (the reply prefix, put back at scoring)."""
+def export_verl(cfg, kept: list[dict], split: list[dict], out: Path) -> tuple[Path, Path]:
+    """`train.py export`, after the filter: verl's GRPO parquets, train.parquet the `kept` triplets,
+    test.parquet the filter's `split` less train.parquet's prompts. A row per triplet: `prompt`
+    the world-model chat, `ground_truth` the real next observation, `extra_info` what
+    `compute_score` needs (the reply prefix, put back at scoring)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    cfg = dataclasses.replace(cfg, warmup=cfg.export_warmup)
-    kept, _ = filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
-    seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
+    wm = rwml.wm_texts
     seen = {wm(t, True)[1] for t in kept}
-    held = [t for t in split_triplets(trips, cfg.filter_split, seed)[1]  # the filter's own split
-            if wm(t, True)[1] not in seen]
+    held = [t for t in split if wm(t, True)[1] not in seen]
     if not held:
         raise UserError("export: every triplet of the filter split has a prompt train.parquet "
                         "holds too, so there is no held-out test.parquet; raise --filter-split or "
