@@ -683,3 +683,11 @@ def evaluate_wm(model, tokenizer, triplets: list[Triplet], reward_fn, *,
     out = envs.score_wm(triplets, preds, reward_fn, k)
     out.update(samples=samples, temperature=temperature if samples else 0.0)
     return out
+
+
+def evaluate_heldout(cfg, model, tokenizer, triplets: list[Triplet], reward_fn) -> dict:
+    """`evaluate_wm` with a run's settings, seeded: "before" and "after" draw the same noise."""
+    torch.manual_seed(cfg.seed)
+    return evaluate_wm(model, tokenizer, triplets, reward_fn, reasoning=cfg.wm_reasoning,
+                       samples=cfg.eval_samples, temperature=cfg.temperature,
+                       max_new_tokens=cfg.max_completion_length)

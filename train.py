@@ -198,7 +198,7 @@ def train_wm(cfg: Settings, triplets: list, out: Path, load, reward_fn, start: P
 
     def evaluate(step: int) -> dict:  # held-out world-model accuracy, as `all` scores it
         with keep_rng(), cost.stage("wm eval"):
-            r = evaluate_heldout(cfg, model, tok, heldout, reward_fn)
+            r = rwml.evaluate_heldout(cfg, model, tok, heldout, reward_fn)
         return dict(eval_wm_accuracy=r["wm_accuracy"], eval_mean_cosine=r["mean_cosine"],
                     eval_beyond_template=r["per_kind"]["beyond_template"]["wm_accuracy"])
 
@@ -253,8 +253,7 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> str:
             warm = dataclasses.replace(cfg, warmup_transitions=more)
     kept, start = filter_triplets(warm, trips, filter_dir(cfg, out), load, reward_fn)
     sets = dict(heldout, train=dict(triplets=kept, file=str(filter_dir(cfg, out) / "kept.jsonl")))
-    before_files = scores_before(cfg, out, sets, start, load,  # RWML's start: warm-up or base
-                                 lambda m, tok, t: evaluate_heldout(cfg, m, tok, t, reward_fn))
+    before_files = scores_before(cfg, out, sets, start, load, reward_fn)  # RWML's start's
     resume = cfg.resume or swap_checkpoint(out / "checkpoint")  # `all` continues where it stopped
     with cost.stage("grpo"):
         model = train_wm(dataclasses.replace(cfg, resume=resume), kept, out, load, reward_fn, start,
@@ -267,7 +266,7 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> str:
     for kind, s in sets.items():
         split = cfg.split if kind == "train" else cfg.heldout_split
         with cost.stage("eval after"):
-            after = dict(evaluate_heldout(cfg, model, load()[1], s["triplets"], reward_fn),
+            after = dict(rwml.evaluate_heldout(cfg, model, load()[1], s["triplets"], reward_fn),
                          model="RWML", split=split, transitions=s["file"])
         write_eval(out / f"wm_eval_rwml_{kind}.json", after)
         if kind != "train":
@@ -296,18 +295,12 @@ def coin_control(cfg, out: Path, load, reward_fn, start, model, kept: list[dict]
         arm = train_wm(coin, kept, ctrl, load, reward_fn, start, coin_seed=cfg.seed + COIN_STREAM)
     for kind in HELDOUT_KINDS:
         with cost.stage("coin control eval"):
-            scores = evaluate_heldout(cfg, arm, load()[1], heldout[kind]["triplets"], reward_fn)
+            trips = heldout[kind]["triplets"]
+            scores = rwml.evaluate_heldout(cfg, arm, load()[1], trips, reward_fn)
             write_eval(out / f"wm_eval_coin_{kind}.json",
                        dict(scores, model="COIN (matched)", split=cfg.heldout_split,
                             transitions=heldout[kind]["file"]))
     arm.unload()
-
-
-def evaluate_heldout(cfg: Settings, model, tok, heldout: list[dict], reward_fn) -> dict:
-    torch.manual_seed(cfg.seed)  # the same sampling noise before and after
-    return rwml.evaluate_wm(model, tok, heldout, reward_fn, reasoning=cfg.wm_reasoning,
-                            samples=cfg.eval_samples, temperature=cfg.temperature,
-                            max_new_tokens=cfg.max_completion_length)
 
 
 def heldout_triplets(cfg, out: Path, load) -> dict[str, dict]:

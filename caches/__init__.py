@@ -16,6 +16,7 @@ import torch
 import engine
 from harness import cost
 import envs
+import rwml
 from harness.common import code_sha, file_problem, names, read_jsonl, write_atomic, write_jsonl
 from stages.plumbing import write_eval
 from stages.runs import (WARMUP_STREAM, before_made_by, collect_job, collect_meta, split_games,
@@ -154,7 +155,7 @@ def heldout_entry(cache: Path) -> tuple[dict[str, bytes] | None, str]:
         return None, "sha256.json is damaged"
 
 
-def scores_before(cfg, out: Path, sets: dict, start, load, score) -> dict[str, Path]:
+def scores_before(cfg, out: Path, sets: dict, start, load, reward_fn) -> dict[str, Path]:
     """`all`'s "before" scores (RWML's start), reused if whole and `before_made_by` matches."""
     files = {kind: out / f"wm_eval_before_{kind}.json" for kind in sets}  # train: RWML's prompts
     made = {kind: before_made_by(cfg, start, s) for kind, s in sets.items()}
@@ -171,7 +172,8 @@ def scores_before(cfg, out: Path, sets: dict, start, load, score) -> dict[str, P
         model = PeftModel.from_pretrained(model, str(start))
     with cost.stage("eval before"):
         for kind, f in files.items():
-            write_eval(f, dict(score(model, tok, sets[kind]["triplets"]), made_by=made[kind],
+            scores = rwml.evaluate_heldout(cfg, model, tok, sets[kind]["triplets"], reward_fn)
+            write_eval(f, dict(scores, made_by=made[kind],
                                model="warm-up" if start else "base", transitions=sets[kind]["file"],
                                split=cfg.split if kind == "train" else cfg.heldout_split))
     if start:

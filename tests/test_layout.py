@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # engine, at most 3,500 lines. All Python but tests / lab (package faces included): the aim of 5,500 is not
 # reached; TOTAL_MAX stops the growth.
 CORE = ("rwml", "reward", "envs", "train", "eval", "engine")
-CORE_MAX, TOTAL_MAX = 3500, 7020
+CORE_MAX, TOTAL_MAX = 3500, 7018
 # Imports run down this list: a module imports only modules of the layers above its own, never one of its own
 # layer or of a later one. The bottom (common), the cost line, verl's reward file; the engine, the command
 # line; choose mode, the reward; the environment interface (and ALFWorld, the game pool, the registry); the

@@ -60,7 +60,7 @@ CHANGED = dict(embedder="other/embedder", tau_d=0.33, rouge_gate=0.5, reward_met
                reward_binary=False, wm_reasoning=True, max_completion_length=9)
 
 
-def test_before_is_scored_again_when_a_scoring_setting_changes(tmp_path, capsys):
+def test_before_is_scored_again_when_a_scoring_setting_changes(tmp_path, capsys, monkeypatch):
     """Every setting of the world model's answer and its reward (WorldModelArgs: on 68ef7d6
     --no-reward-binary and --reward-metric were left out) is in the "before" key; a reused "before" is said;
     a cut summary or per-triplet file is said and scored again (on 68ef7d6: a JSONDecodeError)."""
@@ -73,15 +73,16 @@ def test_before_is_scored_again_when_a_scoring_setting_changes(tmp_path, capsys)
         assert runs.before_made_by(dataclasses.replace(cfg, **{name: value}), None, held) != made, name
     scored = []
 
-    def score(model, tok, trips):
+    def score(cfg, model, tok, trips, reward_fn):  # as rwml.evaluate_heldout
         scored.append(1)
         return dict(n=len(trips), wm_accuracy=0.5, triplets=[dict(t, rewards=[0.5]) for t in trips])
 
     def before(cfg):
         n = len(scored)
-        caches.scores_before(cfg, tmp_path, dict(explore=held), None, lambda: (None, None), score)
+        caches.scores_before(cfg, tmp_path, dict(explore=held), None, lambda: (None, None), None)
         return len(scored) > n, capsys.readouterr().out
 
+    monkeypatch.setattr(caches.rwml, "evaluate_heldout", score)
     assert before(cfg)[0]
     again, said = before(cfg)
     assert not again and f'reusing the "before" scores {tmp_path}/wm_eval_before_*.json' in said
