@@ -442,7 +442,8 @@ def sft_adapter(cfg, model, tok, prompts: list[str], answers: list[str], system:
 def main(argv: list[str] | None = None) -> None:
     stage, cfg = parse_stage(sys.argv[1:] if argv is None else argv, STAGES, Settings, settle_env)
     out, t0 = Path(cfg.out), time.time()
-    check_run(cfg, lambda cfg: check_stage(cfg, stage))  # before anything slow
+    check_run(cfg)
+    check_stage(cfg, stage)  # before anything slow
     trips, curve = stage_inputs(cfg, stage, triplet_problem(cfg))  # data, wm's curve
     claim_out(cfg, out, stage)  # the --out lock, and --resume's checks
     with cost.run(out, since=t0):  # at the end: the cost line (from t0, the checks too), cost.json

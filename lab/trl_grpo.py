@@ -79,7 +79,8 @@ def check(cfg) -> None:
 def main(argv: list[str] | None = None) -> None:
     _, cfg = parse_stage(["wm", *(sys.argv[1:] if argv is None else argv)], STAGE, Settings, settle_env)
     out = Path(cfg.out)
-    check_run(cfg, check, processes=True)  # accelerate launch: every process runs this, TRL shares the work
+    check_run(cfg, processes=True)  # accelerate launch: every process runs this, TRL shares the work
+    check(cfg)
     trips, _ = stage_inputs(cfg, "wm", runs.triplet_problem(cfg))
     claim_out(cfg, out, "trl")
     if found := next(out.glob("checkpoint*"), None):

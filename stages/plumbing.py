@@ -33,15 +33,13 @@ WM_METRICS = ("step", "epoch", "loss", "grad_norm", "learning_rate", "reward", "
 PROMPT_TAIL = 300  # a prompt's characters kept in samples.jsonl: the last observation and action
 
 # ------------------------------------------------------------- checks before anything slow runs
-def check_run(cfg, stage_check=None, processes: bool = False) -> None:
-    """Everything a stage checks before anything slow runs (`stage_check(cfg)`: the stage's own);
+def check_run(cfg, processes: bool = False) -> None:
+    """What every stage checks before anything slow runs (then the stage its own: check_stage);
     `processes`: the caller shares its work between `accelerate launch`'s processes (TRL's)."""
     check_fields(cfg)
     check_cache(cfg)
     if not processes:
         check_single_process()
-    if stage_check:
-        stage_check(cfg)
     if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
         raise UserError(f"--report-to {cfg.report_to} needs the {cfg.report_to} package: pip "
                         "install -r requirements-trackers.txt (or --report-to none)")
