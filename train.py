@@ -440,7 +440,8 @@ def sft_adapter(cfg, model, tok, prompts: list[str], answers: list[str], system:
 # --------------------------------------------------- The command line: a stage and its run
 @releases_locks
 def main(argv: list[str] | None = None) -> None:
-    stage, cfg = parse_stage(sys.argv[1:] if argv is None else argv, STAGES, Settings, settle_env)
+    stage, cfg, given = parse_stage(sys.argv[1:] if argv is None else argv, STAGES, Settings)
+    cfg = settle_env(stage, cfg, given)  # the settings completed: the triplets' environment
     out, t0 = Path(cfg.out), time.time()
     check_run(cfg)
     check_stage(cfg, stage)  # before anything slow

@@ -141,9 +141,9 @@ def resume_free(cfg) -> set[str]:
     return {f.name for f in dataclasses.fields(cfg) if f.metadata.get("resume_free")}
 
 
-def parse_stage(argv: list[str], stages: dict, cls, settle=None):
-    """`train.py [STAGE] [flags]`: the stage (default all) and its `cls`; `stages`: name -> (--help
-    line, groups read); `settle(stage, cfg, given)`: the settings completed."""
+def parse_stage(argv: list[str], stages: dict, cls):
+    """`train.py [STAGE] [flags]`: the stage (default all), its `cls` and the names given (on the
+    command line or in --config); `stages`: name -> (--help line, groups read)."""
     if argv[:1] in (["-h"], ["--help"]):
         commands_help("train.py", {k: v[0] for k, v in stages.items()}, "STAGE",
                       "without a stage: all.\n`train.py STAGE --help`: the flags that stage reads "
@@ -159,10 +159,11 @@ def parse_stage(argv: list[str], stages: dict, cls, settle=None):
         return (f"warning: --{name.replace('_', '-')} is not read by `{stage}`; "
                 + (f"it is read by {', '.join(readers)}" if readers else "no stage reads it")
                 + f" (train.py {stage} --help lists the flags `{stage}` reads)")
+    given = set()
     cfg, _ = parse_config(cls, argv[1:] if argv[:1] == [stage] else argv, prog=f"train.py {stage}",
                           shown=reads[stage], description=stages[stage][0], unread=unread,
-                          settle=settle and (lambda cfg, given: settle(stage, cfg, given)))
-    return stage, cfg
+                          settle=lambda cfg, names: given.update(names) or cfg)
+    return stage, cfg, given
 
 
 _NO_SCHEDULE = ("learning_rate", "no equivalent: the learning rate is constant (--warmup is the "

@@ -77,7 +77,8 @@ def check(cfg) -> None:
 
 @releases_locks
 def main(argv: list[str] | None = None) -> None:
-    _, cfg = parse_stage(["wm", *(sys.argv[1:] if argv is None else argv)], STAGE, Settings, settle_env)
+    _, cfg, given = parse_stage(["wm", *(sys.argv[1:] if argv is None else argv)], STAGE, Settings)
+    cfg = settle_env("wm", cfg, given)
     out = Path(cfg.out)
     check_run(cfg, processes=True)  # accelerate launch: every process runs this, TRL shares the work
     check(cfg)

@@ -207,7 +207,8 @@ def test_tau_d_and_the_cap_default_to_the_audits_per_environment(tmp_path):
     assert (tw.tau_d, tw.rouge_gate, tw.max_completion_length) == (0.03, 0.0, 112)
     assert train.Settings(env="tau2").tau_d == 0.1
     assert train.Settings(env="textworld", tau_d=0.3, max_completion_length=32).tau_d == 0.3
-    _, parsed = cli.parse_stage(["wm", "--env", "textworld", "--tau-d", "0.05"], train.STAGES, train.Settings)
+    argv = ["wm", "--env", "textworld", "--tau-d", "0.05"]
+    _, parsed, _ = cli.parse_stage(argv, train.STAGES, train.Settings)
     assert (parsed.tau_d, parsed.max_completion_length) == (0.05, 112)
     assert cli.parse_stage([], train.STAGES, train.Settings)[1].tau_d == 0.01
     # the committed audit's choices and the dev half's lengths: tau_d and the reward's form as chosen, the
