@@ -6,9 +6,8 @@
     python train.py wm-sft --transitions runs/collect/transitions.jsonl --out runs/wm_sft
     python train.py policy --init rwml --adapter runs/wm/adapter --num-games 8 --out runs/policy
 
-Settings: stages/settings.py, each a flag and a --config key (defaults < file < flags); a stage
-reads the groups `STAGES` names. Read top to bottom: the shared parts, a section per stage, `main`;
-what `all` concludes: readout/verdict.py; the machinery: harness/, stages/; the rest: README."""
+Settings: stages/settings.py, each a flag and a --config key (flags win); a stage reads the
+groups `STAGES` names. Read top to bottom: the shared parts, a section per stage, `main`."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,11 +25,12 @@ import engine
 import envs
 import rwml
 from reward import make_reward
-from caches import (cached_heldout, filter_cache, save_easiness, save_filter, scores_before,
-                    warmup_collections)
-from stages.runs import (check_stage, claim_out, collection_summary, collection_todo, kind_mix,
-                          log_groups, more_warmup, policy_eval_games, releases_locks, settle_env,
-                          split_games, stage_inputs, telling, triplet_problem, walkthroughs, wm_row)
+from caches import (filter_cache, heldout_restore, heldout_store, save_easiness, save_filter,
+                    scores_before)
+from stages.runs import (WARMUP_STREAM, check_stage, claim_out, collection_summary, collection_todo,
+                          kind_mix, log_groups, more_warmup, policy_eval_games, releases_locks,
+                          settle_env, split_games, stage_inputs, telling, triplet_problem,
+                          walkthroughs, warmup_games, wm_row)
 from harness.cli import parse_stage, run_cli
 from harness.common import RERUN, UserError, read_jsonl, write_atomic
 from stages.plumbing import (check_run, close_tracker, config_json, filter_dir, jsonl_writer,
@@ -75,6 +75,27 @@ def collect(cfg: Settings, out: Path, load, games: list | None = None) -> Path:
                       seed=cfg.seed + done, desc="collect")
     collection_summary(cfg, out)
     return transitions
+
+
+def cached_collect(cfg: Settings, out: Path, load, what: str = "the held-out explore triplets",
+                   games: list | None = None) -> Path:
+    """`collect`, played once per caches.heldout_key, then copied whole from the cache."""
+    cache, fresh = heldout_restore(cfg, out, what, games)
+    path = collect(cfg, out, load, games)
+    heldout_store(cache, out, fresh)
+    return path
+
+
+def warmup_collections(cfg: Settings, out: Path, load) -> str:
+    """The warm-up's more triplets: walkthroughs and play of `warmup_games` other train games."""
+    more = dataclasses.replace(cfg, num_games=cfg.warmup_games, adapter=None,
+                               seed=cfg.seed + WARMUP_STREAM)
+    games = warmup_games(cfg)
+    walk = collect(dataclasses.replace(more, walkthrough=True), out / "warmup_walk", load, games)
+    play = cached_collect(dataclasses.replace(more, walkthrough=False), out / "warmup_play", load,
+                          what="the warm-up's more train triplets", games=games)
+    probes = cfg.train_probes and walkthroughs(more, out / "warmup_state", games, probes=True)
+    return ",".join(str(f) for f in (cfg.warmup_transitions, walk, play, probes) if f)
 
 
 # ---------- §4 filter: the filter's split, the easiness copy (+ warm-up), too-easy subsampling
@@ -249,7 +270,7 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> str:
     warm = cfg  # the warm-up also trains on more games' triplets (config.json: the command's)
     if cfg.warmup and cfg.warmup_games:
         with cost.stage("warm-up collect"):
-            more = warmup_collections(cfg, out, load, collect)
+            more = warmup_collections(cfg, out, load)
             warm = dataclasses.replace(cfg, warmup_transitions=more)
     kept, start = filter_triplets(warm, trips, filter_dir(cfg, out), load, reward_fn)
     sets = dict(heldout, train=dict(triplets=kept, file=str(filter_dir(cfg, out) / "kept.jsonl")))
@@ -311,7 +332,7 @@ def heldout_triplets(cfg, out: Path, load) -> dict[str, dict]:
     sets, paths = {}, dict(  # the walkthroughs and the state probes first: they need no model
         purposeful=walkthroughs(held, out / "heldout_purposeful", split_games(held)),
         state=walkthroughs(held, out / "heldout_state", split_games(held), probes=True),
-        explore=cached_heldout(play, out / "heldout", load, collect))
+        explore=cached_collect(play, out / "heldout", load))
     for kind, path in paths.items():
         if not (trips := read_jsonl(path)):
             raise UserError(f"no held-out {kind} triplets in {path}; use more --heldout-games")

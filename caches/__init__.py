@@ -1,6 +1,6 @@
 """The caches that let a run reuse what the same settings and code (`code_sha`) made, each checked
 whole before use: the filter's, the held-out explore set's ($RWML_CACHE/heldout), the warm-up's
-more games', `all`'s "before" scores. Never imports rwml or train.py."""
+more games', `all`'s "before" scores. Never imports train.py: train.py plays, these keep."""
 from __future__ import annotations
 
 import contextlib
@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,8 +18,7 @@ import envs
 import rwml
 from harness.common import code_sha, file_problem, names, read_jsonl, write_atomic, write_jsonl
 from stages.plumbing import write_eval
-from stages.runs import (WARMUP_STREAM, before_made_by, collect_job, collect_meta, split_games,
-                               walkthroughs, warmup_games)
+from stages.runs import before_made_by, collect_job, collect_meta, split_games
 
 def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | None]:
     """The filter's cache key and, if `out` holds a whole output of it, (kept, warm-up)."""
@@ -85,21 +83,8 @@ def heldout_key(cfg, games: list | None = None) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def warmup_collections(cfg, out: Path, load, collect) -> str:
-    """`all`'s more warm-up triplets: walkthroughs of `warmup_games` other train games (not GRPO's)
-    and the policy's play of them (its "Nothing happens." targets; cached as the held-out set)."""
-    more = replace(cfg, num_games=cfg.warmup_games, seed=cfg.seed + WARMUP_STREAM, adapter=None)
-    games = warmup_games(cfg)
-    walk = collect(replace(more, walkthrough=True), out / "warmup_walk", load, games)
-    play = cached_heldout(replace(more, walkthrough=False), out / "warmup_play", load, collect,
-                          what="the warm-up's more train triplets", games=games)
-    probes = cfg.train_probes and walkthroughs(more, out / "warmup_state", games, probes=True)
-    return ",".join(str(f) for f in (cfg.warmup_transitions, walk, play, probes) if f)
-
-
-def cached_heldout(cfg, out: Path, load, collect, what: str = "the held-out explore triplets",
-                   games: list | None = None) -> Path:
-    """Held-out triplets played once per `heldout_key`, then copied whole from the cache."""
+def heldout_restore(cfg, out: Path, what: str, games: list | None = None) -> tuple[Path, bool]:
+    """Before a cached collection: `out` cleared of other settings' or filled from the cache."""
     cache = engine.MODEL_CACHE / "heldout" / heldout_key(cfg, games)
     for old in [*cache.parent.glob("*.tmp"), *cache.parent.glob("*.damaged")]:
         if not Path(f"/proc/{old.name.split('.')[-2]}").exists():  # a killed run's leftovers
@@ -124,7 +109,11 @@ def cached_heldout(cfg, out: Path, load, collect, what: str = "the held-out expl
             with contextlib.suppress(OSError):  # aside first: no reader sees half a folder
                 os.replace(cache, aside := cache.with_name(f"{cache.name}.{os.getpid()}.damaged"))
                 shutil.rmtree(aside, ignore_errors=True)
-    path = collect(cfg, out, load, games)
+    return cache, fresh
+
+
+def heldout_store(cache: Path, out: Path, fresh: bool) -> None:
+    """After it: a fresh collection's files into the cache entry, whole or not at all."""
     if fresh and not cache.exists():
         tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
         with contextlib.suppress(OSError):  # a read-only cache costs only the next run's collection
@@ -136,7 +125,6 @@ def cached_heldout(cfg, out: Path, load, collect, what: str = "the held-out expl
             write_atomic(tmp / "sha256.json", json.dumps(sums, indent=2))
             os.replace(tmp, cache)  # whole or not at all
         shutil.rmtree(tmp, ignore_errors=True)
-    return path
 
 
 def heldout_entry(cache: Path) -> tuple[dict[str, bytes] | None, str]:

@@ -132,7 +132,7 @@ def test_eval_wm_scores_at_the_triplets_tau_d_and_names_a_collect_json_that_disa
 
 @pytest.fixture
 def heldout(tiny_model, tmp_path, monkeypatch):
-    """cached_heldout with a stand-in collection (2 triplets, 1 episode; one copied in is finished, as
+    """train.cached_collect with a stand-in collection (2 triplets, 1 episode; one copied in is finished, as
     collect's): (play(out) -> its triplets, the folders it played in, the cache entry)."""
     import engine
 
@@ -151,8 +151,10 @@ def heldout(tiny_model, tmp_path, monkeypatch):
         (out / "episodes.jsonl").write_text(json.dumps(dict(game="g", rollout=0)) + "\n")
         return out / "transitions.jsonl"
 
+    monkeypatch.setattr(train, "collect", collect)
+
     def play(name: str) -> list[dict]:
-        return read_jsonl(caches.cached_heldout(cfg, tmp_path / name, None, collect))
+        return read_jsonl(train.cached_collect(cfg, tmp_path / name, None))
 
     entry = tmp_path / "cache" / "heldout" / caches.heldout_key(cfg)
     return play, plays, entry

@@ -278,10 +278,11 @@ def test_heldout_leftovers_go_and_other_heldout_games_replace_the_set(tmp_path, 
     cfg = train.Settings(split="valid_unseen", num_games=1, seed=0, rollouts_per_game=1)
     out = tmp_path / "run" / "heldout"
     out.mkdir(parents=True)
-    caches.cached_heldout(cfg, out, None, fake_collect)
+    monkeypatch.setattr(train, "collect", fake_collect)
+    train.cached_collect(cfg, out, None)
     assert sorted(p.suffix for p in (tmp_path / "cache" / "heldout").iterdir()) == [""]
     assert len(read_jsonl(out / "transitions.jsonl")) == 1
-    caches.cached_heldout(dataclasses.replace(cfg, num_games=2), out, None, fake_collect)
+    train.cached_collect(dataclasses.replace(cfg, num_games=2), out, None)
     assert "holds the held-out explore triplets of other settings; collecting these in their place" in \
         capsys.readouterr().out
     assert len(read_jsonl(out / "transitions.jsonl")) == 2
