@@ -33,9 +33,9 @@ from stages.runs import (WARMUP_STREAM, check_stage, claim_out, collection_summa
                           walkthroughs, warmup_games, wm_row)
 from harness.cli import parse_stage, run_cli
 from harness.common import RERUN, UserError, read_jsonl, write_atomic
-from stages.plumbing import (check_run, close_tracker, config_json, filter_dir, jsonl_writer,
-                              keep_rng, log_row, run_header, sample_triplets, save_checkpoint,
-                              start_run, swap_checkpoint, use_4bit, write_eval)
+from stages.plumbing import (check_io, check_run, close_tracker, config_json, filter_dir,
+                              jsonl_writer, keep_rng, log_row, run_header, sample_triplets,
+                              save_checkpoint, start_run, swap_checkpoint, use_4bit, write_eval)
 from stages.settings import STAGES, Settings  # every setting: its flag, default
 from harness import cost
 from stages.cards import CONTROLS, TRIPLETS_KEPT, card_run, plot_rewards, save_adapter
@@ -101,8 +101,7 @@ def warmup_collections(cfg: Settings, out: Path, load) -> str:
 # ---------- §4 filter: the filter's split, the easiness copy (+ warm-up), too-easy subsampling
 def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
                     reward_fn) -> tuple[list[dict], Path | None]:
-    """§4 (rwml.filter_copy, filter_keep), cached in `out`: (kept triplets, the warm-up adapter
-    that RWML, its baselines and controls start from, and their KL reference; or None)."""
+    """§4, cached in `out`: (kept triplets, the warm-up adapter RWML starts from, or None)."""
     with cost.stage("filter"):
         job, cached = filter_cache(cfg, triplets, out)
         if cached:
@@ -135,8 +134,7 @@ def filter_triplets(cfg: Settings, triplets: list[dict], out: Path, load,
 
 # ------------------- §3, §5 wm: RWML, GRPO on world-model prompts with the embedding reward
 def start_adapter(cfg, model, adapter: Path | str | None = None):
-    """A fresh LoRA (KL reference: the base model), or a saved adapter (the warm-up; stage 2's
-    start) trained beside a frozen copy "ref", the reference (rwml.reference_policy)."""
+    """A fresh LoRA (KL reference: the base), or a saved one beside its frozen copy "ref"."""
     if adapter is None:
         return engine.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
                                cfg.lora_target_modules, cfg.gradient_checkpointing)
@@ -161,8 +159,7 @@ def start_training(cfg: Settings, model, start, out: Path, stage: str = "wm"):
 
 
 def next_batch(state: dict, n: int, size: int, seed: int) -> list[int]:
-    """The next `size` triplet indices; advances state's epoch and cursor. An epoch's shuffle
-    depends only on (seed, epoch): a resumed run, and the matched WM-SFT control, see the same."""
+    """The next `size` triplet indices; an epoch's shuffle depends on (seed, epoch) alone."""
     batch, order = [], None
     while len(batch) < size:
         if state["cursor"] >= n:
@@ -305,8 +302,7 @@ COIN_STREAM = 1_000_003  # COIN's coin: seed + this (a coin run's control is ano
 
 def coin_control(cfg, out: Path, load, reward_fn, start, model, kept: list[dict],
                  heldout: dict) -> None:
-    """`--coin-control`, line (e): RWML's recipe, a fair coin for its reward, matched in all else.
-    One arm decides nothing (a coin run passed RWML - COIN on fresh seeds)."""
+    """`--coin-control`, line (e): RWML's recipe, a fair coin for its reward, else matched."""
     model.unload()  # the bare base model again: the control starts from the warm-up as RWML did
     ctrl = out / "coin_control"
     ctrl.mkdir(parents=True, exist_ok=True)
@@ -464,8 +460,9 @@ def main(argv: list[str] | None = None) -> None:
     stage, cfg, given = parse_stage(sys.argv[1:] if argv is None else argv, STAGES, Settings)
     cfg = settle_env(stage, cfg, given)  # the settings completed: the triplets' environment
     out, t0 = Path(cfg.out), time.time()
-    check_run(cfg)
-    check_stage(cfg, stage)  # before anything slow
+    check_run(cfg)  # before anything slow: the settings, then the stage's, then the files
+    check_stage(cfg, stage)
+    check_io(cfg)
     trips, curve = stage_inputs(cfg, stage, triplet_problem(cfg))  # data, wm's curve
     claim_out(cfg, out, stage)  # the --out lock, and --resume's checks
     with cost.run(out, since=t0):  # at the end: the cost line (from t0, the checks too), cost.json

@@ -36,8 +36,8 @@ import engine  # noqa: E402
 from harness import cost
 from harness.cli import parse_stage, run_cli  # noqa: E402
 from harness.common import RERUN, UserError, arg, write_atomic, write_jsonl  # noqa: E402
-from stages.plumbing import (PROMPT_TAIL, check_run, check_settings, config_json, filter_dir, group_table,
-                              process_state, run_header, use_4bit)
+from stages.plumbing import (PROMPT_TAIL, check_io, check_run, check_settings, config_json, filter_dir,
+                              group_table, process_state, run_header, use_4bit)
 from stages.cards import TRIPLETS_KEPT, card_folder, card_run, plot_rewards, save_adapter
 
 CARD = "trained in TRL's GRPOTrainer (lab/trl_grpo.py)"
@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(cfg.out)
     check_run(cfg, processes=True)  # accelerate launch: every process runs this, TRL shares the work
     check(cfg)
+    check_io(cfg)
     trips, _ = stage_inputs(cfg, "wm", runs.triplet_problem(cfg))
     claim_out(cfg, out, "trl")
     if found := next(out.glob("checkpoint*"), None):

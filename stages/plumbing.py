@@ -34,12 +34,15 @@ PROMPT_TAIL = 300  # a prompt's characters kept in samples.jsonl: the last obser
 
 # ------------------------------------------------------------- checks before anything slow runs
 def check_run(cfg, processes: bool = False) -> None:
-    """What every stage checks before anything slow runs (then the stage its own: check_stage);
-    `processes`: the caller shares its work between `accelerate launch`'s processes (TRL's)."""
+    """Every stage's first checks (`processes`: `accelerate launch`'s processes share the work)."""
     check_fields(cfg)
     check_cache(cfg)
     if not processes:
         check_single_process()
+
+
+def check_io(cfg) -> None:
+    """Every stage's last checks before anything slow: tracker, folders, adapter, context."""
     if cfg.report_to != "none" and importlib.util.find_spec(cfg.report_to) is None:
         raise UserError(f"--report-to {cfg.report_to} needs the {cfg.report_to} package: pip "
                         "install -r requirements-trackers.txt (or --report-to none)")
