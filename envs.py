@@ -8,11 +8,13 @@ official ALFWorld game files (as `alfworld.agents.environment.AlfredTWEnv` does)
   - content-free baselines, strict metrics, `score_wm`; walkthroughs and state probes as triplets;
   - `Alfworld`: the interface's ALFWorld, whose class holds its facts (tau_d, prompts, cap, splits).
   - the game pool: worker processes and engine caches, which only make the games faster;
-  - the registry of every environment (`ENVIRONMENTS`): the others, worlds/, loaded by name.
+  - the registry of every environment (`ENVIRONMENTS`): the others, worlds/, loaded by name;
+  - the one-line error every module of the repository raises (`UserError`), its did-you-mean.
 """
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import importlib
 import json
@@ -26,7 +28,28 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-from harness.common import RERUN, UserError, did_you_mean, utf8_clean
+# ----------------------------------------------------------------------------- errors
+RERUN = "rerun the same command to continue (with --resume for train.py wm and policy)"
+
+
+class UserError(Exception):
+    """Bad input or a failure the user can fix: one line "error: ...", exit status 1."""
+
+
+def closest(value: str, options) -> str | None:
+    """The option a typo most likely meant, or None: the hint of every "unknown ..." error."""
+    close = difflib.get_close_matches(str(value), list(options), n=1)
+    return close[0] if close else None
+
+
+def did_you_mean(value: str, options) -> str:
+    return f" (did you mean {c!r}?)" if (c := closest(value, options)) else ""
+
+
+def utf8_clean(text: str) -> str:
+    """Text that encodes as UTF-8: a lone surrogate ("\\ud800") becomes "?" (tokenizers raise)."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
 
 SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")  # valid_seen: ID, valid_unseen: OOD
 TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
@@ -76,7 +99,7 @@ def game_id(game: str) -> str:
     return f"{p.parent.parent.name}/{p.parent.name}"
 
 
-# ------------------------------------------------------------------------- actions from model text
+# ---------------------------------------------------------- actions and predictions from model text
 
 _TAG = re.compile(r"</?\s*(action|think)\s*>", re.I)
 MAX_ACTION_CHARS = 200  # the longest admissible ALFWorld command is ~60 characters
@@ -123,6 +146,29 @@ def parse_action(text) -> tuple[str, bool]:
 
 def is_inefficient(command: str) -> bool:
     return command.split(" ", 1)[0] in INEFFICIENT if command else False
+
+
+_OPEN, _CLOSE = re.compile("<next_state>", re.I), re.compile("</next_state>", re.I)
+
+
+def _last(pattern: re.Pattern, text: str, end: int):
+    return max(pattern.finditer(text, 0, end), key=lambda m: m.start(), default=None)
+
+
+def parse_next_state(completion) -> str | None:
+    """The last `<next_state>` block, spaces folded; None when there is none. Nested opening tags
+    ("<next_state>a<next_state>b</next_state>") give the innermost block ("b"). Linear time."""
+    if isinstance(completion, list):  # TRL's conversational format: [{"role", "content"}, ...]
+        last = completion[-1] if completion else None
+        completion = last.get("content") if isinstance(last, dict) else ""
+    if not isinstance(completion, str):
+        return None
+    close = _last(_CLOSE, completion, len(completion))
+    start = close and _last(_OPEN, completion, close.start())
+    if not start:
+        return None
+    inner = completion[start.end():_CLOSE.search(completion, start.end()).start()]
+    return " ".join(inner.split()) or None
 
 
 # -------------------------------------------------------------- exploration and observation kinds
@@ -361,8 +407,6 @@ def score_wm(triplets: list[dict], completions: list[str], reward_fn, k: int = 1
     """Score k completions per triplet (`<next_state>` replies, in triplet order): the summaries of
     rwml.evaluate_wm, and under `triplets` one row per triplet (predictions, rewards, cosines, kind,
     whether the template rule hits it). Content-free baselines are scored here too."""
-    from reward import parse_next_state  # here: reward.py imports torch; envs stays cheap to import
-
     targets = [t["next_obs"] for t in triplets for _ in range(k)]
     rewards = reward_fn(completions, targets)
     states = [parse_next_state(p) for p in completions]

@@ -30,7 +30,8 @@ from stages.settings import (AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLA
                               WorldArgs, WorldModelArgs)
 from readout import verdict
 from harness.cli import check_fields, commands_help, parse_config, run_cli
-from harness.common import UserError, again, arg, names, stored_config, write_atomic
+from harness.common import again, arg, names, stored_config, write_atomic
+from envs import UserError
 from stages.plumbing import (check_adapter, check_cache, check_context, check_writable,
                               read_transitions, sample_triplets, write_eval)
 

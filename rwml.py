@@ -27,9 +27,8 @@ import torch
 from tqdm.auto import tqdm
 
 import envs
-from reward import parse_next_state
 from engine import add_lora, by_length, completion_logprobs, group_logprobs, pack, sample_chat, sft
-from harness.common import UserError
+from envs import UserError, parse_next_state
 
 ALFWORLD_LEN = envs.Alfworld.max_completion_length  # a prediction's tokens in the default run
 

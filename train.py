@@ -32,7 +32,8 @@ from stages.runs import (WARMUP_STREAM, check_stage, claim_out, collection_summa
                           settle_env, split_games, stage_inputs, telling, triplet_problem,
                           walkthroughs, warmup_games, wm_row)
 from harness.cli import parse_stage, run_cli
-from harness.common import RERUN, UserError, read_jsonl, write_atomic
+from harness.common import read_jsonl, write_atomic
+from envs import RERUN, UserError
 from stages.plumbing import (check_io, check_run, close_tracker, config_json, filter_dir,
                               jsonl_writer, keep_rng, log_row, run_header, sample_triplets,
                               save_checkpoint, start_run, swap_checkpoint, use_4bit, write_eval)
@@ -462,6 +463,9 @@ def main(argv: list[str] | None = None) -> None:
     out, t0 = Path(cfg.out), time.time()
     check_run(cfg)  # before anything slow: the settings, then the stage's, then the files
     check_stage(cfg, stage)
+    if cfg.model == engine.BUNDLED_MODEL and not engine.bundled_copy().is_dir():
+        with cost.stage("model conversion"):  # once per machine (~1 min), in the cost line
+            engine.bundled_smollm2()
     check_io(cfg)
     trips, curve = stage_inputs(cfg, stage, triplet_problem(cfg))  # data, wm's curve
     claim_out(cfg, out, stage)  # the --out lock, and --resume's checks

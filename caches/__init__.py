@@ -16,16 +16,15 @@ import engine
 from harness import cost
 import envs
 import rwml
-from harness.common import code_sha, file_problem, names, read_jsonl, write_atomic, write_jsonl
+from harness.common import code_sha, names, read_jsonl, write_atomic, write_jsonl
 from stages.plumbing import write_eval
 from stages.runs import before_made_by, collect_job, collect_meta, split_games
 
 def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | None]:
     """The filter's cache key and, if `out` holds a whole output of it, (kept, warm-up)."""
     kept_file, meta_file, warm = out / "kept.jsonl", out / "filter.json", out / "warmup_adapter"
-    seed = cfg.seed if cfg.filter_seed is None else cfg.filter_seed
-    job = {k: getattr(cfg, k) for k in names(cfg, "filter")}
-    job.update(seed=seed, num_triplets=len(triplets))
+    job = {k: getattr(cfg, k) for k in names(cfg, "filter")} | dict(
+        seed=cfg.seed if cfg.filter_seed is None else cfg.filter_seed, num_triplets=len(triplets))
     # by content, not by name: the same triplets and warm-up files elsewhere are the same job
     more = [Path(f) for f in (cfg.warmup_transitions or "").split(",") if f]
     warm_files = b"".join(f.read_bytes() for f in more if f.is_file())
@@ -39,8 +38,9 @@ def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | No
         meta, stored = {}, None
     # a kept set is the same with or without the warm-up unless mixed_only (the warm-up's) chose it
     same = stored == job or stored == job | {"warmup": True} and not cfg.mixed_only
-    if kept_file.exists() and same and (not cfg.warmup or (warm / "adapter_config.json").is_file()
-                                        and not file_problem(warm / "adapter_model.safetensors")):
+    whole = (warm / "adapter_config.json").is_file() and not engine.file_problem(
+        warm / "adapter_model.safetensors")  # the warm-up adapter, if any, whole
+    if kept_file.exists() and same and (not cfg.warmup or whole):
         if len(kept := read_jsonl(kept_file)) == meta.get("num_kept"):
             print(f"filter: reusing {kept_file} ({len(kept)} triplets)"
                   + (f" and {warm}" if cfg.warmup else ""))
@@ -171,7 +171,7 @@ def scores_before(cfg, out: Path, sets: dict, start, load, reward_fn) -> dict[st
 
 def _before_problem(f: Path, made: dict) -> str | None:
     """Why a "before" score cannot be reused: missing, damaged, made by other inputs, rows cut."""
-    if problem := file_problem(f):
+    if problem := engine.file_problem(f):
         return f"{f} {problem}"
     if not isinstance(old := json.loads(f.read_text()), dict) or old.get("made_by") != made:
         return f"{f} was made by another model, triplets, settings or code"

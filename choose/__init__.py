@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.common import UserError
+from envs import UserError
 from engine import chat, group_logprobs
 
 CHOICE_PREFIX, CHOICE_END = "<action>", "</action>"

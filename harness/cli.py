@@ -20,7 +20,8 @@ from pathlib import Path
 import yaml
 from transformers import HfArgumentParser
 
-from harness.common import RERUN, UserError, clip, closest, did_you_mean
+from harness.common import clip
+from envs import RERUN, UserError, closest, did_you_mean
 
 
 class _Parser(HfArgumentParser):

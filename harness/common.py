@@ -1,45 +1,22 @@
-"""What every layer needs: the one-line error (`UserError`), its did-you-mean, a setting's
-declaration (`arg`), files written whole, paths as a reader's clone has them. Imports no module of
-this project."""
+"""What the run layer needs: a setting's declaration (`arg`), files written whole, paths as a
+reader's clone has them, a cache key's code. The one-line error is the core's (envs.py)."""
 from __future__ import annotations
 
 import ast
 import contextlib
 import dataclasses
-import difflib
 import functools
 import hashlib
 import json
 import os
-import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository (this file is in harness/)
-RERUN = "rerun the same command to continue (with --resume for train.py wm and policy)"
-
-
-class UserError(Exception):
-    """Bad input or a failure the user can fix: one line "error: ...", exit status 1."""
-
-
-def closest(value: str, options) -> str | None:
-    """The option a typo most likely meant, or None: the hint of every "unknown ..." error."""
-    close = difflib.get_close_matches(str(value), list(options), n=1)
-    return close[0] if close else None
-
-
-def did_you_mean(value: str, options) -> str:
-    return f" (did you mean {c!r}?)" if (c := closest(value, options)) else ""
 
 
 def clip(text: str, n: int = 80) -> str:
     """A user's string echoed in a one-line error: at most `n` characters of it."""
     return text if len(text) <= n else f"{text[:n]}... ({len(text):,} characters)"
-
-
-def utf8_clean(text: str) -> str:
-    """Text that encodes as UTF-8: a lone surrogate ("\\ud800") becomes "?" (tokenizers raise)."""
-    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def arg(default, help: str, *, choices: tuple | None = None, min: float | None = None, check=None,
@@ -118,26 +95,6 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def write_jsonl(path: Path, rows, default=None) -> None:
     write_atomic(path, "".join(json.dumps(r, default=default) + "\n" for r in rows))
-
-
-def file_problem(path: Path) -> str | None:
-    """Why a safetensors (header, size), JSON or torch.save file (zip checksums) fails, or None."""
-    if not path.is_file():
-        return "is missing"
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors import safe_open
-            with safe_open(str(path), "pt"):
-                pass
-        elif path.suffix == ".json":
-            json.loads(path.read_text(encoding="utf-8"))
-        else:
-            with zipfile.ZipFile(path) as z:
-                if bad := z.testzip():
-                    raise ValueError(f"record {bad} fails its checksum")
-    except Exception as e:  # noqa: BLE001 -- whatever the reader raises, the file is the problem
-        return f"is damaged ({(str(e).splitlines() or [type(e).__name__])[0]})"
-    return None
 
 
 OUTSIDE = "<path>"  # what a recorded path outside the repository becomes

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 from readout import stats  # noqa: E402
-from harness.common import UserError  # noqa: E402
+from envs import UserError  # noqa: E402
 
 REWRITE = ("write it again with `eval.py agent --out FILE` (lab/stage2_test.sh's layout), or give another "
            "folder")

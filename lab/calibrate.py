@@ -20,7 +20,8 @@ from harness.common import arg, write_atomic
 from eval import WMEvalConfig, with_env_defaults
 from stages.plumbing import check_adapter, check_context, check_writable, read_transitions, sample_triplets
 from repo_path import repo_path, stored_config
-from reward import SimToRealReward, make_reward, parse_next_state
+from envs import parse_next_state
+from reward import SimToRealReward, make_reward
 from stages.runs import triplet_problem
 
 

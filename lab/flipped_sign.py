@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's mo
 
 import rwml  # noqa: E402
 import train  # noqa: E402
-from harness.common import RERUN  # noqa: E402
+from envs import RERUN
 from harness.cli import run_cli  # noqa: E402
 
 _advantages = rwml.group_advantages

@@ -24,7 +24,8 @@ from stages.runs import triplet_key  # noqa: E402
 from readout import verdict  # noqa: E402
 from readout.verdict import compare  # noqa: E402
 from readout import stats  # noqa: E402
-from harness.common import UserError, read_jsonl  # noqa: E402
+from harness.common import read_jsonl  # noqa: E402
+from envs import UserError  # noqa: E402
 
 ROWS = (("template", "the template rule"), ("before", "the warm-up"), ("coin", "the matched COIN arm"))
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 from readout.verdict import compare  # noqa: E402
 from readout import stats  # noqa: E402
-from harness.common import UserError  # noqa: E402
+from envs import UserError  # noqa: E402
 
 KINDS = ("explore", "purposeful")
 

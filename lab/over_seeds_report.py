@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 from fresh_seeds_report import sides  # noqa: E402
 from readout import stats  # noqa: E402
-from harness.common import UserError  # noqa: E402
+from envs import UserError  # noqa: E402
 
 CONTROLS = (("coin", "GRPO with a coin for a reward"), ("template", "GRPO rewarded for the rule's sentence"))
 LINES = (("(a) the reward on RWML's training prompts", ("train",), "rewards"),

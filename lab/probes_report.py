@@ -18,7 +18,7 @@ BASELINES = (("template", "template rule"), ("rule_copy", "rule + copy"), ("trac
 
 
 def exact_reward(completions, targets):  # score_wm's reward slot: the strict metrics are reported
-    from reward import parse_next_state
+    from envs import parse_next_state
 
     return [float(envs.exact_match(parse_next_state(c), t)) for c, t in zip(completions, targets)]
 

@@ -15,7 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 from readout import stats  # noqa: E402
-from harness.common import UserError, write_atomic  # noqa: E402
+from harness.common import write_atomic  # noqa: E402
+from envs import UserError  # noqa: E402
 
 CELLS = (("train", "rewards"), ("explore", "rewards"), ("explore", "exact"), ("purposeful", "rewards"),
          ("purposeful", "exact"))

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import envs
 from harness.cli import commands_help, parse_config, resume_free, run_cli
-from harness.common import UserError, arg, read_jsonl, write_atomic
+from harness.common import arg, read_jsonl, write_atomic
+from envs import UserError
 from stages.plumbing import check_writable
 from train import Settings
 from readout.verdict import HELDOUT_KINDS

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 import envs  # noqa: E402
 from readout import stats  # noqa: E402
-from harness.common import UserError  # noqa: E402
+from envs import UserError  # noqa: E402
 from repo_path import repo_path  # noqa: E402
 
 ARMS, BASELINES, SPLITS = ("warmup", "rwml", "wm_sft", "coin"), ("base", "template", "nothing", "copy"), \
@@ -316,7 +316,7 @@ def training_groups(log: Path) -> list[dict]:
 
 def training_samples(path: Path) -> list[dict]:
     """Every completion of the whole GRPO groups in a run's samples.jsonl (each logged step), a row each."""
-    from reward import parse_next_state
+    from envs import parse_next_state
 
     out = []
     fix = "give a run's samples.jsonl (train.py wm writes it), or --log"

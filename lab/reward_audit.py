@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 import envs
 from harness.cli import commands_help, parse_config, run_cli
-from harness.common import UserError, arg, write_atomic
+from harness.common import arg, write_atomic
+from envs import UserError
 from stages.plumbing import check_writable
 from repo_path import is_local_path, repo_path
 from reward import rouge1
@@ -363,7 +364,8 @@ def parse_taus(text: str) -> list[float]:
 
 def distances(pairs: list[dict], embedder: str) -> list[float]:
     """d = 1 - cos(E(prediction), E(target)) of each pair, the prediction as the reward reads it."""
-    from reward import SimToRealReward, parse_next_state
+    from envs import parse_next_state
+    from reward import SimToRealReward
 
     r = SimToRealReward(embedder)
     preds = [parse_next_state(f"<next_state>{p['candidate']}</next_state>") for p in pairs]
@@ -498,7 +500,7 @@ def token_lengths(pairs: list[dict], cap: int) -> list[str]:
 
     import engine
 
-    tok = AutoTokenizer.from_pretrained(engine._bundled_smollm2())
+    tok = AutoTokenizer.from_pretrained(engine.bundled_smollm2())
     lines = [f"token length of <next_state>{{obs}}</next_state> (the bundled SmolLM2 tokenizer), cap {cap}; "
              f"the cap rule: {CAP_RULE}:"]
     for env in sorted({p["env"] for p in pairs}):

@@ -31,16 +31,23 @@ import train  # noqa: E402
 from stages import runs  # noqa: E402
 from readout import verdict
 from stages.runs import check_stage, claim_out, releases_locks, settle_env, stage_inputs  # noqa: E402
-from reward import parse_next_state  # noqa: E402
+from envs import parse_next_state  # noqa: E402
 import engine  # noqa: E402
 from harness import cost
 from harness.cli import parse_stage, run_cli  # noqa: E402
-from harness.common import RERUN, UserError, arg, write_atomic, write_jsonl  # noqa: E402
+from harness.common import arg, write_atomic, write_jsonl
+from envs import RERUN, UserError
 from stages.plumbing import (PROMPT_TAIL, check_io, check_run, check_settings, config_json, filter_dir,
-                              group_table, process_state, run_header, use_4bit)
+                              group_table, run_header, use_4bit)
 from stages.cards import TRIPLETS_KEPT, card_folder, card_run, plot_rewards, save_adapter
 
 CARD = "trained in TRL's GRPOTrainer (lab/trl_grpo.py)"
+
+
+def process_state():
+    """accelerate's view of this process (of `accelerate launch`'s, or alone); no CUDA: gloo."""
+    from accelerate import PartialState
+    return PartialState(cpu=not torch.cuda.is_available())
 
 
 @dataclass

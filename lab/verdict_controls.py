@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 import envs  # noqa: E402
 from readout import verdict  # noqa: E402
-from harness.common import UserError, read_jsonl, write_jsonl  # noqa: E402
+from harness.common import read_jsonl, write_jsonl  # noqa: E402
+from envs import UserError  # noqa: E402
 from stages.plumbing import sample_triplets  # noqa: E402
 from reward import SimToRealReward  # noqa: E402
 

@@ -20,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 from readout import verdict  # noqa: E402
-from harness.common import UserError, read_jsonl  # noqa: E402
+from harness.common import read_jsonl  # noqa: E402
+from envs import UserError  # noqa: E402
 
 KINDS = verdict.HELDOUT_KINDS
 

@@ -13,7 +13,8 @@ import engine
 from readout import stats
 from stages.cards import TRIPLETS_KEPT, plot_rewards, write_card
 from reward import coin_reward, mis_targets
-from harness.common import UserError, read_jsonl, write_atomic
+from harness.common import read_jsonl, write_atomic
+from envs import UserError
 from stages.plumbing import write_eval
 
 HELDOUT_KINDS = ("explore", "purposeful")  # the collection policy's triplets; the walkthroughs'

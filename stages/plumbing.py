@@ -19,8 +19,8 @@ import torch
 import engine
 from stages.cards import save_peft
 from harness.cli import check_fields, resume_free
-from harness.common import (PATH_KEYS, UserError, file_problem, read_jsonl, stored_config,
-                            write_atomic, write_jsonl)
+from harness.common import PATH_KEYS, read_jsonl, stored_config, write_atomic, write_jsonl
+from envs import UserError
 
 TRIPLET_FORMAT = "JSON lines with task, history, action, next_obs, as train.py collect writes"
 # grpo_step's names -> TRL GRPOTrainer's: metrics.jsonl and the trackers hold TRL's names only
@@ -61,8 +61,8 @@ def check_cache(cfg) -> None:
         raise UserError(f"RWML_CACHE={root} is not a folder{fix}")
     if getattr(cfg, "model", None) != engine.BUNDLED_MODEL:
         return
-    if (root / "SmolLM2-135M-Instruct").is_dir():
-        engine._bundled_smollm2()  # converted: names a damaged copy now (reads a header, two JSONs)
+    if engine.bundled_copy().is_dir():
+        engine.bundled_smollm2()  # converted: names a damaged copy now (reads a header, two JSONs)
         return
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -88,12 +88,6 @@ def use_4bit(cfg) -> bool:
         return cfg.load_in_4bit
     cuda = torch.cuda.is_available()
     return engine.default_4bit(cuda, engine.count_parameters(cfg.model) if cuda else None)
-
-
-def process_state():
-    """accelerate's view of this process (of `accelerate launch`'s, or alone); no CUDA: gloo."""
-    from accelerate import PartialState
-    return PartialState(cpu=not torch.cuda.is_available())
 
 
 def triplet_problem(t) -> str | None:
@@ -147,7 +141,7 @@ def model_context(name: str) -> tuple[object, int | None]:
     """(tokenizer, context length) without the weights; (None, None): load_model says why."""
     from transformers import AutoConfig, AutoTokenizer
     try:
-        path = engine._bundled_smollm2() if name == engine.BUNDLED_MODEL else name
+        path = engine.bundled_smollm2() if name == engine.BUNDLED_MODEL else name
         config, tok = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     except Exception:  # noqa: BLE001 -- no config to read: nothing to check here
         return None, None
@@ -222,14 +216,14 @@ def check_adapter(path: str | None, flag: str = "--adapter") -> None:
                         f"again, or give another {flag}") from None
     weights = next((Path(path) / n for n in ("adapter_model.safetensors", "adapter_model.bin")
                     if (Path(path) / n).is_file()), Path(path) / "adapter_model.safetensors")
-    if problem := file_problem(weights):
+    if problem := engine.file_problem(weights):
         raise UserError(f"{weights} {problem}; save the adapter again, or give another {flag}")
 
 
 def checkpoint_problem(folder: Path) -> str | None:
     """Why a checkpoint would not load back, or None: both files read whole, not merely exist."""
     return next((f"{folder / n} {p}" for n in ("adapter_model.safetensors", "trainer_state.pt")
-                 if (p := file_problem(folder / n))), None)
+                 if (p := engine.file_problem(folder / n))), None)
 
 
 def keep_rng():

@@ -22,10 +22,10 @@ from tqdm.auto import tqdm
 
 import envs
 import rwml
-from harness.common import UserError, code_sha, names, read_jsonl, write_atomic, write_jsonl
+from harness.common import code_sha, names, read_jsonl, write_atomic, write_jsonl
+from envs import UserError, parse_next_state
 from stages.plumbing import (PROMPT_TAIL, check_resume, context_problem, group_table, jsonl_writer,
                              read_transitions, run_header, sample_triplets)
-from reward import parse_next_state
 
 TRIPLET_STAGES = ("wm-sft", "filter", "wm", "export")  # the stages that read a collection
 WARMUP_STREAM = 100  # the warm-up's more train games are drawn with seed + this

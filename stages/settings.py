@@ -199,7 +199,43 @@ class GRPOArgs:
 
 
 @dataclass
-class GRPOConfig(GRPOArgs, SamplingArgs, engine.EngineArgs):
+class EngineArgs:
+    _argument_group_name = "the engine's speed (stages that train with GRPO)"
+    micro_batch_size: int = arg(8, "completions per forward/backward (gradient accumulation inside "
+                                   "a step)", min=1, resume_free=True)
+    micro_batch_tokens: int = arg(512, "and at most this many padded tokens (0: no limit; a bigger "
+                                       "group alone)", part_of="no-trl")
+    shared_prompt_forward: bool = arg(True, "training forward: a group's completions share one "
+                                            "prompt forward", resume_free=True, part_of="no-trl")
+    logits_chunk_size: int = arg(512, "completion tokens per vocabulary projection", min=1,
+                                 resume_free=True, part_of="no-trl")
+
+
+@dataclass
+class LoraArgs:
+    _argument_group_name = "the LoRA adapter every stage trains"
+    lora_r: int = arg(16, "LoRA rank (paper: full fine-tuning)", min=1, part_of="filter card")
+    lora_alpha: int = arg(32, "LoRA scale alpha / r", min=1, part_of="filter card")
+    lora_dropout: float = arg(0.0, "LoRA dropout", check=lambda v: 0 <= v <= 1,
+                              why="must be between 0 and 1")
+    lora_target_modules: str = arg("all-linear", 'or e.g. "q_proj,k_proj,v_proj,o_proj"',
+                                   part_of="filter")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, "
+                                              "more time", resume_free=True)
+
+
+@dataclass
+class SFTArgs:
+    _argument_group_name = "SFT: the filter's copy (the warm-up) and RFT"
+    sft_epochs: int | None = arg(None, "epochs of the SFT copy (the warm-up) and of RFT; None = 3, "
+                                       "or 1 when the warm-up has more triplets (warmup_games, "
+                                       "...)", min=1, part_of="filter card:filter card:rft")
+    sft_learning_rate: float = arg(5e-4, "their learning rate", check=lambda v: v > 0,
+                                   why="must be above 0", part_of="filter card:filter card:rft")
+
+
+@dataclass
+class GRPOConfig(GRPOArgs, SamplingArgs, EngineArgs):
     """What rwml.grpo_step and policy_step read alone (tests, benches); a run passes Settings."""
     max_completion_length: int = again(WorldModelArgs, "max_completion_length",  # ALFWorld's
                                        envs.Alfworld.max_completion_length)
@@ -258,8 +294,8 @@ class VerlArgs:
 
 @dataclass
 class Settings(ModelArgs, AdapterArgs, PlayArgs, WorldArgs, SamplingArgs, CollectArgs,
-               HeldoutArgs, WorldModelArgs, FilterArgs, engine.SFTArgs, engine.LoraArgs, GRPOArgs,
-               engine.EngineArgs, StepArgs, RWMLArgs, RunArgs, PolicyArgs, VerlArgs):
+               HeldoutArgs, WorldModelArgs, FilterArgs, SFTArgs, LoraArgs, GRPOArgs,
+               EngineArgs, StepArgs, RWMLArgs, RunArgs, PolicyArgs, VerlArgs):
     """Every setting of every stage: what `train.py` parses (a stage reads its groups, `STAGES`)."""
 
     def __post_init__(self):  # unset: its environment's (unknown --env: check_fields)
@@ -269,8 +305,8 @@ class Settings(ModelArgs, AdapterArgs, PlayArgs, WorldArgs, SamplingArgs, Collec
 
 
 _PLAY = (PlayArgs, WorldArgs, SamplingArgs)  # the agent plays
-_WM = (WorldModelArgs, FilterArgs, engine.SFTArgs, engine.LoraArgs)  # a world model
-_GRPO = (GRPOArgs, engine.EngineArgs, StepArgs)
+_WM = (WorldModelArgs, FilterArgs, SFTArgs, LoraArgs)  # a world model
+_GRPO = (GRPOArgs, EngineArgs, StepArgs)
 STAGES = {  # name -> its line in `train.py --help`, the setting groups it reads (--help, warnings)
     "all": ("collect (train + held-out games), then wm; held-out accuracy before / after",
             (ModelArgs, *_PLAY, CollectArgs, HeldoutArgs, *_WM, *_GRPO, RWMLArgs, RunArgs)),
@@ -283,10 +319,10 @@ STAGES = {  # name -> its line in `train.py --help`, the setting groups it reads
     "wm-sft": ("baseline: next-observation SFT on the same triplets (METHOD.md §7)",
                (ModelArgs, *_WM, StepArgs)),
     "rft": ("baseline: SFT on the model's own successful episodes (METHOD.md §7)",
-            (ModelArgs, *_PLAY, CollectArgs, engine.SFTArgs, engine.LoraArgs)),
+            (ModelArgs, *_PLAY, CollectArgs, SFTArgs, LoraArgs)),
     "policy": ("stage 2: multi-turn GRPO on task success, from base / RWML / WM SFT / RFT "
-               "(METHOD.md §6)", (ModelArgs, AdapterArgs, *_PLAY, GRPOArgs, engine.EngineArgs,
-                                  engine.LoraArgs, StepArgs, RunArgs, PolicyArgs)),
+               "(METHOD.md §6)", (ModelArgs, AdapterArgs, *_PLAY, GRPOArgs, EngineArgs,
+                                  LoraArgs, StepArgs, RunArgs, PolicyArgs)),
     "export": ("verl's GRPO parquets: the kept triplets and the held-out filter split (runs filter "
                "first, no warm-up); reward: verl_bridge/reward.py's compute_score",
                (ModelArgs, *_WM, VerlArgs)),

@@ -94,7 +94,7 @@ def test_a_read_only_textworld_cache_is_refused_before_generating(no_generation,
 @pytest.mark.parametrize("name,how", [("model.safetensors", "cut"), ("config.json", "cut"),
                                       ("tokenizer.json", "missing")])
 def test_a_damaged_bundled_model_cache_names_the_folder_to_delete(name, how, monkeypatch, tmp_path):
-    engine._bundled_smollm2()  # converts the bundled model where this cache is new (CI): ~17 s, once
+    engine.bundled_smollm2()  # converts the bundled model where this cache is new (CI): ~17 s, once
     folder = tmp_path / "SmolLM2-135M-Instruct"
     folder.mkdir()
     for f in REAL_MODEL.iterdir():
@@ -115,8 +115,8 @@ def test_a_damaged_bundled_model_cache_names_the_folder_to_delete(name, how, mon
 
 
 def test_a_whole_bundled_model_cache_is_used(monkeypatch):
-    engine._bundled_smollm2()  # converts the bundled model where this cache is new (CI): ~17 s, once
-    assert engine._bundled_smollm2() == str(REAL_MODEL)
+    engine.bundled_smollm2()  # converts the bundled model where this cache is new (CI): ~17 s, once
+    assert engine.bundled_smollm2() == str(REAL_MODEL)
 
 
 @pytest.mark.parametrize("how", ["file", "read-only", "uncreatable"])

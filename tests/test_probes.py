@@ -134,7 +134,7 @@ def test_the_tracker_says_none_where_the_window_lacks_the_answer():
 
 
 def reward_fn(completions, targets):  # the reward's interface without the embedder: exact or 0
-    from reward import parse_next_state
+    from envs import parse_next_state
 
     return [float(envs.exact_match(parse_next_state(c), t)) for c, t in zip(completions, targets)]
 

@@ -22,7 +22,7 @@ from stages import plumbing
 import train
 from worlds import tau2
 from stages.plumbing import read_jsonl
-from reward import parse_next_state
+from envs import parse_next_state
 
 # ----------------------------------------------------------------------------- the parsers, fuzzed
 

@@ -17,7 +17,8 @@ from stages.settings import WorldModelArgs
 import engine
 from harness import common
 from stages import plumbing
-from harness.common import ROOT, UserError, names, read_jsonl
+from harness.common import ROOT, names, read_jsonl
+from envs import UserError
 import reports
 
 TRIP = dict(task="put a mug in the fridge", history=[dict(observation="You are in the kitchen.")],

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import rwml
-from harness.common import UserError, utf8_clean
+from envs import UserError, utf8_clean
 from reward import BUNDLED_EMBEDDER
 
 

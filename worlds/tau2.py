@@ -12,7 +12,7 @@ import random
 import statistics
 from contextlib import nullcontext
 
-from harness.common import UserError, did_you_mean, utf8_clean
+from envs import UserError, did_you_mean, utf8_clean
 from engine import chat_template, load_model, sample
 from envs import _literal, tag_blocks
 

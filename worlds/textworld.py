@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from harness.common import UserError
+from envs import UserError
 from envs import Alfworld, Game
 
 TW_SPLITS = {"train": 0, "dev": 1_000_000, "test": 2_000_000}  # seeds: offset + [0, TW_POOL)

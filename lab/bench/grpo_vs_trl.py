@@ -96,7 +96,7 @@ def run_trl(cfg: BenchConfig) -> dict:
     from reward import SimToRealReward
 
     trips, reward = job_triplets(cfg), SimToRealReward()
-    path = engine._bundled_smollm2() if cfg.model == engine.BUNDLED_MODEL else cfg.model
+    path = engine.bundled_smollm2() if cfg.model == engine.BUNDLED_MODEL else cfg.model
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32
     extra = dict(quantization_config=BitsAndBytesConfig(
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import trl  # noqa: F401 (is it installed?)
     except ImportError:
-        from harness.common import UserError
+        from envs import UserError
 
         raise UserError("TRL is not installed: pip install --no-deps -r lab/bench/requirements.txt") from None
     runs = []
