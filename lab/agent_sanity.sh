@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The paper's agent comparison on a laptop (issue 22): TextWorld, choose mode, five arms, greedy success on held-out
+# The paper's agent comparison on a laptop: TextWorld, choose mode, five arms, greedy success on held-out
 # dev and test games; stage 2 over seeds, with its dev curve:
 #   bash lab/agent_sanity.sh      (or: make agent-sanity)  -> $OUT/agent_sanity.md, $OUT/agent_sanity_curve.png
 # POLICY_T, POLICY_LR: chosen on the dev games (NOTEBOOK.md); the step sizes fit the time budget, not tuned.

@@ -1,4 +1,4 @@
-"""The agent table with its intervals (issue 37): `python lab/agent_stats.py RUNS [--out TABLE.md]`.
+"""The agent table with its intervals: `python lab/agent_stats.py RUNS [--out TABLE.md]`.
 
 Reads what lab/stage2_test.sh writes: random/sampled.json, base/{greedy,sampled}.json and per seed
 seedN/policy/{greedy,sampled}.json (eval.py agent results, every episode inside; other folders:

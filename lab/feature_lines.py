@@ -1,4 +1,4 @@
-"""Lab: the lines of Python outside tests/ and lab/ that each optional feature holds (issue 54 item 2: what
+"""Lab: the lines of Python outside tests/ and lab/ that each optional feature holds (what
 would have to go to reach 5,000 lines). A feature is whole modules and named top-level definitions; a
 definition's lines run to the next top-level statement (its comments and blank lines with it). The hooks a
 feature leaves in other modules (its settings, checks, eval.py's branches) are not counted: removing it

@@ -3,7 +3,7 @@
     python lab/flipped_sign.py [train.py's arguments]     # e.g. --heldout-split valid_seen --out runs/flip
 
 Every advantage A_i becomes -A_i (rwml.group_advantages patched in this process only): the update then pushes
-down the predictions the reward liked. Issue 47 item 4: line (a) of the run's printout must not hold.
+down the predictions the reward liked. Line (a) of the run's printout must not hold.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issues 53 and 56 on valid_unseen (the test split): the default run, `python train.py`, on fresh seeds (none
-# chose anything), then a coin run of each seed (--reward-control coin: its matched COIN arm is another coin)
-# on the same data: the collections, the warm-up's more games, the filter, the warm-up and the "before"
+# The closing verdict on valid_unseen (the test split): the default run, `python train.py`, on fresh seeds
+# (none chose anything), then a coin run of each seed (--reward-control coin: its matched COIN arm is another
+# coin) on the same data: the collections, the warm-up's more games, the filter, the warm-up and the "before"
 # scores are copied from the real run's folder and reused (their caches are keyed by content and settings,
 # so the coin run would have made the same files).
 # ARGS go to every train.py call; each run's log ends with GNU time's lines (wall time, peak memory); a

@@ -1,4 +1,4 @@
-"""Issues 53 and 56 on valid_unseen: the default run's closing comparisons on fresh seeds, each seed's value
+"""On valid_unseen: the default run's closing comparisons on fresh seeds, each seed's value
 and the seeds pooled (stats.over_seeds: a t-interval, at least the bootstrap's, and the sign-flip test over
 2-4 seeds).
 Exact match, paired by triplet (verdict.compare on each seed; stats.over_seeds over them).
@@ -8,7 +8,7 @@ Exact match, paired by triplet (verdict.compare on each seed; stats.over_seeds o
 Each RUN is a `python train.py` folder (or its lab/results copy) holding wm_eval_<arm>_<kind>.triplets.jsonl
 for rwml, before (the warm-up), template (the rule), and coin (the matched COIN arm) where the runs were made
 with --coin-control; rows (a), the sim-to-real reward on the training prompts, and (b) both held-out kinds
-pooled are the verdict's (issue 56). A coin run
+pooled are the verdict's. A coin run
 (--reward-control coin) reads the same way: its "RWML" was trained on a coin, its matched arm on another coin.
 """
 from __future__ import annotations

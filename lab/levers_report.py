@@ -1,4 +1,4 @@
-"""Issue 53 item 1 on the dev split: each lever's `python train.py --heldout-split valid_seen` run against the
+"""The levers on the dev split: each lever's `python train.py --heldout-split valid_seen` run against the
 default's, on the same held-out triplets (exact match, paired by triplet, 95 % CI over games): the warm-up,
 RWML, the template rule, RWML - rule, RWML - warm-up, RWML - the default's RWML; the warm-up's SFT cost.
 

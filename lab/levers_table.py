@@ -1,4 +1,4 @@
-"""Issue 53 item 1, every dev lever in one table: per arm and held-out kind, RWML's reward accuracy, the
+"""Every dev lever in one table: per arm and held-out kind, RWML's reward accuracy, the
 warm-up's and RWML's exact match beside the template rule's, RWML's exact match on the targets the rule
 misses, and the run's minutes (never alone). Each RUN: a `python train.py --heldout-split valid_seen`
 folder or its lab copy.

@@ -1,4 +1,4 @@
-"""How many seeds and games an agent comparison needs (issue 37 item 5): `python lab/power.py [RUNS]`.
+"""How many seeds and games an agent comparison needs: `python lab/power.py [RUNS]`.
 
 From the laptop comparison's measured spread (RUNS = lab/results/agent_sanity: per arm and seed the success
 over its dev + test games, greedy): the seed-to-seed variance of an arm's success splits into a binomial part,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The default run's recipe, re-chosen on the dev split (issue 47 item 2): per seed one train collection, the
+# The default run's recipe, re-chosen on the dev split: per seed one train collection, the
 # filter variants (each its own warm-up split and kept triplets), then RWML recipes from a variant's warm-up;
 # every arm scored on (a) its own training prompts (the variant's kept.jsonl) and (b) held-out valid_seen games.
 #   RECIPES="name=filter:flags;..." FILTERS="name=flags;..." SEEDS="0" bash lab/recipe_dev.sh

@@ -1,4 +1,4 @@
-"""Lab: the table of lab/recipe_dev.sh (issue 47 item 2). Per recipe: (a) the reward on its own training
+"""Lab: the table of lab/recipe_dev.sh. Per recipe: (a) the reward on its own training
 prompts, warm-up -> RWML, and (b) held-out RWML - warm-up per kind, under the reward and exact match; paired
 on triplets, 95 % CIs over games (one seed) or over seeds, then games (several; stats.py).
 

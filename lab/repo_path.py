@@ -1,4 +1,4 @@
-"""Paths as a reader's clone has them (issue 50 item 7): what the lab's scripts print or store names a file
+"""Paths as a reader's clone has them: what the lab's scripts print or store names a file
 relative to the repository (`runs/sanity/...`, `lab/results/...`), or `<path>` when it lies outside it — never
 the absolute path of the machine that ran it. common.py holds the rule (train.py and eval.py record paths so
 too); this module binds it to ROOT, which a test may point elsewhere."""

@@ -1,4 +1,4 @@
-"""Re-score committed world-model predictions with the strict metrics, no retraining (issue 36 items 4, 5).
+"""Re-score committed world-model predictions with the strict metrics, no retraining.
 
 1. The test-split table's per-triplet archive (stage1_test_table/): per arm and seed the reward accuracy (as
    recorded), exact match and item-set F1 (envs.exact_match, envs.item_f1), and RWML - warm-up / WM SFT / COIN

@@ -1,4 +1,4 @@
-"""Lab: the sim-to-real reward audited on the engines' real observations (issue 36): what r_WM tells apart.
+"""Lab: the sim-to-real reward audited on the engines' real observations: what r_WM tells apart.
 
     python lab/reward_audit.py pairs --alfworld-games 20 --textworld-games 20 --out pairs.jsonl
     python lab/reward_audit.py audit pairs.jsonl [--embedder NAME] [--taus 0.01,0.02,...]

@@ -1,4 +1,4 @@
-"""Do the committed tables' verdicts depend on the bootstrap's RNG seed? (issue 47 item 6)
+"""Do the committed tables' verdicts depend on the bootstrap's RNG seed?
 
     python lab/rng_check.py [--seeds 20]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 54 item 5 (issue 35's check): the same small runs at two commits give identical adapters and metrics.
+# The same small runs at two commits give identical adapters and metrics.
 # Per commit, in its own worktree: collect 3 games' walkthroughs; wm 2 steps on them (the filter, its warm-up,
 # RWML; again with a coin for a reward); policy on TextWorld in choose mode, 2 steps. Then every adapter's
 # weights (sha256) and every metrics row but its clock fields are compared.       OUT=runs/same bash lab/same_behaviour.sh A B

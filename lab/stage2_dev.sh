@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Why is stage 2's gain small? (issue 37 item 3) On the TextWorld dev games only: policy RL from the base with
+# Why is stage 2's gain small? On the TextWorld dev games only: policy RL from the base with
 # stage2_test.sh's recipe, continued (--resume) to each step count of STEPS, its adapter scored sampled (T 1,
 # EPISODES per game) after each; beside the base and a random admissible policy on the same games. GAMES_PER_STEP,
 # LR, HISTORY are the other knobs tried (a run per setting). Fresh seeds (not 0, which chose the recipe, nor

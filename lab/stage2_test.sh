@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Does stage 2 learn? (issue 37 item 3) Policy RL from the base model against the base and a random admissible
+# Does stage 2 learn? Policy RL from the base model against the base and a random admissible
 # policy on TextWorld's test games, paired on the same games: sampled (T 1, EPISODES episodes per game, the policy
 # stage 2 trains) and greedy (one episode per game); RANDOM_STREAMS random episodes per game. Fresh seeds: none
 # of them chose the recipe (agent_sanity.sh's, chosen on the dev games with seed 0), each draws its own train games.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Does RWML learn TextWorld's world? (issue 37 item 4) Per seed: collect on train games (85 % of turns drawn by
+# Does RWML learn TextWorld's world? Per seed: collect on train games (85 % of turns drawn by
 # command kind, as stage 1), the warm-up (filter SFT), RWML and the matched WM SFT from it; each scored on the
 # held-out explore triplets of SPLIT's games (20, drawn with seed 0, the same for every seed), 4 predictions at
 # T 1, beside the base model and the content-free rules; then the tables with paired CIs (lab/rescore.py --evals).

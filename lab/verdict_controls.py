@@ -1,6 +1,6 @@
-"""Issue 53 item 3: the verdict `python train.py` ends with, on the dev split, for the real RWML and for three
+"""The verdict `python train.py` ends with, on the dev split, for the real RWML and for three
 broken world models it must fail: a rule-copier (every prediction the content-free template rule's
-sentence), a coin for a reward, GRPO's advantage sign flipped. RWML - COIN (issue 56) pairs each arm with
+sentence), a coin for a reward, GRPO's advantage sign flipped. RWML - COIN pairs each arm with
 recipe_dev's `coin`, trained from the same warm-up on the same prompts with the same seed (for the `coin`
 arm itself that is the same run: its difference is 0 by construction, not a test). No training: the
 committed greedy predictions of lab/results/recipe_dev (valid_seen, seed 0: `mixed` is the recipe

@@ -1,4 +1,4 @@
-"""Issue 56: which closing verdict a coin run fails and the real run passes, each candidate read from a run's
+"""Which closing verdict a coin run fails and the real run passes, each candidate read from a run's
 per-triplet files (no training). Chosen on valid_seen (seed 0's real and coin runs; recipe_dev's flipped
 sign); the seeds of valid_unseen are shown apart, as a check, never to choose.
 

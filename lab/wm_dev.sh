@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 53 on the dev split (valid_seen): which lever lifts the world model to the content-free template rule?
+# On the dev split (valid_seen): which lever lifts the world model to the content-free template rule?
 # Per seed: the train collection (16 games, as `python train.py`), MORE triplets for the warm-up only
 # (expert walkthroughs and model-free play, explore_prob 1, of MORE_GAMES other train games: no model writes
 # them), then lab/recipe_dev.sh's filter variants (warm-ups) and RWML recipes, each scored greedily on its own

@@ -1,6 +1,7 @@
-"""Issue 53's lever table on the dev split (valid_seen): each warm-up and its RWML, scored greedily on the
-same 96 + 96 held-out triplets, beside the content-free template rule; every comparison paired by triplet
-with a 95 % CI over games, the items that changed each way and the exact test (verdict.compare, verdict.said).
+"""The world model's lever table on the dev split (valid_seen): each warm-up and its RWML, scored greedily
+on the same 96 + 96 held-out triplets, beside the content-free template rule; every comparison paired by
+triplet with a 95 % CI over games, the items that changed each way and the exact test (verdict.compare,
+verdict.said).
 
     python lab/wm_dev_report.py runs/wm_dev [--base lab/results/recipe_dev] [--out runs/wm_dev/table.md]
     python lab/wm_dev_report.py lab/results/wm_dev/lever_runs --out lab/results/wm_dev/levers.md

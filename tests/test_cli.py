@@ -238,7 +238,7 @@ def test_an_adapter_flag_naming_a_run_folder_points_to_its_adapter(tmp_path):
         plumbing.check_adapter(str(tmp_path / "wm1"))
 
 
-def test_minor_cli_cases_one_line(tmp_path):  # issue 39 item 7
+def test_minor_cli_cases_one_line(tmp_path):  # random on tau2, a lone --eval-transitions, a huge --config
     import eval as ev
 
     with pytest.raises(UserError, match="--policy random draws among") as e:

@@ -109,7 +109,7 @@ def test_eval_with_a_peft_adapter(tiny_model, tmp_path):
     out = tmp_path / "r.json"
     evaluate.main(["agent", "--model", tiny_model, "--adapter", str(tmp_path / "adapter"), "--num-games", "1",
                    "--seeds", "1", "--max-turns", "1", "--max-new-tokens", "4", "--out", str(out)])
-    assert json.loads(out.read_text())["config"]["adapter"] == "<path>"  # outside the repository (issue 50.7)
+    assert json.loads(out.read_text())["config"]["adapter"] == "<path>"  # outside the repo: no machine's path
 
 
 def test_exploration_draws_by_kind_and_never_asks_the_model(tiny_model, tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
-"""Issue 50 items 4, 5, 6 (and 7, the command line's side): model cards that state a run's result, its license
-and its command without the machine's folders; figures with labelled axes, whole steps and bands within a
-rate's range; a first run that shows its download, checks the data before it creates anything, counts the
-bundled model's conversion in its cost line, and can install PyTorch's CPU build; the GPU plan's seeds."""
+"""Model cards that state a run's result, its license and its command without the machine's folders; figures
+with labelled axes, whole steps and bands within a rate's range; a first run that shows its download, checks
+the data before it creates anything, counts the bundled model's conversion in its cost line, and can install
+PyTorch's CPU build; the GPU plan's seeds."""
 import json
 import os
 import shutil
@@ -26,7 +26,7 @@ WM_ARGS = ["--no-easy-filter", "--no-warmup", "--prompts-per-step", "2", "--num-
            "--max-completion-length", "6", "--micro-batch-size", "2", "--max-steps", "1"]
 
 
-# ------------------------------------------------------------------------------------------ 50.4: the cards
+# ------------------------------------------------------------------------------------------------ the cards
 
 def test_a_wm_card_made_with_a_learning_curve_states_its_held_out_result(tiny_model, transitions, tmp_path):
     out = tmp_path / "run"
@@ -37,7 +37,7 @@ def test_a_wm_card_made_with_a_learning_curve_states_its_held_out_result(tiny_mo
     card = (out / "adapter" / "README.md").read_text()
     assert (f"- held-out world-model accuracy (<path>, 1 prediction(s) on each of up to 2 triplets) at step "
             f"1: {last['eval_wm_accuracy']:.3f}; by step: 1: {last['eval_wm_accuracy']:.3f}") in card
-    config = json.loads((out / "config.json").read_text())  # 50.7: no folder of this machine
+    config = json.loads((out / "config.json").read_text())  # no folder of this machine
     assert [config[k] for k in ("transitions", "eval_transitions", "out", "model")] == ["<path>"] * 4
     assert str(tmp_path) not in card
 
@@ -97,7 +97,7 @@ def test_a_card_states_the_base_models_license_where_it_is_known(tmp_path):
             "one (the Hub is not asked); this adapter's license is the base model's") in unknown
 
 
-# ---------------------------------------------------------------------------------------- 50.5: the figures
+# ---------------------------------------------------------------------------------------------- the figures
 
 @pytest.fixture
 def figures(monkeypatch):
@@ -142,7 +142,7 @@ def test_the_agent_curves_and_bars_stay_within_a_rates_range_on_whole_steps(tmp_
     assert bars and min(s[0][1] for s in bars) >= 0 and max(s[1][1] for s in bars) <= 100
 
 
-# ---------------------------------------------------------------------------------- 50.6: the first contact
+# ---------------------------------------------------------------------------------------- the first contact
 
 def test_make_data_shows_the_download(tmp_path):
     """alfworld-download's progress was sent to /dev/null under `timeout 900`: up to 15 silent minutes."""
@@ -253,8 +253,8 @@ def test_the_gpu_plans_seeds_are_what_the_power_analysis_says():
 
 
 def test_the_readme_says_no_more_than_its_intervals():
-    """Issue 53 item 6: sentences stronger than their CIs on 61e63ba, each gone: a non-detection read as
-    equality or as "nothing learned", one COIN seed read as every seed, a CI width never measured."""
+    """Sentences stronger than their CIs on 61e63ba, each gone: a non-detection read as equality or as
+    "nothing learned", one COIN seed read as every seed, a CI width never measured."""
     text = " ".join((ROOT / "README.md").read_text().split())
     for claim in ("does as well or better", "Nothing is learned on the listed items",
                   "and beats COIN on both kinds", "a narrower CI over games |",

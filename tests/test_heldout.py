@@ -239,7 +239,7 @@ def test_sanity_table_reports_baselines_and_the_spread_over_independent_seeds(tm
 
 
 def test_the_sanity_heading_states_the_tau_d_its_runs_used(tmp_path):
-    """Issue 47 item 6: the table's heading named the tau_d of the first score it read (a baseline's), so a
+    """The table's heading named the tau_d of the first score it read (a baseline's), so a
     folder whose arms were scored (and RWML trained) at another tau_d was headed with the wrong one; it now
     reads every score's config and every reward-trained run's config.json."""
     held = tmp_path / "valid_unseen"
@@ -277,7 +277,7 @@ def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
     argv = ["--model", tiny_model, "--num-games", "2", "--max-turns", "3", "--heldout-games", "1",
             "--eval-max-triplets", "3", "--eval-samples", "1", "--max-steps", "1", "--warmup-games", "1",
             "--num-generations", "2", "--prompts-per-step", "2", "--max-completion-length", "8",
-            "--out", str(tmp_path / "run"), "--coin-control"]  # the COIN arm: the lab's option (issue 56)
+            "--out", str(tmp_path / "run"), "--coin-control"]  # the COIN arm: the lab's option
     assert not train.Settings().coin_control  # off by default: one arm decides nothing
     train.main(argv)
     out = capsys.readouterr().out
@@ -495,7 +495,7 @@ def test_the_heldout_explore_set_is_played_once_then_reused(tiny_model, tmp_path
 
 
 def test_the_verdict_says_whether_the_reward_beat_self_training(tmp_path):
-    """Issue 56: the verdict's first half says what one run can: whether training raised (a), the sim-to-real
+    """The verdict's first half says what one run can: whether training raised (a), the sim-to-real
     reward on RWML's own training prompts, and held-out exact match, both kinds pooled, each with its CI, and
     in every case that one run cannot show the reward did it rather than GRPO with any reward (a
     coin run passed both on seed 52: lab/results/fresh_seeds). The (e) lines (the matched COIN arm,

@@ -1,4 +1,4 @@
-"""The lab's table commands held to the CLI's one-line contract (issue 49 item 5): lab/agent_stats.py and
+"""The lab's table commands held to the CLI's one-line contract: lab/agent_stats.py and
 lab/rescore.py on a missing, cut or malformed input end in one line ("error: ...", exit status 1) naming the
 file, flag or value and the fix, never a traceback; rescore checks every input before it reads the archive."""
 import io

@@ -1,4 +1,4 @@
-"""lab/flipped_sign.py, the broken RWML the quick check must not pass (issue 47 item 4): GRPO's advantages
+"""lab/flipped_sign.py, the broken RWML the quick check must not pass: GRPO's advantages
 negated in its own process only, train.py's command line otherwise unchanged."""
 import subprocess
 import sys

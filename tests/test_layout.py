@@ -175,7 +175,7 @@ def test_rwml_py_holds_the_method_in_the_papers_order():
 
 
 def test_rwml_py_declares_no_settings_keeps_no_accounts_and_defines_what_it_trains_on():
-    """Issue 54 item 4: the method alone. Settings are stages/settings.py's (a dataclass of `arg` fields
+    """The method alone. Settings are stages/settings.py's (a dataclass of `arg` fields
     here fails), cost accounting too (an import of harness.cost fails); the filters (§4), the plain log pi
     and the reference-policy switch are rwml.py's own (the engine's fast paths are held to them:
     tests/test_grpo.py)."""
@@ -215,7 +215,7 @@ def test_every_setting_is_declared_once_with_its_help():
 
 
 def test_what_a_setting_decides_is_one_of_the_tags_that_are_read():
-    """`part_of` (issue 54 item 3): a misspelt tag ("card:wn") would leave a setting out of a cache key or a
+    """`part_of`: a misspelt tag ("card:wn") would leave a setting out of a cache key or a
     card without a word; every tag is one that `names` is asked for, and each such key has settings."""
     import eval as ev
     import train

@@ -121,8 +121,8 @@ def test_every_run_ends_with_a_cost_line_and_cost_json(tiny_model, transitions, 
 # (bench/random_models.py "tiny-wide"), at bench/memory.py's fixed shapes. Measured (1 thread): SFT ours
 # 0.18 GB, the same without its token budget 0.62 GB, the naive full-logits step 3.8 GB; GRPO ours 0.07 GB,
 # without micro-batches 0.48 GB, naive 2.6 GB. Either regression breaks its bound. sample (the held-out
-# evaluation's batch, the default run's peak stage before issue 40): ours 0.04 GB, model.generate 0.11 GB
-# (the bundled model: 0.26 and 0.39 GB).
+# evaluation's batch, the default run's peak stage before the sampler's rewrite): ours 0.04 GB,
+# model.generate 0.11 GB (the bundled model: 0.26 and 0.39 GB).
 BOUNDS_GB = dict(sft=0.35, grpo=0.25, sample=0.08)
 
 

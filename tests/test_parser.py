@@ -76,7 +76,7 @@ def test_tau2_parser_never_raises_and_cleans_lone_surrogates():
 
 def test_a_lone_surrogate_in_a_transitions_file_passes_the_context_check(tiny_model, tmp_path):
     """Valid JSON can hold a lone surrogate ("\\ud800"); the context check measured prompts with str.encode,
-    which raised UnicodeEncodeError where the triplet had trained and scored before (issue 39, item 1)."""
+    which raised UnicodeEncodeError where the triplet had trained and scored before."""
     import json
 
     from stages import plumbing

@@ -395,7 +395,7 @@ WM = ["train.py", "wm", "--no-easy-filter", "--no-warmup"]
     (AGENT + ["--adapter", "{bad}/adapter"], "adapter_config.json is not a readable peft adapter config"),
     (["train.py", "policy", "--init", "rwml", "--adapter", "{bad}/adapter"], "not a readable peft adapter"),
     (AGENT + ["--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
-    # issue 11: a filter split (the warm-up's slice) or an exploration rate that leaves nothing to train on
+    # a filter split (the warm-up's slice) or an exploration rate that leaves nothing to train on
     (["train.py", "--num-games", "1", "--max-turns", "2", "--filter-split", "0.9"], "leaves fewer than"),
     (["train.py", "--explore-prob", "1.5"], "--explore-prob 1.5: must be between 0 and 1"),
     (["train.py", "--heldout-games", "0"], "--heldout-games 0: must be at least 1"),

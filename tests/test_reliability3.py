@@ -1,6 +1,6 @@
-"""Issue 39, items 2, 3 and part of 6: a trainer switch (train.py, lab/trl_grpo.py) never overwrites a run, a
-resume logs no held-out episode twice, and a lock folder, a cut collect.json, a deep --config, --use-vllm
-without vLLM and a triplet's unknown env are one line each."""
+"""A trainer switch (train.py, lab/trl_grpo.py) never overwrites a run, a resume logs no held-out episode
+twice, and a lock folder, a cut collect.json, a deep --config, --use-vllm without vLLM and a triplet's
+unknown env are one line each."""
 import importlib.util
 import json
 import shutil
@@ -73,7 +73,7 @@ def test_a_resumed_policy_run_logs_each_held_out_episode_once(tiny_model, tmp_pa
     assert [e["step"] for e in read_jsonl(tmp_path / "eval_episodes.jsonl")] == [1, 2]
 
 
-# ------------------------------------------------------------------------ item 6: one line, before the model
+# -------------------------------------------------------------------------------- one line, before the model
 
 def test_a_lock_that_is_a_folder_is_one_line(tiny_model, transitions, tmp_path, nothing_slow):  # noqa: F811
     (tmp_path / "run" / ".lock").mkdir(parents=True)

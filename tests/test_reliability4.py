@@ -1,6 +1,6 @@
-"""Issue 49 items 1, 3, 6, 7 and issue 50 item 2: a stage that takes triplets takes their environment (and
-with it tau_d and the cap), a held-out cache entry is used only whole, the random policy records no model it
-never loaded, and the unread-flag warning says what each stage reads -- each one line, or right."""
+"""A stage that takes triplets takes their environment (and with it tau_d and the cap), a held-out cache
+entry is used only whole, the random policy records no model it never loaded, and the unread-flag warning
+says what each stage reads -- each one line, or right."""
 import json
 import sys
 from pathlib import Path
@@ -44,7 +44,7 @@ def settled(monkeypatch):
     return seen
 
 
-# ------------------------------------------------------------- 49.1: the environment comes from the triplets
+# ------------------------------------------------------------------- the environment comes from the triplets
 
 @pytest.mark.parametrize("stage", ["wm", "wm-sft", "filter", "export"])
 def test_a_triplet_stage_takes_tau_d_and_the_cap_of_its_triplets_environment(stage, tw_triplets, tiny_model,
@@ -57,7 +57,7 @@ def test_a_triplet_stage_takes_tau_d_and_the_cap_of_its_triplets_environment(sta
         ("textworld", TW.tau_d, TW.rouge_gate, TW.max_completion_length)] * 2 + [("textworld", 0.3, 0.0, 100)]
     alf = envs.env_class("alfworld")  # else this test would show nothing:
     assert TW.tau_d != alf.tau_d and TW.rouge_gate != alf.rouge_gate
-    assert "--env is not read" not in capsys.readouterr().err  # 50.2: these stages read it
+    assert "--env is not read" not in capsys.readouterr().err  # these stages read it
 
 
 def test_export_carries_the_triplets_tau_d_to_verl(tw_triplets, tiny_model, tmp_path):
@@ -110,7 +110,7 @@ def test_the_learning_curves_triplets_are_the_runs_environment(tw_triplets, tran
 
 def test_eval_wm_scores_at_the_triplets_tau_d_and_names_a_collect_json_that_disagrees(tw_triplets, tmp_path,
                                                                                       capsys):
-    """49.3: collect.json's env a list was a TypeError (before --tau-d 0 was checked)."""
+    """collect.json's env a list was a TypeError (before --tau-d 0 was checked)."""
     out = tmp_path / "wm.json"
     evaluate.main(["wm", "--baseline", "template", "--transitions", str(tw_triplets), "--out", str(out)])
     config = json.loads(out.read_text())["config"]
@@ -128,7 +128,7 @@ def test_eval_wm_scores_at_the_triplets_tau_d_and_names_a_collect_json_that_disa
         assert one_line(e) == "--tau-d 0.0: must be in (0, 2] (a cosine distance)"
 
 
-# ------------------------------------------------------------------ 49.6: the held-out cache, used only whole
+# ------------------------------------------------------------------------ the held-out cache, used only whole
 
 @pytest.fixture
 def heldout(tiny_model, tmp_path, monkeypatch):
@@ -185,7 +185,7 @@ def test_a_damaged_heldout_cache_entry_is_played_again_never_copied(how, heldout
     assert fourth.read_text() == first.read_text()
 
 
-# ---------------------------------------------------------- 49.7: the random policy loads and samples nothing
+# ---------------------------------------------------------------- the random policy loads and samples nothing
 
 def test_the_random_policy_warns_of_model_settings_and_records_none(tmp_path, capsys):
     out = tmp_path / "results.json"
@@ -200,7 +200,7 @@ def test_the_random_policy_warns_of_model_settings_and_records_none(tmp_path, ca
     assert config["max_turns"] == 2 and config["out"] == "<path>"
 
 
-# ----------------------------------------------------------- 50.2: the unread-flag warning, derived and right
+# ----------------------------------------------------------------- the unread-flag warning, derived and right
 
 def test_an_adapter_no_stage_of_the_command_reads_is_warned_in_one_line(tw_triplets, tiny_model, tmp_path,
                                                                          capsys, nothing_slow):  # noqa: F811

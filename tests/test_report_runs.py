@@ -1,4 +1,4 @@
-"""`lab/reports.py report` on every run the CLI makes (issue 50 item 3): the metrics.jsonl of `train.py wm`
+"""`lab/reports.py report` on every run the CLI makes: the metrics.jsonl of `train.py wm`
 (with and without --eval-steps and --eval-on-start, lab/trl_grpo.py), `train.py policy` (with and without its
 held-out curve) and `train.py` (stage all), built here row by row as train.py writes them, no model."""
 import json

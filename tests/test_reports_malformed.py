@@ -1,4 +1,4 @@
-"""lab/reports.py on malformed run folders (issue 39 item 5): one line naming the file and the fix, never a
+"""lab/reports.py on malformed run folders: one line naming the file and the fix, never a
 traceback or a silently wrong table; a seed1_old/ backup folder is left out with a note."""
 import json
 import shutil

@@ -1,4 +1,4 @@
-"""No absolute paths in the committed results (issue 50 item 7): a reader's clone has none of the machines'
+"""No absolute paths in the committed results: a reader's clone has none of the machines'
 folders, so lab/results names files relative to the repository (runs/..., lab/results/...) or `<path>`; the
 lab's scripts record paths that way where they print or store them."""
 import gzip

@@ -150,7 +150,7 @@ def test_verl_export_and_compute_score_reproduce_our_rewards(tiny_model, transit
 
 
 def test_the_rouge_gate_refuses_what_the_embedding_alone_passes():
-    """The authors' gate (issue 47): r = 1 needs d < tau_d AND ROUGE-1 F >= rouge_gate. A prediction that
+    """The authors' gate: r = 1 needs d < tau_d AND ROUGE-1 F >= rouge_gate. A prediction that
     changes a few words of a long observation passes a loose tau_d alone and is refused with the gate; the
     exact text passes both; ROUGE-1 F is the clipped word overlap (here 2 of 3 words: 2/3)."""
     from reward import rouge1

@@ -128,7 +128,7 @@ def test_every_label_holds_by_construction(built):
 
 
 def test_the_dev_half_holds_only_dev_games_and_the_set_is_deterministic(built):
-    """Issue 47: the pairs that choose tau_d come from the dev split's games (ALFWorld valid_seen, TextWorld
+    """The pairs that choose tau_d come from the dev split's games (ALFWorld valid_seen, TextWorld
     dev), never a test game (valid_unseen, TextWorld test); the test half only reports."""
     games, pairs = built
     for env, dev, test in (("alfworld", "valid_seen", "valid_unseen"), ("textworld", "dev", "test")):

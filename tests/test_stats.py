@@ -63,7 +63,7 @@ def test_coverage_on_a_simulated_case():
 
 
 def test_half_width_and_verdict():
-    """Issue 53 item 5: beside a difference not detected, the CI's half-width, named so (the old "could
+    """Beside a difference not detected, the CI's half-width, named so (the old "could
     detect" was a power figure at the observed effect)."""
     rng = random.Random(2)
     a = [rng.gauss(0, 1) for _ in range(200)]
@@ -77,7 +77,7 @@ def test_half_width_and_verdict():
 
 
 def test_the_half_width_counts_the_spread_between_seeds():
-    """Issue 47 item 6: two seeds of opposite sign (+0.3 and -0.3 on every game). Pooling the seeds' items
+    """Two seeds of opposite sign (+0.3 and -0.3 on every game). Pooling the seeds' items
     per game gave a paired sd of 0 beside a CI of +-0.3; the half-width is the two-level CI's own."""
     import agent_stats
 
@@ -91,7 +91,7 @@ def test_the_half_width_counts_the_spread_between_seeds():
 
 
 def test_power_uses_student_t_with_the_seeds_degrees_of_freedom(capsys):
-    """Issue 47 item 6: 3 seeds per arm are a two-sample t test at 2 (3 - 1) = 4 df, not the normal: the
+    """3 seeds per arm are a two-sample t test at 2 (3 - 1) = 4 df, not the normal: the
     committed agent_sanity spread (sd 15.6 points) detects >= 47 points with 3 seeds (the normal said 36)."""
     import power
     from scipy.stats import t
@@ -154,7 +154,7 @@ def test_no_item_changed_says_so_with_the_bound_it_leaves():
 
 
 def test_the_strict_rescore_verdict_does_not_hang_on_the_bootstrap_seed(monkeypatch):
-    """Issue 47 item 6: purposeful RWML − WM SFT under exact match (lab/rescore.py's re-score of the committed
+    """Purposeful RWML − WM SFT under exact match (lab/rescore.py's re-score of the committed
     stage1_test_table) "held" at 2,000 draws in 6 of 20 RNG seeds: its lower bound is 0 (the replicates pile
     up there). At N_BOOT draws every one of 20 seeds prints the same verdict, "(borderline)"; every cell of
     the committed tables: lab/rng_check.py (recorded in lab/results/strict_rescore/README.md)."""

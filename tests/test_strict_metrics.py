@@ -1,4 +1,4 @@
-"""The strict world-model metrics beside the reward (issue 36): exact match and the item-set F1 (envs.py)."""
+"""The strict world-model metrics beside the reward: exact match and the item-set F1 (envs.py)."""
 import pytest
 
 import envs

@@ -402,7 +402,7 @@ def test_eval_steps_draws_the_heldout_curve_without_changing_training(tiny_model
 
 
 def test_the_warm_up_can_train_on_more_triplets_than_its_split(parrot, tmp_path, capsys):
-    """Issue 53's lever (lab/results/wm_dev): --warmup-transitions adds triplets to the warm-up's SFT, never
+    """A dev lever (lab/results/wm_dev): --warmup-transitions adds triplets to the warm-up's SFT, never
     to GRPO's kept set; its content is part of the filter's cache key (another file: made again; the same
     bytes elsewhere: reused), as are the triplets'; a missing file is one line that names the flag."""
     from reward import SimToRealReward

@@ -62,7 +62,7 @@ def test_trl_wm_from_the_warmup_saves_an_adapter_eval_reads(tiny_model, transiti
     assert warm.keys() == trained.keys() and any((warm[k] != trained[k]).any() for k in warm)
     card = (out / "adapter" / "README.md").read_text()  # our card, as our trainer's: the query snippet too
     assert "trained in TRL's GRPOTrainer (lab/trl_grpo.py)" in card and "## Query this world model" in card
-    # issue 50.4: TRL's checkpoint holds our card, not peft's template naming the local model as base_model
+    # TRL's checkpoint holds our card, not peft's template naming the local model as base_model
     assert not (out / "trl" / "README.md").exists()
     checkpoint = (out / "trl" / "checkpoint-2" / "README.md").read_text()
     assert "TRL's checkpoint at step 2: `--resume` continues from it" in checkpoint

@@ -1,4 +1,4 @@
-"""Peak memory of one choose-mode stage-2 update, cut by a token budget or by row count alone (issue 23):
+"""Peak memory of one choose-mode stage-2 update, cut by a token budget or by row count alone:
 
     python lab/bench/choose_update_memory.py 512    # micro_batch_tokens 512 (the default)
     python lab/bench/choose_update_memory.py 0      # rows only: micro_batch_size turns a micro-batch (before)

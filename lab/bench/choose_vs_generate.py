@@ -1,4 +1,4 @@
-"""The agent's cost per step, choose mode vs generate mode, side by side in one run (issue 22):
+"""The agent's cost per step, choose mode vs generate mode, side by side in one run:
 
     python lab/bench/choose_vs_generate.py [--env textworld] [--num-games 4] [--max-turns 6] [--repeats 2]
                                            [--adapter DIR]

@@ -1,4 +1,4 @@
-"""Decoding speed and memory on the run's real shapes (issue 40): our sampler against transformers' generate.
+"""Decoding speed and memory on the run's real shapes: our sampler against transformers' generate.
 
     python lab/bench/decoding.py [--adapter runs/rwml/filter/warmup_adapter]   # the table; a process a cell
     python lab/bench/decoding.py --variants generate,compact ...                # some variants only
@@ -8,7 +8,8 @@ Variants, each sampling the same distribution from the same prompts:
   generate   plain `model.generate` (do_sample, DynamicCache; every row's prompt run in full)
   static     `model.generate` with transformers' own preallocated cache (cache_implementation="static")
   prefill    transformers' loop after our shared prefill (a group's prompt runs once): `engine.DECODER =
-             "generate"`, the engine before issue 40 less its growing cache (rejected: lab/NOTEBOOK.md)
+             "generate"`, the engine before the sampler's rewrite, less its growing cache (rejected:
+             lab/NOTEBOOK.md)
   compact    ours as the engine runs it (`engine.decode`: the shared prefill, then each row leaves the batch
              as it ends), on transformers' DynamicCache
 Shapes (bundled SmolLM2-135M, + ADAPTER; prompts: ALFWorld valid_unseen world-model prompts of walkthrough
