@@ -231,6 +231,18 @@ def test_what_a_setting_decides_is_one_of_the_tags_that_are_read():
     assert {t for _, t in used} == read, "a key no setting is part of"
 
 
+def test_no_code_names_an_issue():
+    """Code, docstrings, comments and help strings say what they do, not which issue asked: every Python
+    and shell file, the Makefile and the tool configs (the notebook and the studies' folders keep history)."""
+    kinds = ("*.py", "*.sh", "*.toml", "Makefile", ".ci/run")
+    files = {p for k in kinds for p in ROOT.glob(k if "/" in k else f"**/{k}")
+             if p.is_file() and not {".venv", "results", "__pycache__"} & set(p.relative_to(ROOT).parts)}
+    said = re.compile(r"\bissues? ?#?\d+", re.I)
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in files for i, x in enumerate(p.read_text().splitlines(), 1)
+            if said.search(x)]
+    assert len(files) > 100 and not hits, f"{len(hits)} lines name an issue, e.g. {hits[:3]}"
+
+
 def test_the_lab_holds_the_scripts_studies_and_notebook():
     lab = ROOT / "lab"
     scripts = ("sanity.sh", "agent_sanity.sh", "arms.sh", "jobs.sh", "reports.py", "README.md", "NOTEBOOK.md")
