@@ -1,2 +1,2 @@
-"""What runs a command, importing nothing of the repo: the one-line error, a setting's declaration,
-the command line (flags, --config), files written whole, the cost line (time, peak memory)."""
+"""What runs a command (the one-line error is envs.py's): a setting's declaration, the command line
+(flags, --config), files written whole, the cost line (time, peak memory)."""

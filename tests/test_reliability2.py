@@ -129,7 +129,7 @@ def test_a_damaged_warmup_adapter_is_made_again_not_reused(tiny_model, transitio
     capsys.readouterr()
     _, warm = train.filter_triplets(cfg, trips, tmp_path, load, None)
     assert ("reusing" not in capsys.readouterr().out
-            and plumbing.file_problem(warm / "adapter_model.safetensors") is None)
+            and engine.file_problem(warm / "adapter_model.safetensors") is None)
 
 
 # ----------------------------------------------------------------------------- --resume: the same run

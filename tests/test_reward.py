@@ -2,7 +2,8 @@
 import pytest
 
 from calibrate import calibrate  # lab/calibrate.py
-from reward import SimToRealReward, parse_next_state, rouge_l
+from envs import parse_next_state
+from reward import SimToRealReward, rouge_l
 
 REAL = ["You arrive at desk 1. On the desk 1, you see a pen 1 and a book 2.",
         "You pick up the mug 1 from the countertop 1."]

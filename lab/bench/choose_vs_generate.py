@@ -20,14 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: t
 
 import engine  # noqa: E402
 import rwml  # noqa: E402
-from train import ACTORS  # noqa: E402
 import envs  # noqa: E402
 
 
 def play_once(model, tok, env, games: list, mode: str, max_new_tokens: int) -> dict:
     t = time.perf_counter()
     eps = rwml.play(model, tok, env, [dict(game=g) for g in games], history_len=1, temperature=1.0,
-                    max_new_tokens=max_new_tokens, num_envs=len(games), actor=ACTORS[mode], desc=mode)
+                    max_new_tokens=max_new_tokens, num_envs=len(games), actor=envs.load(rwml.ACTORS[mode]),
+                    desc=mode)
     steps = sum(e["steps"] for e in eps) or 1
     return dict(seconds_per_step=(time.perf_counter() - t) / steps, steps=steps,
                 invalid=sum(e["invalid"] for e in eps) / steps,

@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: the project's modules
 
 import engine  # noqa: E402
+from stages.settings import EngineArgs  # noqa: E402
 
 
 def vm(field: str) -> int:
@@ -162,7 +163,7 @@ def main() -> None:
     p.add_argument("--length", type=int, default=400, help="GRPO: tokens per sequence (prompt + completion)")
     p.add_argument("--completion", type=int, default=64, help="GRPO: completion tokens per sequence")
     p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--micro-batch-tokens", type=int, default=engine.EngineArgs.micro_batch_tokens)
+    p.add_argument("--micro-batch-tokens", type=int, default=EngineArgs.micro_batch_tokens)
     p.add_argument("--arm", help=argparse.SUPPRESS)  # the child process: job:arm
     a = p.parse_args()
     if a.arm:
