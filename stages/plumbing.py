@@ -61,7 +61,7 @@ def check_cache(cfg) -> None:
         raise UserError(f"RWML_CACHE={root} is not a folder{fix}")
     if getattr(cfg, "model", None) != engine.BUNDLED_MODEL:
         return
-    if engine.bundled_copy().is_dir():
+    if (root / engine.BUNDLED_COPY).is_dir():
         engine.bundled_smollm2()  # converted: names a damaged copy now (reads a header, two JSONs)
         return
     try:

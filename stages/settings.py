@@ -216,8 +216,7 @@ class LoraArgs:
     _argument_group_name = "the LoRA adapter every stage trains"
     lora_r: int = arg(16, "LoRA rank (paper: full fine-tuning)", min=1, part_of="filter card")
     lora_alpha: int = arg(32, "LoRA scale alpha / r", min=1, part_of="filter card")
-    lora_dropout: float = arg(0.0, "LoRA dropout", check=lambda v: 0 <= v <= 1,
-                              why="must be between 0 and 1")
+    lora_dropout: float = arg(0.0, "LoRA dropout", **_SHARE)
     lora_target_modules: str = arg("all-linear", 'or e.g. "q_proj,k_proj,v_proj,o_proj"',
                                    part_of="filter")
     gradient_checkpointing: bool = arg(False, "recompute activations in backward: less memory, "
@@ -230,8 +229,8 @@ class SFTArgs:
     sft_epochs: int | None = arg(None, "epochs of the SFT copy (the warm-up) and of RFT; None = 3, "
                                        "or 1 when the warm-up has more triplets (warmup_games, "
                                        "...)", min=1, part_of="filter card:filter card:rft")
-    sft_learning_rate: float = arg(5e-4, "their learning rate", check=lambda v: v > 0,
-                                   why="must be above 0", part_of="filter card:filter card:rft")
+    sft_learning_rate: float = arg(5e-4, "their learning rate", **_POSITIVE,
+                                   part_of="filter card:filter card:rft")
 
 
 @dataclass
