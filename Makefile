@@ -1,4 +1,4 @@
-# Quick start:  make train   (set up, then `python train.py` on the bundled defaults)
+# Quick start:  make train   (set up, then `python train.py` on the bundled defaults, and its verdict)
 #               make test    (set up, then the test suite)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
@@ -46,8 +46,11 @@ data: setup
 	     && [ -d "$$ALFWORLD_DATA/json_2.1.1" ]; then echo "ALFWorld data downloaded to $$ALFWORLD_DATA"; \
 	else echo "error: no ALFWorld data in $$ALFWORLD_DATA/json_2.1.1 and alfworld-download failed; set ALFWORLD_DATA to a folder holding json_2.1.1/, or ALFWORLD_ARCHIVE=path/to/json_2.1.1_all.tar.xz" >&2; exit 2; fi
 
+# OUT: the run's folder (train.py's --out); `python -m readout` reads its verdict from it
+OUT ?= runs/rwml
 train: data
-	$(PY) train.py $(ARGS)
+	$(PY) train.py --out $(OUT) $(ARGS)
+	$(PY) -m readout $(OUT)
 
 # TRL for the tests of lab/trl_grpo.py and for lab/bench/; ruff for the lint check; training needs neither
 $(VENV)/.installed-trl: $(VENV)/.installed lab/bench/requirements.txt

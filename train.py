@@ -6,8 +6,8 @@
     python train.py wm-sft --transitions runs/collect/transitions.jsonl --out runs/wm_sft
     python train.py policy --init rwml --adapter runs/wm/adapter --num-games 8 --out runs/policy
 
-Settings: stages/settings.py, each a flag and a --config key (flags win); a stage reads the
-groups `STAGES` names. Read top to bottom: the shared parts, a section per stage, `main`."""
+Settings: stages/settings.py, each a flag and a --config key (flags win). Read top to bottom: the
+shared parts, a section per stage, `main`. A run's verdict: `python -m readout runs/rwml`."""
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 import engine
 import envs
 import rwml
-from reward import make_reward
+from reward import make_reward, reward_control
+from eval import HELDOUT_KINDS, baselines_line, before_after_line, probe_line
 from caches import (filter_cache, heldout_restore, heldout_store, save_easiness, save_filter,
                     scores_before)
 from stages.runs import (WARMUP_STREAM, check_stage, claim_out, collection_summary, collection_todo,
@@ -39,9 +40,8 @@ from stages.plumbing import (check_io, check_run, close_tracker, config_json, fi
                               save_checkpoint, start_run, swap_checkpoint, use_4bit, write_eval)
 from stages.settings import STAGES, Settings  # every setting: its flag, default
 from harness import cost
-from stages.cards import CONTROLS, TRIPLETS_KEPT, card_run, plot_rewards, save_adapter
-from readout.verdict import (HELDOUT_KINDS, all_summary, baselines_line, before_after_line,
-                             gain_lines, probe_line, reward_control)
+from stages.cards import (CONTROLS, TRIPLETS_KEPT, card_run, plot_rewards, save_adapter,
+                          write_card)
 
 # ------------------------------------ the stages' shared parts: how the agent plays, the triplets
 def play_kwargs(cfg) -> dict:  # `rwml.play`'s settings
@@ -257,7 +257,8 @@ def train_wm(cfg: Settings, triplets: list, out: Path, load, reward_fn, start: P
 # ----------------- all: the default run (python train.py), held-out accuracy before and after
 def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> str:
     """The default run: collect train and held-out games, filter (+ warm-up), RWML, held-out
-    accuracy before / after beside the content-free baselines. Returns the verdict in words."""
+    accuracy before / after beside the content-free baselines. Returns the last line: how
+    to read its verdict (readout/)."""
     with cost.stage("heldout collect"):
         heldout = heldout_triplets(cfg, out, load)
     with cost.stage("collect"):
@@ -295,7 +296,22 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> str:
     print(probe_line(out, start))
     if cfg.coin_control:
         coin_control(cfg, out, load, reward_fn, start, model, kept, heldout)
-    return all_summary(cfg, out, gain_lines(out, start), held, len(kept), start, t0)  # card, lines
+    card_all(cfg, out, held, len(kept), start)
+    print(f"{(time.time() - t0) / 60:.1f} min -> {out} (per-triplet outputs: {out}/wm_eval_*"
+          ".triplets.jsonl)")
+    return (f"the paired differences (95 % CIs over games) and the verdict in words: "
+            f"python -m readout {out}")
+
+
+def card_all(cfg: Settings, out: Path, held: dict[str, str], kept: int, start) -> None:
+    """`all`'s adapter card: each held-out kind's line, the template rule's beside it; the curve."""
+    rule = {k: json.loads((out / f"wm_eval_template_{k}.json").read_text()) for k in held}
+    lines = [f"held-out {k} ({cfg.heldout_split}, {cfg.heldout_games} games), before = "
+             f"{'the warm-up' if start else 'the base model'}: the content-free template rule "
+             f"{rule[k]['wm_accuracy']:.3f}, {line}" for k, line in held.items()]
+    write_card(out / "adapter", cfg, "all", data={TRIPLETS_KEPT: kept},
+               bundled=cfg.model == engine.BUNDLED_MODEL, heldout=lines)
+    plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")
 
 
 COIN_STREAM = 1_000_003  # COIN's coin: seed + this (a coin run's control is another coin)
@@ -471,14 +487,14 @@ def main(argv: list[str] | None = None) -> None:
     trips, curve = stage_inputs(cfg, stage, triplet_problem(cfg))  # data, wm's curve
     claim_out(cfg, out, stage)  # the --out lock, and --resume's checks
     with cost.run(out, since=t0):  # at the end: the cost line (from t0, the checks too), cost.json
-        verdict = run_stage(stage, cfg, out, t0, trips, curve)
-    if verdict:  # `all`: what this world model knows beyond the rule, in words, the last line
-        print(verdict)
+        last = run_stage(stage, cfg, out, t0, trips, curve)
+    if last:  # `all`: the command that reads its verdict, the last line
+        print(last)
 
 
 def run_stage(stage: str, cfg: Settings, out: Path, t0: float, trips: list[dict] | None,
               curve: list[dict] | None = None) -> str | None:
-    """One stage, one model for all its parts, loaded at first need (`load`); `all`: its verdict."""
+    """One stage, one model for all its parts, loaded at first need (`load`); `all`: a last line."""
     four_bit = use_4bit(cfg)
 
     @functools.cache

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's mo
 import rwml  # noqa: E402
 import train  # noqa: E402
 from stages import runs  # noqa: E402
-from readout import verdict
+from reward import reward_control  # noqa: E402
 from stages.runs import check_stage, claim_out, releases_locks, settle_env, stage_inputs  # noqa: E402
 from envs import parse_next_state  # noqa: E402
 import engine  # noqa: E402
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         with state.main_process_first():  # the main process first; the others reuse its cache
             kept, start = train.filter_triplets(cfg, trips, filter_dir(cfg, out), load, reward_fn)
         with state.main_process_first():  # mis.json: one writer at a time
-            kept, reward_fn = verdict.reward_control(cfg, kept, reward_fn, out)
+            kept, reward_fn = reward_control(cfg, kept, reward_fn, out)
         with cost.stage("grpo"):
             train_wm_trl(cfg, kept, out, load, reward_fn, start)
 

@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 import envs  # noqa: E402
+import eval as evaluation  # noqa: E402
 from readout import verdict  # noqa: E402
 from harness.common import read_jsonl, write_jsonl  # noqa: E402
 from envs import UserError  # noqa: E402
@@ -82,7 +83,7 @@ def main(argv=None) -> None:
     sets = {k: sample_triplets(read_jsonl(held / f"heldout_{k}" / "transitions.jsonl"), 96)
             for k in verdict.HELDOUT_KINDS}
     sets["train"] = read_jsonl(args.recipe_dev / "seed0" / "filter_mixed" / "kept.jsonl")
-    rule = {k: verdict.baseline_wm("template", t, reward_fn)["triplets"] for k, t in sets.items()}
+    rule = {k: evaluation.baseline_wm("template", t, reward_fn)["triplets"] for k, t in sets.items()}
 
     def made(arm: str, kind: str) -> list[dict]:  # the predictions of an arm made here, scored as a model's
         trips = sets[kind]

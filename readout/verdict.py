@@ -1,98 +1,21 @@
-"""What the default run concludes from its per-triplet files (wm_eval_*.triplets.jsonl): the
-before / after lines, the baselines', the paired differences (a)-(f) with CIs (`gain_lines`), the
-verdict in words; the reward's controls. Never imports rwml or train.py."""
+"""What a run concludes, read from its folder: the paired differences (a)-(f) of its per-triplet
+files (wm_eval_*.triplets.jsonl) with 95 % CIs over games (`gain_lines`) and the verdict in words.
+
+    python -m readout runs/rwml          # after `python train.py`: the lines and the verdict
+"""
 from __future__ import annotations
 
+import argparse
 import json
-import time
 from pathlib import Path
 
-import envs
+from eval import HELDOUT_KINDS
 from stages.runs import triplet_key
-import engine
 from readout import stats
-from stages.cards import TRIPLETS_KEPT, plot_rewards, write_card
-from reward import coin_reward, mis_targets
-from harness.common import read_jsonl, write_atomic
+from harness.common import read_jsonl
 from envs import UserError
-from stages.plumbing import write_eval
 
-HELDOUT_KINDS = ("explore", "purposeful")  # the collection policy's triplets; the walkthroughs'
-
-
-def reward_control(cfg, triplets: list[dict], reward_fn, out: Path, coin_seed: int | None = None):
-    """(triplets, reward function) under a control: MIS (another triplet's target), COIN (a fair
-    coin, `coin_seed`) or TEMPLATE (the rule's sentence)."""
-    if cfg.reward_control == "template":
-        triplets = [dict(t, next_obs=envs.template_prediction(t["action"])) for t in triplets]
-    elif cfg.reward_control == "mis":
-        targets, unchanged = mis_targets([t["next_obs"] for t in triplets], cfg.seed)
-        out.mkdir(parents=True, exist_ok=True)
-        info = dict(unchanged_share=unchanged, num_triplets=len(triplets))
-        write_atomic(out / "mis.json", json.dumps(info, indent=2))
-        print(f"mis: {unchanged:.1%} of triplets keep a target equal to their own (one text is "
-              "over half of all)")
-        triplets = [dict(t, next_obs=x) for t, x in zip(triplets, targets)]
-    elif cfg.reward_control == "coin":
-        return triplets, coin_reward(cfg.seed if coin_seed is None else coin_seed)
-    return triplets, reward_fn
-
-
-def baseline_wm(name: str, triplets: list[dict], reward_fn) -> dict:
-    """A content-free baseline (`envs.baseline_prediction`) scored as a model is."""
-    preds = [f"<next_state>{envs.baseline_prediction(name, t)}</next_state>" for t in triplets]
-    return dict(envs.score_wm(triplets, preds, reward_fn), samples=0, temperature=0.0, model=name)
-
-
-BASELINE_NAMES = dict(template="template rule", nothing="always \"Nothing happens.\"",
-                      copy="copy the observation", rule_copy="rule + copy the last listing seen",
-                      tracker="the prompt's state tracker")
-
-
-def baselines_line(cfg, out: Path, kind: str, trips: list[dict], file: str, reward_fn) -> None:
-    """The model-free baselines on a held-out set: wm_eval_<rule>_<kind>.json each, and one line."""
-    rules = {name: baseline_wm(name, trips, reward_fn) for name in envs.BASELINES}
-    for name, r in rules.items():
-        write_eval(out / f"wm_eval_{name}_{kind}.json",
-                   dict(r, split=cfg.heldout_split, transitions=file))
-    each = (f"{BASELINE_NAMES[n]} {r['wm_accuracy']:.3f} / {r['exact_match']:.3f}"
-            for n, r in rules.items())
-    print(f"{kind} ({file}): model-free baselines, reward / exact match: " + ", ".join(each))
-
-
-PROBE_ARMS = ("template", "rule_copy", "tracker")
 CHANGES = ("take_revisit", "put_revisit")  # what a take or a put changed: rule + copy cannot say it
-
-
-def probe_line(out: Path, start) -> str:
-    """The state probes by type: start -> RWML, beside the rule, rule + copy, the tracker."""
-    got = {a: json.loads((out / f"wm_eval_{a}_state.json").read_text())
-           for a in ("before", "rwml", *PROBE_ARMS)}
-
-    def cell(p: str | None) -> str:
-        r = {a: (g["per_probe"][p] if p else g) for a, g in got.items()}
-        arms = ", ".join(f"{r[a]['exact_match']:.2f}" for a in PROBE_ARMS)
-        return (f"{p or 'all'} ({r['rwml']['n']}) {r['before']['exact_match']:.2f} -> "
-                f"{r['rwml']['exact_match']:.2f} | {arms}")
-    name = "the warm-up" if start else "the base model"
-    return (f"state probes, exact match by type: {name} -> RWML | the rule, rule + copy, the "
-            "tracker: " + "; ".join(cell(p) for p in [*got["rwml"].get("per_probe", {}), None]))
-
-
-def before_after_line(before: dict, after: dict) -> str:
-    change_b, change_a = before["per_kind"]["change"], after["per_kind"]["change"]
-    beyond_b, beyond_a = before["per_kind"]["beyond_template"], after["per_kind"]["beyond_template"]
-    return (f"world-model accuracy {before['wm_accuracy']:.3f} -> {after['wm_accuracy']:.3f} "
-            f'({before["n"]} triplets); without "Nothing happens." {change_b["wm_accuracy"]:.3f} '
-            f"-> {change_a['wm_accuracy']:.3f} ({change_b['n']}); beyond the template rule "
-            f"{beyond_b['wm_accuracy']:.3f} -> {beyond_a['wm_accuracy']:.3f} ({beyond_b['n']}); "
-            f"mean cosine {before['mean_cosine']:.3f} -> {after['mean_cosine']:.3f}; strict: exact "
-            f"match {before['exact_match']:.3f} -> {after['exact_match']:.3f}, item F1 "
-            f"{_f1(before)} -> {_f1(after)} ({before['item_n']} listing targets)")
-
-
-def _f1(r: dict) -> str:
-    return "-" if r.get("item_f1") is None else f"{r['item_f1']:.3f}"
 
 
 def compare(out: Path, arm: str, base: str, kind: str | tuple, key: str, rows=None) -> dict:
@@ -224,17 +147,16 @@ def state_words(s: dict) -> str:
             f"{s['rule']['before']:.3f}, the tracker 1.000) {tracks}, {changes}")
 
 
-def all_summary(cfg, out: Path, lines: list[str], held: dict[str, str], kept: int, start,
-                t0: float) -> str:
-    """`all`'s end: the adapter's card (each held-out kind's line, the template rule's beside), the
-    gain lines, time and folder. Returns the verdict: the run's last line, after the cost line."""
-    rule = {k: json.loads((out / f"wm_eval_template_{k}.json").read_text()) for k in held}
-    cards = [f"held-out {k} ({cfg.heldout_split}, {cfg.heldout_games} games), before = "
-             f"{'the warm-up' if start else 'the base model'}: the content-free template rule "
-             f"{rule[k]['wm_accuracy']:.3f}, {line}" for k, line in held.items()]
-    write_card(out / "adapter", cfg, "all", data={TRIPLETS_KEPT: kept},
-               bundled=cfg.model == engine.BUNDLED_MODEL, heldout=cards + lines[-1:])
-    plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")
-    print("\n".join(lines[:-1]) + f"\n{(time.time() - t0) / 60:.1f} min -> {out} (per-triplet "
-          f"outputs: {out}/wm_eval_*.triplets.jsonl)")
-    return lines[-1]
+def main(argv: list[str] | None = None) -> None:
+    """`python -m readout RUN [RUN ...]`: each run folder's lines (a)-(f) and its verdict."""
+    p = argparse.ArgumentParser("python -m readout", description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", metavar="RUN", type=Path, help="a `python train.py` --out")
+    runs = p.parse_args(argv).runs
+    for run in runs:
+        try:
+            warmup = json.loads((run / "config.json").read_text())["warmup"]
+            lines = gain_lines(run, warmup)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{run} holds no finished `python train.py` run ({str(e)[:80]}); give "
+                            "the --out folder of one") from None
+        print(f"{run}:\n" * (len(runs) > 1) + "\n".join(lines), flush=True)

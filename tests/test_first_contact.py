@@ -17,7 +17,6 @@ import engine
 from stages import plumbing
 from stages import cards
 import train
-from readout import verdict
 from envs import UserError
 from stages.plumbing import read_jsonl
 
@@ -52,14 +51,12 @@ def test_the_all_card_puts_the_template_rule_beside_before_and_after(tmp_path):
         (out / f"wm_eval_template_{kind}.json").write_text(json.dumps(dict(wm_accuracy=rule)))
     held = {"purposeful": "world-model accuracy 0.200 -> 0.300 (48 triplets)",  # built first, as `all` does
             "explore": "world-model accuracy 0.349 -> 0.370 (48 triplets)"}
-    verdict.all_summary(train.Settings(), out, ["(a) ...", "verdict: this run shows no world model above it"],
-                      held, 30, Path("warmup"), time.time())
+    train.card_all(train.Settings(), out, held, 30, Path("warmup"))
     card = (out / "adapter" / "README.md").read_text()
     assert ("- held-out explore (valid_unseen, 20 games), before = the warm-up: the content-free template "
             "rule 0.729, world-model accuracy 0.349 -> 0.370 (48 triplets)") in card
     assert ("- held-out purposeful (valid_unseen, 20 games), before = the warm-up: the content-free template "
             "rule 0.667, world-model accuracy 0.200 -> 0.300") in card
-    assert "verdict: this run shows no world model above it" in card
 
 
 def test_a_cards_command_line_names_no_folder_of_the_machine(tmp_path, monkeypatch):
@@ -275,14 +272,15 @@ def readme_block() -> list[str]:
 
 
 def test_the_readmes_output_block_is_what_todays_code_reads_from_a_committed_run():
-    """README's output lines, shortened at "...", are today's closing lines (the probe line and
-    verdict.gain_lines) read from the per-triplet files of the committed run it names, a seed and held-out
+    """README's output lines, shortened at "...", are today's closing lines (train.py's probe line and
+    `python -m readout`'s) read from the per-triplet files of the committed run it names, a seed and held-out
     games no study chose with."""
+    import eval as evaluation
     from readout import verdict
 
     run = ROOT / "lab" / "results" / "state_probes" / "test_seed91"
     block = readme_block()
-    lines = [verdict.probe_line(run, "warm-up"), *verdict.gain_lines(run, start="warm-up")]
+    lines = [evaluation.probe_line(run, "warm-up"), *verdict.gain_lines(run, start="warm-up")]
     assert len(block) >= 4 and "(lab/results/state_probes/test_seed91/)" in (ROOT / "README.md").read_text()
     for entry in block:
         assert any(all(part.strip() in line for part in entry.split("...")) for line in lines), entry
@@ -307,3 +305,20 @@ def test_the_readmes_verdict_words_match_its_numbers():
             assert hi < 0 and p < 0.05, (lo, hi, word, p)
         else:
             assert not ((lo > 0 or hi < 0) and p < 0.05), (lo, hi, word, p)
+
+
+def test_readout_prints_a_runs_lines_and_verdict_and_refuses_a_folder_without_a_run(tmp_path):
+    """`python -m readout RUN` is the default run's conclusion, read from its folder: the committed run's
+    lines (a)-(f) and its verdict, last; a folder that holds no finished run: one line, exit status 1."""
+    from readout import verdict
+
+    run = ROOT / "lab" / "results" / "state_probes" / "test_seed91"
+    done = subprocess.run([sys.executable, "-m", "readout", str(run)], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == verdict.gain_lines(run, start="warm-up")
+    assert done.stdout.splitlines()[-1].startswith("verdict: ")
+    bad = subprocess.run([sys.executable, "-m", "readout", str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert bad.returncode == 1 and bad.stderr.startswith(f"error: {tmp_path} holds no finished")
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -12,7 +12,7 @@ from stages import runs
 from readout import verdict
 import train
 from envs import UserError
-from reward import SimToRealReward
+from reward import SimToRealReward, reward_control
 import reports
 
 
@@ -88,7 +88,7 @@ def test_unseen_objects_are_those_the_prompt_never_names():
 def test_template_rule_scores_what_it_should_on_a_fixed_set(purposeful, reward_fn):
     """On real walkthroughs, every event the action spells out is hit (take, move, heat, cool, clean, use); an
     arrival or an opening is hit only when there is nothing to list; "Nothing happens." is never predicted."""
-    r = verdict.baseline_wm("template", purposeful, reward_fn)
+    r = ev.baseline_wm("template", purposeful, reward_fn)
     rows = r["triplets"]
     assert len(rows) == len(purposeful) == r["n"]
     for row, trip in zip(rows, purposeful):
@@ -109,8 +109,8 @@ def test_template_rule_scores_what_it_should_on_a_fixed_set(purposeful, reward_f
     assert [(r["tracker_hit"], not r["unseen_objects"]) for r in rows] == [(h, h) for h in held]
     assert 0.3 < r["wm_accuracy"] < 1.0  # object lists are beyond it
     # no walkthrough step fails
-    assert verdict.baseline_wm("nothing", purposeful, reward_fn)["wm_accuracy"] == 0.0
-    copy = verdict.baseline_wm("copy", purposeful, reward_fn)
+    assert ev.baseline_wm("nothing", purposeful, reward_fn)["wm_accuracy"] == 0.0
+    copy = ev.baseline_wm("copy", purposeful, reward_fn)
     assert copy["triplets"][1]["predictions"] == [purposeful[1]["history"][-1]["observation"]]
 
 
@@ -299,7 +299,7 @@ def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
     grpo_probes = read_jsonl(tmp_path / "run" / "collect_state" / "transitions.jsonl")  # GRPO's train games
     assert grpo_probes and filtered["num_triplets"] == len(grpo_probes) + len(
         read_jsonl(tmp_path / "run" / "collect" / "transitions.jsonl"))
-    for label in ("before", "rwml", *verdict.PROBE_ARMS):  # the state probes, scored by type
+    for label in ("before", "rwml", *ev.PROBE_ARMS):  # the state probes, scored by type
         assert json.loads((tmp_path / "run" / f"wm_eval_{label}_state.json").read_text())["per_probe"]
     assert "state probes, exact match by type: the warm-up -> RWML | the rule, rule + copy, the tracker: " \
         in out
@@ -532,8 +532,8 @@ def test_the_verdict_says_whether_the_reward_beat_self_training(tmp_path):
     assert verdict.gain_lines(tmp_path, start="warm-up")[-1].startswith(
         "verdict: not shown that training raised the reward where RWML trained ((a) +0.000 [")
     cfg = train.Settings(reward_control="coin")
-    run = verdict.reward_control(cfg, [], None, tmp_path)[1]
-    ctrl = verdict.reward_control(cfg, [], None, tmp_path, coin_seed=cfg.seed + train.COIN_STREAM)[1]
+    run = reward_control(cfg, [], None, tmp_path)[1]
+    ctrl = reward_control(cfg, [], None, tmp_path, coin_seed=cfg.seed + train.COIN_STREAM)[1]
     assert run(["x"] * 64) != ctrl(["x"] * 64)
 
 
@@ -541,7 +541,7 @@ def test_the_template_control_pays_for_the_rules_sentence_not_the_games(purposef
     """--reward-control template: GRPO's targets become the template rule's sentences, so its reward pays a
     model that writes the grammar and knows no state; the real reward pays the game's own observation."""
     cfg = train.Settings(reward_control="template")
-    trips, fn = verdict.reward_control(cfg, purposeful, reward_fn, tmp_path)
+    trips, fn = reward_control(cfg, purposeful, reward_fn, tmp_path)
     assert fn is reward_fn and len(trips) == len(purposeful)
     listing = next(t for t in purposeful if "you see a" in t["next_obs"].lower())  # the rule cannot list it
     rule = envs.template_prediction(listing["action"])
