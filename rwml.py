@@ -71,7 +71,7 @@ class Running:
 
 
 def play(model, tokenizer, env, episodes: list[dict], *, actor=None, history_len: int = 2,
-         temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 128, num_envs: int = 8,
+         temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 64, num_envs: int = 16,
          on_turn=None, on_episode=None, record_tokens: bool = False, explore_prob: float = 0.0,
          seed: int = 0, desc: str = "episodes") -> list[dict]:
     """Play `episodes` ({"game": a game file, ...}) in `env` (`envs.make`), `num_envs` at once:
@@ -197,7 +197,7 @@ def sample_predictions(model, tokenizer, triplets: list[Triplet], *, reasoning: 
                        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
 
 
-def split_triplets(triplets: list[Triplet], frac: float = 0.1, seed: int = 0) -> tuple[list, list]:
+def split_triplets(triplets: list[Triplet], frac: float = 0.35, seed: int = 0) -> tuple[list, list]:
     """The paper's 90 / 10 split (ours 65 / 35, --filter-split): (RWML training triplets, triplets
     that train the easiness filter's copy, which is also the warm-up)."""
     if len(triplets) < 2:
@@ -445,7 +445,7 @@ def grpo_update(model, optimizer, batch: Batch, cfg, actor=None) -> list[dict]:
     return stats
 
 
-def micro_batches(batch: Batch, size: int, max_tokens: int = 0) -> list[Batch]:
+def micro_batches(batch: Batch, size: int, max_tokens: int = 512) -> list[Batch]:
     """Consecutive slices of whole groups: at most `size` rows and, with `max_tokens`, at most that
     many padded tokens in the forward (shared prompt: groups x (prompt + G completions), else rows
     x (prompt + completion)) once all-padding columns are dropped; a bigger group goes alone."""

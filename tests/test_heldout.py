@@ -281,6 +281,8 @@ def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
     assert not train.Settings().coin_control  # off by default: one arm decides nothing
     train.main(argv)
     out = capsys.readouterr().out
+    verdict.main([str(tmp_path / "run")])  # `python -m readout RUN`: the paired differences, the verdict
+    read = capsys.readouterr().out
     for kind in verdict.HELDOUT_KINDS:
         for label in ("before", "rwml", "template"):
             summary = json.loads((tmp_path / "run" / f"wm_eval_{label}_{kind}.json").read_text())
@@ -288,7 +290,7 @@ def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
             assert (tmp_path / "run" / f"wm_eval_{label}_{kind}.triplets.jsonl").is_file()
         assert f"{kind}: world-model accuracy" in out
         assert (tmp_path / "run" / f"wm_eval_coin_{kind}.triplets.jsonl").is_file()  # the matched COIN arm
-        assert f"(e) held-out {kind}, RWML " in out
+        assert f"(e) held-out {kind}, RWML " in read
     assert "strict: exact match" in out and (tmp_path / "run" / "adapter" / "adapter_config.json").is_file()
     assert (tmp_path / "run" / "coin_control" / "adapter" / "adapter_config.json").is_file()
     filtered = json.loads((tmp_path / "run" / "filter" / "filter.json").read_text())
@@ -303,13 +305,14 @@ def test_the_default_stage_all_runs_end_to_end(tiny_model, tmp_path, capsys):
         assert json.loads((tmp_path / "run" / f"wm_eval_{label}_state.json").read_text())["per_probe"]
     assert "state probes, exact match by type: the warm-up -> RWML | the rule, rule + copy, the tracker: " \
         in out
-    assert "(f) state probes (" in out and "; on the state probes (exact match RWML " in out
-    said = out.splitlines()  # the last line: the verdict in words, after the time and the cost line
-    assert said[-1].startswith("verdict: ") and said[-2].startswith("cost: ") and " min -> " in said[-3]
-    check_gain_lines(tmp_path / "run", out)
+    assert "(f) state probes (" in read and "; on the state probes (exact match RWML " in read
+    said = out.splitlines()  # the last line: how to read the verdict, after the time and the cost line
+    assert said[-1].endswith(f"python -m readout {tmp_path / 'run'}") and said[-2].startswith("cost: ")
+    assert " min -> " in said[-3] and read.splitlines()[-1].startswith("verdict: ") and "(a) " not in out
+    check_gain_lines(tmp_path / "run", read)
     train.main(argv)  # `python train.py` again: it continues the finished run (on c290165: "cannot resume")
     again = capsys.readouterr().out
-    assert "resumed from" in again and again.splitlines()[-1].startswith("verdict: ")
+    assert "resumed from" in again and again.splitlines()[-1] == said[-1]
     assert f'eval: reusing the "before" scores {tmp_path / "run"}/wm_eval_before_*.json' in again  # said
 
 

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # No per-file cap: a module is as long as its concern (the method's play loop, its update's data and step sit
 # in rwml.py beside the steps they serve, log pi computed fast in the engine). The core, the five and the
 # engine, at most 3,500 lines. All Python but tests / lab (package faces included): the aim of 5,500 is not
-# reached; TOTAL_MAX stops the growth (7,039: +21 for `python -m readout`, the verdict read from a run's folder).
+# reached; TOTAL_MAX stops the growth (7,039: +21 for `python -m readout`, a run's verdict from its folder).
 CORE = ("rwml", "reward", "envs", "train", "eval", "engine")
 CORE_MAX, TOTAL_MAX = 3500, 7039
 # Imports run down this list: a module imports only modules of the layers above its own, never one of its own
@@ -98,7 +98,8 @@ def test_evaluation_imports_no_training_code():
 def test_the_root_holds_the_five_files_of_the_card_and_packages_one_concern_each():
     """The root: the five files alone. Every other module: in a package named for its concern, whose
     __init__.py says which. The core (the five and the engine) imports none of worlds/, choose/, verl_bridge/
-    (it loads them by name: envs.load) nor readout/ (a command over a run's folder), and the engine none of the five but envs.py (the error it raises)."""
+    (it loads them by name: envs.load) nor readout/ (a command over a run's folder), and the engine none of
+    the five but envs.py (the error it raises)."""
     assert sorted(p.stem for p in ROOT.glob("*.py")) == sorted(FIVE)
     packages = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
     assert packages == sorted(PACKAGES), packages
@@ -272,16 +273,24 @@ def test_envs_imports_without_torch():
 
 def test_rwml_functions_default_to_the_runs_settings():
     """A reader of rwml.py sees the run's values: each of its functions' defaults that a setting also decides
-    is that setting's default (reasoning: wm_reasoning, scale_rewards, k: filter_samples, beta has none)."""
+    is that setting's default (reasoning: wm_reasoning, k: filter_samples, frac: filter_split, max_tokens:
+    micro_batch_tokens, ...; beta has none)."""
     import inspect
 
     import rwml
     import train
 
     run = train.Settings()
-    same = dict(reasoning=run.wm_reasoning, scale_rewards=run.scale_rewards, k=run.filter_samples)
+    same = dict(reasoning=run.wm_reasoning, scale_rewards=run.scale_rewards, k=run.filter_samples,
+                frac=run.filter_split, easy_share=run.easy_share, keep_prob=run.easy_keep_prob,
+                history_len=run.history_len, epsilon=run.epsilon, epsilon_high=run.epsilon_high,
+                max_tokens=run.micro_batch_tokens, temperature=run.temperature, top_p=run.top_p,
+                num_envs=run.num_envs)
     for name, fn in inspect.getmembers(rwml, inspect.isfunction):
         for p in inspect.signature(fn).parameters.values():
             if p.name in same and p.default is not inspect.Parameter.empty:
                 assert p.default == same[p.name], (name, p.name, p.default, same[p.name])
     assert inspect.signature(rwml.grpo_loss).parameters["beta"].default is inspect.Parameter.empty
+    # the agent's reply (play's max_new_tokens; a prediction's is max_completion_length); play's explore_prob
+    # stays 0 (the model plays: eval.py, the policy stage), the collect stage passes its 0.85
+    assert inspect.signature(rwml.play).parameters["max_new_tokens"].default == run.max_new_tokens
