@@ -1,2 +1,2 @@
-"""What a run concludes for its reader: the statistics (intervals, paired tests) and the default
-run's verdict (lab/reports.py tabulates them over runs)."""
+"""What a run concludes, read from its folder (`python -m readout RUN`): the statistics (intervals,
+paired tests) and the default run's verdict; the core never imports it."""
