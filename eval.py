@@ -150,8 +150,8 @@ def baseline_wm(name: str, triplets: list[dict], reward_fn) -> dict:
     return dict(envs.score_wm(triplets, preds, reward_fn), samples=0, temperature=0.0, model=name)
 
 
-def baselines_line(cfg, out: Path, kind: str, trips: list[dict], file: str, reward_fn) -> None:
-    """The model-free baselines on a held-out set: wm_eval_<rule>_<kind>.json each, and one line."""
+def baselines_line(cfg, out: Path, kind: str, trips: list[dict], file: str, reward_fn) -> dict:
+    """The model-free baselines' scores on a held-out set: wm_eval_<rule>_<kind>.json, one line."""
     rules = {name: baseline_wm(name, trips, reward_fn) for name in envs.BASELINES}
     for name, r in rules.items():
         write_eval(out / f"wm_eval_{name}_{kind}.json",
@@ -159,6 +159,7 @@ def baselines_line(cfg, out: Path, kind: str, trips: list[dict], file: str, rewa
     each = (f"{envs.BASELINES[n]} {r['wm_accuracy']:.3f} / {r['exact_match']:.3f}"
             for n, r in rules.items())
     print(f"{kind} ({file}): model-free baselines, reward / exact match: " + ", ".join(each))
+    return rules
 
 
 PROBE_ARMS = ("template", "rule_copy", "tracker")

@@ -182,7 +182,7 @@ def reward_control(cfg, triplets: list[dict], reward_fn, out: Path, coin_seed: i
         out.mkdir(parents=True, exist_ok=True)
         info = dict(unchanged_share=unchanged, num_triplets=len(triplets))
         (out / "mis.json.tmp").write_text(json.dumps(info, indent=2))
-        os.replace(out / "mis.json.tmp", out / "mis.json")  # whole, or not at all
+        os.replace(out / "mis.json.tmp", out / "mis.json")  # whole (reward.py: no run layer)
         print(f"mis: {unchanged:.1%} of triplets keep a target equal to their own (one text is "
               "over half of all)")
         triplets = [dict(t, next_obs=x) for t, x in zip(triplets, targets)]

@@ -282,7 +282,7 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> str:
           + (f" and ROUGE-1 >= {cfg.rouge_gate}" if cfg.rouge_gate else "")
           + f", {cfg.eval_samples or 'one greedy'} prediction(s) per triplet; before = "
           f"{'the warm-up' if start else 'the base model'}, after = RWML ({cfg.max_steps} steps)")
-    held = {}
+    held, rules = {}, {}
     for kind, s in sets.items():
         split = cfg.split if kind == "train" else cfg.heldout_split
         with cost.stage("eval after"):
@@ -290,25 +290,25 @@ def train_all(cfg: Settings, out: Path, load, reward_fn, t0: float) -> str:
                          model="RWML", split=split, transitions=s["file"])
         write_eval(out / f"wm_eval_rwml_{kind}.json", after)
         if kind != "train":
-            baselines_line(cfg, out, kind, s["triplets"], s["file"], reward_fn)
-            held[kind] = before_after_line(json.loads(before_files[kind].read_text()), after)
+            rule = baselines_line(cfg, out, kind, s["triplets"], s["file"], reward_fn)["template"]
+            rules[kind], held[kind] = rule["wm_accuracy"], before_after_line(
+                json.loads(before_files[kind].read_text()), after)
             print(f"{kind}: {held[kind]}")
     print(probe_line(out, start))
     if cfg.coin_control:
         coin_control(cfg, out, load, reward_fn, start, model, kept, heldout)
-    card_all(cfg, out, held, len(kept), start)
+    card_all(cfg, out, held, rules, len(kept), start)
     print(f"{(time.time() - t0) / 60:.1f} min -> {out} (per-triplet outputs: {out}/wm_eval_*"
           ".triplets.jsonl)")
     return (f"the paired differences (95 % CIs over games) and the verdict in words: "
             f"python -m readout {out}")
 
 
-def card_all(cfg: Settings, out: Path, held: dict[str, str], kept: int, start) -> None:
+def card_all(cfg: Settings, out: Path, held: dict, rules: dict, kept: int, start) -> None:
     """`all`'s adapter card: each held-out kind's line, the template rule's beside it; the curve."""
-    rule = {k: json.loads((out / f"wm_eval_template_{k}.json").read_text()) for k in held}
     lines = [f"held-out {k} ({cfg.heldout_split}, {cfg.heldout_games} games), before = "
              f"{'the warm-up' if start else 'the base model'}: the content-free template rule "
-             f"{rule[k]['wm_accuracy']:.3f}, {line}" for k, line in held.items()]
+             f"{rules[k]:.3f}, {line}" for k, line in held.items()]
     write_card(out / "adapter", cfg, "all", data={TRIPLETS_KEPT: kept},
                bundled=cfg.model == engine.BUNDLED_MODEL, heldout=lines)
     plot_rewards(out / "metrics.jsonl", out / "reward_curve.png", "RWML world-model GRPO")

@@ -155,8 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     for run in runs:
         try:
             warmup = json.loads((run / "config.json").read_text())["warmup"]
-            lines = gain_lines(run, warmup)
+            (run / "wm_eval_rwml_train.triplets.jsonl").stat()  # RWML scored: the run finished
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise UserError(f"{run} holds no finished `python train.py` run ({str(e)[:80]}); give "
-                            "the --out folder of one") from None
-        print(f"{run}:\n" * (len(runs) > 1) + "\n".join(lines), flush=True)
+                            "the --out folder of one (rerun an unfinished one)") from None
+        print(f"{run}:\n" * (len(runs) > 1) + "\n".join(gain_lines(run, warmup)), flush=True)

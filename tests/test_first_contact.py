@@ -47,11 +47,10 @@ def test_the_all_card_puts_the_template_rule_beside_before_and_after(tmp_path):
     out = tmp_path / "run"
     (out / "adapter").mkdir(parents=True)
     (out / "adapter" / "adapter_config.json").write_text(json.dumps(dict(base_model_name_or_path="org/m")))
-    for kind, rule in (("explore", 0.729), ("purposeful", 0.667)):
-        (out / f"wm_eval_template_{kind}.json").write_text(json.dumps(dict(wm_accuracy=rule)))
     held = {"purposeful": "world-model accuracy 0.200 -> 0.300 (48 triplets)",  # built first, as `all` does
             "explore": "world-model accuracy 0.349 -> 0.370 (48 triplets)"}
-    train.card_all(train.Settings(), out, held, 30, Path("warmup"))
+    rules = {"explore": 0.729, "purposeful": 0.667}
+    train.card_all(train.Settings(), out, held, rules, 30, Path("warmup"))
     card = (out / "adapter" / "README.md").read_text()
     assert ("- held-out explore (valid_unseen, 20 games), before = the warm-up: the content-free template "
             "rule 0.729, world-model accuracy 0.349 -> 0.370 (48 triplets)") in card
