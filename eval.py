@@ -24,15 +24,14 @@ import engine
 import envs
 import rwml
 from reward import make_reward
-from stages.runs import (check_play, episode_log, finished_episodes, random_policy, recorded,
-                          triplet_problem, triplets_env)
 from stages.settings import (AdapterArgs, FilterArgs, ModelArgs, PlayArgs, RWMLArgs, SamplingArgs,
                               WorldArgs, WorldModelArgs)
 from harness.cli import check_fields, commands_help, parse_config, run_cli
 from harness.common import again, arg, names, stored_config, write_atomic
 from envs import UserError
-from stages.plumbing import (check_adapter, check_cache, check_context, check_writable,
-                              read_transitions, sample_triplets, write_eval)
+from stages.plumbing import (check_adapter, check_cache, check_context, check_play, check_writable,
+                             episode_log, finished_episodes, random_policy, read_transitions,
+                             recorded, sample_triplets, triplet_problem, triplets_env, write_eval)
 
 COMMANDS = dict(  # name -> its line in `eval.py --help`
     agent="success rate of the model (+ adapter) playing held-out games, over seeds",

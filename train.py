@@ -30,14 +30,14 @@ from caches import (filter_cache, heldout_restore, heldout_store, save_easiness,
                     scores_before)
 from stages.runs import (WARMUP_STREAM, check_stage, claim_out, collection_summary, collection_todo,
                           kind_mix, log_groups, more_warmup, policy_eval_games, releases_locks,
-                          settle_env, split_games, stage_inputs, telling, triplet_problem,
-                          walkthroughs, warmup_games, wm_row)
+                          save_checkpoint, settle_env, split_games, stage_inputs, start_run,
+                          swap_checkpoint, telling, walkthroughs, warmup_games, wm_row)
 from harness.cli import parse_stage, run_cli
 from harness.common import read_jsonl, write_atomic
 from envs import RERUN, UserError
 from stages.plumbing import (check_io, check_run, close_tracker, config_json, filter_dir,
-                              jsonl_writer, keep_rng, log_row, run_header, sample_triplets,
-                              save_checkpoint, start_run, swap_checkpoint, use_4bit, write_eval)
+                             jsonl_writer, keep_rng, log_row, run_header, sample_triplets,
+                             triplet_problem, use_4bit, write_eval)
 from stages.settings import STAGES, Settings  # every setting: its flag, default
 from harness import cost
 from stages.cards import (CONTROLS, TRIPLETS_KEPT, card_run, plot_rewards, save_adapter,

@@ -22,7 +22,7 @@ from stages.plumbing import check_adapter, check_context, check_writable, read_t
 from repo_path import repo_path, stored_config
 from envs import parse_next_state
 from reward import SimToRealReward, make_reward
-from stages.runs import triplet_problem
+from stages.plumbing import triplet_problem
 
 
 @dataclass

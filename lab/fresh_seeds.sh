@@ -4,8 +4,9 @@
 # coin) on the same data: the collections, the warm-up's more games, the filter, the warm-up and the "before"
 # scores are copied from the real run's folder and reused (their caches are keyed by content and settings,
 # so the coin run would have made the same files).
-# ARGS go to every train.py call; each run's log ends with GNU time's lines (wall time, peak memory); a
-# resumed run appends to its log, so an interrupted attempt keeps its lines.
+# A run counts as done once it wrote wm_eval_rwml_train.json, its last score: its adapter is saved earlier,
+# and a run cut between the two resumes. ARGS go to every train.py call; each run's log ends with GNU time's
+# lines (wall time, peak memory); a resumed run appends to its log, so an interrupted attempt keeps its lines.
 # CONTROLS: the reward controls run on each seed's data (default coin; "coin template" adds the GRPO run
 # whose reward pays for the template rule's sentence), each in OUT/<control><seed>.
 #   SEEDS="41 42" OUT=runs/fresh bash lab/fresh_seeds.sh
@@ -20,7 +21,7 @@ ARGS=${ARGS:-}
 TIME="command time -v"
 mkdir -p "$OUT"
 for s in $SEEDS; do
-    [ -f "$OUT/seed$s/adapter/README.md" ] || $TIME $PY train.py --seed "$s" $ARGS --out "$OUT/seed$s" >> "$OUT/seed$s.log" 2>&1
+    [ -f "$OUT/seed$s/wm_eval_rwml_train.json" ] || $TIME $PY train.py --seed "$s" $ARGS --out "$OUT/seed$s" >> "$OUT/seed$s.log" 2>&1
 done
 for ctrl in ${CONTROLS:-coin}; do
     for s in $SEEDS; do
@@ -31,7 +32,7 @@ for ctrl in ${CONTROLS:-coin}; do
             [ -d "$c/$d" ] || [ ! -d "$OUT/seed$s/$d" ] || cp -r "$OUT/seed$s/$d" "$c/$d"
         done
         cp -n "$OUT/seed$s"/wm_eval_before_* "$c/"
-        [ -f "$c/adapter/README.md" ] || $TIME $PY train.py --seed "$s" $ARGS --reward-control "$ctrl" \
+        [ -f "$c/wm_eval_rwml_train.json" ] || $TIME $PY train.py --seed "$s" $ARGS --reward-control "$ctrl" \
             --out "$c" >> "$c.log" 2>&1
     done
 done

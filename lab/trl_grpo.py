@@ -28,16 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's mo
 
 import rwml  # noqa: E402
 import train  # noqa: E402
-from stages import runs  # noqa: E402
+from stages import plumbing  # noqa: E402
 from reward import reward_control  # noqa: E402
-from stages.runs import check_stage, claim_out, releases_locks, settle_env, stage_inputs  # noqa: E402
+from stages.runs import check_settings, check_stage, claim_out, releases_locks, settle_env, stage_inputs  # noqa: E402
 from envs import parse_next_state  # noqa: E402
 import engine  # noqa: E402
 from harness import cost
 from harness.cli import parse_stage, run_cli  # noqa: E402
 from harness.common import arg, write_atomic, write_jsonl
 from envs import RERUN, UserError
-from stages.plumbing import (PROMPT_TAIL, check_io, check_run, check_settings, config_json, filter_dir,
+from stages.plumbing import (PROMPT_TAIL, check_io, check_run, config_json, filter_dir,
                               group_table, run_header, use_4bit)
 from stages.cards import TRIPLETS_KEPT, card_folder, card_run, plot_rewards, save_adapter
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     check_run(cfg, processes=True)  # accelerate launch: every process runs this, TRL shares the work
     check(cfg)
     check_io(cfg)
-    trips, _ = stage_inputs(cfg, "wm", runs.triplet_problem(cfg))
+    trips, _ = stage_inputs(cfg, "wm", plumbing.triplet_problem(cfg))
     claim_out(cfg, out, "trl")
     if found := next(out.glob("checkpoint*"), None):
         raise UserError(f"{out} holds a run of train.py ({found}), which TRL cannot continue; use another "

@@ -1,25 +1,25 @@
-"""The plumbing under train.py and eval.py, none of it the method: every value checked before any
-model loads (one-line errors), files that survive interrupts, checkpoints and --resume, metrics
-under TRL's names, trackers. The method (a reply's parser) comes in as arguments."""
+"""What train.py and eval.py both stand on, none of it training: values checked before any model
+loads (one-line errors), files that survive interrupts, eval.py's random policy and resumable logs,
+metrics under TRL's names, trackers. A triplet's fit reads the method's prompt (rwml.wm_texts)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
-import io
 import json
 import os
-import pickle
 import random
-import shutil
+import sys
 from pathlib import Path
 
 import torch
 
 import engine
-from stages.cards import save_peft
-from harness.cli import check_fields, resume_free
-from harness.common import PATH_KEYS, read_jsonl, stored_config, write_atomic, write_jsonl
+import envs
+import rwml
+from harness.cli import check_fields
+from harness.common import read_jsonl, stored_config, write_atomic, write_jsonl
 from envs import UserError
 
 TRIPLET_FORMAT = "JSON lines with task, history, action, next_obs, as train.py collect writes"
@@ -90,7 +90,7 @@ def use_4bit(cfg) -> bool:
     return engine.default_4bit(cuda, engine.count_parameters(cfg.model) if cuda else None)
 
 
-def triplet_problem(t) -> str | None:
+def shape_problem(t) -> str | None:
     """A transitions record's problem, or None: the fields the world-model prompt and target use."""
     if not isinstance(t, dict):
         return f"a JSON {type(t).__name__}, not an object"
@@ -128,7 +128,7 @@ def read_transitions(path: str | None, fits=None) -> list[dict]:
             if n == len(lines):
                 break
             raise UserError(f"{path}, line {n}: not JSON; expected {TRIPLET_FORMAT}") from None
-        if problem := triplet_problem(t) or (fits(t) if fits else None):
+        if problem := shape_problem(t) or (fits(t) if fits else None):
             raise UserError(f"{path}, line {n}: {problem}; expected {TRIPLET_FORMAT}")
         trips.append(t)
     if not trips:
@@ -220,12 +220,6 @@ def check_adapter(path: str | None, flag: str = "--adapter") -> None:
         raise UserError(f"{weights} {problem}; save the adapter again, or give another {flag}")
 
 
-def checkpoint_problem(folder: Path) -> str | None:
-    """Why a checkpoint would not load back, or None: both files read whole, not merely exist."""
-    return next((f"{folder / n} {p}" for n in ("adapter_model.safetensors", "trainer_state.pt")
-                 if (p := engine.file_problem(folder / n))), None)
-
-
 def keep_rng():
     """An evaluation inside training leaves the RNG as it was: a learning curve changes no step."""
     return torch.random.fork_rng(devices=range(torch.cuda.device_count()), device_type="cuda")
@@ -251,137 +245,91 @@ def config_json(cfg) -> str:
     return json.dumps(stored_config(dataclasses.asdict(cfg)), indent=2)
 
 
-# ---------------------------------------------------------------------- checkpoints and resume
 def filter_dir(cfg, out: Path) -> Path:
     return Path(cfg.filter_dir) if cfg.filter_dir else out / "filter"
 
 
-def save_checkpoint(path: Path, model, optimizer, state: dict) -> None:
-    """Adapter, optimizer, RNG, cursor, step to checkpoint.tmp, swapped in: no crash loses one."""
-    tmp = path.with_name(path.name + ".tmp")
-    _remove_checkpoint(tmp)
-    save_peft(model, tmp, stage=state.get("stage"), extra=[
-        f"checkpoint at step {state['step']}: `--resume` continues from it (trainer_state.pt: "
-        "optimizer, RNG states and data cursor, tensors and plain values only); the finished "
-        "adapter: ../adapter"])
-    buffer = io.BytesIO()  # written after: torch.save to a full disk says only "unexpected pos"
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    torch.save(dict(state, optimizer=optimizer.state_dict(), torch_rng=torch.get_rng_state(),
-                    cuda_rng=cuda_rng), buffer)
-    write_atomic(tmp / "trainer_state.pt", buffer.getvalue())  # last: it marks a complete folder
-    swap_checkpoint(path, verify=False)  # just written: no need to read it back
+# ----------------------- what eval.py reads too: the play checks, the random policy, resumable logs
+RANDOM_UNUSED = ("model", "adapter", "temperature", "top_p", "max_new_tokens", "action_mode",
+                 "sampled", "history_len")  # what `--policy random` (no model) never reads
 
 
-def _remove_checkpoint(folder: Path) -> None:
-    """The marker first: a folder that a crash leaves half removed never looks complete."""
-    (folder / "trainer_state.pt").unlink(missing_ok=True)
-    shutil.rmtree(folder, ignore_errors=True)
+def check_play(cfg) -> None:
+    if cfg.action_mode == "choose" and not envs.env_class(cfg.env).can_choose:  # tau2 lists none
+        raise UserError(f"--action-mode choose picks among a turn's admissible commands, and "
+                        f"{cfg.env} has no such list; use --action-mode generate with --env "
+                        f"{cfg.env}")
 
 
-def swap_checkpoint(path: Path, verify: bool = True) -> bool:
-    """A whole checkpoint.tmp (else .old) into `path`; whether `path` then holds a checkpoint."""
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    whole = ((lambda f: checkpoint_problem(f) is None) if verify
-             else (lambda f: (f / "trainer_state.pt").is_file()))
-    if newest := tmp if whole(tmp) else old if whole(old) and not whole(path) else None:
-        _remove_checkpoint(path)
-        newest.rename(path)
-    for f in (tmp, old):
-        _remove_checkpoint(f)
-    return (path / "trainer_state.pt").is_file()
+def random_policy(cfg, given: set):
+    """With --policy random, a given setting of the model it never loads is warned of."""
+    if cfg.policy == "random" and (unused := [k for k in RANDOM_UNUSED if k in given]):
+        print(f"warning: --policy random plays a uniform admissible command, with no model: "
+              f"--{', --'.join(k.replace('_', '-') for k in unused)} not used (recorded as null)",
+              file=sys.stderr)
+    return cfg
 
 
-def load_checkpoint(path: Path, model, optimizer) -> dict:
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-    swap_checkpoint(path)  # a save that a crash stopped
-    set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
-    state = read_state(path / "trainer_state.pt")
-    optimizer.load_state_dict(state.pop("optimizer"))
-    torch.set_rng_state(state.pop("torch_rng"))
-    if (cuda_rng := state.pop("cuda_rng")) is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda_rng)
-    return state
+def recorded(cfg) -> dict:
+    """eval.py agent's settings as its result and log hold them: --policy random's unused, null."""
+    unused = dict.fromkeys(RANDOM_UNUSED) if cfg.policy == "random" else {}
+    return dataclasses.asdict(cfg) | unused
 
 
-def read_state(path: Path, **kwargs) -> dict:
-    """trainer_state.pt, loaded weights_only: tensors and plain values, no pickled code."""
-    try:
-        return torch.load(path, weights_only=True, **kwargs)
-    except pickle.UnpicklingError:
-        raise UserError(f"cannot resume: {path} holds pickled objects (an older release wrote "
-                        f"it); delete {path.parent} to start the run over, or resume it with the "
-                        "release that wrote it") from None
+def finished_episodes(path: Path, job: dict) -> dict[tuple, dict]:
+    """An interrupted evaluation's finished episodes by (split, seed, game), if its job is `job`."""
+    rows = read_jsonl(path)
+    done = rows[1:] if rows and rows[0] == dict(job=job) else []
+    if len(rows) > 1 and not done:
+        print(f"eval: {path} holds episodes played with other settings; playing all anew")
+    if done:
+        print(f"eval: {len(done)} episodes already played (from {path}); playing the rest")
+    return {(e.get("split"), e["seed"], e["game"]): e for e in done}
 
 
-def check_resume(cfg, out: Path, stage: str, resume: bool | None = None) -> bool:
-    """Whether out/checkpoint is there to resume: whole, of this stage, made with these settings."""
-    ckpt = out / "checkpoint"
-    if not swap_checkpoint(ckpt):
-        return False
-    if not (cfg.resume if resume is None else resume):
-        raise UserError(f"{out} already holds a run; pass --resume to continue it, or use another "
-                        "--out")
-    if problem := checkpoint_problem(ckpt):
-        raise UserError(f"cannot resume: {problem}; delete {ckpt} to start the run over, or use "
-                        "another --out")
-    state = read_state(ckpt / "trainer_state.pt", mmap=True, map_location="cpu")
-    if (saved := state.get("stage", stage)) != stage:
-        raise UserError(f"cannot resume: {out} holds a {saved} run, not a {stage} run; use another "
-                        "--out")
-    check_settings(cfg, out, state.get("paths", {}))
-    return True
+@contextlib.contextmanager
+def episode_log(path: Path, job: dict, done: dict):
+    """on_episode for `play`, to the log rewritten first with `job` and the `done` episodes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(path, [dict(job=job), *done.values()], default=str)  # no line cut short
+    with open(path, "a") as f:
+        yield jsonl_writer(f)
 
 
-def run_paths(cfg) -> dict:  # the run's paths, kept in its checkpoints for --resume
-    fields = dataclasses.asdict(cfg)
-    return {k: os.path.abspath(v) for k, v in fields.items() if k in PATH_KEYS and v}
+def triplets_env(path: str | None, flag: str = "--transitions") -> str | None:
+    """The environment of a transitions file's triplets (`env`, absent: alfworld), checked against
+    collect.json's beside it; a file that mixes them is refused; None where none reads."""
+    found = {}  # env -> its first line
+    with contextlib.suppress(OSError, UnicodeDecodeError, TypeError):
+        for n, line in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), 1):
+            with contextlib.suppress(ValueError, AttributeError):
+                env = json.loads(line).get("env", "alfworld")
+                if isinstance(env, str) and env in envs.ENVIRONMENTS:  # else read_transitions says
+                    found.setdefault(env, n)
+    if len(found) > 1:
+        lines = ", ".join(f"{e} from line {n}" for e, n in found.items())
+        raise UserError(f"{flag} {path} mixes environments ({lines}); a run's reward threshold and "
+                        "cap are one environment's: give the triplets of one")
+    env = next(iter(found), None)
+    meta = Path(path).with_name("collect.json") if env else None
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no collect.json to read
+        if meta and (named := json.loads(meta.read_text(encoding="utf-8")).get("env", env)) != env:
+            raise UserError(f"{meta} names env {json.dumps(named)[:40]}, but the triplets of "
+                            f"{path} are {env}'s; fix or delete {meta} (its collection's settings)")
+    return env
 
 
-def check_settings(cfg, out: Path, paths: dict | None = None) -> None:
-    """The settings that change training (not `resume_free`) match config.json, paths `paths`."""
-    try:  # start_run writes it before the first checkpoint: without it no setting could be checked
-        old = stored_config(json.loads((out / "config.json").read_text(encoding="utf-8-sig")))
-    except (OSError, ValueError, AttributeError) as e:
-        why = "missing" if isinstance(e, FileNotFoundError) else "damaged"
-        raise UserError(f"cannot resume: {out / 'config.json'}, the settings {out / 'checkpoint'} "
-                        f"was trained with, is {why}; restore it, or delete {out / 'checkpoint'} "
-                        "to start the run over") from None
-    new = json.loads(config_json(cfg))  # paths as recorded: relative to the repository, or <path>
-    if paths:  # as this machine names them (the checkpoint's): `<path>` cannot tell two apart
-        old |= {k: p for k, p in paths.items() if k in old}
-        new |= {k: p for k, p in run_paths(cfg).items() if k in old}
-    diff = ", ".join(f"--{k.replace('_', '-')} {old[k]!r} -> {v!r}" for k, v in new.items()
-                     if k not in resume_free(cfg) and k in old and old[k] != v)
-    if diff:
-        raise UserError(f"cannot resume: {out} was trained with other settings ({diff}); resume "
-                        "with its settings, or use another --out")
-
-
-def start_run(cfg, out: Path, model, optimizer, stage: str = "wm") -> tuple[dict, object]:
-    """Resume (or refuse to overwrite), logs cut back to its step, config.json, the tracker."""
-    ckpt = out / "checkpoint"
-    state = dict(step=0, epoch=0, cursor=0, stage=stage, paths=run_paths(cfg))
-    if check_resume(cfg, out, stage):  # an earlier release's checkpoint has no stage
-        state = dict(dict(stage=stage), **load_checkpoint(ckpt, model, optimizer))
-        print(f"resumed from {ckpt} at step {state['step']}")
-    out.mkdir(parents=True, exist_ok=True)
-    for log in (out / "metrics.jsonl", out / "samples.jsonl", out / "eval_episodes.jsonl"):
-        if log.exists():  # a per-step log
-            write_jsonl(log, [r for r in read_jsonl(log) if r.get("step", 0) <= state["step"]])
-    write_atomic(out / "config.json", config_json(cfg))
-    if cfg.report_to == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-        return state, SummaryWriter(str(out / "tensorboard"))
-    if cfg.report_to == "wandb":  # a resumed run continues the same wandb run
-        import wandb
-        id_file = out / "wandb_run_id"
-        if not id_file.is_file():
-            write_atomic(id_file, wandb.util.generate_id())
-        return state, wandb.init(project=os.environ.get("WANDB_PROJECT", "rwml"), name=out.name,
-                                 dir=str(out), id=id_file.read_text().strip(), resume="allow",
-                                 job_type=stage, config=dataclasses.asdict(cfg))
-    return state, None
+def triplet_problem(cfg):
+    """For read_transitions: why a triplet cannot train with `cfg` (an unknown env, past the model's
+    context), or None."""
+    def problem(t: dict) -> str | None:
+        if "env" in t and (not isinstance(t["env"], str) or t["env"] not in envs.ENVIRONMENTS):
+            return (f"env {json.dumps(t['env'])[:40]} is not one of "
+                    f"{', '.join(envs.ENVIRONMENTS)} (or left out)")
+        chats = [rwml.wm_texts(t, r) for r in {cfg.wm_reasoning, False}]
+        answer = t["next_obs"] + chats[0][3]
+        return context_problem(cfg, [(p, s, x) for s, p, x, _ in chats], answer)
+    return problem
 
 
 # --------------------------------------------------------- logging: trackers, metrics, GRPO groups

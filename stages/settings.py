@@ -12,10 +12,8 @@ from harness.common import again, arg
 
 SEED_MAX = 2**32 - 1  # numpy's bound (transformers' set_seed); torch's is 2**64 - 1
 _SEED = dict(check=lambda v: 0 <= v <= SEED_MAX, why=f"must be between 0 and {SEED_MAX}")
-_ENVS = {name: envs.env_class(name) for name in envs.ENVIRONMENTS}
-_PER_ENV = {  # --help: each environment's own default of a setting it sets
-    s: "None: the environment's (" + ", ".join(f"{e} {getattr(c, s)}" for e, c in _ENVS.items())
-    + ")" for s in envs.ENV_DEFAULTS}
+_PER_ENV = {  # --help: ALFWorld's value (another environment loads only once --env names it)
+    s: f"None: the environment's (alfworld {getattr(envs.Alfworld, s)})" for s in envs.ENV_DEFAULTS}
 _SHARE = dict(check=lambda v: 0 <= v <= 1, why="must be between 0 and 1")
 _NOT_NEGATIVE = dict(check=lambda v: v >= 0, why="must be 0 or more")
 _POSITIVE = dict(check=lambda v: v > 0, why="must be above 0")
@@ -69,8 +67,8 @@ class WorldArgs:
                           part_of="collect:textworld")
     quest_length: int = arg(2, "textworld: steps of the winning quest (at 2 random play wins "
                             "~25 % in 10 steps)", min=1, part_of="collect:textworld")
-    domain: str = arg("retail", "tau2: airline | retail | telecom",
-                      choices=envs.load("worlds.tau2:TAU2_DOMAINS"), part_of="collect:tau2")
+    domain: str = arg("retail", "tau2: airline | retail | telecom", part_of="collect:tau2",
+                      choices=("airline", "retail", "telecom"))  # tau2.py's: not loaded here
     user_model: str | None = arg(None, "tau2's simulated customer: any HF causal LM; None = the "
                                  "agent's model (adapter off)", part_of="collect:tau2")
     num_tasks: int | None = arg(4, "tau2: tasks of the split (None = all; retail train has 74)",
@@ -297,10 +295,11 @@ class Settings(ModelArgs, AdapterArgs, PlayArgs, WorldArgs, SamplingArgs, Collec
                EngineArgs, StepArgs, RWMLArgs, RunArgs, PolicyArgs, VerlArgs):
     """Every setting of every stage: what `train.py` parses (a stage reads its groups, `STAGES`)."""
 
-    def __post_init__(self):  # unset: its environment's (unknown --env: check_fields)
+    def __post_init__(self):  # unset: its environment's, loaded by name (unknown: check_fields)
+        env = envs.env_class(self.env) if self.env in envs.ENVIRONMENTS else None
         for name in envs.ENV_DEFAULTS:
-            if getattr(self, name) is None and self.env in _ENVS:
-                setattr(self, name, getattr(_ENVS[self.env], name))
+            if getattr(self, name) is None and env is not None:
+                setattr(self, name, getattr(env, name))
 
 
 _PLAY = (PlayArgs, WorldArgs, SamplingArgs)  # the agent plays

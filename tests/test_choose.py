@@ -152,7 +152,7 @@ def test_collect_in_choose_mode_writes_the_same_triplet_fields(tiny_model, tmp_p
     assert all(t["valid"] and t["format_ok"] for t in cho)  # the choice is an admissible command
     assert all(t["action"] == envs.parse_action(t["response"])[0] for t in cho if not t["explored"])
     # the world-model prompt of a choose-mode triplet is built as any other's
-    assert cho[1]["action"] in rwml.wm_prompt(cho[1]) and plumbing.triplet_problem(cho[1]) is None
+    assert cho[1]["action"] in rwml.wm_prompt(cho[1]) and plumbing.shape_problem(cho[1]) is None
 
 
 def test_choose_mode_on_tau2_is_one_line_before_any_model_loads(tmp_path):

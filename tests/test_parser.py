@@ -80,14 +80,13 @@ def test_a_lone_surrogate_in_a_transitions_file_passes_the_context_check(tiny_mo
     import json
 
     from stages import plumbing
-    from stages import runs
     import train
 
     t = dict(task="put a mug in the sink", history=[{"observation": "You are in a room."}], action="look",
              next_obs="You see a mug\ud800 1.")
     path = tmp_path / "transitions.jsonl"
     path.write_text(json.dumps(t) + "\n")  # ensure_ascii: the file holds the escape, as a user's would
-    fits = runs.triplet_problem(train.Settings(model=tiny_model))
+    fits = plumbing.triplet_problem(train.Settings(model=tiny_model))
     assert fits is not None and fits(t) is None
     assert [x["next_obs"] for x in plumbing.read_transitions(str(path), fits=fits)] == [t["next_obs"]]
 

@@ -19,6 +19,7 @@ import torch
 import engine
 import envs
 from stages import plumbing
+from stages import runs
 import train
 from worlds import tau2
 from stages.plumbing import read_jsonl
@@ -281,7 +282,7 @@ def test_a_save_stopped_at_any_point_loses_no_checkpoint(tiny_model, tmp_path):
         train.save_checkpoint(path, model, opt, dict(step=step))
 
     def load(path):  # the step, checked against the weights: both from one save
-        step = plumbing.load_checkpoint(path, model, opt)["step"]
+        step = runs.load_checkpoint(path, model, opt)["step"]
         assert all(torch.all(p == step) for p in lora)
         return step
 

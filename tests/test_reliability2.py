@@ -15,6 +15,7 @@ import engine
 import envs
 from harness import cli
 from stages import plumbing
+from stages import runs
 import eval as evaluate
 import train
 from worlds import tau2
@@ -111,8 +112,8 @@ def test_resume_falls_back_to_the_last_whole_checkpoint(wm_run, tmp_path):
     out, argv = copy_run(wm_run, tmp_path)
     shutil.copytree(out / "checkpoint", out / "checkpoint.tmp")
     damage(out / "checkpoint.tmp" / "trainer_state.pt", "garbage")
-    assert plumbing.swap_checkpoint(out / "checkpoint")
-    assert plumbing.checkpoint_problem(out / "checkpoint") is None
+    assert runs.swap_checkpoint(out / "checkpoint")
+    assert runs.checkpoint_problem(out / "checkpoint") is None
     assert not (out / "checkpoint.tmp").exists()
     shutil.copytree(out / "checkpoint", out / "checkpoint.old")
     damage(out / "checkpoint" / "adapter_model.safetensors", "truncated")

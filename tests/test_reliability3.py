@@ -10,7 +10,6 @@ import pytest
 
 import envs
 from stages import plumbing
-from stages import runs
 import train
 import trl_grpo
 from stages.plumbing import read_jsonl
@@ -128,7 +127,7 @@ def test_a_triplet_of_an_unknown_env_is_one_line_naming_the_file_and_line(env, s
     bad.write_text("\n".join(lines) + "\n")
     message = f"{bad}, line 3: env {shown} is not one of alfworld, "
     with pytest.raises(envs.UserError) as e:
-        fits = runs.triplet_problem(train.Settings(model=tiny_model))
+        fits = plumbing.triplet_problem(train.Settings(model=tiny_model))
         plumbing.read_transitions(str(bad), fits)
     assert one_line(e).startswith(message)
     with pytest.raises(envs.UserError) as e:

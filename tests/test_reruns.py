@@ -106,10 +106,10 @@ def test_a_cut_config_json_stops_a_resume(tmp_path):
     (tmp_path / "config.json").write_text(plumbing.config_json(train.Settings())[:40])
     with pytest.raises(UserError, match=f"cannot resume: {tmp_path / 'config.json'}.* is damaged; restore "
                                         f"it, or delete {tmp_path / 'checkpoint'}"):
-        plumbing.check_settings(train.Settings(learning_rate=0.5), tmp_path)
+        runs.check_settings(train.Settings(learning_rate=0.5), tmp_path)
     (tmp_path / "config.json").unlink()
     with pytest.raises(UserError, match="is missing"):
-        plumbing.check_settings(train.Settings(learning_rate=0.5), tmp_path)
+        runs.check_settings(train.Settings(learning_rate=0.5), tmp_path)
 
 
 def filtered(tmp_path, cfg, kept):
