@@ -43,7 +43,7 @@ FIVE = ("rwml", "reward", "envs", "train", "eval")  # the card's files: the root
 PACKAGES = ("engine", "worlds", "choose", "harness", "stages", "readout", "caches", "verl_bridge")
 BY_NAME = ("worlds", "choose", "verl_bridge")  # loaded by name (envs.load), never imported by the core
 # extras the core never imports: loaded by name, or a command over a run's folder (readout); the cards, the
-# cost line and the caches are still imported by train.py and eval.py (lab/NOTEBOOK.md, "The house")
+# cost line and the caches are still imported by train.py, not by eval.py (lab/NOTEBOOK.md, "The house")
 NEVER_IN_CORE = (*BY_NAME, "readout")
 LAB = ("reports", "bench", "lab")
 
@@ -101,11 +101,11 @@ def test_evaluation_imports_no_training_code():
 
 def test_the_default_run_loads_no_other_environment():
     """`import train` and the default settings load ALFWorld's code only: TextWorld and tau2 load by name
-    once --env names them (a setting's help or choices never load them); tau2's domains, declared as a
-    setting's choices, are the ones worlds/tau2.py plays."""
+    once --env names them (a setting's help or choices never load them), choose mode and verl's bridge once
+    named, readout never; tau2's domains, declared as a setting's choices, are those worlds/tau2.py plays."""
     code = ("import sys, train, eval; train.Settings(); eval.WMEvalConfig(); eval.AgentEvalConfig(); "
-            "sys.exit(int(any(m.startswith('worlds') for m in sys.modules)))")
-    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0, "the default loads worlds/"
+            f"sys.exit(int(any(m.split('.')[0] in {NEVER_IN_CORE} for m in sys.modules)))")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0, "the default loads extras"
     from stages.settings import WorldArgs
     from worlds import tau2
     domain = next(f for f in dataclasses.fields(WorldArgs) if f.name == "domain")
