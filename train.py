@@ -26,11 +26,11 @@ import envs
 import rwml
 from reward import make_reward, reward_control
 from eval import HELDOUT_KINDS, baselines_line, before_after_line, probe_line
-from caches import (filter_cache, heldout_restore, heldout_store, save_easiness, save_filter,
-                    scores_before)
+from caches import heldout_restore, heldout_store
 from stages.runs import (WARMUP_STREAM, check_stage, claim_out, collection_summary, collection_todo,
-                          kind_mix, log_groups, more_warmup, policy_eval_games, releases_locks,
-                          save_checkpoint, settle_env, split_games, stage_inputs, start_run,
+                          filter_cache, kind_mix, log_groups, more_warmup, policy_eval_games,
+                          releases_locks, save_checkpoint, save_easiness, save_filter,
+                          scores_before, settle_env, split_games, stage_inputs, start_run,
                           swap_checkpoint, telling, walkthroughs, warmup_games, wm_row)
 from harness.cli import parse_stage, run_cli
 from harness.common import read_jsonl, write_atomic

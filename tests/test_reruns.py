@@ -43,7 +43,7 @@ def test_the_code_key_covers_every_module_on_the_play_path(tmp_path, monkeypatch
     cfg = train.Settings(split="valid_unseen", num_games=1)
 
     def keys():  # the held-out (and warm-up play) set's, the filter's, the "before" scores'
-        return (caches.heldout_key(cfg), caches.filter_cache(cfg, [TRIP], tmp_path / "filter")[0],
+        return (caches.heldout_key(cfg), runs.filter_cache(cfg, [TRIP], tmp_path / "filter")[0],
                 runs.before_made_by(cfg, None, dict(triplets=[TRIP])))
     first = keys()
     assert keys() == first and common.code_sha(root=tmp_path) == common.code_sha()
@@ -80,10 +80,10 @@ def test_before_is_scored_again_when_a_scoring_setting_changes(tmp_path, capsys,
 
     def before(cfg):
         n = len(scored)
-        caches.scores_before(cfg, tmp_path, dict(explore=held), None, lambda: (None, None), None)
+        runs.scores_before(cfg, tmp_path, dict(explore=held), None, lambda: (None, None), None)
         return len(scored) > n, capsys.readouterr().out
 
-    monkeypatch.setattr(caches.rwml, "evaluate_heldout", score)
+    monkeypatch.setattr(runs.rwml, "evaluate_heldout", score)
     assert before(cfg)[0]
     again, said = before(cfg)
     assert not again and f'reusing the "before" scores {tmp_path}/wm_eval_before_*.json' in said
@@ -114,8 +114,8 @@ def test_a_cut_config_json_stops_a_resume(tmp_path):
 
 def filtered(tmp_path, cfg, kept):
     out = tmp_path / "filter"
-    job = caches.filter_cache(cfg, [dict(TRIP, step=i) for i in range(6)], out)[0]
-    caches.save_filter(out, job, dict(num_kept=len(kept)), kept)
+    job = runs.filter_cache(cfg, [dict(TRIP, step=i) for i in range(6)], out)[0]
+    runs.save_filter(out, job, dict(num_kept=len(kept)), kept)
     (out / "warmup_adapter").mkdir(exist_ok=True)
     return out
 
@@ -125,23 +125,23 @@ def test_a_no_warmup_filter_reuses_no_mixed_only_kept_set(tmp_path):
     68ef7d6 a --no-warmup job reused it. Without mixed_only the two are the same set: reused."""
     trips = [dict(TRIP, step=i) for i in range(6)]
     out = filtered(tmp_path, train.Settings(), trips[:4])
-    assert caches.filter_cache(train.Settings(warmup=False), trips, out)[1] is None
+    assert runs.filter_cache(train.Settings(warmup=False), trips, out)[1] is None
     out = filtered(tmp_path, train.Settings(mixed_only=False), trips[:4])
-    assert caches.filter_cache(train.Settings(warmup=False, mixed_only=False), trips, out)[1] is not None
+    assert runs.filter_cache(train.Settings(warmup=False, mixed_only=False), trips, out)[1] is not None
 
 
 def test_a_cut_kept_set_or_filter_json_is_said_and_filtered_again(tmp_path, capsys):
     trips = [dict(TRIP, step=i) for i in range(6)]
     cfg = train.Settings(warmup=False)
     out = filtered(tmp_path, cfg, trips)
-    assert caches.filter_cache(cfg, trips, out)[1][0] == trips
+    assert runs.filter_cache(cfg, trips, out)[1][0] == trips
     lines = (out / "kept.jsonl").read_text().splitlines(keepends=True)
     (out / "kept.jsonl").write_text("".join(lines[:2] + [lines[2][:10] + "\n"] + lines[3:]))
     capsys.readouterr()
-    assert caches.filter_cache(cfg, trips, out)[1] is None  # on 68ef7d6: 5 of the 6, without a word
+    assert runs.filter_cache(cfg, trips, out)[1] is None  # on 68ef7d6: 5 of the 6, without a word
     assert f"{out / 'kept.jsonl'} holds 5 of the 6 triplets" in capsys.readouterr().out
     (out / "filter.json").write_text((out / "filter.json").read_text()[:30])
-    assert caches.filter_cache(cfg, trips, out)[1] is None  # on 68ef7d6: a JSONDecodeError
+    assert runs.filter_cache(cfg, trips, out)[1] is None  # on 68ef7d6: a JSONDecodeError
     assert f"{out / 'filter.json'} is damaged" in capsys.readouterr().out
 
 

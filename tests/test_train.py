@@ -10,7 +10,7 @@ import torch
 import engine
 from stages import plumbing
 import envs
-import caches
+from stages import runs
 import rwml
 import train
 from envs import UserError
@@ -420,16 +420,16 @@ def test_the_warm_up_can_train_on_more_triplets_than_its_split(parrot, tmp_path,
     assert all(t["game"] != "other" for t in kept)  # GRPO never sees them
     assert "- data: more warm-up triplets: 7" in (warm / "README.md").read_text()
     plain = dataclasses.replace(cfg, warmup_transitions=None)
-    assert caches.filter_cache(plain, trips, tmp_path / "f")[1] is None  # another warm-up: not reused
-    assert caches.filter_cache(cfg, trips, tmp_path / "f")[1] is not None
+    assert runs.filter_cache(plain, trips, tmp_path / "f")[1] is None  # another warm-up: not reused
+    assert runs.filter_cache(cfg, trips, tmp_path / "f")[1] is not None
     moved = tmp_path / "elsewhere.jsonl"  # keyed by content: the same file elsewhere (another run's folder)
     moved.write_bytes(more.read_bytes())
     there = dataclasses.replace(cfg, warmup_transitions=str(moved))
-    assert caches.filter_cache(there, trips, tmp_path / "f")[1] is not None
+    assert runs.filter_cache(there, trips, tmp_path / "f")[1] is not None
     moved.write_text(more.read_text().replace('"step": 100', '"step": 99'))  # a triplet changed: made again
-    assert caches.filter_cache(there, trips, tmp_path / "f")[1] is None
+    assert runs.filter_cache(there, trips, tmp_path / "f")[1] is None
     changed = trips[:-1] + [dict(trips[-1], next_obs="other")]
-    assert caches.filter_cache(cfg, changed, tmp_path / "f")[1] is None
+    assert runs.filter_cache(cfg, changed, tmp_path / "f")[1] is None
     with pytest.raises(UserError, match="--warmup-transitions: .*nosuch.jsonl not found"):
         train.filter_triplets(dataclasses.replace(cfg, warmup_transitions=str(tmp_path / "nosuch.jsonl")),
                               trips, tmp_path / "g", lambda: engine.load_model(folder), SimToRealReward())
