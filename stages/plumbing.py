@@ -1,6 +1,6 @@
-"""What train.py and eval.py both stand on, none of it training: values checked before any model
+"""What train.py and eval.py both stand on (no checkpoint, no card): values checked before any model
 loads (one-line errors), files that survive interrupts, eval.py's random policy and resumable logs,
-metrics under TRL's names, trackers. A triplet's fit reads the method's prompt (rwml.wm_texts)."""
+train.py's metrics under TRL's names and trackers. A triplet's fit reads rwml.wm_texts' prompt."""
 from __future__ import annotations
 
 import contextlib
