@@ -8,7 +8,8 @@
 # and a run cut between the two resumes. ARGS go to every train.py call; each run's log ends with GNU time's
 # lines (wall time, peak memory); a resumed run appends to its log, so an interrupted attempt keeps its lines.
 # CONTROLS: the reward controls run on each seed's data (default coin; "coin template" adds the GRPO run
-# whose reward pays for the template rule's sentence), each in OUT/<control><seed>.
+# whose reward pays for the template rule's sentence), each in OUT/<control><seed>; and the checks that must
+# be able to fail: coinb, a second coin (lab/coin_again.py), flip, GRPO's sign flipped (lab/flipped_sign.py).
 #   SEEDS="41 42" OUT=runs/fresh bash lab/fresh_seeds.sh
 #   SEEDS=51 OUT=runs/fresh5 bash lab/fresh_seeds.sh & SEEDS=52 OUT=runs/fresh5 bash lab/fresh_seeds.sh  # side by side
 set -euo pipefail
@@ -32,7 +33,11 @@ for ctrl in ${CONTROLS:-coin}; do
             [ -d "$c/$d" ] || [ ! -d "$OUT/seed$s/$d" ] || cp -r "$OUT/seed$s/$d" "$c/$d"
         done
         cp -n "$OUT/seed$s"/wm_eval_before_* "$c/"
-        [ -f "$c/wm_eval_rwml_train.json" ] || $TIME $PY train.py --seed "$s" $ARGS --reward-control "$ctrl" \
-            --out "$c" >> "$c.log" 2>&1
+        case $ctrl in
+            coinb) run="lab/coin_again.py --reward-control coin" ;;
+            flip) run=lab/flipped_sign.py ;;
+            *) run="train.py --reward-control $ctrl" ;;
+        esac
+        [ -f "$c/wm_eval_rwml_train.json" ] || $TIME $PY $run --seed "$s" $ARGS --out "$c" >> "$c.log" 2>&1
     done
 done

@@ -8,7 +8,9 @@ RWML's per-triplet scores of the real run minus the control's, paired by triplet
 on RWML's own training prompts, (b) held-out exact match, explore and purposeful pooled, (f) held-out state
 probes, exact match. Each seed's cell: its CI over games and sign-flip p over games. Over seeds
 (stats.over_seeds): each seed's value, the CI, the exact sign-flip test over seeds; "holds" only where the CI
-excludes 0 and p < 0.05, which needs at least 6 seeds (with k seeds the smallest p is 2 / 2^k).
+excludes 0 and p < 0.05, which needs at least 6 seeds (with k seeds the smallest p is 2 / 2^k). Then PLAN.md's
+checks, each against the coin run: a second coin (coinb<seed>) must pass no line, GRPO's sign flipped
+(flip<seed>) must not hold on (a).
 """
 from __future__ import annotations
 
@@ -23,28 +25,34 @@ from readout import stats  # noqa: E402
 from envs import UserError  # noqa: E402
 
 CONTROLS = (("coin", "GRPO with a coin for a reward"), ("template", "GRPO rewarded for the rule's sentence"))
+# PLAN.md's checks, each against the coin run: a second coin (lab/coin_again.py) must pass no line, GRPO's
+# sign flipped (lab/flipped_sign.py) must not hold on (a)
+CHECKS = (("coinb", "a second coin"), ("flip", "GRPO's sign flipped"))
 LINES = (("(a) the reward on RWML's training prompts", ("train",), "rewards"),
          ("(b) held-out exact match, explore + purposeful", ("explore", "purposeful"), "exact"),
          ("(f) held-out state probes, exact match", ("state",), "exact"))
 
 
-def table(runs: list[Path]) -> list[str]:
-    rows = [f"| line | real − | {' | '.join(r.name for r in runs)} | over {len(runs)} seeds | verdict |",
+def table(runs: list[Path], arms=(("seed", "the real reward"),), controls=CONTROLS) -> list[str]:
+    """Each arm's RWML minus each control's, per seed and over seeds; runs: OUT/seed<N>."""
+    seeds = " | ".join(r.name for r in runs)
+    rows = [f"| line | arm − control | {seeds} | over {len(runs)} seeds | verdict |",
             "|---" * (len(runs) + 4) + "|"]
     words = []
-    for ctrl, name in CONTROLS:
-        arms = [r.with_name(f"{ctrl}{r.name.removeprefix('seed')}") for r in runs]
-        if missing := [str(a) for a in arms if not (a / "wm_eval_rwml_train.triplets.jsonl").is_file()]:
-            raise UserError(f"{', '.join(missing)}: no finished {ctrl} run; run lab/over_seeds.sh")
+    for (arm, arm_name), (ctrl, name) in ((a, c) for a in arms for c in controls):
+        pair = [[r.with_name(f"{x}{r.name.removeprefix('seed')}") for r in runs] for x in (arm, ctrl)]
+        done = [(a / "wm_eval_rwml_train.triplets.jsonl").is_file() for a in pair[0] + pair[1]]
+        if missing := [str(a) for a, ok in zip(pair[0] + pair[1], done) if not ok]:
+            raise UserError(f"{', '.join(missing)}: no finished run; run lab/over_seeds.sh")
         for label, kinds, key in LINES:
-            each = [sides(r, "rwml", a, "rwml", kinds, key) for r, a in zip(runs, arms)]
+            each = [sides(r, "rwml", a, "rwml", kinds, key) for r, a in zip(*pair)]
             cells = [stats.paired_bootstrap(*e) for e in each]
             ci = stats.over_seeds(each)
             v = stats.verdict(ci)
-            rows.append(f"| {label} | {name} | " + " | ".join(
+            rows.append(f"| {label} | {arm_name} − {name} | " + " | ".join(
                 f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] p {c['p']:.3f}" for c in cells)
                 + f" | {ci['diff']:+.3f} [{ci['lo']:+.3f}, {ci['hi']:+.3f}] p {ci['p']:.3f} | {v} |")
-            words.append(f"{label}, the real reward − {name}: {stats.said(ci)}")
+            words.append(f"{label}, {arm_name} − {name}: {stats.said(ci)}")
     return rows + ["", "Verdict over seeds, in words:", ""] + [f"- {w}" for w in words]
 
 
@@ -54,6 +62,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     text = "\n".join(table(args.runs)) + f"\n\n{stats.RULE}.\n"
+    checks = table(args.runs, CHECKS, CONTROLS[:1])  # PLAN.md: they must be able to fail
+    text += "\n## Checks that must be able to fail\n\n" + "\n".join(checks) + "\n"
     print(text)
     if args.out:
         args.out.write_text(text)

@@ -241,7 +241,7 @@ def test_the_sign_flip_test_leaves_out_games_that_did_not_change():
     assert base == padded and base["p"] == 12 / 32  # |sum| >= 3 in 12 of the 32 sign patterns
 
 
-def test_the_over_seeds_report_holds_only_over_enough_seeds(tmp_path):
+def test_the_over_seeds_report_holds_only_over_enough_seeds(tmp_path, capsys):
     """lab/over_seeds_report.py on folders of known scores: the real reward right where both controls are
     wrong on every seed holds over 6 seeds (p 2 / 64) and not over 4 (p 0.125, the smallest 4 seeds allow);
     a control against itself (a coin run read as the real run) never holds."""
@@ -269,6 +269,32 @@ def test_the_over_seeds_report_holds_only_over_enough_seeds(tmp_path):
     assert "| holds |" not in four and "sign-flip over seeds p 0.125" in four
     same = "\n".join(over_seeds_report.table([tmp_path / "same" / f"seed{s}" for s in range(6)]))
     assert "| holds |" not in same and "no item changed" in same
+    for s in range(6):  # PLAN.md's checks against the coin run: a second coin as wrong as the first, and a
+        write(tmp_path / "real" / f"coinb{s}", False)  # "flipped sign" right everywhere (a check that fails)
+        write(tmp_path / "real" / f"flip{s}", True)
+    over_seeds_report.main([str(tmp_path / "real" / f"seed{s}") for s in range(6)])
+    checks = capsys.readouterr().out.split("## Checks that must be able to fail")[1]
+    assert checks.count("| a second coin − GRPO with a coin for a reward |") == 3
+    assert checks.count("| holds |") == 3  # the flipped sign's three: this check fails here, as it must
+    assert "GRPO's sign flipped − GRPO with a coin for a reward: +1.000" in checks
+
+
+def test_a_second_coin_is_the_matched_coin_arms(tmp_path):
+    """lab/coin_again.py: `--reward-control coin` flips the coin of seed + COIN_STREAM, the matched COIN
+    arm's, not the coin run's own (the over-seeds study's null check: two coin runs that differ only in their
+    coins)."""
+    import subprocess
+
+    code = "\n".join([
+        "import sys; sys.path.insert(0, 'lab')", "from pathlib import Path", "import reward, train",
+        "cfg, coin = train.Settings(reward_control='coin', seed=3), reward.coin_reward",
+        "first = reward.reward_control(cfg, [], None, Path('.'))[1](['x'] * 64)",
+        "import coin_again", "assert coin_again.STREAM == train.COIN_STREAM",
+        "second = reward.reward_control(cfg, [], None, Path('.'))[1](['x'] * 64)",
+        "assert second == coin(3 + train.COIN_STREAM)(['x'] * 64) != first"])
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-500:]
 
 
 def test_the_counted_sign_flip_is_scipys_exact_one():
