@@ -15,6 +15,7 @@ checks, each against the coin run: a second coin (coinb<seed>) must pass no line
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -39,10 +40,10 @@ def table(runs: list[Path], arms=(("seed", "the real reward"),), controls=CONTRO
     rows = [f"| line | arm − control | {seeds} | over {len(runs)} seeds | verdict |",
             "|---" * (len(runs) + 4) + "|"]
     words = []
-    for (arm, arm_name), (ctrl, name) in ((a, c) for a in arms for c in controls):
+    for (arm, arm_name), (ctrl, name) in itertools.product(arms, controls):
         pair = [[r.with_name(f"{x}{r.name.removeprefix('seed')}") for r in runs] for x in (arm, ctrl)]
-        done = [(a / "wm_eval_rwml_train.triplets.jsonl").is_file() for a in pair[0] + pair[1]]
-        if missing := [str(a) for a, ok in zip(pair[0] + pair[1], done) if not ok]:
+        scored = (a / "wm_eval_rwml_train.triplets.jsonl" for a in pair[0] + pair[1])
+        if missing := [str(f.parent) for f in scored if not f.is_file()]:
             raise UserError(f"{', '.join(missing)}: no finished run; run lab/over_seeds.sh")
         for label, kinds, key in LINES:
             each = [sides(r, "rwml", a, "rwml", kinds, key) for r, a in zip(*pair)]
