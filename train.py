@@ -39,8 +39,8 @@ from stages.plumbing import (check_io, check_run, close_tracker, config_json, fi
                              jsonl_writer, keep_rng, log_row, run_header, sample_triplets,
                              triplet_problem, use_4bit, write_eval)
 from stages.settings import STAGES, Settings  # every setting: its flag, default
-from harness import cost
-from stages.cards import (CONTROLS, TRIPLETS_KEPT, card_run, plot_rewards, save_adapter,
+import cost
+from cards import (CONTROLS, TRIPLETS_KEPT, card_run, plot_rewards, save_adapter,
                           write_card)
 
 # ------------------------------------ the stages' shared parts: how the agent plays, the triplets

@@ -1,2 +1,2 @@
 """What runs a command (the one-line error is envs.py's): a setting's declaration, the command line
-(flags, --config), files written whole, the cost line (time, peak memory)."""
+(flags, --config), files written whole."""

@@ -33,13 +33,13 @@ from reward import reward_control  # noqa: E402
 from stages.runs import check_settings, check_stage, claim_out, releases_locks, settle_env, stage_inputs  # noqa: E402
 from envs import parse_next_state  # noqa: E402
 import engine  # noqa: E402
-from harness import cost
+import cost
 from harness.cli import parse_stage, run_cli  # noqa: E402
 from harness.common import arg, write_atomic, write_jsonl
 from envs import RERUN, UserError
 from stages.plumbing import (PROMPT_TAIL, check_io, check_run, config_json, filter_dir,
                               group_table, run_header, use_4bit)
-from stages.cards import TRIPLETS_KEPT, card_folder, card_run, plot_rewards, save_adapter
+from cards import TRIPLETS_KEPT, card_folder, card_run, plot_rewards, save_adapter
 
 CARD = "trained in TRL's GRPOTrainer (lab/trl_grpo.py)"
 

@@ -1,2 +1,2 @@
 """What train.py's and eval.py's stages run on, not the method: every setting (`STAGES`), checks,
-checkpoints and resume, model cards and adapters, the stages' bookkeeping (collections, logs)."""
+checkpoints and resume, the stages' bookkeeping (collections, logs)."""

@@ -24,12 +24,12 @@ from tqdm.auto import tqdm
 import engine
 import envs
 import rwml
-from harness import cost
+import cost
 from harness.cli import resume_free
 from harness.common import (PATH_KEYS, code_sha, names, read_jsonl, stored_config, write_atomic,
                             write_jsonl)
 from envs import UserError, parse_next_state
-from stages.cards import save_peft
+from cards import save_peft
 from stages.plumbing import (PROMPT_TAIL, check_play, config_json, group_table, jsonl_writer,
                              read_transitions, run_header, sample_triplets, triplets_env,
                              write_eval)

@@ -15,7 +15,7 @@ import pytest
 
 import engine
 from stages import plumbing
-from stages import cards
+import cards
 import train
 from envs import UserError
 from stages.plumbing import read_jsonl

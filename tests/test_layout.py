@@ -25,13 +25,13 @@ CORE_MAX, TOTAL_MAX = 3500, 7048
 # engine, the command line; choose mode, the reward; the method, the other environments; model cards (they
 # show the method's prompt); plumbing; the stages' bookkeeping (a run's own resume too), the settings, verl's
 # export; the cache across runs; evaluation (the scores, the baselines); the stages, what a run concludes
-# (read from its folder: `python -m readout RUN`). By package: envs / harness, engine, reward / choose, rwml /
-# worlds, stages, verl_bridge / caches / eval / train, readout.
-LAYERS = (("envs", "harness.common", "harness.cost", "verl_bridge.reward", "readout.stats"),
+# (read from its folder: `python -m readout RUN`). By package: envs / harness / cost, engine, reward / choose,
+# rwml / worlds, cards, stages, verl_bridge / caches / eval / train, readout.
+LAYERS = (("envs", "harness.common", "cost", "verl_bridge.reward", "readout.stats"),
           ("engine", "harness.cli"),
           ("choose", "reward"),
           ("rwml", "worlds.tau2", "worlds.textworld"),
-          ("stages.cards",),
+          ("cards",),
           ("stages.plumbing",),
           ("stages.runs", "stages.settings", "verl_bridge.export"),
           ("caches",),
@@ -40,8 +40,10 @@ LAYERS = (("envs", "harness.common", "harness.cost", "verl_bridge.reward", "read
           ("readout.__main__",))
 FIVE = ("rwml", "reward", "envs", "train", "eval")  # the card's files: the root holds these and no other
 # one concern each (its __init__.py says which): the engine; the other environments; choose mode; what runs a
-# command; what the stages run on; what a run concludes; the cache across runs; verl's bridge
-PACKAGES = ("engine", "worlds", "choose", "harness", "stages", "readout", "caches", "verl_bridge")
+# command; what the stages run on; what a run concludes; the cache across runs; the adapters' model cards; the
+# cost line; verl's bridge
+PACKAGES = ("engine", "worlds", "choose", "harness", "stages", "readout", "caches", "cards", "cost",
+            "verl_bridge")
 BY_NAME = ("worlds", "choose", "verl_bridge")  # loaded by name (envs.load), never imported by the core
 # extras the core never imports: loaded by name, or a command over a run's folder (readout); the cards, the
 # cost line and the caches are still imported by train.py, not by eval.py (lab/NOTEBOOK.md, "The house")
@@ -93,9 +95,9 @@ def test_evaluation_imports_no_training_code():
     """eval.py (`eval.py wm` as every other command) scores a model without the trainer: neither train.py,
     the stages' bookkeeping (checkpoints, the --out lock, collections), the adapters' cards, the caches nor
     TRL is among the modules it can load, at any depth, nor among those `import eval` loads."""
-    training = {"train", "stages.runs", "stages.cards", "caches", "harness.cost"}
+    training = {"train", "stages.runs", "cards", "caches", "cost"}
     assert not training & imported_by("eval"), "eval.py reaches training code"
-    code = ("import sys, eval; sys.exit(int(bool({'train', 'stages.runs', 'stages.cards', 'caches', 'trl', "
+    code = ("import sys, eval; sys.exit(int(bool({'train', 'stages.runs', 'cards', 'caches', 'cost', 'trl', "
             "'trl_grpo'} & set(sys.modules))))")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0, "eval loads training code"
 
@@ -202,7 +204,7 @@ def test_rwml_py_holds_the_method_in_the_papers_order():
 
 def test_rwml_py_declares_no_settings_keeps_no_accounts_and_defines_what_it_trains_on():
     """The method alone. Settings are stages/settings.py's (a dataclass of `arg` fields
-    here fails), cost accounting too (an import of harness.cost fails); the filters (§4), the plain log pi
+    here fails), cost accounting too (an import of cost fails); the filters (§4), the plain log pi
     and the reference-policy switch are rwml.py's own (the engine's fast paths are held to them:
     tests/test_grpo.py)."""
     import rwml
@@ -212,7 +214,7 @@ def test_rwml_py_declares_no_settings_keeps_no_accounts_and_defines_what_it_trai
               and any(isinstance(s, ast.AnnAssign) and isinstance(s.value, ast.Call)
                       and getattr(s.value.func, "id", "") == "arg" for s in n.body)]
     assert not fields, f"rwml.py declares settings: {fields}"
-    assert "harness.cost" not in imports(path("rwml")) and "cost." not in path("rwml").read_text()
+    assert "cost" not in imports(path("rwml")) and "cost." not in path("rwml").read_text()
     for name in ("filter_copy", "filter_keep", "easiness", "logprobs", "reference_policy"):
         assert getattr(rwml, name).__module__ == "rwml", name
 
@@ -246,7 +248,7 @@ def test_what_a_setting_decides_is_one_of_the_tags_that_are_read():
     import eval as ev
     import train
     import envs
-    from stages import cards
+    import cards
 
     read = {"filter", "collect", "episodes", "card", "no-trl", "score",
             *(f"collect:{e}" for e in envs.ENVIRONMENTS),

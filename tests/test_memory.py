@@ -88,7 +88,7 @@ def test_each_stage_has_its_own_peak_and_the_run_the_highest():
     import resource
     import time
 
-    from harness import cost
+    import cost
 
     with cost.run(None) as run:
         with cost.stage("outer"):

@@ -113,7 +113,7 @@ def test_report_shows_the_runs_own_world_model_accuracy_not_a_baselines(tmp_path
 def test_the_default_runs_plot_shows_heldout_accuracy_before_and_after(tmp_path, monkeypatch):
     import matplotlib.axes
 
-    from stages import cards
+    import cards
 
     (tmp_path / "metrics.jsonl").write_text("".join(
         json.dumps(dict(step=s, reward=0.1 * s % 1, format_rate=1.0)) + "\n" for s in range(1, 9)))

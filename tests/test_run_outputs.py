@@ -12,7 +12,7 @@ import torch
 import engine
 from harness import cli
 from stages import plumbing
-from stages import cards
+import cards
 import rwml
 import envs
 import train

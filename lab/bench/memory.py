@@ -34,7 +34,7 @@ def vm(field: str) -> int:
 def one_step(job: str, arm: str, model_name: str, a) -> dict:
     import torch
 
-    from harness import cost  # noqa: F401 -- tunes glibc's allocator, as a run does
+    import cost  # noqa: F401 -- tunes glibc's allocator, as a run does
     import envs
     import rwml
     from stages.settings import GRPOConfig
