@@ -21,11 +21,10 @@ SEEDS=${SEEDS:-41 42}
 ARGS=${ARGS:-}
 TIME="command time -v"
 mkdir -p "$OUT"
+# seed by seed: each seed's controls follow its real run, so a stop (a lost machine) loses only the seed in progress
 for s in $SEEDS; do
     [ -f "$OUT/seed$s/wm_eval_rwml_train.json" ] || $TIME $PY train.py --seed "$s" $ARGS --out "$OUT/seed$s" >> "$OUT/seed$s.log" 2>&1
-done
-for ctrl in ${CONTROLS:-coin}; do
-    for s in $SEEDS; do
+    for ctrl in ${CONTROLS:-coin}; do
         c=$OUT/$ctrl$s
         mkdir -p "$c"
         for d in collect collect_state heldout heldout_purposeful heldout_state warmup_walk warmup_play \
