@@ -114,3 +114,29 @@ def test_the_lab_scripts_make_an_out_under_the_repository_relative(script):
         done = subprocess.run(["bash", "-c", f'cd "{ROOT}"; OUT="{given}"\n{outs}\necho "$OUT"'],
                               capture_output=True, text=True, check=True)
         assert done.stdout.strip() == recorded, (script, given, done.stdout)
+
+
+def test_a_kept_run_names_no_folder_of_the_machine(tmp_path, monkeypatch):
+    """lab/keep_run.sh: a run's conclusions (settings, scores per triplet, metrics) without its adapter, and
+    its log with the repository's root, the caches, ALFWorld's data, $HOME and the run's own folder cut."""
+    run, cache, data, home = (tmp_path / n for n in ("run", "cache", "alf", "home"))
+    (run / "adapter").mkdir(parents=True)
+    for name in ("config.json", "filter.json", "metrics.jsonl", "wm_eval_rwml_state.triplets.jsonl",
+                 "adapter/adapter_model.safetensors"):
+        (run / name).write_text("{}")
+    (tmp_path / "run.log").write_text(f"model {cache}/SmolLM2 games {data}/json_2.1.1 in {home}/x\n"
+                                      f"saved {run}/adapter, code {ROOT}/train.py\n")
+    monkeypatch.setenv("RWML_CACHE", str(cache))
+    monkeypatch.setenv("ALFWORLD_DATA", str(data))
+    monkeypatch.setenv("HOME", str(home))
+    kept = tmp_path / "kept"
+    subprocess.run(["bash", str(ROOT / "lab" / "keep_run.sh"), str(run), str(kept)], check=True,
+                   capture_output=True)
+    assert sorted(p.name for p in kept.iterdir()) == [
+        "config.json", "filter.json", "metrics.jsonl", "run_log.txt", "wm_eval_rwml_state.triplets.jsonl"]
+    log = (kept / "run_log.txt").read_text()
+    assert not ABSOLUTE.findall(log), log
+    assert "$RWML_CACHE/SmolLM2" in log and "<run>/adapter" in log and "code train.py" in log
+    done = subprocess.run(["bash", str(ROOT / "lab" / "keep_run.sh"), str(tmp_path / "none"), str(kept)],
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "no config.json" in done.stderr
