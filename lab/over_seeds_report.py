@@ -10,7 +10,8 @@ probes, exact match. Each seed's cell: its CI over games and sign-flip p over ga
 (stats.over_seeds): each seed's value, the CI, the exact sign-flip test over seeds; "holds" only where the CI
 excludes 0 and p < 0.05, which needs at least 6 seeds (with k seeds the smallest p is 2 / 2^k). Then PLAN.md's
 checks, each against the coin run: a second coin (coinb<seed>) must pass no line, GRPO's sign flipped
-(flip<seed>) must not hold on (a).
+(flip<seed>) must not hold on (a). Last, the levels the differences stand beside: each arm's exact match on
+(b) and (f), with the seed's warm-up, the content-free rule, rule + copy and the state tracker.
 """
 from __future__ import annotations
 
@@ -57,14 +58,52 @@ def table(runs: list[Path], arms=(("seed", "the real reward"),), controls=CONTRO
     return rows + ["", "Verdict over seeds, in words:", ""] + [f"- {w}" for w in words]
 
 
+# the levels the differences stand beside: each arm's RWML, the seed's warm-up, and eval.py's baselines on the
+# same held-out triplets (the content-free rule, rule + copy, and the prompt-only state tracker, the ceiling)
+LEVELS = (("seed", "rwml", "RWML, the real reward"), ("coin", "rwml", CONTROLS[0][1]),
+          ("template", "rwml", CONTROLS[1][1]), ("coinb", "rwml", CHECKS[0][1]),
+          ("flip", "rwml", CHECKS[1][1]),
+          ("seed", "before", "the warm-up (before GRPO)"), ("seed", "template", "the content-free rule"),
+          ("seed", "rule_copy", "rule + copy"), ("seed", "tracker", "the state tracker"))
+
+
+def levels(runs: list[Path]) -> list[str]:
+    """Exact match on (b) and (f) per arm: each seed's rate and the mean over seeds with its 95 % CI (the
+    rate against 0, bootstrapped over seeds, then games, as the differences are). Description only."""
+    head = [f"{label[:3]} {what}" for label, _, _ in LINES[1:] for what in ("each seed", "over seeds")]
+    rows = ["| exact match | " + " | ".join(head) + " |", "|---" * 5 + "|"]
+    for folder, arm, name in LEVELS:
+        found = [r.with_name(folder + r.name.removeprefix("seed")) / f"wm_eval_{arm}_state.triplets.jsonl"
+                 for r in runs]
+        if missing := [str(f) for f in found if not f.is_file()]:
+            raise UserError(f"{', '.join(missing)}: not scored; run lab/over_seeds.sh")
+        cells = []
+        for _, kinds, key in LINES[1:]:
+            each = [sides(r, arm, r, arm, kinds, key) for r in
+                    (r.with_name(folder + r.name.removeprefix("seed")) for r in runs)]
+            each = [(a, [0.0] * len(a), games) for a, _, games in each]
+            ci = stats.over_seeds(each)
+            cells += [" ".join(f"{sum(a) / len(a):.3f}" for a, _, _ in each),
+                      f"{ci['diff']:.3f} [{ci['lo']:.3f}, {ci['hi']:.3f}]"]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def report(runs: list[Path]) -> str:
+    """The table, the rule, PLAN.md's checks (they must be able to fail), then the levels: --out's text."""
+    text = "\n".join(table(runs)) + f"\n\n{stats.RULE}.\n"
+    checks = table(runs, CHECKS, CONTROLS[:1])
+    text += "\n## Checks that must be able to fail\n\n" + "\n".join(checks) + "\n"
+    return text + ("\n## Levels beside the baselines (description only)\n\n" + "\n".join(levels(runs))
+                   + "\n")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", type=Path, nargs="+", help="the seeds' real runs, OUT/seed<N>")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    text = "\n".join(table(args.runs)) + f"\n\n{stats.RULE}.\n"
-    checks = table(args.runs, CHECKS, CONTROLS[:1])  # PLAN.md: they must be able to fail
-    text += "\n## Checks that must be able to fail\n\n" + "\n".join(checks) + "\n"
+    text = report(args.runs)
     print(text)
     if args.out:
         args.out.write_text(text)

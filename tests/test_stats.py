@@ -245,16 +245,18 @@ def test_the_over_seeds_report_holds_only_over_enough_seeds(tmp_path, capsys):
     """lab/over_seeds_report.py on folders of known scores: the real reward right where both controls are
     wrong on every seed holds over 6 seeds (p 2 / 64) and not over 4 (p 0.125, the smallest 4 seeds allow);
     a control against itself (a coin run read as the real run) never holds."""
+    import itertools
     import json
 
     import over_seeds_report
 
     def write(folder, right):  # 20 games, one triplet each, per line's kinds
         folder.mkdir(parents=True)
-        for kind in ("train", "explore", "purposeful", "state"):
+        for kind, arm in itertools.product(("train", "explore", "purposeful", "state"),
+                                           ("rwml", "before", "template", "rule_copy", "tracker")):
             rows = [dict(game=f"g{g}", rollout=0, step=0, action="look", rewards=[float(right)],
                          exact=[right]) for g in range(20)]
-            (folder / f"wm_eval_rwml_{kind}.triplets.jsonl").write_text(
+            (folder / f"wm_eval_{arm}_{kind}.triplets.jsonl").write_text(
                 "".join(json.dumps(r) + "\n" for r in rows))
 
     for s in range(6):
@@ -277,6 +279,20 @@ def test_the_over_seeds_report_holds_only_over_enough_seeds(tmp_path, capsys):
     assert checks.count("| a second coin − GRPO with a coin for a reward |") == 3
     assert checks.count("| holds |") == 3  # the flipped sign's three: this check fails here, as it must
     assert "GRPO's sign flipped − GRPO with a coin for a reward: +1.000" in checks
+    found = checks.split("## Levels beside the baselines")[1]  # each arm's level read from its own folder
+    for name, level in (("RWML, the real reward", "1.000"), ("GRPO with a coin for a reward", "0.000")):
+        assert f"| {name} | {' '.join([level] * 6)} | {level} [{level}, {level}] |" in found, name
+
+
+def test_the_committed_over_seeds_table_is_what_its_files_give():
+    """lab/results/over_seeds/over_seeds.md recomputed from the per-triplet files committed beside it
+    (seeded bootstraps), every seed's real run, controls and checks: a number edited by hand, or a run's
+    file replaced, fails here."""
+    import over_seeds_report
+
+    res = Path(__file__).resolve().parents[1] / "lab" / "results" / "over_seeds"
+    runs = [res / f"seed{s}" for s in range(71, 77)]
+    assert over_seeds_report.report(runs) == (res / "over_seeds.md").read_text()
 
 
 def test_a_second_coin_is_the_matched_coin_arms(tmp_path):
