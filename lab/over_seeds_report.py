@@ -35,27 +35,36 @@ LINES = (("(a) the reward on RWML's training prompts", ("train",), "rewards"),
          ("(f) held-out state probes, exact match", ("state",), "exact"))
 
 
+def sibling(run: Path, arm: str) -> Path:
+    """The folder of `arm` (coin, template, ...) beside a seed's real run: OUT/seed71 -> OUT/coin71."""
+    return run.with_name(arm + run.name.removeprefix("seed"))
+
+
 def table(runs: list[Path], arms=(("seed", "the real reward"),), controls=CONTROLS) -> list[str]:
     """Each arm's RWML minus each control's, per seed and over seeds; runs: OUT/seed<N>."""
     seeds = " | ".join(r.name for r in runs)
     rows = [f"| line | arm − control | {seeds} | over {len(runs)} seeds | verdict |",
             "|---" * (len(runs) + 4) + "|"]
-    words = []
+    words, one_run = [], {}  # one_run: each seed's cell read alone, by the rule over games
     for (arm, arm_name), (ctrl, name) in itertools.product(arms, controls):
-        pair = [[r.with_name(f"{x}{r.name.removeprefix('seed')}") for r in runs] for x in (arm, ctrl)]
+        pair = [[sibling(r, x) for r in runs] for x in (arm, ctrl)]
         scored = (a / "wm_eval_rwml_train.triplets.jsonl" for a in pair[0] + pair[1])
         if missing := [str(f.parent) for f in scored if not f.is_file()]:
             raise UserError(f"{', '.join(missing)}: no finished run; run lab/over_seeds.sh")
         for label, kinds, key in LINES:
             each = [sides(r, "rwml", a, "rwml", kinds, key) for r, a in zip(*pair)]
             cells = [stats.paired_bootstrap(*e) for e in each]
+            one_run.setdefault(f"{arm_name} − {name}", []).extend(
+                stats.verdict(c) in ("holds", "reversed") for c in cells)
             ci = stats.over_seeds(each)
             v = stats.verdict(ci)
             rows.append(f"| {label} | {arm_name} − {name} | " + " | ".join(
                 f"{c['diff']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] p {c['p']:.3f}" for c in cells)
                 + f" | {ci['diff']:+.3f} [{ci['lo']:+.3f}, {ci['hi']:+.3f}] p {ci['p']:.3f} | {v} |")
             words.append(f"{label}, {arm_name} − {name}: {stats.said(ci)}")
-    return rows + ["", "Verdict over seeds, in words:", ""] + [f"- {w}" for w in words]
+    return rows + ["", "Verdict over seeds, in words:", ""] + [f"- {w}" for w in words] + [
+        "", "Seeds' cells that one run's rule (CI and sign-flip over games) calls holds or reversed: "
+        + "; ".join(f"{k}, {sum(v)} of {len(v)}" for k, v in one_run.items()) + "."]
 
 
 # the levels the differences stand beside: each arm's RWML, the seed's warm-up, and eval.py's baselines on the
@@ -73,17 +82,17 @@ def levels(runs: list[Path]) -> list[str]:
     head = [f"{label[:3]} {what}" for label, _, _ in LINES[1:] for what in ("each seed", "over seeds")]
     rows = ["| exact match | " + " | ".join(head) + " |", "|---" * 5 + "|"]
     for folder, arm, name in LEVELS:
-        found = [r.with_name(folder + r.name.removeprefix("seed")) / f"wm_eval_{arm}_state.triplets.jsonl"
-                 for r in runs]
-        if missing := [str(f) for f in found if not f.is_file()]:
+        folders = [sibling(r, folder) for r in runs]
+        every = [k for _, ks, _ in LINES[1:] for k in ks]
+        scored = [f / f"wm_eval_{arm}_{k}.triplets.jsonl" for f in folders for k in every]
+        if missing := [str(f) for f in scored if not f.is_file()]:
             raise UserError(f"{', '.join(missing)}: not scored; run lab/over_seeds.sh")
         cells = []
         for _, kinds, key in LINES[1:]:
-            each = [sides(r, arm, r, arm, kinds, key) for r in
-                    (r.with_name(folder + r.name.removeprefix("seed")) for r in runs)]
-            each = [(a, [0.0] * len(a), games) for a, _, games in each]
-            ci = stats.over_seeds(each)
-            cells += [" ".join(f"{sum(a) / len(a):.3f}" for a, _, _ in each),
+            rates = [sides(f, arm, f, arm, kinds, key) for f in folders]
+            # the rate against 0 (as lab/agent_stats.py): per_seed is each seed's rate; CI over seeds, games
+            ci = stats.over_seeds([(a, [0.0] * len(a), games) for a, _, games in rates])
+            cells += [" ".join(f"{v:.3f}" for v in ci["per_seed"]),
                       f"{ci['diff']:.3f} [{ci['lo']:.3f}, {ci['hi']:.3f}]"]
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return rows

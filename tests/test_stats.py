@@ -271,6 +271,8 @@ def test_the_over_seeds_report_holds_only_over_enough_seeds(tmp_path, capsys):
     assert "| holds |" not in four and "sign-flip over seeds p 0.125" in four
     same = "\n".join(over_seeds_report.table([tmp_path / "same" / f"seed{s}" for s in range(6)]))
     assert "| holds |" not in same and "no item changed" in same
+    assert "the real reward − GRPO with a coin for a reward, 18 of 18;" in six  # each seed alone: holds
+    assert "the real reward − GRPO with a coin for a reward, 0 of 18;" in same
     for s in range(6):  # PLAN.md's checks against the coin run: a second coin as wrong as the first, and a
         write(tmp_path / "real" / f"coinb{s}", False)  # "flipped sign" right everywhere (a check that fails)
         write(tmp_path / "real" / f"flip{s}", True)
